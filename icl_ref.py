@@ -1,0 +1,842 @@
+"""icl_ref: a NumPy reference for the linear transformer of Ahn, Cheng, Daneshmand and Sra (2023).
+
+"Transformers learn to implement preconditioned gradient descent for in-context learning",
+NeurIPS 2023 (arXiv 2306.00297), cited below as [A]. Equation and section numbers refer to
+[A] and to ../shared/reference/paper-math.md (cited as "pm §k"). Everything is float64 NumPy;
+gradients are derived by hand and checked against finite differences in test_icl_ref.py.
+
+Symbols (the paper's names; 0-based indices in code)
+    B        batch size (number of prompts); the block parameter is called ``Bm`` in code
+    d        covariate dimension, D = d + 1 the token dimension
+    n        number of context examples; a prompt has n + 1 tokens, the last is the query
+    L, H     layers, heads
+    Z        prompts, (B, D, n+1); column i < n is z_i = [x_i; y_i], column n is [x_q; 0]
+    M        mask diag(1, ..., 1, 0), (n+1, n+1): the query is never a key or a value
+    P, Q     parameters, (L, H, D, D); P = W_v and Q = W_k^T W_q of eq. (3)
+    S        Gram matrix Z M Z^T, (B, D, D)
+    T        the layer's token map I + (1/n) sum_h P_h S Q_h, (B, D, D)
+    A, Bm    free d x d blocks of the structures (8) and (11), (L, d, d)
+    Sigma    covariance of x, (d, d); Sigma_w covariance of w_star, (d, d)
+    Gamma    top-left block of -Q for one layer (Theorem 1), (d, d)
+
+Conventions (pm §1, §9)
+    layer       Z <- Z + (1/n) sum_h P_h Z M Z^T Q_h Z        [A] eq. (3)-(4), heads summed
+    prediction  y_hat = -Z_L[d, n]                             [A] §2
+    loss        mean_b (Z_L[b, d, n] + y_b)^2                   a mean, no factor 1/2
+    sparse (8)  P_l = [[0, 0], [0, 1]],   Q_l = -[[A_l, 0], [0, 0]]
+    blocks (11) P_l = [[B_l, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]]   (the sign of (8))
+
+Sections follow the paper: data, model, loss and gradient, parametrisations, training, closed
+forms, metrics.
+"""
+import math
+import sys
+import time
+from fractions import Fraction
+from functools import lru_cache
+
+import numpy as np
+import scipy
+import scipy.linalg
+import scipy.optimize
+
+STRUCTURES = ("sparse", "blocks", "full")
+PAPER_EIGENVALUES = (1.0, 1.0, 0.25, 0.0625, 1.0)   # spectrum of Sigma in [A] §4.3 (pm §8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks: every public function validates before it computes.
+# ---------------------------------------------------------------------------------------------
+
+def _array(name, a, ndim):
+    """a as a float64 array with `ndim` dimensions and finite entries, or a clear error."""
+    try:
+        arr = np.asarray(a)
+    except Exception as e:                     # ragged lists and the like
+        raise TypeError(f"{name} must be a numeric array, got {type(a).__name__} ({e})") from None
+    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer)
+                                 or np.issubdtype(arr.dtype, np.floating)):
+        raise TypeError(f"{name} must be a real integer or float array, got dtype {arr.dtype}")
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {arr.shape}")
+    arr = arr.astype(np.float64, copy=False)
+    if not np.isfinite(np.sum(arr)) and not np.all(np.isfinite(arr)):   # NaN/Inf poison the sum
+        raise ValueError(f"{name} must be finite, found NaN or Inf")
+    return arr
+
+
+def _int(name, v, minimum):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return int(v)
+
+
+def _nonneg(name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {v}")
+    return float(v)
+
+
+def _params(P, Q):
+    """P, Q as float64 (L, H, D, D) arrays of equal shape with L, H >= 1 and D >= 2."""
+    P, Q = _array("P", P, 4), _array("Q", Q, 4)
+    for name, X in (("P", P), ("Q", Q)):
+        L, H, D, D2 = X.shape
+        if L < 1 or H < 1 or D < 2 or D != D2:
+            raise ValueError(f"{name} must have shape (L, H, d+1, d+1) with L, H >= 1 and d >= 1, "
+                             f"got {X.shape}")
+    if P.shape != Q.shape:
+        raise ValueError(f"P and Q must have the same shape (L, H, d+1, d+1), got {P.shape} and {Q.shape}")
+    return P, Q
+
+
+def _prompts(Z, D=None):
+    """Z as a float64 (B, D, n+1) array with B >= 1, n >= 1 (and D matching the parameters)."""
+    Z = _array("Z", Z, 3)
+    B, D_Z, N = Z.shape
+    if B < 1 or D_Z < 2 or N < 2:
+        raise ValueError(f"Z must have shape (B, d+1, n+1) with B >= 1, d >= 1, n >= 1, got {Z.shape}")
+    if D is not None and D_Z != D:
+        raise ValueError(f"Z has token dimension d+1 = {D_Z} but P, Q have d+1 = {D}: "
+                         f"Z must have shape (B, {D}, n+1), got {Z.shape}")
+    return Z
+
+
+def _labels(y, B):
+    y = _array("y", y, 1)
+    if y.shape != (B,):
+        raise ValueError(f"y must have shape (B,) = ({B},) to match Z, got {y.shape}")
+    return y
+
+
+def _spd(name, Sigma, d=None):
+    """Sigma as a symmetric positive definite float64 (d, d) array; returns (Sigma, lower factor)."""
+    Sigma = _array(name, Sigma, 2)
+    if Sigma.shape[0] != Sigma.shape[1] or Sigma.shape[0] < 1:
+        raise ValueError(f"{name} must be a square (d, d) matrix, got shape {Sigma.shape}")
+    if d is not None and Sigma.shape[0] != d:
+        raise ValueError(f"{name} must have shape ({d}, {d}), got {Sigma.shape}")
+    # Products such as U diag U^T are symmetric only to rounding: allow 1e-12 of the largest entry.
+    if np.max(np.abs(Sigma - Sigma.T)) > 1e-12 * np.max(np.abs(Sigma)):
+        raise ValueError(f"{name} must be symmetric")
+    Sigma = (Sigma + Sigma.T) / 2
+    try:
+        F = np.linalg.cholesky(Sigma)
+    except np.linalg.LinAlgError:
+        raise ValueError(f"{name} must be positive definite") from None
+    return Sigma, F
+
+
+def _check_structure(structure):
+    if structure not in STRUCTURES:
+        raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Data ([A] §2, pm §1.1-1.2, §1.8)
+# ---------------------------------------------------------------------------------------------
+
+def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_star=False):
+    """Draw B prompts of linear regression, [A] §2 with the data model of [A] Table 1.
+
+    x_i ~ N(0, Sigma) iid for i = 0..n (the last is the query), w_star ~ N(0, Sigma_w) per prompt
+    (identity by default), y_i = <w_star, x_i> + noise_std * N(0, 1). Gaussians are drawn through
+    the Cholesky factor F of Sigma (x = F g), never `multivariate_normal`.
+
+    Parameters: rng (numpy.random.Generator), batch = B >= 1, n >= 1, Sigma (d, d) SPD,
+    Sigma_w (d, d) SPD or None, noise_std >= 0.
+    Returns Z (B, d+1, n+1) with the query label slot Z[:, d, n] = 0, and y (B,) the query's label
+    (noise included when noise_std > 0); with return_w_star also w_star (B, d).
+    """
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    batch, n = _int("batch", batch, 1), _int("n", n, 1)
+    Sigma, F = _spd("Sigma", Sigma)
+    d = Sigma.shape[0]
+    F_w = np.eye(d) if Sigma_w is None else _spd("Sigma_w", Sigma_w, d)[1]
+    noise_std = _nonneg("noise_std", noise_std)
+    X = rng.standard_normal((batch, n + 1, d)) @ F.T                 # rows x_i ~ N(0, F F^T)
+    w_star = rng.standard_normal((batch, d)) @ F_w.T
+    labels = np.einsum("bid,bd->bi", X, w_star)
+    if noise_std > 0:
+        labels += noise_std * rng.standard_normal((batch, n + 1))
+    Z = np.concatenate([X.transpose(0, 2, 1), labels[:, None, :]], axis=1)
+    y = labels[:, n].copy()
+    Z[:, d, n] = 0.0
+    return (Z, y, w_star) if return_w_star else (Z, y)
+
+
+def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
+    """Sigma = U diag(eigenvalues) U^T with U Haar-random orthogonal ([A] §4.3, pm §8).
+
+    U is the Q factor of a Gaussian matrix with the signs of diag(R) folded in, which makes it
+    exactly Haar (the authors' code uses SVD of a uniform matrix, not Haar: pm §8 item 4).
+    Returns Sigma (d, d) and U (d, d).
+    """
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    lam = _array("eigenvalues", eigenvalues, 1)
+    if lam.size < 1 or np.any(lam <= 0):
+        raise ValueError(f"eigenvalues must be a non-empty vector of positive numbers, got {lam}")
+    U, R = np.linalg.qr(rng.standard_normal((lam.size, lam.size)))
+    U = U * np.sign(np.diag(R))
+    return (U * lam) @ U.T, U
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Model ([A] eq. (3)-(4))
+#
+# Since M removes the query column from the keys and values, one layer is
+#     Z_{l+1} = Z_l + (1/n) sum_h P_h (Z_l M Z_l^T) Q_h Z_l = T_l Z_l,
+#     T_l = I + (1/n) sum_h P_h S_l Q_h,   S_l = Z_l M Z_l^T   (D x D, never (n+1) x (n+1)).
+# Every column moves by the same T_l, so S_{l+1} = T_l S_l T_l^T and q_{l+1} = T_l q_l for the
+# query column q. The forward pass needs a prompt only through (S_0, q_0): O(B L H D^3), not n.
+# ---------------------------------------------------------------------------------------------
+
+def mask(n):
+    """M = diag(1, ..., 1, 0) of shape (n+1, n+1) ([A] §2): the query is not a key or value."""
+    n = _int("n", n, 1)
+    return np.diag(np.r_[np.ones(n), 0.0])
+
+
+def forward_literal(P, Q, Z):
+    """The paper's column form of eq. (4), token by token; the twin that tests the fast path.
+
+        z_j <- z_j + (1/n) sum_h P_h sum_{i<n} z_i (z_i^T Q_h z_j)   for every j <= n (query too)
+
+    P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1). Cost O(B L H n^2 D^2).
+    """
+    P, Q = _params(P, Q)
+    Z = _prompts(Z, P.shape[2]).copy()
+    L, H = P.shape[:2]
+    n = Z.shape[2] - 1
+    for l in range(L):
+        Z_next = Z.copy()
+        for j in range(n + 1):
+            for h in range(H):
+                for i in range(n):                           # keys/values: context tokens only
+                    score = np.einsum("bk,kl,bl->b", Z[:, :, i], Q[l, h], Z[:, :, j])
+                    Z_next[:, :, j] += (score[:, None] * Z[:, :, i]) @ P[l, h].T / n
+        Z = Z_next
+    return Z
+
+
+def gram(Z):
+    """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (pm §1.2)."""
+    Z = _prompts(Z)
+    Zc = Z[:, :, :-1]                                          # Z M drops the query column
+    return Zc @ Zc.transpose(0, 2, 1)
+
+
+def layer_forward(P_l, Q_l, S, q, n, need_S=True):
+    """One layer in Gram form: T = I + (1/n) sum_h P_h S Q_h, S' = T S T^T, q' = T q.
+
+    The map S -> sum_h P_h S Q_h is linear and shared by the batch: with row-major vec,
+    vec(P S Q) = (P kron Q^T) vec(S), so T = I + K(S) is one GEMM with the (D^2, D^2) kernel
+    K = (1/n) sum_h P_h kron Q_h^T, whatever H is.
+    P_l, Q_l: (H, D, D); S: (B, D, D) = Z_l M Z_l^T; q: (B, D) query column of Z_l.
+    Returns S' (B, D, D) (None unless need_S), q' (B, D), T (B, D, D) and the cache.
+    """
+    B, D, _ = S.shape
+    K = sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n
+    T = (S.reshape(B, D * D) @ K.T).reshape(B, D, D)
+    T += np.eye(D)
+    TS = T @ S
+    S_next = TS @ T.transpose(0, 2, 1) if need_S else None
+    q_next = np.einsum("bij,bj->bi", T, q)
+    return S_next, q_next, T, (P_l, Q_l, K, S, q, T, TS, n)
+
+
+def layer_backward(dS_next, dq_next, cache):
+    """Adjoint of layer_forward: (dS', dq') -> (dS, dq, dP_l, dQ_l).
+
+    dS_next: (B, D, D) or None (the last layer's S' does not reach the loss); dq_next: (B, D).
+    Returns dS (B, D, D), dq (B, D), dP_l and dQ_l (H, D, D) summed over the batch.
+    """
+    P_l, Q_l, K, S, q, T, TS, n = cache
+    B, D, _ = S.shape
+    # q' = T q                      (product rule: T and q)
+    dT = dq_next[:, :, None] * q[:, None, :]
+    dq = np.einsum("bji,bj->bi", T, dq_next)
+    # S' = T S T^T                  (T appears twice; S is a Gram matrix, so S^T = S)
+    if dS_next is not None:
+        dT += (dS_next + dS_next.transpose(0, 2, 1)) @ TS
+    # vec(T) = vec(I) + K vec(S)    (linear in S and in K; K is shared by the batch)
+    dT_flat, S_flat = dT.reshape(B, D * D), S.reshape(B, D * D)
+    dS = (dT_flat @ K).reshape(B, D, D)
+    if dS_next is not None:
+        dS += T.transpose(0, 2, 1) @ dS_next @ T                 # S' = T S T^T, the S in the middle
+    dK = (dT_flat.T @ S_flat).reshape(D, D, D, D) / n          # [i, l, j, k] for (i l), (j k)
+    # K = (1/n) sum_h P_h kron Q_h^T, i.e. K[(i l), (j k)] = (1/n) sum_h P_h[i, j] Q_h[k, l]
+    dP_l = np.stack([np.einsum("iljk,kl->ij", dK, Q_h) for Q_h in Q_l])
+    dQ_l = np.stack([np.einsum("iljk,ij->kl", dK, P_h) for P_h in P_l])
+    return dS, dq, dP_l, dQ_l
+
+
+def _propagate(P, Q, S, q, n):
+    """Run layer_forward through all L layers; returns q_L (B, D) and the per-layer caches."""
+    caches = []
+    for l, (P_l, Q_l) in enumerate(zip(P, Q)):
+        S, q, _, cache = layer_forward(P_l, Q_l, S, q, n, need_S=l < len(P) - 1)
+        caches.append(cache)
+    return q, caches
+
+
+def forward(P, Q, Z, all_layers=False):
+    """Z_L of the L-layer linear transformer, [A] eq. (4): Z_{l+1} = Z_l + (1/n) Attn(Z_l).
+
+    P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1), or with all_layers the stack
+    (Z_0, ..., Z_L) of shape (L+1, B, D, n+1). Computed as Z_{l+1} = T_l Z_l (Gram form above).
+    """
+    P, Q = _params(P, Q)
+    Z = _prompts(Z, P.shape[2])
+    n = Z.shape[2] - 1
+    S, q, Zs = gram(Z), Z[:, :, n], [Z]
+    for P_l, Q_l in zip(P, Q):
+        S, q, T, _ = layer_forward(P_l, Q_l, S, q, n)
+        Zs.append(T @ Zs[-1])
+    return np.stack(Zs) if all_layers else Zs[-1]
+
+
+def predict(P, Q, Z):
+    """TF_L(Z_0) = y_hat = -Z_L[d, n] per prompt ([A] §2), shape (B,). Only (S_0, q_0) are used."""
+    P, Q = _params(P, Q)
+    Z = _prompts(Z, P.shape[2])
+    n = Z.shape[2] - 1
+    q_L, _ = _propagate(P, Q, gram(Z), Z[:, :, n], n)
+    return -q_L[:, -1]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Loss and gradient ([A] eq. (5) as in its App. A.1 and the authors' code: pm §1.5)
+# ---------------------------------------------------------------------------------------------
+
+def in_context_loss(P, Q, Z, y):
+    """f = mean_b (Z_L[b, d, n] + y_b)^2 = mean_b (y_hat_b - y_b)^2 (no factor 1/2).
+
+    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,) true query labels. Returns a float.
+    """
+    P, Q = _params(P, Q)
+    Z = _prompts(Z, P.shape[2])
+    y = _labels(y, Z.shape[0])
+    return float(np.mean((predict(P, Q, Z) - y) ** 2))
+
+
+def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=4096):
+    """f and (df/dP, df/dQ) from the Gram form (S_0, q_0); the fast path behind training.
+
+    P, Q: (L, H, D, D); S0: (B, D, D) = Z M Z^T; q0: (B, D) = Z[:, :, n]; y: (B,); n context size.
+    Prompts are independent, so the batch is walked in chunks of `chunk` prompts: the same sums,
+    with temporaries that stay in cache (about 1.5x faster at B = 20000 than one pass).
+    No input checks: loss_and_grad is the checked entry point. Returns (loss, dP, dQ).
+    """
+    B = y.shape[0]
+    loss, dP, dQ = 0.0, np.zeros_like(P), np.zeros_like(Q)
+    for c in range(0, B, chunk):
+        q_L, caches = _propagate(P, Q, S0[c:c + chunk], q0[c:c + chunk], n)
+        r = q_L[:, -1] + y[c:c + chunk]                   # residual Z_L[d, n] + y = y - y_hat
+        loss += float(r @ r) / B
+        # loss = (1/B) sum_b r_b^2 with r = q_L[:, d] + y
+        dq = np.zeros_like(q_L)
+        dq[:, -1] = 2.0 * r / B
+        dS = None
+        for l in reversed(range(len(caches))):
+            dS, dq, dP_l, dQ_l = layer_backward(dS, dq, caches[l])
+            dP[l] += dP_l
+            dQ[l] += dQ_l
+    return loss, dP, dQ
+
+
+def loss_and_grad(P, Q, Z, y):
+    """In-context loss f (see in_context_loss) and its gradient by hand-written reverse mode.
+
+    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). Returns (loss, dP, dQ), dP and dQ shaped like P, Q.
+    """
+    P, Q = _params(P, Q)
+    Z = _prompts(Z, P.shape[2])
+    y = _labels(y, Z.shape[0])
+    n = Z.shape[2] - 1
+    return loss_and_grad_gram(P, Q, gram(Z), Z[:, :, n], y, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Parametrisations ([A] eq. (8) and (11), pm §1.6) and flat vectors for SciPy
+# ---------------------------------------------------------------------------------------------
+
+def _blocks(name, A):
+    A = _array(name, A, 3)
+    if A.shape[0] < 1 or A.shape[1] < 1 or A.shape[1] != A.shape[2]:
+        raise ValueError(f"{name} must have shape (L, d, d) with L, d >= 1, got {A.shape}")
+    return A
+
+
+def block_params(A, Bm):
+    """Structure (11) with the sign of (8): P_l = [[B_l, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]].
+
+    A, Bm: (L, d, d). Returns P, Q of shape (L, 1, d+1, d+1).
+    """
+    A, Bm = _blocks("A", A), _blocks("Bm", Bm)
+    if A.shape != Bm.shape:
+        raise ValueError(f"A and Bm must have the same shape (L, d, d), got {A.shape} and {Bm.shape}")
+    L, d, _ = A.shape
+    P, Q = np.zeros((2, L, 1, d + 1, d + 1))
+    P[:, 0, :d, :d] = Bm
+    P[:, 0, d, d] = 1.0
+    Q[:, 0, :d, :d] = -A
+    return P, Q
+
+
+def block_grad(dP, dQ):
+    """Chain rule for block_params: (dP, dQ) of shape (L, 1, D, D) -> (dA, dB), each (L, d, d)."""
+    dP, dQ = _params(dP, dQ)
+    return -dQ[:, 0, :-1, :-1], dP[:, 0, :-1, :-1]
+
+
+def sparse_params(A):
+    """Structure (8), the family of Lemma 1: P_l = [[0, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]].
+
+    A: (L, d, d). Returns P, Q of shape (L, 1, d+1, d+1).
+    """
+    A = _blocks("A", A)
+    return block_params(A, np.zeros_like(A))
+
+
+def sparse_grad(dP, dQ):
+    """Chain rule for sparse_params: (dP, dQ) of shape (L, 1, D, D) -> dA (L, d, d)."""
+    return block_grad(dP, dQ)[0]
+
+
+def pack(arrays):
+    """Concatenate arrays into one flat float64 vector (for scipy.optimize)."""
+    return np.concatenate([np.ravel(a) for a in arrays]).astype(np.float64)
+
+
+def unpack(theta, shapes):
+    """Inverse of pack: the flat vector theta cut into arrays of the given shapes."""
+    sizes = [math.prod(s) for s in shapes]
+    if theta.shape != (sum(sizes),):
+        raise ValueError(f"theta must have shape ({sum(sizes)},) for shapes {shapes}, got {theta.shape}")
+    cuts = np.cumsum(sizes)[:-1]
+    return [part.reshape(s) for part, s in zip(np.split(theta, cuts), shapes)]
+
+
+def structure_shapes(structure, L, d, H=1):
+    """Names and shapes of a structure's own coordinates: sparse A; blocks A, B; full P, Q."""
+    _check_structure(structure)
+    if structure != "full" and H != 1:
+        raise ValueError(f"heads must be 1 for structure {structure!r} (one P, Q per layer), got {H}")
+    if structure == "full":
+        return {"P": (L, H, d + 1, d + 1), "Q": (L, H, d + 1, d + 1)}
+    if structure == "blocks":
+        return {"A": (L, d, d), "B": (L, d, d)}
+    return {"A": (L, d, d)}
+
+
+def structure_to_PQ(structure, coords):
+    """(P, Q) of a structure's coordinates (a dict as from structure_shapes)."""
+    if structure == "sparse":
+        return sparse_params(coords["A"])
+    if structure == "blocks":
+        return block_params(coords["A"], coords["B"])
+    return coords["P"], coords["Q"]
+
+
+def structure_grad(structure, dP, dQ):
+    """The gradient in a structure's own coordinates, a dict keyed like structure_shapes."""
+    if structure == "sparse":
+        return {"A": sparse_grad(dP, dQ)}
+    if structure == "blocks":
+        dA, dB = block_grad(dP, dQ)
+        return {"A": dA, "B": dB}
+    return {"P": dP, "Q": dQ}
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Training: SciPy L-BFGS-B on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook)
+# ---------------------------------------------------------------------------------------------
+
+def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
+                rng=None, maxiter=2000, maxfun=None, maxcor=20, ftol=1e-15, gtol=1e-10,
+                maxls=50, progress=0):
+    """Minimise the in-context loss on the fixed batch (Z, y) with scipy's L-BFGS-B.
+
+    Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in {"sparse", "blocks", "full"},
+    heads = H >= 1 (only for "full"). init: "random" (iid N(0, init_scale^2) entries drawn
+    from rng, a numpy Generator) or a dict of arrays in the structure's coordinates (shapes as
+    structure_shapes). The options maxiter, maxfun (default 5 * maxiter), maxcor, ftol, gtol and
+    maxls go to scipy.optimize.minimize(method="L-BFGS-B") as they are. progress = k > 0 prints
+    "iteration, loss, |grad|, elapsed" to stderr every k iterations.
+    The Gram matrices S_0 = Z M Z^T are computed once; each evaluation costs O(B L H D^3).
+
+    Returns a dict: structure, coords (the structure's own arrays), P, Q, loss, grad_norm, nit,
+    nfev, success, status, message, interrupted, wall_time, scipy_version, history (loss after
+    each iteration, starting with the initial loss) and options. success is scipy's verdict;
+    a Ctrl-C returns the last completed iterate with interrupted=True and success=False.
+    """
+    _check_structure(structure)
+    layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
+    Z = _prompts(Z)
+    y = _labels(y, Z.shape[0])
+    d, n = Z.shape[1] - 1, Z.shape[2] - 1
+    shapes = structure_shapes(structure, layers, d, heads)
+    if isinstance(init, str) and init == "random":
+        if not isinstance(rng, np.random.Generator):
+            raise TypeError("rng must be a numpy.random.Generator when init='random'")
+        init_scale = _nonneg("init_scale", init_scale)
+        x0 = init_scale * rng.standard_normal(sum(math.prod(s) for s in shapes.values()))
+    elif isinstance(init, dict):
+        if set(init) != set(shapes):
+            raise ValueError(f"init must have the keys {sorted(shapes)} for structure {structure!r}, "
+                             f"got {sorted(init)}")
+        arrays = [_array(f"init[{k!r}]", init[k], len(s)) for k, s in shapes.items()]
+        for (k, s), a in zip(shapes.items(), arrays):
+            if a.shape != s:
+                raise ValueError(f"init[{k!r}] must have shape {s}, got {a.shape}")
+        x0 = pack(arrays)
+    else:
+        raise TypeError(f"init must be 'random' or a dict of arrays keyed {sorted(shapes)}")
+    options = dict(maxiter=_int("maxiter", maxiter, 1),
+                   maxfun=5 * maxiter if maxfun is None else _int("maxfun", maxfun, 1),
+                   maxcor=_int("maxcor", maxcor, 1), ftol=_nonneg("ftol", ftol),
+                   gtol=_nonneg("gtol", gtol), maxls=_int("maxls", maxls, 1))
+    progress = _int("progress", progress, 0)
+
+    S0, q0 = gram(Z), Z[:, :, n]
+
+    def coords_of(theta):
+        return dict(zip(shapes, unpack(theta, list(shapes.values()))))
+
+    def fun(theta):
+        P, Q = structure_to_PQ(structure, coords_of(theta))
+        loss, dP, dQ = loss_and_grad_gram(P, Q, S0, q0, y, n)
+        grad = pack(structure_grad(structure, dP, dQ).values())
+        last.update(theta=theta.copy(), loss=loss, grad=grad)
+        return loss, grad
+
+    last = {}
+    loss0, grad0 = fun(x0)
+    best = dict(theta=x0.copy(), loss=loss0, grad=grad0)     # the last completed iterate
+    history, start = [loss0], time.perf_counter()
+
+    def callback(theta):
+        if not np.array_equal(theta, last["theta"]):          # L-BFGS-B's last call is the iterate
+            fun(theta)
+        best.update(last)
+        history.append(last["loss"])
+        k = len(history) - 1
+        if progress and k % progress == 0:
+            print(f"iter {k:6d}  loss {last['loss']:.6e}  |grad| {np.linalg.norm(last['grad']):.3e}"
+                  f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
+
+    try:
+        res = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B", callback=callback,
+                                      options=options)
+        theta, loss, grad = res.x, res.fun, res.jac
+        outcome = dict(nit=int(res.nit), nfev=int(res.nfev), success=bool(res.success),
+                       status=int(res.status), message=str(res.message), interrupted=False)
+    except KeyboardInterrupt:
+        theta, loss, grad = best["theta"], best["loss"], best["grad"]
+        outcome = dict(nit=len(history) - 1, nfev=None, success=False, status=None,
+                       message=f"interrupted by KeyboardInterrupt after {len(history) - 1} iterations",
+                       interrupted=True)
+    coords = coords_of(theta)
+    P, Q = structure_to_PQ(structure, coords)
+    return dict(structure=structure, coords=coords, P=P, Q=Q, loss=float(loss),
+                grad_norm=float(np.linalg.norm(grad)), wall_time=time.perf_counter() - start,
+                scipy_version=scipy.__version__, history=np.array(history), options=options,
+                **outcome)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Closed forms
+# ---------------------------------------------------------------------------------------------
+
+def preconditioned_gd(X, y, A):
+    """Lemma 1 of [A]: the iterates the sparse transformer (8) implements, w_0 = 0 and
+
+        w_{l+1} = w_l - A_l^T grad R(w_l),   grad R(w) = (1/n) X^T (X w - y).
+
+    The paper writes A_l; the transpose makes it exact for non-symmetric A_l (pm §2).
+    X: (n, d) or (B, n, d) context covariates; y: (n,) or (B, n) context labels; A: (L, d, d).
+    Returns W of shape (L+1, d) or (B, L+1, d); the transformer predicts <w_L, x_q>.
+    """
+    X = np.asarray(X)
+    single = X.ndim == 2
+    X = _array("X", X[None] if single else X, 3)
+    y = _array("y", np.asarray(y)[None] if single else y, 2)
+    A = _blocks("A", A)
+    B, n, d = X.shape
+    if y.shape != (B, n):
+        raise ValueError(f"y must have shape {(n,) if single else (B, n)} to match X, got "
+                         f"{y.shape[1:] if single else y.shape}")
+    if A.shape[1] != d:
+        raise ValueError(f"A must have shape (L, {d}, {d}) to match X, got {A.shape}")
+    W = [np.zeros((B, d))]
+    for A_l in A:
+        grad_R = np.einsum("bid,bi->bd", X, np.einsum("bid,bd->bi", X, W[-1]) - y) / n
+        W.append(W[-1] - grad_R @ A_l)                       # (A_l^T g)^T = g^T A_l, row-wise
+    W = np.stack(W, axis=1)
+    return W[0] if single else W
+
+
+def _single_layer_moments(Sigma, n, Sigma_w, noise_var):
+    """(Sigma, Sigma_w, K, E[h w^T]) of pm §3.2, with h = (1/n) sum_i y_i x_i."""
+    n = _int("n", n, 1)
+    Sigma = _spd("Sigma", Sigma)[0]
+    d = Sigma.shape[0]
+    Sigma_w = np.eye(d) if Sigma_w is None else _spd("Sigma_w", Sigma_w, d)[0]
+    noise_var = _nonneg("noise_var", noise_var)
+    K = ((n + 1) / n) * Sigma @ Sigma_w @ Sigma + ((np.trace(Sigma_w @ Sigma) + noise_var) / n) * Sigma
+    return Sigma, Sigma_w, K, Sigma @ Sigma_w
+
+
+def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0):
+    """Optimal single-layer preconditioner, Theorem 1 of [A] generalised (pm §3.3):
+
+        Gamma* = K^-1 Sigma Sigma_w,
+        K = ((n+1)/n) Sigma Sigma_w Sigma + ((tr(Sigma_w Sigma) + noise_var)/n) Sigma.
+
+    With Sigma_w = I and no noise, Gamma* = ((1 + 1/n) Sigma + (tr Sigma / n) I)^-1, eq. (6).
+    Sigma, Sigma_w: (d, d) SPD; n >= 1; noise_var >= 0 (context label noise). Returns (d, d);
+    the optimal layer is sparse_params(Gamma*[None]).
+    """
+    Sigma, Sigma_w, K, E_hw = _single_layer_moments(Sigma, n, Sigma_w, noise_var)
+    return np.linalg.solve(K, E_hw)
+
+
+def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, query_noise=True):
+    """Exact E (y_hat - y_q)^2 of the one-layer sparse model with A_0 = Gamma (pm §3.2):
+
+        L(Gamma) = tr(Sigma Gamma^T K Gamma) - 2 tr(Sigma Gamma^T Sigma Sigma_w) + tr(Sigma Sigma_w)
+                   + noise_var [if query_noise],
+
+    for x ~ N(0, Sigma), w* ~ N(0, Sigma_w), context labels with noise of variance noise_var, and a
+    query label with the same noise when query_noise (as sample_prompts draws it).
+    Gamma: (d, d), any (not only symmetric). Returns a float.
+    """
+    Sigma, Sigma_w, K, E_hw = _single_layer_moments(Sigma, n, Sigma_w, noise_var)
+    Gamma = _array("Gamma", Gamma, 2)
+    if Gamma.shape != Sigma.shape:
+        raise ValueError(f"Gamma must have shape {Sigma.shape} to match Sigma, got {Gamma.shape}")
+    return float(np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
+                 + np.trace(Sigma @ Sigma_w) + (noise_var if query_noise else 0.0))
+
+
+def gd_step_size(n, d, noise_var=0.0):
+    """Mahankali et al. (2023): the optimal single layer is one GD step from 0 with the
+    per-example step eta = 1 / (n + 1 + d + noise_var) (pm §5, translated to [A]'s form):
+    Gamma* = n * eta * I for Sigma = Sigma_w = I, and n * eta * Sigma^-1 for Sigma_w = Sigma^-1.
+    """
+    return 1.0 / (_int("n", n, 1) + 1 + _int("d", d, 1) + _nonneg("noise_var", noise_var))
+
+
+@lru_cache(maxsize=None)
+def _wishart_T(n, d, parts):
+    """T(k_1..k_r) = E prod_j tr(W^{k_j}), W ~ Wishart_d(n, I), by the recursion of pm §4.2.
+
+    parts is a sorted tuple of positive integers; an exact Python integer is returned.
+    """
+    if not parts:
+        return 1
+    k, rest = parts[-1], parts[:-1]
+
+    def T(*ks):                        # tr W^0 = d, so every zero exponent is a factor d
+        return d ** ks.count(0) * _wishart_T(n, d, tuple(sorted(x for x in ks if x)))
+    total = (n + k - 1) * T(k - 1, *rest)
+    total += sum(T(j, k - 1 - j, *rest) for j in range(1, k))
+    total += sum(2 * m * T(k + m - 1, *(rest[:i] + rest[i + 1:])) for i, m in enumerate(rest))
+    return total
+
+
+def wishart_trace_moments(n, d, kmax):
+    """m_k = E tr(S^k), k = 0..kmax, for S = W/n, W ~ Wishart_d(n, I) (pm §4.2), exactly.
+
+    S is the whitened sample covariance of n context examples ([A] §4.2). Returns a list of
+    fractions.Fraction; m_0 = d, m_1 = d, m_2 = d (n + d + 1)/n.
+    """
+    n, d, kmax = _int("n", n, 1), _int("d", d, 1), _int("kmax", kmax, 0)
+    return [Fraction(d)] + [Fraction(_wishart_T(n, d, (k,)), n ** k) for k in range(1, kmax + 1)]
+
+
+def _family_scalars(a, b):
+    a = _array("a", a, 1)
+    if a.size < 1:
+        raise ValueError("a must have length L >= 1")
+    if b is None:
+        return a, np.zeros_like(a)
+    b = np.asarray(b, dtype=np.float64)
+    if b.shape != a.shape:
+        raise ValueError(f"b must have the same shape as a, (L,) = {a.shape}, got {b.shape}")
+    if not np.all(np.isfinite(b[:-1])):                       # b_{L-1} never enters (NaN allowed)
+        raise ValueError("b must be finite (except b[L-1], which does not enter the loss)")
+    return a, np.where(np.isfinite(b), b, 0.0)
+
+
+def _poly_mul(p, q):
+    out = [Fraction(0)] * (len(p) + len(q) - 1)
+    for i, p_i in enumerate(p):
+        for j, q_j in enumerate(q):
+            out[i + j] += p_i * q_j
+    return out
+
+
+def _poly_add(p, q):
+    m = max(len(p), len(q))
+    return [(p[i] if i < len(p) else 0) + (q[i] if i < len(q) else 0) for i in range(m)]
+
+
+def _poly_scale(c, p):
+    return [c * p_i for p_i in p]
+
+
+def family_polynomials(a, b=None):
+    """Exact coefficients (lowest degree first, Fractions) of p(t) and r(t) = (1 - p(t))/t, pm §4.1:
+
+        p(t) = prod_l (1 - a_l s_l(t)),  s_0 = t,  s_{l+1} = s_l (1 - a_l b_l s_l)^2.
+
+    Built by p_{l+1} = p_l (1 - a_l s_l), r_{l+1} = r_l + a_l p_l phi_l^2, phi_{l+1} =
+    phi_l (1 - a_l b_l s_l), with s_l = t phi_l^2 (so r needs no division). Floats in a, b are
+    converted to Fractions exactly.
+    """
+    a, b = _family_scalars(a, b)
+    one, t = [Fraction(1)], [Fraction(0), Fraction(1)]
+    p, r, phi, s = one, [Fraction(0)], one, t
+    for a_l, b_l in zip(a, b):
+        a_l, g_l = Fraction(float(a_l)), Fraction(float(a_l)) * Fraction(float(b_l))
+        r = _poly_add(r, _poly_scale(a_l, _poly_mul(p, _poly_mul(phi, phi))))
+        p = _poly_mul(p, _poly_add(one, _poly_scale(-a_l, s)))
+        step = _poly_add(one, _poly_scale(-g_l, s))
+        phi, s = _poly_mul(phi, step), _poly_mul(s, _poly_mul(step, step))
+    return p, r
+
+
+def family_population_loss(a, n, d, b=None, noise_var=0.0, query_noise=True):
+    """Exact population loss of the families of Theorems 3 and 4 ([A] §4.2, §5; pm §4.1):
+
+    A_l = a_l Sigma^-1, B_l = b_l I (b = None: the sparse family (8)), x ~ N(0, Sigma),
+    w* ~ N(0, Sigma^-1), context label noise of variance noise_var. For any Sigma,
+
+        f = E tr p(S)^2 + (noise_var/n) E tr(S r(S)^2) + noise_var [if query_noise]
+          = sum_k c_k m_k + (noise_var/n) sum_k e_k m_{k+1} (+ noise_var),
+
+    with p^2 = sum c_k t^k, r^2 = sum e_k t^k (family_polynomials) and m_k the exact Wishart
+    trace moments. Summed in exact rationals (high-degree terms cancel to ~1e-4 in float64) and
+    rounded once. a, b: (L,); b[L-1] does not enter. Returns a float.
+    """
+    n, d = _int("n", n, 1), _int("d", d, 1)
+    noise_var = _nonneg("noise_var", noise_var)
+    p, r = family_polynomials(a, b)
+    c, e = _poly_mul(p, p), _poly_mul(r, r)
+    m = wishart_trace_moments(n, d, max(len(c) - 1, len(e)))
+    f = sum(c_k * m_k for c_k, m_k in zip(c, m))
+    s2 = Fraction(noise_var)
+    f += s2 / n * sum(e_k * m_k for e_k, m_k in zip(e, m[1:])) + (s2 if query_noise else 0)
+    return float(f)
+
+
+def wishart_quadrature(n, d, K):
+    """K-node Gauss rule for the mean spectral measure mu of S = W/n (mu has mass d, moments m_k):
+
+        E tr g(S) = integral g dmu = sum_j weights_j g(nodes_j)   exactly for deg g <= 2K - 1.
+
+    The recurrence coefficients come from the exact moments by Chebyshev's algorithm in rational
+    arithmetic (Gautschi, "Orthogonal polynomials", 2004, §2.1.7), so only the final symmetric
+    tridiagonal eigenproblem is in floating point. Returns nodes (K,), weights (K,) (positive).
+    """
+    K = _int("K", K, 1)
+    m = wishart_trace_moments(n, d, 2 * K - 1)
+    alpha, beta = [m[1] / m[0]], [m[0]]
+    sigma_prev, sigma = [Fraction(0)] * (2 * K), list(m)
+    for k in range(1, K):
+        sigma_next = [Fraction(0)] * (2 * K)
+        for l in range(k, 2 * K - k):
+            sigma_next[l] = sigma[l + 1] - alpha[k - 1] * sigma[l] - beta[k - 1] * sigma_prev[l]
+        alpha.append(sigma_next[k + 1] / sigma_next[k] - sigma[k] / sigma[k - 1])
+        beta.append(sigma_next[k] / sigma[k - 1])
+        sigma_prev, sigma = sigma, sigma_next
+    nodes, vecs = scipy.linalg.eigh_tridiagonal(np.array([float(x) for x in alpha]),
+                                                np.sqrt([float(x) for x in beta[1:]]))
+    return nodes, float(beta[0]) * vecs[0] ** 2
+
+
+def _family_loss_at_nodes(theta, L, blocks, nodes, weights, n, noise_var):
+    """family_population_loss by the Gauss rule (float64, all terms >= 0): for optimisation."""
+    a = theta[:L]
+    gam = a * np.r_[theta[L:], 0.0] if blocks else np.zeros(L)
+    p, r, phi, s = np.ones_like(nodes), np.zeros_like(nodes), np.ones_like(nodes), nodes
+    for a_l, g_l in zip(a, gam):
+        r = r + a_l * p * phi ** 2
+        p = p * (1 - a_l * s)
+        phi, s = phi * (1 - g_l * s), s * (1 - g_l * s) ** 2
+    return float(weights @ p ** 2 + noise_var / n * (weights @ (nodes * r ** 2)))
+
+
+def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=None):
+    """Best member of the family of Theorem 3 (A_l = a_l Sigma^-1) or, with blocks, of
+    Theorem 4 (also B_l = b_l I), by multi-start L-BFGS-B on the exact population loss.
+
+    The loss is evaluated with the exact Gauss rule of wishart_quadrature (float64, no
+    cancellation); the reported loss is family_population_loss at the optimum (exact rationals).
+    Starts: a_l ~ U(0, 2), b_l ~ U(0, 1.5) from rng (default seed 0).
+    Returns (a (L,), b (L,) or None, loss); b[L-1] is NaN since B_{L-1} does not enter the loss
+    ([A] footnote 4). For the sparse family a is sorted (the loss is symmetric, Lemma 4).
+    """
+    L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
+    noise_var = _nonneg("noise_var", noise_var)
+    rng = np.random.default_rng(0) if rng is None else rng
+    degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, pm §4.1
+    nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
+    args = (L, blocks, nodes, weights, n, noise_var)
+    best = None
+    for _ in range(_int("starts", starts, 1)):
+        theta0 = np.r_[rng.uniform(0, 2, L), rng.uniform(0, 1.5, L - 1) if blocks else []]
+        res = scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=args, jac="3-point",
+                                      method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12))
+        if best is None or res.fun < best.fun:
+            best = res
+    a = best.x[:L]
+    if not blocks:
+        a = np.sort(a)
+        return a, None, family_population_loss(a, n, d, noise_var=noise_var)
+    b = np.r_[best.x[L:], np.nan]
+    return a, b, family_population_loss(a, n, d, b, noise_var=noise_var)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Metrics
+# ---------------------------------------------------------------------------------------------
+
+def distance_to_multiple(M, T=None):
+    """dist(M, T) = min_alpha ||M - alpha T||_F / ||M||_F, alpha = <M, T>_F / <T, T>_F.
+
+    With T = I (the default) this is the authors' distance to identity, ||M - (tr M/d) I||/||M||
+    ([A] §4.3, pm §8). M, T: (d, d), M != 0. Returns a float in [0, 1].
+    """
+    M = _array("M", M, 2)
+    T = np.eye(M.shape[0]) if T is None else _array("T", T, 2)
+    if T.shape != M.shape or M.shape[0] != M.shape[1]:
+        raise ValueError(f"M and T must be square of the same shape, got {M.shape} and {T.shape}")
+    if not np.any(M) or not np.any(T):
+        raise ValueError("M and T must be nonzero")
+    alpha = np.sum(M * T) / np.sum(T * T)
+    return float(np.linalg.norm(M - alpha * T) / np.linalg.norm(M))
+
+
+def distance_to_diagonal(M):
+    """||offdiag(M)||_F / ||M||_F for a square M != 0: 0 exactly when M is diagonal (Theorem 2)."""
+    M = _array("M", M, 2)
+    if M.shape[0] != M.shape[1] or not np.any(M):
+        raise ValueError(f"M must be a nonzero square matrix, got shape {M.shape}")
+    return float(np.linalg.norm(M - np.diag(np.diag(M))) / np.linalg.norm(M))
+
+
+def fitted_scalar(M, T):
+    """alpha = <M, T>_F / <T, T>_F, the least-squares scalar with M ~ alpha T (a_l, b_l)."""
+    M, T = _array("M", M, 2), _array("T", T, 2)
+    if M.shape != T.shape:
+        raise ValueError(f"M and T must have the same shape, got {M.shape} and {T.shape}")
+    return float(np.sum(M * T) / np.sum(T * T))

@@ -1,0 +1,359 @@
+"""Tests for icl_ref: conventions, exact identities, gradients, training, and the paper's claims.
+
+Tolerances, each with its reason:
+    EXACT  = 1e-12  relative: two float64 computations of the same exact quantity (rounding only)
+    FD_REL = 1e-6   relative to the gradient's largest entry: central differences at h = 1e-6 have
+                    truncation O(h^2 f''') ~ 1e-12 and rounding O(eps f / h) ~ 1e-10, so 1e-6 leaves
+                    four orders of margin and still catches any wrong term (those are O(1) relative)
+    Z_MC   = 4      Monte Carlo: |estimate - exact| <= 4 standard errors computed from the samples
+Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
+"""
+import math
+from fractions import Fraction
+from unittest import mock
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose
+
+import icl_ref as ir
+
+EXACT = 1e-12
+FD_REL = 1e-6
+FD_H = 1e-6
+Z_MC = 4.0
+
+
+def random_params(rng, L, H, d, scale=0.4):
+    return scale * rng.standard_normal((2, L, H, d + 1, d + 1))
+
+
+def central_diff(f, X, h=FD_H):
+    """Central differences (f(X + h e_i) - f(X - h e_i)) / 2h for every entry of X."""
+    g = np.empty_like(X)
+    for i in np.ndindex(X.shape):
+        Xp, Xm = X.copy(), X.copy()
+        Xp[i] += h
+        Xm[i] -= h
+        g[i] = (f(Xp) - f(Xm)) / (2 * h)
+    return g
+
+
+def assert_grad_close(numeric, analytic):
+    assert_allclose(analytic, numeric, rtol=0, atol=FD_REL * np.max(np.abs(numeric)))
+
+
+def small_problem(seed=0, B=6, n=5, d=3, noise_std=0.0):
+    rng = np.random.default_rng(seed)
+    Sigma, _ = ir.rotated_covariance(rng, np.linspace(0.5, 1.5, d))
+    Z, y = ir.sample_prompts(rng, B, n, Sigma, noise_std=noise_std)
+    return rng, Z, y
+
+
+# ---------------------------------------------------------------------------------------------
+# Model: forward pass and conventions
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L", [1, 2, 3])
+@pytest.mark.parametrize("H", [1, 2])
+def test_fast_forward_equals_literal_column_form(L, H):
+    rng, Z, y = small_problem(seed=10 * L + H)
+    P, Q = random_params(rng, L, H, 3)
+    fast, literal = ir.forward(P, Q, Z), ir.forward_literal(P, Q, Z)
+    assert_allclose(fast, literal, rtol=EXACT, atol=EXACT * np.max(np.abs(literal)))
+
+
+def test_hand_computed_layer_d1_n2():
+    # tokens z1 = [1, 2], z2 = [-1, 1], query [3, 0]; P = [[1, 2], [0, 1]], Q = [[1, 0], [1, 1]].
+    # z_i^T Q = [x_i + y_i, y_i]: z1 -> [3, 2], z2 -> [0, 1].
+    # query:  scores (9, 0); (1/2)(9 z1 + 0 z2) = [4.5, 9]; P [4.5, 9] = [22.5, 9]; z_q' = [25.5, 9]
+    # z1:     scores (7, 2); (1/2)(7 z1 + 2 z2) = [2.5, 8]; P [2.5, 8] = [18.5, 8]; z1' = [19.5, 10]
+    # z2:     scores (-1, 1); (1/2)(-z1 + z2) = [-1, -0.5]; P [..] = [-2, -0.5];   z2' = [-3, 0.5]
+    Z = np.array([[[1, -1, 3], [2, 1, 0]]])
+    P = np.array([[[[1, 2], [0, 1]]]])
+    Q = np.array([[[[1, 0], [1, 1]]]])
+    expected = np.array([[[19.5, -3, 25.5], [10, 0.5, 9]]])
+    assert_allclose(ir.forward(P, Q, Z), expected, rtol=EXACT)
+    assert_allclose(ir.forward_literal(P, Q, Z), expected, rtol=EXACT)
+    # prediction -Z_L[d, n] = -9; with y = 4 the loss is (9 + 4)^2 = 169 (mean over B = 1, no 1/2)
+    assert_allclose(ir.predict(P, Q, Z), [-9.0], rtol=EXACT)
+    assert ir.in_context_loss(P, Q, Z, [4]) == pytest.approx(169.0, rel=EXACT)
+
+
+def test_loss_is_mean_squared_error_without_half():
+    rng, Z, y = small_problem(B=7)
+    P, Q = random_params(rng, 2, 1, 3)
+    y_hat = -ir.forward_literal(P, Q, Z)[:, -1, -1]
+    assert_allclose(ir.predict(P, Q, Z), y_hat, rtol=EXACT)
+    assert ir.in_context_loss(P, Q, Z, y) == pytest.approx(np.sum((y_hat - y) ** 2) / 7, rel=EXACT)
+    assert ir.loss_and_grad(P, Q, Z, y)[0] == pytest.approx(np.sum((y_hat - y) ** 2) / 7, rel=EXACT)
+
+
+def test_query_token_is_never_key_or_value():
+    rng, Z, y = small_problem()
+    P, Q = random_params(rng, 3, 2, 3)
+    Z2 = Z.copy()
+    Z2[:, :, -1] += rng.standard_normal(Z2[:, :, -1].shape)
+    layers, layers2 = ir.forward(P, Q, Z, all_layers=True), ir.forward(P, Q, Z2, all_layers=True)
+    assert np.array_equal(layers[:, :, :, :-1], layers2[:, :, :, :-1])   # context columns, all layers
+    assert not np.allclose(layers[-1, :, :, -1], layers2[-1, :, :, -1])
+
+
+def test_outputs_are_float64_from_integer_inputs():
+    Z = np.array([[[1, -1, 3], [2, 1, 0]]])
+    P = np.array([[[[1, 2], [0, 1]]]])
+    Q = np.array([[[[1, 0], [1, 1]]]])
+    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, np.array([4]))
+    assert ir.forward(P, Q, Z).dtype == np.float64
+    assert ir.predict(P, Q, Z).dtype == np.float64
+    assert dP.dtype == dQ.dtype == np.float64 and isinstance(loss, float)
+
+
+def test_rescaling_invariance():
+    # [A] Thm 1 remark: (P, Q) -> (c P, Q / c) per layer leaves the output unchanged
+    rng, Z, y = small_problem()
+    P, Q = random_params(rng, 2, 1, 3)
+    c = np.array([2.0, -0.5])[:, None, None, None]
+    assert_allclose(ir.predict(c * P, Q / c, Z), ir.predict(P, Q, Z), rtol=EXACT)
+
+
+def test_sample_prompts_layout_and_reproducibility():
+    Sigma = np.diag([1.0, 4.0])
+    Z, y, w = ir.sample_prompts(np.random.default_rng(3), 5, 4, Sigma, noise_std=0.0,
+                                return_w_star=True)
+    assert Z.shape == (5, 3, 5) and y.shape == (5,) and w.shape == (5, 2)
+    assert np.all(Z[:, 2, 4] == 0)
+    assert_allclose(Z[:, 2, :4], np.einsum("bdi,bd->bi", Z[:, :2, :4], w), rtol=EXACT)
+    assert_allclose(y, np.einsum("bd,bd->b", Z[:, :2, 4], w), rtol=EXACT)
+    Z2, y2 = ir.sample_prompts(np.random.default_rng(3), 5, 4, Sigma)
+    assert np.array_equal(Z, Z2) and np.array_equal(y, y2)
+
+
+def test_sample_prompts_covariance_matches_sigma():
+    rng = np.random.default_rng(4)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.25, 2.0])
+    Z, _ = ir.sample_prompts(rng, 4000, 9, Sigma)
+    X = Z[:, :3, :].transpose(0, 2, 1).reshape(-1, 3)
+    prods = X[:, :, None] * X[:, None, :]
+    se = prods.std(axis=0) / math.sqrt(len(X))            # entries are iid across all tokens
+    assert np.all(np.abs(prods.mean(axis=0) - Sigma) <= Z_MC * se)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients
+# ---------------------------------------------------------------------------------------------
+
+def check_full_gradient(P, Q, Z, y):
+    _, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    assert_grad_close(central_diff(lambda X: ir.in_context_loss(X, Q, Z, y), P), dP)
+    assert_grad_close(central_diff(lambda X: ir.in_context_loss(P, X, Z, y), Q), dQ)
+
+
+@pytest.mark.parametrize("L,H", [(1, 1), (2, 2), (3, 1)])
+def test_gradient_matches_finite_differences_random_point(L, H):
+    rng, Z, y = small_problem(seed=L + 7 * H)
+    check_full_gradient(*random_params(rng, L, H, 3), Z, y)
+
+
+def test_gradient_matches_finite_differences_structured_points():
+    rng, Z, y = small_problem(seed=5)
+    A, Bm = rng.standard_normal((2, 3, 3, 3))
+    check_full_gradient(*ir.sparse_params(A), Z, y)
+    check_full_gradient(*ir.block_params(A, Bm), Z, y)
+
+
+def test_gradient_matches_finite_differences_after_lbfgs_steps():
+    rng, Z, y = small_problem(seed=6, B=40)
+    res = ir.train_lbfgs(Z, y, 2, structure="full", heads=2, rng=rng, init_scale=0.3, maxiter=5)
+    assert res["nit"] == 5
+    check_full_gradient(res["P"], res["Q"], Z, y)
+
+
+@pytest.mark.parametrize("structure", ["sparse", "blocks"])
+def test_structured_gradient_matches_finite_differences(structure):
+    rng, Z, y = small_problem(seed=8)
+    shapes = ir.structure_shapes(structure, 3, 3)
+    coords = {k: rng.standard_normal(s) for k, s in shapes.items()}
+
+    def f(key, X):
+        return ir.in_context_loss(*ir.structure_to_PQ(structure, {**coords, key: X}), Z, y)
+    _, dP, dQ = ir.loss_and_grad(*ir.structure_to_PQ(structure, coords), Z, y)
+    grads = ir.structure_grad(structure, dP, dQ)
+    for key in shapes:
+        assert_grad_close(central_diff(lambda X: f(key, X), coords[key]), grads[key])
+
+
+def test_directional_derivative_larger_case():
+    rng = np.random.default_rng(9)
+    Sigma, _ = ir.rotated_covariance(rng, np.linspace(0.3, 2.0, 8))
+    Z, y = ir.sample_prompts(rng, 3000, 30, Sigma, noise_std=0.5)
+    P, Q = random_params(rng, 4, 2, 8, scale=0.15)
+    vP, vQ = rng.standard_normal((2,) + P.shape)
+    _, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    f = lambda t: ir.in_context_loss(P + t * vP, Q + t * vQ, Z, y)
+    numeric = (f(FD_H) - f(-FD_H)) / (2 * FD_H)
+    analytic = np.sum(dP * vP) + np.sum(dQ * vQ)
+    assert analytic == pytest.approx(numeric, rel=FD_REL)
+
+
+def test_one_layer_gradient_in_P_matches_an_exact_parabola():
+    # an independent reverse-mode check: the loss is quadratic in P[0] for a 1-layer model,
+    # so f(P + t V) is an exact parabola and its derivative at t = 0 is exact from 3 points
+    rng, Z, y = small_problem(seed=11)
+    P, Q = random_params(rng, 1, 3, 3)
+    V = rng.standard_normal(P.shape)
+    f = lambda t: ir.in_context_loss(P + t * V, Q, Z, y)
+    exact = (f(1.0) - f(-1.0)) / 2                         # exact for a quadratic in t
+    assert np.sum(ir.loss_and_grad(P, Q, Z, y)[1] * V) == pytest.approx(exact, rel=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parametrisations, pack/unpack, training
+# ---------------------------------------------------------------------------------------------
+
+def test_structures_place_blocks_as_in_eq8_and_eq11():
+    A = np.arange(8.0).reshape(2, 2, 2)
+    Bm = -np.arange(8.0).reshape(2, 2, 2)
+    P, Q = ir.block_params(A, Bm)
+    assert P.shape == Q.shape == (2, 1, 3, 3)
+    assert np.array_equal(P[:, 0, :2, :2], Bm) and np.all(P[:, 0, 2, 2] == 1)
+    assert np.array_equal(Q[:, 0, :2, :2], -A) and np.all(Q[:, 0, 2, :] == 0) and np.all(Q[:, 0, :, 2] == 0)
+    P8, Q8 = ir.sparse_params(A)
+    assert np.all(P8[:, 0, :2, :] == 0) and np.all(P8[:, 0, 2, 2] == 1) and np.array_equal(Q8, Q)
+
+
+def test_pack_unpack_round_trip():
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((2, 3, 4)), rng.standard_normal((5,)), rng.standard_normal((1, 1))]
+    back = ir.unpack(ir.pack(arrays), [a.shape for a in arrays])
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, back))
+    with pytest.raises(ValueError, match="theta"):
+        ir.unpack(np.zeros(3), [(2, 2)])
+
+
+def test_train_lbfgs_decreases_loss_reports_status_and_is_reproducible():
+    rng, Z, y = small_problem(seed=12, B=200, n=8)
+    runs = [ir.train_lbfgs(Z, y, 2, structure="sparse", rng=np.random.default_rng(1), maxiter=200)
+            for _ in range(2)]
+    res = runs[0]
+    assert res["loss"] < 0.5 * res["history"][0]
+    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
+    assert np.array_equal(res["coords"]["A"], runs[1]["coords"]["A"])
+    assert res["success"] and res["status"] == 0 and not res["interrupted"]
+    for key in ("nit", "nfev", "message", "grad_norm", "wall_time", "scipy_version", "options"):
+        assert key in res
+    assert np.all(np.diff(res["history"]) <= 0)            # L-BFGS-B accepts only descent steps
+
+
+def test_train_lbfgs_reports_non_convergence():
+    rng, Z, y = small_problem(seed=13, B=200, n=8)
+    res = ir.train_lbfgs(Z, y, 3, structure="blocks", rng=rng, maxiter=3)
+    assert res["nit"] == 3 and not res["success"] and res["status"] == 1
+    assert "LIMIT" in res["message"].upper()
+
+
+def test_train_lbfgs_keyboard_interrupt_returns_last_iterate():
+    rng, Z, y = small_problem(seed=14, B=100, n=8)
+    real, calls = ir.loss_and_grad_gram, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) > 8:
+            raise KeyboardInterrupt
+        return real(*args)
+    with mock.patch.object(ir, "loss_and_grad_gram", interrupted):
+        res = ir.train_lbfgs(Z, y, 2, structure="full", rng=rng, maxiter=100)
+    assert res["interrupted"] and not res["success"] and "interrupted" in res["message"]
+    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
+    assert res["loss"] == res["history"][-1] < res["history"][0]
+
+
+def test_train_lbfgs_progress_lines(capsys):
+    rng, Z, y = small_problem(seed=15, B=50, n=8)
+    ir.train_lbfgs(Z, y, 1, rng=rng, maxiter=4, progress=2)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all("loss" in line and "|grad|" in line and " s" in line for line in err)
+
+
+def test_train_lbfgs_accepts_init_dict():
+    rng, Z, y = small_problem(seed=16, B=50, n=8)
+    A0 = rng.standard_normal((2, 3, 3))
+    res = ir.train_lbfgs(Z, y, 2, init={"A": A0}, maxiter=1)
+    assert res["history"][0] == pytest.approx(ir.in_context_loss(*ir.sparse_params(A0), Z, y), rel=EXACT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks: each is refused before work with a message that names the argument
+# ---------------------------------------------------------------------------------------------
+
+_P, _Q = np.zeros((2, 2, 1, 4, 4))
+_Z = np.zeros((3, 4, 6))
+_y = np.zeros(3)
+_S = np.eye(3)
+_nanZ = _Z.copy()
+_nanZ[0, 0, 0] = np.nan
+_rng = np.random.default_rng(0)
+
+BAD_CALLS = [
+    ("P 3-d", lambda: ir.forward(_P[0], _Q, _Z), ValueError, "P"),
+    ("Q other shape", lambda: ir.forward(_P, _Q[:, :, :3, :3], _Z), ValueError, "Q"),
+    ("P, Q differ in L", lambda: ir.forward(_P, _Q[:1], _Z), ValueError, "P and Q"),
+    ("P not square", lambda: ir.forward(_P[:, :, :3], _Q[:, :, :3], _Z), ValueError, "P"),
+    ("L = 0", lambda: ir.forward(_P[:0], _Q[:0], _Z), ValueError, "P"),
+    ("H = 0", lambda: ir.forward(_P[:, :0], _Q[:, :0], _Z), ValueError, "P"),
+    ("Z d mismatch", lambda: ir.forward(_P, _Q, _Z[:, :3]), ValueError, "Z"),
+    ("Z 2-d", lambda: ir.forward(_P, _Q, _Z[0]), ValueError, "Z"),
+    ("n = 0", lambda: ir.forward(_P, _Q, _Z[:, :, :1]), ValueError, "Z"),
+    ("B = 0", lambda: ir.forward(_P, _Q, _Z[:0]), ValueError, "Z"),
+    ("Z NaN", lambda: ir.predict(_P, _Q, _nanZ), ValueError, "Z"),
+    ("P Inf", lambda: ir.forward(_P + np.inf, _Q, _Z), ValueError, "P"),
+    ("Z complex", lambda: ir.forward(_P, _Q, _Z + 0j), TypeError, "Z"),
+    ("Z strings", lambda: ir.forward(_P, _Q, np.full((3, 4, 6), "a")), TypeError, "Z"),
+    ("Z bool", lambda: ir.forward(_P, _Q, _Z > 0), TypeError, "Z"),
+    ("y wrong length", lambda: ir.loss_and_grad(_P, _Q, _Z, np.zeros(4)), ValueError, "y"),
+    ("y 2-d", lambda: ir.in_context_loss(_P, _Q, _Z, np.zeros((3, 1))), ValueError, "y"),
+    ("y scalar", lambda: ir.in_context_loss(_P, _Q, _Z, 0.0), ValueError, "y"),
+    ("Sigma not symmetric", lambda: ir.sample_prompts(_rng, 2, 3, np.triu(np.ones((3, 3)))), ValueError, "Sigma"),
+    ("Sigma not PD", lambda: ir.sample_prompts(_rng, 2, 3, -np.eye(3)), ValueError, "Sigma"),
+    ("Sigma not square", lambda: ir.sample_prompts(_rng, 2, 3, np.ones((2, 3))), ValueError, "Sigma"),
+    ("Sigma_w wrong d", lambda: ir.sample_prompts(_rng, 2, 3, _S, np.eye(2)), ValueError, "Sigma_w"),
+    ("batch = 0", lambda: ir.sample_prompts(_rng, 0, 3, _S), ValueError, "batch"),
+    ("n = 0 sampling", lambda: ir.sample_prompts(_rng, 2, 0, _S), ValueError, "n"),
+    ("batch float", lambda: ir.sample_prompts(_rng, 2.0, 3, _S), TypeError, "batch"),
+    ("noise < 0", lambda: ir.sample_prompts(_rng, 2, 3, _S, noise_std=-1), ValueError, "noise_std"),
+    ("rng legacy", lambda: ir.sample_prompts(np.random.RandomState(0), 2, 3, _S), TypeError, "rng"),
+    ("structure", lambda: ir.train_lbfgs(_Z, _y, 1, structure="dense", rng=_rng), ValueError, "structure"),
+    ("layers = 0", lambda: ir.train_lbfgs(_Z, _y, 0, rng=_rng), ValueError, "layers"),
+    ("heads = 0", lambda: ir.train_lbfgs(_Z, _y, 1, structure="full", heads=0, rng=_rng), ValueError, "heads"),
+    ("heads sparse", lambda: ir.train_lbfgs(_Z, _y, 1, heads=2, rng=_rng), ValueError, "heads"),
+    ("init keys", lambda: ir.train_lbfgs(_Z, _y, 1, init={"P": 0}), ValueError, "init"),
+    ("init shape", lambda: ir.train_lbfgs(_Z, _y, 1, init={"A": np.zeros((1, 2, 2))}), ValueError, "init"),
+    ("rng missing", lambda: ir.train_lbfgs(_Z, _y, 1), TypeError, "rng"),
+    ("train y", lambda: ir.train_lbfgs(_Z, _y[:2], 1, rng=_rng), ValueError, "y"),
+    ("A 2-d", lambda: ir.sparse_params(np.eye(3)), ValueError, "A"),
+    ("A, Bm differ", lambda: ir.block_params(np.zeros((2, 3, 3)), np.zeros((1, 3, 3))), ValueError, "A and Bm"),
+    ("gamma n", lambda: ir.gamma_star(_S, 0), ValueError, "n"),
+    ("gamma Sigma_w", lambda: ir.gamma_star(_S, 3, np.eye(4)), ValueError, "Sigma_w"),
+    ("Gamma shape", lambda: ir.single_layer_population_loss(np.eye(2), _S, 3), ValueError, "Gamma"),
+    ("noise_var < 0", lambda: ir.gamma_star(_S, 3, noise_var=-0.1), ValueError, "noise_var"),
+    ("pgd A vs X", lambda: ir.preconditioned_gd(np.zeros((4, 3)), np.zeros(4), np.zeros((1, 2, 2))), ValueError, "A"),
+    ("pgd y", lambda: ir.preconditioned_gd(np.zeros((4, 3)), np.zeros(5), np.zeros((1, 3, 3))), ValueError, "y"),
+    ("moments kmax", lambda: ir.wishart_trace_moments(3, 2, -1), ValueError, "kmax"),
+    ("family b shape", lambda: ir.family_population_loss([1.0, 1.0], 5, 2, b=[1.0]), ValueError, "b"),
+    ("distance zero", lambda: ir.distance_to_multiple(np.zeros((2, 2))), ValueError, "M"),
+    ("distance shapes", lambda: ir.distance_to_multiple(np.eye(2), np.eye(3)), ValueError, "M and T"),
+]
+
+
+@pytest.mark.parametrize("name,call,error,argument", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_is_refused_with_a_message_naming_the_argument(name, call, error, argument):
+    with pytest.raises(error, match=argument):
+        call()
+
+
+def test_integer_inputs_are_accepted_not_broadcast():
+    Z = np.ones((2, 3, 4), dtype=int)
+    P, Q = np.ones((2, 1, 1, 3, 3), dtype=int)
+    assert ir.predict(P, Q, Z).shape == (2,)
+    with pytest.raises(ValueError, match="y"):
+        ir.in_context_loss(P, Q, Z, np.ones(1))           # would broadcast silently otherwise
