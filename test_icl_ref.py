@@ -357,3 +357,287 @@ def test_integer_inputs_are_accepted_not_broadcast():
     assert ir.predict(P, Q, Z).shape == (2,)
     with pytest.raises(ValueError, match="y"):
         ir.in_context_loss(P, Q, Z, np.ones(1))           # would broadcast silently otherwise
+
+
+# ---------------------------------------------------------------------------------------------
+# Closed forms: Lemma 1, Theorem 1, Mahankali et al., Theorems 3 and 4
+# ---------------------------------------------------------------------------------------------
+
+def test_lemma1_forward_equals_preconditioned_gd_with_transpose():
+    rng, Z, _ = small_problem(seed=20, B=4, n=7)
+    A = rng.standard_normal((3, 3, 3))                     # not symmetric
+    layers = ir.forward(*ir.sparse_params(A), Z, all_layers=True)
+    X, y_ctx = Z[:, :3, :-1].transpose(0, 2, 1), Z[:, 3, :-1]
+    W = ir.preconditioned_gd(X, y_ctx, A)
+    x_all, y0 = Z[:, :3, :], Z[:, 3, :]                    # every token, query included (y0 = 0)
+    for l in range(4):
+        label_row = y0 - np.einsum("bd,bdj->bj", W[:, l], x_all)
+        assert_allclose(layers[l, :, 3, :], label_row, rtol=0, atol=EXACT * np.max(np.abs(label_row)))
+    # the paper's form without the transpose is off by O(1) for non-symmetric A
+    W_paper = [np.zeros((4, 3))]
+    for A_l in A:
+        grad_R = np.einsum("bid,bi->bd", X, np.einsum("bid,bd->bi", X, W_paper[-1]) - y_ctx) / 7
+        W_paper.append(W_paper[-1] - np.einsum("ij,bj->bi", A_l, grad_R))
+    query_paper = -np.einsum("bd,bd->b", W_paper[-1], Z[:, :3, -1])
+    assert np.max(np.abs(query_paper - layers[-1, :, 3, -1])) > 1e-2
+
+
+def test_theorem1_gamma_star_reduces_to_eq6():
+    rng = np.random.default_rng(21)
+    Sigma, U = ir.rotated_covariance(rng, [1.0, 0.3, 2.5, 0.7])
+    n = 9
+    lam = np.array([1.0, 0.3, 2.5, 0.7])
+    eq6 = (U / ((n + 1) / n * lam + lam.sum() / n)) @ U.T   # U diag(1/((n+1)/n l_i + tr/n)) U^T
+    assert_allclose(ir.gamma_star(Sigma, n), eq6, rtol=EXACT, atol=EXACT)
+    iso = ir.gamma_star(np.eye(4), n)
+    assert_allclose(iso, n / (n + 4 + 1) * np.eye(4), rtol=EXACT, atol=EXACT)   # eq. (7)
+
+
+def test_theorem1_gamma_star_is_stationary_for_the_exact_loss():
+    rng = np.random.default_rng(22)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.5, 2.0])
+    Sigma_w, _ = ir.rotated_covariance(rng, [0.4, 1.0, 3.0])
+    G = ir.gamma_star(Sigma, 6, Sigma_w, noise_var=0.3)
+    f = lambda X: ir.single_layer_population_loss(X, Sigma, 6, Sigma_w, noise_var=0.3)
+    grad = central_diff(f, G)
+    # the loss is O(1); FD rounding error is eps * f / h ~ 1e-10
+    assert np.max(np.abs(grad)) < 1e-8
+    E = rng.standard_normal((3, 3))                        # and it is a minimum: f(G + E) > f(G)
+    assert f(G + 1e-3 * E) > f(G)
+
+
+def mc_loss(P, Q, Z, y):
+    """(mean, standard error) of the per-prompt squared error."""
+    err = (ir.predict(P, Q, Z) - y) ** 2
+    return err.mean(), err.std(ddof=1) / math.sqrt(len(err))
+
+
+def test_theorem1_population_loss_matches_monte_carlo():
+    rng = np.random.default_rng(23)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.5, 2.0])
+    Sigma_w, _ = ir.rotated_covariance(rng, [0.4, 1.0, 3.0])
+    Gamma = rng.standard_normal((3, 3))
+    Z, y = ir.sample_prompts(rng, 100_000, 6, Sigma, Sigma_w, noise_std=0.6)
+    mean, se = mc_loss(*ir.sparse_params(Gamma[None]), Z, y)
+    exact = ir.single_layer_population_loss(Gamma, Sigma, 6, Sigma_w, noise_var=0.36)
+    assert abs(mean - exact) <= Z_MC * se
+
+
+def ols_excess_bound(Phi, resid, H_pop):
+    """Mean and sd of B * (excess population loss) of least squares on features Phi (B, p):
+    asymptotically theta_hat - theta* ~ N(0, H^-1 V H^-1 / B) with V = E[phi phi^T resid^2], and
+    the excess loss (theta_hat - theta*)^T H (theta_hat - theta*) is a weighted chi-square whose
+    weights are the eigenvalues of H^-1 V (mean = their sum, variance = 2 * sum of squares)."""
+    V = (Phi * resid[:, None] ** 2).T @ Phi / len(Phi)
+    w = np.linalg.eigvals(np.linalg.solve(H_pop, V)).real
+    return w.sum(), math.sqrt(2 * np.sum(w ** 2))
+
+
+@pytest.mark.parametrize("structure", ["sparse", "full"])
+def test_theorem1_trained_single_layer_predicts_like_gamma_star(structure):
+    rng = np.random.default_rng(24)
+    d, n, B = 3, 10, 20_000
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.4, 2.0])
+    Z, y = ir.sample_prompts(rng, B, n, Sigma)
+    G = ir.gamma_star(Sigma, n)
+    res = ir.train_lbfgs(Z, y, 1, structure=structure, rng=rng, init_scale=0.3, maxiter=3000)
+    assert res["success"], res["message"]
+    # the exact loss is f(G) + E (y_hat - y_hat*)^2, so the excess is measured on fresh prompts
+    Zt, _ = ir.sample_prompts(rng, 200_000, n, Sigma)
+    diff2 = (ir.predict(res["P"], res["Q"], Zt) - ir.predict(*ir.sparse_params(G[None]), Zt)) ** 2
+    excess, excess_se = diff2.mean(), diff2.std(ddof=1) / math.sqrt(len(diff2))
+    # bound: least squares on the features the model can use near the optimum; sparse: the d^2
+    # features vec(h x_q^T) (y_hat = <Gamma, h x_q^T>); full: also the 2d label-even features
+    # (1/n) sum_i x_i x_i^T G x_q and (1/n) sum_i y_i^2 x_q that P's last row and Q's last row add
+    X, Yc, xq = Z[:, :d, :n], Z[:, d, :n], Z[:, :d, n]
+    h = np.einsum("bdi,bi->bd", X, Yc) / n
+    Phi = (h[:, :, None] * xq[:, None, :]).reshape(B, -1)
+    if structure == "full":
+        even_x = np.einsum("bdi,bei,ef,bf->bd", X, X, G, xq) / n
+        even_y = (Yc ** 2).mean(axis=1)[:, None] * xq
+        Phi = np.hstack([Phi, even_x, even_y])
+    resid = y - ir.predict(*ir.sparse_params(G[None]), Z)
+    Zp, yp = ir.sample_prompts(np.random.default_rng(99), 2000, n, Sigma)   # H from fresh data
+    mean, sd = ols_excess_bound(Phi, resid, Phi.T @ Phi / B)
+    bound = (mean + 5 * sd) / B
+    assert excess - Z_MC * excess_se <= bound
+    rel = math.sqrt(excess / np.mean(ir.predict(*ir.sparse_params(G[None]), Zt) ** 2))
+    assert rel < 0.1                                        # a loose sanity bar for the printout
+
+
+def test_mahankali_one_gd_step_isotropic_and_preconditioned():
+    rng = np.random.default_rng(25)
+    n, d, s2 = 12, 4, 0.7
+    eta = ir.gd_step_size(n, d, s2)
+    assert eta == 1 / (n + 1 + d + s2)
+    assert_allclose(ir.gamma_star(np.eye(d), n, noise_var=s2), n * eta * np.eye(d), rtol=EXACT, atol=EXACT)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.25, 0.0625, 3.0])
+    G = ir.gamma_star(Sigma, n, np.linalg.inv(Sigma), noise_var=s2)
+    assert_allclose(G, n * eta * np.linalg.inv(Sigma), rtol=1e-10, atol=0)
+    # and one GD step with per-example step eta predicts eta * sum_i y_i x_i^T Sigma^-1 x_q
+    Z, y = ir.sample_prompts(rng, 5, n, Sigma, np.linalg.inv(Sigma), noise_std=math.sqrt(s2))
+    X, Yc = Z[:, :d, :n].transpose(0, 2, 1), Z[:, d, :n]
+    W = ir.preconditioned_gd(X, Yc, (n * eta * np.linalg.inv(Sigma))[None])
+    gd = eta * np.einsum("bi,bid,de,be->b", Yc, X, np.linalg.inv(Sigma), Z[:, :d, n])
+    assert_allclose(np.einsum("bd,bd->b", W[:, 1], Z[:, :d, n]), gd, rtol=1e-10)
+
+
+def test_mahankali_training_reproduces_the_step_as_noise_grows():
+    rng = np.random.default_rng(26)
+    d, n, B = 3, 8, 40_000
+    fitted = []
+    for s2 in (0.0, 2.0, 8.0):
+        Z, y = ir.sample_prompts(rng, B, n, np.eye(d), noise_std=math.sqrt(s2))
+        res = ir.train_lbfgs(Z, y, 1, rng=rng, maxiter=500)
+        a_hat = ir.fitted_scalar(res["coords"]["A"][0], np.eye(d))
+        # a_hat is (1/d) tr of a least-squares fit on features vec(h x_q^T): sandwich standard error
+        X, Yc, xq = Z[:, :d, :n], Z[:, d, :n], Z[:, :d, n]
+        Phi = (np.einsum("bdi,bi->bd", X, Yc)[:, :, None] * xq[:, None, :]).reshape(B, -1) / n
+        resid = y - Phi @ res["coords"]["A"][0].ravel()
+        H_inv = np.linalg.inv(Phi.T @ Phi / B)
+        cov = H_inv @ ((Phi * resid[:, None] ** 2).T @ Phi / B) @ H_inv / B
+        e = np.eye(d).ravel() / d
+        se = math.sqrt(e @ cov @ e)
+        assert abs(a_hat - n * ir.gd_step_size(n, d, s2)) <= Z_MC * se
+        fitted.append(a_hat)
+    assert fitted[0] > fitted[1] > fitted[2]
+
+
+def test_wishart_moments_match_closed_forms_and_reference_values():
+    for n, d in [(3, 2), (7, 5), (20, 5)]:
+        m = ir.wishart_trace_moments(n, d, 5)
+        closed = [d, n * d, n * d * (n + d + 1), n * d * (n**2 + d**2 + 3*n*d + 3*n + 3*d + 4),
+                  n * d * (n**3 + d**3 + 6*n**2*d + 6*n*d**2 + 6*n**2 + 6*d**2 + 17*n*d + 21*n + 21*d + 20),
+                  n * d * (n**4 + d**4 + 10*n**3*d + 10*n*d**3 + 20*n**2*d**2 + 10*n**3 + 10*d**3
+                           + 55*n**2*d + 55*n*d**2 + 65*n**2 + 65*d**2 + 175*n*d + 160*n + 160*d + 148)]
+        assert m == [Fraction(c, n ** k) for k, c in enumerate(closed)]
+    assert ir.wishart_trace_moments(3, 2, 6) == [2, 2, 4, Fraction(100, 9), Fraction(1040, 27),
+                                                  Fraction(12880, 81), Fraction(61600, 81)]
+
+
+def test_wishart_moments_match_monte_carlo_up_to_k6():
+    rng = np.random.default_rng(27)
+    n, d, N = 10, 3, 40_000
+    G = rng.standard_normal((N, d, n))
+    eig = np.linalg.eigvalsh(G @ G.transpose(0, 2, 1) / n)
+    m = ir.wishart_trace_moments(n, d, 6)
+    for k in range(1, 7):
+        samples = np.sum(eig ** k, axis=1)
+        assert abs(samples.mean() - float(m[k])) <= Z_MC * samples.std(ddof=1) / math.sqrt(N)
+
+
+def test_quadrature_equals_exact_rational_moment_sums():
+    nodes, weights = ir.wishart_quadrature(20, 5, 14)
+    m = ir.wishart_trace_moments(20, 5, 27)
+    assert np.all(weights > 0) and np.all(nodes > 0)
+    for k in (0, 1, 5, 13, 20, 27):                        # exact up to degree 2K - 1 = 27
+        assert np.sum(weights * nodes ** k) == pytest.approx(float(m[k]), rel=1e-11)
+
+
+def test_family_loss_L1_closed_form_and_optimum():
+    n, d = 20, 5
+    for a in (0.3, 0.77, 1.4):
+        assert ir.family_population_loss([a], n, d) == pytest.approx(
+            d - 2 * a * d + a ** 2 * d * (n + d + 1) / n, rel=EXACT)
+    a, b, loss = ir.optimal_family_scalars(1, n, d)
+    assert b is None
+    assert a[0] == pytest.approx(n / (n + d + 1), rel=1e-7)       # L-BFGS-B optimum, gtol 1e-12
+    assert loss == pytest.approx(d * (d + 1) / (n + d + 1), rel=1e-12)
+    # with noise, the loss of the same family equals the single-layer formula of pm §3
+    s2 = 0.5
+    Sigma = np.diag([1.0, 0.5, 2.0, 1.0, 0.25])
+    G = 0.6 * np.linalg.inv(Sigma)
+    exact = ir.single_layer_population_loss(G, Sigma, n, np.linalg.inv(Sigma), noise_var=s2)
+    assert ir.family_population_loss([0.6], n, d, noise_var=s2) == pytest.approx(exact, rel=1e-12)
+
+
+def test_family_loss_L2_explicit_polynomial_and_permutation_symmetry():
+    n, d = 20, 5
+    m = [float(x) for x in ir.wishart_trace_moments(n, d, 4)]
+    a0, a1 = 0.45, 1.3
+    e1, e2 = a0 + a1, a0 * a1
+    explicit = d - 2 * e1 * d + (e1 ** 2 + 2 * e2) * m[2] - 2 * e1 * e2 * m[3] + e2 ** 2 * m[4]
+    assert ir.family_population_loss([a0, a1], n, d) == pytest.approx(explicit, rel=1e-12)
+    # Lemma 4: the sparse-family loss is symmetric in the a_l, exactly (rational arithmetic)
+    p1, _ = ir.family_polynomials([0.2, 0.9, 1.7])
+    p2, _ = ir.family_polynomials([1.7, 0.2, 0.9])
+    assert p1 == p2
+    # ... but not with B: the order of a_l b_l matters
+    assert ir.family_population_loss([0.3, 1.1], n, d, b=[0.8, 0.5]) != pytest.approx(
+        ir.family_population_loss([1.1, 0.3], n, d, b=[0.5, 0.8]), rel=1e-6)
+
+
+def test_family_optimum_two_layer_reference_values():
+    # pm §2 (Theorem 2 note): n = 20, d = 5 gives a = {0.5154, 1.2496}, f = 0.36124
+    a, _, loss = ir.optimal_family_scalars(2, 20, 5)
+    assert_allclose(a, [0.5154, 1.2496], atol=5e-5)       # the reference prints 4 decimals
+    assert loss == pytest.approx(0.36124, abs=5e-6)
+
+
+@pytest.mark.parametrize("L,blocks,noise", [(2, False, 0.0), (3, False, 0.4), (2, True, 0.0)])
+def test_family_loss_matches_monte_carlo_through_the_transformer(L, blocks, noise):
+    rng = np.random.default_rng(30 + L)
+    n, d = 8, 3
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.3, 2.0])
+    Si = np.linalg.inv(Sigma)
+    a = rng.uniform(0.2, 1.2, L)
+    b = rng.uniform(0.2, 1.0, L) if blocks else None
+    A = a[:, None, None] * Si
+    P, Q = ir.block_params(A, b[:, None, None] * np.eye(d)) if blocks else ir.sparse_params(A)
+    Z, y = ir.sample_prompts(rng, 200_000, n, Sigma, Si, noise_std=math.sqrt(noise))
+    mean, se = mc_loss(P, Q, Z, y)
+    exact = ir.family_population_loss(a, n, d, b, noise_var=noise)
+    assert abs(mean - exact) <= Z_MC * se
+
+
+def chunked_gradient(structure, coords, Z, y, chunks=50):
+    """Mean and standard error of the structure gradient over independent chunks of prompts."""
+    grads = []
+    for Zc, yc in zip(np.array_split(Z, chunks), np.array_split(y, chunks)):
+        _, dP, dQ = ir.loss_and_grad(*ir.structure_to_PQ(structure, coords), Zc, yc)
+        grads.append(ir.pack(ir.structure_grad(structure, dP, dQ).values()))
+    grads = np.array(grads)
+    return grads.mean(axis=0), grads.std(axis=0, ddof=1) / math.sqrt(chunks)
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_theorems_3_and_4_full_gradient_vanishes_at_family_optimum(blocks):
+    # n = 40: at n = 10, d = 3 the blocks-family gradient is so heavy-tailed (degree 8 in S) that
+    # chunk standard errors understate the error several-fold (pm §4.2); the loss gate below
+    # would catch such a sample.
+    rng = np.random.default_rng(40 + blocks)
+    n, d, L = 40, 3, 2
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.25, 2.0])
+    Si = np.linalg.inv(Sigma)
+    a, b, loss = ir.optimal_family_scalars(L, n, d, blocks=blocks)
+    coords = {"A": a[:, None, None] * Si}
+    if blocks:
+        coords["B"] = np.nan_to_num(b, nan=1.0)[:, None, None] * np.eye(d)
+    structure = "blocks" if blocks else "sparse"
+    Z, y = ir.sample_prompts(rng, 100_000, n, Sigma, Si)
+    mean, se = mc_loss(*ir.structure_to_PQ(structure, coords), Z, y)
+    assert abs(mean - loss) <= Z_MC * se                     # the sample's errors are trustworthy
+    mean, se = chunked_gradient(structure, coords, Z, y)
+    z = np.abs(mean) / np.where(se > 0, se, np.inf)          # B_{L-1} gets an exactly zero gradient
+    # 4.5 sigma over <= 36 entries: a false alarm has probability < 36 * 7e-6
+    assert np.max(z) < 4.5
+    E = rng.standard_normal((d, d))
+    off = {**coords, "A": coords["A"] + 0.3 * (E + E.T)[None]}
+    mean, se = chunked_gradient(structure, off, Z, y)
+    assert np.max(np.abs(mean) / np.where(se > 0, se, np.inf)) > 10     # far past the null's 4.5
+
+
+def test_distance_to_multiple_against_brute_force():
+    rng = np.random.default_rng(50)
+    M, T = rng.standard_normal((2, 4, 4))
+    assert ir.distance_to_multiple(3.7 * T, T) < EXACT
+    assert ir.distance_to_multiple(2.0 * np.eye(4)) < EXACT
+    alphas = np.linspace(-3, 3, 600001)
+    brute = np.min([np.linalg.norm(M - al * T) for al in alphas[::1000]])
+    fine = min(np.linalg.norm(M - al * T) for al in
+               np.linspace(alphas[0], alphas[-1], 6001))       # step 1e-3 grid
+    assert ir.distance_to_multiple(M, T) * np.linalg.norm(M) <= min(brute, fine) + EXACT
+    # the authors' distance to identity, ||M - (tr M / d) I|| / ||M||
+    assert ir.distance_to_multiple(M) == pytest.approx(
+        np.linalg.norm(M - np.trace(M) / 4 * np.eye(4)) / np.linalg.norm(M), rel=EXACT)
+    assert ir.distance_to_diagonal(np.diag([1.0, 2.0])) == 0.0
