@@ -457,12 +457,9 @@ def test_theorem1_trained_single_layer_predicts_like_gamma_star(structure):
         even_y = (Yc ** 2).mean(axis=1)[:, None] * xq
         Phi = np.hstack([Phi, even_x, even_y])
     resid = y - ir.predict(*ir.sparse_params(G[None]), Z)
-    Zp, yp = ir.sample_prompts(np.random.default_rng(99), 2000, n, Sigma)   # H from fresh data
     mean, sd = ols_excess_bound(Phi, resid, Phi.T @ Phi / B)
     bound = (mean + 5 * sd) / B
     assert excess - Z_MC * excess_se <= bound
-    rel = math.sqrt(excess / np.mean(ir.predict(*ir.sparse_params(G[None]), Zt) ** 2))
-    assert rel < 0.1                                        # a loose sanity bar for the printout
 
 
 def test_mahankali_one_gd_step_isotropic_and_preconditioned():
@@ -641,3 +638,67 @@ def test_distance_to_multiple_against_brute_force():
     assert ir.distance_to_multiple(M) == pytest.approx(
         np.linalg.norm(M - np.trace(M) / 4 * np.eye(4)) / np.linalg.norm(M), rel=EXACT)
     assert ir.distance_to_diagonal(np.diag([1.0, 2.0])) == 0.0
+
+
+def test_theorem2_two_layer_isotropic_training_beats_or_matches_best_scalar_family():
+    # Theorem 2 proves a diagonal global minimiser exists, not a scalar one: training must reach at
+    # least the best scalar-family loss on the same batch (the family lies inside the model).
+    rng = np.random.default_rng(60)
+    d, n, B = 3, 10, 20_000
+    Z, y = ir.sample_prompts(rng, B, n, np.eye(d))
+    a, _, _ = ir.optimal_family_scalars(2, n, d)
+    family_batch_loss = ir.in_context_loss(*ir.sparse_params(a[:, None, None] * np.eye(d)), Z, y)
+    for seed in range(3):
+        res = ir.train_lbfgs(Z, y, 2, rng=np.random.default_rng(seed), init_scale=0.5, maxiter=2000)
+        assert res["success"], res["message"]
+        # at the batch optimum the loss can only be lower; 1e-9 relative is L-BFGS-B's ftol slack
+        assert res["loss"] <= family_batch_loss * (1 + 1e-9)
+
+
+def batch_hessian_and_noise(A, Z, y, h=1e-5, chunks=200):
+    """Sandwich pieces for the sparse model at A on the batch (Z, y): the batch Hessian H of the
+    loss in vec(A) (central differences of the exact gradient; h = 1e-5 balances truncation
+    h^2 against rounding eps/h for O(1) curvature) and V, the covariance of one prompt's gradient
+    (chunk means times the chunk size). Cov(A_hat) ~ H^-1 V H^-1 / B."""
+    n = Z.shape[2] - 1
+    S0, q0 = ir.gram(Z), Z[:, :, n]
+
+    def grad(theta):
+        P, Q = ir.sparse_params(theta.reshape(A.shape))
+        return ir.sparse_grad(*ir.loss_and_grad_gram(P, Q, S0, q0, y, n)[1:]).ravel()
+    theta = A.ravel()
+    H = np.array([(grad(theta + h * e) - grad(theta - h * e)) / (2 * h) for e in np.eye(theta.size)])
+    H = (H + H.T) / 2
+    size = len(y) // chunks
+    G = np.array([ir.sparse_grad(*ir.loss_and_grad(*ir.sparse_params(A), Z[i:i + size], y[i:i + size])[1:]).ravel()
+                  for i in range(0, size * chunks, size)])
+    return H, size * np.cov(G, rowvar=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paper_experiment_three_layer_sparse_reaches_family_optimum(seed):
+    rng = np.random.default_rng(seed)
+    d, n, B, L = 5, 20, 20_000, 3
+    Sigma, _ = ir.rotated_covariance(rng)                      # U diag(1, 1, 1/4, 1/16, 1) U^T
+    Si = np.linalg.inv(Sigma)
+    Z, y = ir.sample_prompts(rng, B, n, Sigma, Si)
+    res = ir.train_lbfgs(Z, y, L, structure="sparse", rng=rng, init_scale=0.1, maxiter=3000)
+    assert res["success"], res["message"]
+    A = res["coords"]["A"]
+    H, V = batch_hessian_and_noise(A, Z, y)
+    Hi = np.linalg.inv(H)
+    cov = Hi @ V @ Hi / B
+    a_star, _, _ = ir.optimal_family_scalars(L, n, d)
+    a_hat, se = np.empty(L), np.empty(L)
+    for l in range(L):
+        e = np.zeros((L, d, d))
+        e[l] = Si / np.sum(Si * Si)                            # a_l = <A_l, Si> / <Si, Si>
+        a_hat[l] = ir.fitted_scalar(A[l], Si)
+        se[l] = math.sqrt(e.ravel() @ cov @ e.ravel())
+        block = cov[l * d * d:(l + 1) * d * d, l * d * d:(l + 1) * d * d]
+        # ||A_l - a_l Si||^2 <= ||A_l - a*_l Si||^2, a weighted chi-square: mean tr C, var 2 tr C^2
+        bound = math.sqrt(np.trace(block) + 5 * math.sqrt(2 * np.sum(block * block)))
+        assert ir.distance_to_multiple(A[l], Si) <= bound / np.linalg.norm(A[l])
+    order = np.argsort(a_hat)                                  # Lemma 4: compare as a multiset
+    assert np.all(np.abs(a_hat[order] - a_star) <= Z_MC * se[order]), (a_hat[order], a_star, se[order])
