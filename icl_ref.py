@@ -461,7 +461,7 @@ def structure_grad(structure, dP, dQ):
 
 def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
                 rng=None, maxiter=2000, maxfun=None, maxcor=20, ftol=1e-15, gtol=1e-10,
-                maxls=50, progress=0):
+                maxls=50, progress=0, keep_iterates=False):
     """Minimise the in-context loss on the fixed batch (Z, y) with scipy's L-BFGS-B.
 
     Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in {"sparse", "blocks", "full"},
@@ -469,7 +469,8 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     from rng, a numpy Generator) or a dict of arrays in the structure's coordinates (shapes as
     structure_shapes). The options maxiter, maxfun (default 5 * maxiter), maxcor, ftol, gtol and
     maxls go to scipy.optimize.minimize(method="L-BFGS-B") as they are. progress = k > 0 prints
-    "iteration, loss, |grad|, elapsed" to stderr every k iterations.
+    "iteration, loss, |grad|, elapsed" to stderr every k iterations. keep_iterates stores the
+    coordinates after every iteration (result["iterates"], a list of dicts, initial point first).
     The Gram matrices S_0 = Z M Z^T are computed once; each evaluation costs O(B L H D^3).
 
     Returns a dict: structure, coords (the structure's own arrays), P, Q, loss, grad_norm, nit,
@@ -521,12 +522,15 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     loss0, grad0 = fun(x0)
     best = dict(theta=x0.copy(), loss=loss0, grad=grad0)     # the last completed iterate
     history, start = [loss0], time.perf_counter()
+    iterates = [coords_of(x0)] if keep_iterates else None
 
     def callback(theta):
         if not np.array_equal(theta, last["theta"]):          # L-BFGS-B's last call is the iterate
             fun(theta)
         best.update(last)
         history.append(last["loss"])
+        if keep_iterates:
+            iterates.append(coords_of(last["theta"]))
         k = len(history) - 1
         if progress and k % progress == 0:
             print(f"iter {k:6d}  loss {last['loss']:.6e}  |grad| {np.linalg.norm(last['grad']):.3e}"
@@ -548,7 +552,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     return dict(structure=structure, coords=coords, P=P, Q=Q, loss=float(loss),
                 grad_norm=float(np.linalg.norm(grad)), wall_time=time.perf_counter() - start,
                 scipy_version=scipy.__version__, history=np.array(history), options=options,
-                **outcome)
+                iterates=iterates, **outcome)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -840,3 +844,39 @@ def fitted_scalar(M, T):
     if M.shape != T.shape:
         raise ValueError(f"M and T must have the same shape, got {M.shape} and {T.shape}")
     return float(np.sum(M * T) / np.sum(T * T))
+
+
+def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5):
+    """Sampling covariance of parameters trained on the batch (Z, y), in the structure's coordinates:
+
+        Cov(theta_hat) ~ H^+ V H^+ / B,
+
+    H the batch Hessian of the loss (central differences of the exact gradient; h = 1e-5 balances
+    truncation h^2 against rounding eps/h), V the covariance of one prompt's gradient (the
+    covariance of `chunks` chunk-mean gradients times the chunk size), H^+ the pseudo-inverse
+    (B_{L-1} and rescalings leave H singular). Valid near a minimiser of the batch loss, for
+    gradients that are not heavy-tailed (pm §4.2). Returns a (p, p) array in pack order.
+    """
+    _check_structure(structure)
+    Z = _prompts(Z)
+    y = _labels(y, Z.shape[0])
+    chunks = _int("chunks", chunks, 2)
+    if Z.shape[0] < 2 * chunks:
+        raise ValueError(f"Z must hold at least 2 * chunks = {2 * chunks} prompts, got {Z.shape[0]}")
+    n = Z.shape[2] - 1
+    names, shapes = list(coords), [np.shape(coords[k]) for k in coords]
+    theta0 = pack([coords[k] for k in names])
+
+    def grad(theta, Zc, yc, S0=None):
+        P, Q = structure_to_PQ(structure, dict(zip(names, unpack(theta, shapes))))
+        S0 = gram(Zc) if S0 is None else S0
+        dP, dQ = loss_and_grad_gram(P, Q, S0, Zc[:, :, n], yc, n)[1:]
+        return pack(structure_grad(structure, dP, dQ).values())
+    S0 = gram(Z)
+    H = np.array([(grad(theta0 + h * e, Z, y, S0) - grad(theta0 - h * e, Z, y, S0)) / (2 * h)
+                  for e in np.eye(theta0.size)])
+    H_pinv = np.linalg.pinv((H + H.T) / 2, hermitian=True)
+    size = Z.shape[0] // chunks
+    G = np.array([grad(theta0, Z[i:i + size], y[i:i + size]) for i in range(0, size * chunks, size)])
+    V = size * np.cov(G, rowvar=False)
+    return H_pinv @ V @ H_pinv / Z.shape[0]

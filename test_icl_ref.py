@@ -655,26 +655,6 @@ def test_theorem2_two_layer_isotropic_training_beats_or_matches_best_scalar_fami
         assert res["loss"] <= family_batch_loss * (1 + 1e-9)
 
 
-def batch_hessian_and_noise(A, Z, y, h=1e-5, chunks=200):
-    """Sandwich pieces for the sparse model at A on the batch (Z, y): the batch Hessian H of the
-    loss in vec(A) (central differences of the exact gradient; h = 1e-5 balances truncation
-    h^2 against rounding eps/h for O(1) curvature) and V, the covariance of one prompt's gradient
-    (chunk means times the chunk size). Cov(A_hat) ~ H^-1 V H^-1 / B."""
-    n = Z.shape[2] - 1
-    S0, q0 = ir.gram(Z), Z[:, :, n]
-
-    def grad(theta):
-        P, Q = ir.sparse_params(theta.reshape(A.shape))
-        return ir.sparse_grad(*ir.loss_and_grad_gram(P, Q, S0, q0, y, n)[1:]).ravel()
-    theta = A.ravel()
-    H = np.array([(grad(theta + h * e) - grad(theta - h * e)) / (2 * h) for e in np.eye(theta.size)])
-    H = (H + H.T) / 2
-    size = len(y) // chunks
-    G = np.array([ir.sparse_grad(*ir.loss_and_grad(*ir.sparse_params(A), Z[i:i + size], y[i:i + size])[1:]).ravel()
-                  for i in range(0, size * chunks, size)])
-    return H, size * np.cov(G, rowvar=False)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_paper_experiment_three_layer_sparse_reaches_family_optimum(seed):
@@ -686,9 +666,7 @@ def test_paper_experiment_three_layer_sparse_reaches_family_optimum(seed):
     res = ir.train_lbfgs(Z, y, L, structure="sparse", rng=rng, init_scale=0.1, maxiter=3000)
     assert res["success"], res["message"]
     A = res["coords"]["A"]
-    H, V = batch_hessian_and_noise(A, Z, y)
-    Hi = np.linalg.inv(H)
-    cov = Hi @ V @ Hi / B
+    cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
     a_star, _, _ = ir.optimal_family_scalars(L, n, d)
     a_hat, se = np.empty(L), np.empty(L)
     for l in range(L):

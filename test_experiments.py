@@ -1,0 +1,103 @@
+"""Tests for experiments.py: the quick run end to end, and the pieces its verdicts rest on.
+
+Tolerances as in test_icl_ref.py: EXACT for algebraic identities (rounding only), FD_REL for
+central differences at h = 1e-6 (truncation ~h^2, rounding ~eps/h, both far below 1e-6).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose
+
+import experiments as ex
+import icl_ref as ir
+
+EXACT = 1e-10          # solves of 5x5 / 20x20 systems: rounding times a modest condition number
+FD_REL = 1e-6
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_quick_run_writes_its_files_and_passes(tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "experiments.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["quick"] and config["numpy"] == np.__version__
+    summary = (out / "summary.md").read_text()
+    for name in ex.EXPERIMENTS:
+        assert (out / f"{name}.csv").exists() and f"## {name}" in summary
+    assert "FAIL" not in summary
+    assert (out / "three-layer-sparse_curve.csv").exists()
+
+
+def test_list_and_unknown_names():
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "experiments.py"), "--list"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and all(name in proc.stdout for name in ex.EXPERIMENTS)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "experiments.py"), "no-such"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "no-such" in proc.stderr
+
+
+def test_a_failing_claim_makes_the_exit_status_nonzero(tmp_path, monkeypatch):
+    monkeypatch.setitem(ex.EXPERIMENTS, "broken", (lambda ctx: ([ex.row("x", "1", "2", ex.FAIL)], {}), "test"))
+    assert ex.main(["broken", "--out", str(tmp_path)]) == 1
+    assert "broken: x" in (tmp_path / "summary.md").read_text()
+
+
+def test_gd_predict_one_step_is_the_closed_form():
+    rng = np.random.default_rng(0)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.5, 2.0])
+    Z, _ = ir.sample_prompts(rng, 7, 6, Sigma)
+    X, Yc, xq = ex.context(Z)
+    Pre = np.linalg.inv(Sigma)
+    closed = 0.7 / 6 * np.einsum("bi,bid,de,be->b", Yc, X, Pre, xq)    # w_1 = a Pre^T (1/n) X^T y
+    assert_allclose(ex.gd_predict(Z, 0.7, 1, Pre), closed, rtol=EXACT)
+    dropped = 0.7 / 5 * np.einsum("bi,bid,de,be->b", Yc[:, :-1], X[:, :-1], Pre, xq)
+    assert_allclose(ex.gd_predict(Z, 0.7, 1, Pre, drop_last=True), dropped, rtol=EXACT)
+
+
+def test_bayes_predict_forms():
+    rng = np.random.default_rng(1)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.5, 2.0])
+    Sigma_w = np.linalg.inv(Sigma)
+    Z, y = ir.sample_prompts(rng, 5, 8, Sigma, Sigma_w)
+    assert_allclose(ex.bayes_predict(Z, Sigma_w), y, rtol=EXACT)        # noiseless, n >= d: exact
+    X, Yc, xq = ex.context(Z)                                           # with noise: push-through
+    w = np.linalg.solve(np.einsum("bid,bie->bde", X, X) + 0.3 * np.linalg.inv(Sigma_w),
+                        np.einsum("bid,bi->bd", X, Yc)[:, :, None])[:, :, 0]
+    assert_allclose(ex.bayes_predict(Z, Sigma_w, 0.3), np.einsum("bd,bd->b", w, xq), rtol=EXACT)
+
+
+def test_quadratic_excess_bound_mean_is_trace():
+    rng = np.random.default_rng(2)
+    M = rng.standard_normal((4, 4))
+    M = M @ M.T
+    C = np.diag(rng.uniform(0.1, 1.0, 4))
+    loss = lambda x: float(x.ravel() @ M @ x.ravel())
+    assert ex.quadratic_excess_bound(loss, np.zeros((2, 2)), C, sds=0) == pytest.approx(np.trace(M @ C), rel=1e-12)
+
+
+def test_scalar_fit_and_permutation_distance():
+    T = np.diag([1.0, 2.0])
+    alpha, se = ex.scalar_fit(3 * T, T, np.eye(4))
+    assert alpha == pytest.approx(3.0) and se == pytest.approx(1 / np.linalg.norm(T))
+    A = np.random.default_rng(3).standard_normal((3, 2, 2))
+    assert ex.permutation_distance(A[[2, 0, 1]], A) == 0.0
+
+
+def test_factored_gradient_matches_finite_differences():
+    rng = np.random.default_rng(4)
+    Z, y = ir.sample_prompts(rng, 6, 5, np.eye(2))
+    S0, q0 = ir.gram(Z), Z[:, :, -1]
+    theta = 0.5 * rng.standard_normal(3 * 2 * 9)
+    _, g = ex.factored_loss_and_grad(theta, 2, S0, q0, y, 5)
+    fd = np.array([(ex.factored_loss_and_grad(theta + 1e-6 * e, 2, S0, q0, y, 5)[0]
+                    - ex.factored_loss_and_grad(theta - 1e-6 * e, 2, S0, q0, y, 5)[0]) / 2e-6
+                   for e in np.eye(theta.size)])
+    assert_allclose(g, fd, rtol=0, atol=FD_REL * np.max(np.abs(fd)))
