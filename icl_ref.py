@@ -48,8 +48,9 @@ PAPER_EIGENVALUES = (1.0, 1.0, 0.25, 0.0625, 1.0)   # spectrum of Sigma in [A] �
 # Input checks: every public function validates before it computes.
 # ---------------------------------------------------------------------------------------------
 
-def _array(name, a, ndim):
-    """a as a float64 array with `ndim` dimensions and finite entries, or a clear error."""
+def _array(name, a, ndim, allow_nan=False):
+    """a as a float64 array with `ndim` dimensions (an int or a tuple of allowed ones) and finite
+    entries (NaN allowed where allow_nan), or a TypeError/ValueError naming `name`."""
     try:
         arr = np.asarray(a)
     except Exception as e:                     # ragged lists and the like
@@ -57,11 +58,14 @@ def _array(name, a, ndim):
     if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer)
                                  or np.issubdtype(arr.dtype, np.floating)):
         raise TypeError(f"{name} must be a real integer or float array, got dtype {arr.dtype}")
-    if arr.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {arr.shape}")
+    ndims = (ndim,) if isinstance(ndim, int) else ndim
+    if arr.ndim not in ndims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, got shape {arr.shape}")
     arr = arr.astype(np.float64, copy=False)
-    if not np.isfinite(np.sum(arr)) and not np.all(np.isfinite(arr)):   # NaN/Inf poison the sum
-        raise ValueError(f"{name} must be finite, found NaN or Inf")
+    if not np.isfinite(np.sum(arr)):                          # NaN/Inf poison the sum
+        bad = np.isinf(arr) if allow_nan else ~np.isfinite(arr)
+        if np.any(bad):
+            raise ValueError(f"{name} must be finite, found {'Inf' if allow_nan else 'NaN or Inf'}")
     return arr
 
 
@@ -94,15 +98,15 @@ def _params(P, Q):
     return P, Q
 
 
-def _prompts(Z, D=None):
+def _prompts(Z, D=None, name="Z"):
     """Z as a float64 (B, D, n+1) array with B >= 1, n >= 1 (and D matching the parameters)."""
-    Z = _array("Z", Z, 3)
+    Z = _array(name, Z, 3)
     B, D_Z, N = Z.shape
     if B < 1 or D_Z < 2 or N < 2:
-        raise ValueError(f"Z must have shape (B, d+1, n+1) with B >= 1, d >= 1, n >= 1, got {Z.shape}")
+        raise ValueError(f"{name} must have shape (B, d+1, n+1) with B >= 1, d >= 1, n >= 1, got {Z.shape}")
     if D is not None and D_Z != D:
-        raise ValueError(f"Z has token dimension d+1 = {D_Z} but P, Q have d+1 = {D}: "
-                         f"Z must have shape (B, {D}, n+1), got {Z.shape}")
+        raise ValueError(f"{name} has token dimension d+1 = {D_Z} but P, Q have d+1 = {D}: "
+                         f"{name} must have shape (B, {D}, n+1), got {Z.shape}")
     return Z
 
 
@@ -332,9 +336,13 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=4096):
     P, Q: (L, H, D, D); S0: (B, D, D) = Z M Z^T; q0: (B, D) = Z[:, :, n]; y: (B,); n context size.
     Prompts are independent, so the batch is walked in chunks of `chunk` prompts: the same sums,
     with temporaries that stay in cache (about 1.5x faster at B = 20000 than one pass).
-    No input checks: loss_and_grad is the checked entry point. Returns (loss, dP, dQ).
+    Only shapes are checked (it runs every optimiser step; the arrays come from gram and the
+    checked entry points). Returns (loss, dP, dQ).
     """
-    B = y.shape[0]
+    B, D = y.shape[0], P.shape[-1]
+    if P.shape != Q.shape or S0.shape != (B, D, D) or q0.shape != (B, D):
+        raise ValueError(f"loss_and_grad_gram needs P, Q (L, H, D, D), S0 (B, D, D), q0 (B, D), y (B,); "
+                         f"got {P.shape}, {Q.shape}, {S0.shape}, {q0.shape}, {y.shape}")
     loss, dP, dQ = 0.0, np.zeros_like(P), np.zeros_like(Q)
     for c in range(0, B, chunk):
         q_L, caches = _propagate(P, Q, S0[c:c + chunk], q0[c:c + chunk], n)
@@ -417,6 +425,7 @@ def pack(arrays):
 
 def unpack(theta, shapes):
     """Inverse of pack: the flat vector theta cut into arrays of the given shapes."""
+    theta = _array("theta", theta, 1)
     sizes = [math.prod(s) for s in shapes]
     if theta.shape != (sum(sizes),):
         raise ValueError(f"theta must have shape ({sum(sizes)},) for shapes {shapes}, got {theta.shape}")
@@ -438,6 +447,10 @@ def structure_shapes(structure, L, d, H=1):
 
 def structure_to_PQ(structure, coords):
     """(P, Q) of a structure's coordinates (a dict as from structure_shapes)."""
+    _check_structure(structure)
+    keys = {"sparse": {"A"}, "blocks": {"A", "B"}, "full": {"P", "Q"}}[structure]
+    if not isinstance(coords, dict) or set(coords) != keys:
+        raise ValueError(f"coords must be a dict with the keys {sorted(keys)} for structure {structure!r}")
     if structure == "sparse":
         return sparse_params(coords["A"])
     if structure == "blocks":
@@ -568,15 +581,12 @@ def preconditioned_gd(X, y, A):
     X: (n, d) or (B, n, d) context covariates; y: (n,) or (B, n) context labels; A: (L, d, d).
     Returns W of shape (L+1, d) or (B, L+1, d); the transformer predicts <w_L, x_q>.
     """
-    X = np.asarray(X)
+    X, y, A = _array("X", X, (2, 3)), _array("y", y, (1, 2)), _blocks("A", A)
+    if y.shape != X.shape[:-1]:
+        raise ValueError(f"y must have shape {X.shape[:-1]} to match X of shape {X.shape}, got {y.shape}")
     single = X.ndim == 2
-    X = _array("X", X[None] if single else X, 3)
-    y = _array("y", np.asarray(y)[None] if single else y, 2)
-    A = _blocks("A", A)
+    X, y = (X[None], y[None]) if single else (X, y)
     B, n, d = X.shape
-    if y.shape != (B, n):
-        raise ValueError(f"y must have shape {(n,) if single else (B, n)} to match X, got "
-                         f"{y.shape[1:] if single else y.shape}")
     if A.shape[1] != d:
         raise ValueError(f"A must have shape (L, {d}, {d}) to match X, got {A.shape}")
     W = [np.zeros((B, d))]
@@ -672,12 +682,12 @@ def _family_scalars(a, b):
         raise ValueError("a must have length L >= 1")
     if b is None:
         return a, np.zeros_like(a)
-    b = np.asarray(b, dtype=np.float64)
+    b = _array("b", b, 1, allow_nan=True)
     if b.shape != a.shape:
         raise ValueError(f"b must have the same shape as a, (L,) = {a.shape}, got {b.shape}")
-    if not np.all(np.isfinite(b[:-1])):                       # b_{L-1} never enters (NaN allowed)
+    if np.any(np.isnan(b[:-1])):                              # b_{L-1} never enters (NaN allowed)
         raise ValueError("b must be finite (except b[L-1], which does not enter the loss)")
-    return a, np.where(np.isfinite(b), b, 0.0)
+    return a, np.where(np.isnan(b), 0.0, b)
 
 
 def _poly_mul(p, q):
@@ -880,3 +890,64 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5):
     G = np.array([grad(theta0, Z[i:i + size], y[i:i + size]) for i in range(0, size * chunks, size)])
     V = size * np.cov(G, rowvar=False)
     return H_pinv @ V @ H_pinv / Z.shape[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Adapters: the layouts of other code (pm §8 items 1-3, §9; ../shared/reference/ecosystem.md)
+# ---------------------------------------------------------------------------------------------
+
+def tokens_as_columns(Z_rows):
+    """Prompts with tokens as rows, (B, n+1, d+1) (the authors' code, von Oswald et al.), as icl_ref's
+    (B, d+1, n+1). The inverse is tokens_as_rows."""
+    Z_rows = _array("Z_rows", Z_rows, 3)
+    return _prompts(Z_rows.transpose(0, 2, 1), name="Z_rows (transposed)").copy()
+
+
+def tokens_as_rows(Z):
+    """icl_ref's prompts (B, d+1, n+1) with tokens as rows, (B, n+1, d+1)."""
+    return _prompts(Z).transpose(0, 2, 1).copy()
+
+
+def params_from_authors(allparam):
+    """The authors' `allparam` (L, H, 2, d, d) (P block at [..., 0, :, :], Q block at [..., 1, :, :])
+    as icl_ref's (P, Q), each (L, H, d+1, d+1).
+
+    Their layer is Z_rows + (Z_rows Q_full Z_rows^T) M (Z_rows P_full^T) / N with
+    P_full = [[P_blk, 0], [0, 1]] and Q_full = [[Q_blk, 0], [0, 0]]; in columns that is
+    P_full Z M Z^T Q_full^T Z / N, so P = P_full and Q = Q_full^T (pm §8 item 1).
+    """
+    allparam = _array("allparam", allparam, 5)
+    L, H, two, d, d2 = allparam.shape
+    if two != 2 or d != d2 or L < 1 or H < 1 or d < 1:
+        raise ValueError(f"allparam must have shape (L, H, 2, d, d), got {allparam.shape}")
+    P, Q = np.zeros((2, L, H, d + 1, d + 1))
+    P[:, :, :d, :d] = allparam[:, :, 0]
+    P[:, :, d, d] = 1.0
+    Q[:, :, :d, :d] = allparam[:, :, 1].transpose(0, 1, 3, 2)
+    return P, Q
+
+
+def params_to_authors(P, Q):
+    """Inverse of params_from_authors: (P, Q) -> allparam (L, H, 2, d, d). Only (P, Q) of the
+    authors' form can be mapped: P's last row and column e_{d+1}, Q's last row and column 0."""
+    P, Q = _params(P, Q)
+    d = P.shape[-1] - 1
+    e = np.zeros(d + 1)
+    e[d] = 1.0
+    if (np.any(P[..., d, :] != e) or np.any(P[..., :, d] != e) or np.any(Q[..., d, :])
+            or np.any(Q[..., :, d])):
+        raise ValueError("P, Q must have the authors' form: P's last row and column e_{d+1}, "
+                         "Q's last row and column zero")
+    return np.stack([P[..., :d, :d], Q[..., :d, :d].swapaxes(-1, -2)], axis=2)
+
+
+def grads_to_authors(dP, dQ):
+    """The gradient with respect to the authors' allparam, from icl_ref's (dP, dQ):
+    chain rule through params_from_authors (the Q block enters transposed)."""
+    dP, dQ = _params(dP, dQ)
+    d = dP.shape[-1] - 1
+    return np.stack([dP[..., :d, :d], dQ[..., :d, :d].swapaxes(-1, -2)], axis=2)
+
+
+VON_OSWALD_LOSS_SCALE = 0.5
+"""von Oswald et al. (2023) report 0.5 * mean squared error: multiply icl_ref's loss and gradient by it."""

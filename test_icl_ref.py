@@ -680,3 +680,138 @@ def test_paper_experiment_three_layer_sparse_reaches_family_optimum(seed):
         assert ir.distance_to_multiple(A[l], Si) <= bound / np.linalg.norm(A[l])
     order = np.argsort(a_hat)                                  # Lemma 4: compare as a multiset
     assert np.all(np.abs(a_hat[order] - a_star) <= Z_MC * se[order]), (a_hat[order], a_star, se[order])
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapters: the authors' layout (tokens as rows, Q transposed) and von Oswald et al.'s loss
+# ---------------------------------------------------------------------------------------------
+
+def authors_forward(allparam, Z_rows):
+    """The authors' layer re-implemented from its published description (linear_transformer.py):
+    tokens as rows, Attn = einsum('BNi,ij,BMj->BNM', Z, Q_full, Z), key = einsum('ij,BNj->BNi',
+    P_full, Z), out = einsum('BNM,ML,BLi->BNi', Attn, A, key) / N, Z <- Z + sum over heads."""
+    L, H, _, d, _ = allparam.shape
+    N = Z_rows.shape[1] - 1
+    A = np.eye(N + 1)
+    A[N, N] = 0
+    for l in range(L):
+        residues = 0
+        for h in range(H):
+            P_full, Q_full = np.zeros((2, d + 1, d + 1))
+            P_full[:d, :d], P_full[d, d] = allparam[l, h, 0], 1
+            Q_full[:d, :d] = allparam[l, h, 1]
+            Attn = np.einsum("BNi,ij,BMj->BNM", Z_rows, Q_full, Z_rows)
+            key = np.einsum("ij,BNj->BNi", P_full, Z_rows)
+            residues = residues + np.einsum("BNM,ML,BLi->BNi", Attn, A, key) / N
+        Z_rows = Z_rows + residues
+    return Z_rows
+
+
+def test_authors_layout_adapter_agrees_and_needs_the_transpose():
+    rng, Z, y = small_problem(seed=70, B=5, n=6)
+    allparam = 0.5 * rng.standard_normal((3, 2, 2, 3, 3))
+    Z_rows = ir.tokens_as_rows(Z)
+    theirs = authors_forward(allparam, Z_rows)
+    P, Q = ir.params_from_authors(allparam)
+    ours = ir.forward(P, Q, ir.tokens_as_columns(Z_rows))
+    assert_allclose(ir.tokens_as_rows(ours), theirs, rtol=0, atol=EXACT * np.max(np.abs(theirs)))
+    wrong = ir.forward(P, Q.swapaxes(-1, -2), Z)               # Q_full taken as the paper's Q
+    assert np.max(np.abs(ir.tokens_as_rows(wrong) - theirs)) > 1e-2 * np.max(np.abs(theirs))
+    # their loss: mean (out[:, N, d] + y)^2, no 1/2; the gradient maps back through the adapter
+    their_loss = lambda ap: np.mean((authors_forward(ap, Z_rows)[:, -1, -1] + y) ** 2)
+    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    assert loss == pytest.approx(their_loss(allparam), rel=EXACT)
+    assert_grad_close(central_diff(their_loss, allparam), ir.grads_to_authors(dP, dQ))
+    assert np.array_equal(ir.params_to_authors(P, Q), allparam)
+    with pytest.raises(ValueError, match="authors' form"):
+        ir.params_to_authors(*random_params(rng, 1, 1, 3))
+    assert np.array_equal(ir.tokens_as_columns(ir.tokens_as_rows(Z)), Z)
+
+
+def test_von_oswald_loss_is_half_of_ours():
+    rng, Z, y = small_problem(seed=71)
+    P, Q = random_params(rng, 2, 1, 3)
+    half_mse = 0.5 * np.mean((-ir.forward_literal(P, Q, Z)[:, -1, -1] - y) ** 2)
+    assert ir.VON_OSWALD_LOSS_SCALE * ir.in_context_loss(P, Q, Z, y) == pytest.approx(half_mse, rel=EXACT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Robustness sweeps: many random valid configurations, and malformed inputs of every kind
+# ---------------------------------------------------------------------------------------------
+
+def test_random_valid_configurations_forward_and_gradient():
+    rng = np.random.default_rng(80)
+    for _ in range(40):
+        d, n, L, B = rng.integers(1, 6), rng.integers(1, 10), rng.integers(1, 5), rng.choice([1, 2, 7, 33])
+        structure = rng.choice(ir.STRUCTURES)
+        H = rng.integers(1, 4) if structure == "full" else 1
+        Sigma, _ = ir.rotated_covariance(rng, rng.uniform(0.3, 2.0, d))
+        Z, y = ir.sample_prompts(rng, B, n, Sigma, noise_std=rng.uniform(0, 1))
+        coords = {k: 0.4 * rng.standard_normal(s) for k, s in ir.structure_shapes(structure, L, d, H).items()}
+        P, Q = ir.structure_to_PQ(structure, coords)
+        fast, literal = ir.forward(P, Q, Z), ir.forward_literal(P, Q, Z)
+        assert_allclose(fast, literal, rtol=0, atol=EXACT * np.max(np.abs(literal)))
+        grads = ir.structure_grad(structure, *ir.loss_and_grad(P, Q, Z, y)[1:])
+        v = {k: rng.standard_normal(np.shape(c)) for k, c in coords.items()}
+        f = lambda t: ir.in_context_loss(*ir.structure_to_PQ(structure, {k: coords[k] + t * v[k] for k in coords}), Z, y)
+        numeric = (f(FD_H) - f(-FD_H)) / (2 * FD_H)
+        analytic = sum(np.sum(grads[k] * v[k]) for k in coords)
+        scale = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()) * sum(np.sum(w ** 2) for w in v.values()))
+        assert abs(numeric - analytic) <= FD_REL * scale, (d, n, L, H, B, structure)
+
+
+def malformed_variants(rng, a):
+    """Arrays that must be refused in place of a valid array a: wrong ndim, wrong size, wrong
+    dtype, NaN/Inf, ragged and non-array values."""
+    nan, inf = a.copy(), a.copy()
+    nan.flat[rng.integers(a.size)] = np.nan
+    inf.flat[rng.integers(a.size)] = -np.inf
+    return [a[0], a[None], np.concatenate([a, a[:1]]), a.astype(complex), a.astype(str), a > 0,
+            nan, inf, [[1.0, 2.0], [3.0]], None, "Z", np.empty((0,) + a.shape[1:])]
+
+
+def test_malformed_inputs_are_refused_before_work():
+    rng = np.random.default_rng(81)
+    Z, y = ir.sample_prompts(rng, 4, 5, np.eye(2))
+    P, Q = random_params(rng, 2, 1, 2)
+    A = rng.standard_normal((2, 2, 2))
+    X, yc = Z[0, :2, :-1].T, Z[0, 2, :-1]
+    calls = {
+        "forward": (ir.forward, dict(P=P, Q=Q, Z=Z)),
+        "predict": (ir.predict, dict(P=P, Q=Q, Z=Z)),
+        "in_context_loss": (ir.in_context_loss, dict(P=P, Q=Q, Z=Z, y=y)),
+        "loss_and_grad": (ir.loss_and_grad, dict(P=P, Q=Q, Z=Z, y=y)),
+        "forward_literal": (ir.forward_literal, dict(P=P, Q=Q, Z=Z)),
+        "sparse_params": (ir.sparse_params, dict(A=A)),
+        "block_params": (ir.block_params, dict(A=A, Bm=A)),
+        "preconditioned_gd": (ir.preconditioned_gd, dict(X=X, y=yc, A=A)),
+        "gamma_star": (ir.gamma_star, dict(Sigma=np.eye(2), n=5)),
+        "single_layer_population_loss": (ir.single_layer_population_loss, dict(Gamma=np.eye(2), Sigma=np.eye(2), n=5)),
+        "distance_to_multiple": (ir.distance_to_multiple, dict(M=np.eye(2), T=np.eye(2))),
+        "train_lbfgs": (lambda **kw: ir.train_lbfgs(layers=1, rng=rng, maxiter=1, **kw), dict(Z=Z, y=y)),
+        "tokens_as_columns": (ir.tokens_as_columns, dict(Z_rows=Z)),
+    }
+    refused = 0
+    for fname, (fn, kwargs) in calls.items():
+        fn(**kwargs)                                          # the valid call works
+        for arg, value in kwargs.items():
+            if not isinstance(value, np.ndarray):
+                continue
+            for bad in malformed_variants(rng, value):
+                if isinstance(bad, np.ndarray) and bad.shape == value.shape and bad.dtype == np.float64 \
+                        and np.all(np.isfinite(bad)):
+                    continue                                  # e.g. a[None] of a 1-long axis: still valid
+                try:
+                    fn(**{**kwargs, arg: bad})
+                except (ValueError, TypeError) as e:
+                    names = [arg, "P and Q", "A and Bm", "M and T"]
+                    assert any(name in str(e) for name in names), (fname, arg, str(e))
+                    refused += 1
+                else:
+                    # only what the function accepts by design may pass: X (B, n, d) for
+                    # preconditioned_gd, which also takes a batch; T = None, the identity
+                    assert (fname, arg) in {("preconditioned_gd", "X"), ("preconditioned_gd", "y")} or \
+                        (fname, arg, bad) == ("distance_to_multiple", "T", None) or \
+                        (isinstance(bad, np.ndarray) and bad.ndim == value.ndim and bad.dtype.kind in "fi"
+                         and np.all(np.isfinite(bad))), (fname, arg, np.shape(bad))
+    assert refused > 150
