@@ -673,6 +673,9 @@ def wishart_trace_moments(n, d, kmax):
     fractions.Fraction; m_0 = d, m_1 = d, m_2 = d (n + d + 1)/n.
     """
     n, d, kmax = _int("n", n, 1), _int("d", d, 1), _int("kmax", kmax, 0)
+    if kmax > 40:      # the recursion visits every partition of k: p(40) = 37338, p(81) = 1.8e7
+        raise ValueError(f"kmax must be <= 40 (exact moments cost every partition of k), got {kmax}; "
+                         "the blocks family needs 2 (3^L - 1)/2 + 1, so L <= 3")
     return [Fraction(d)] + [Fraction(_wishart_T(n, d, (k,)), n ** k) for k in range(1, kmax + 1)]
 
 
@@ -690,21 +693,28 @@ def _family_scalars(a, b):
     return a, np.where(np.isnan(b), 0.0, b)
 
 
+def _poly_trim(p):
+    """Drop exact-zero leading coefficients (b = 0 would otherwise keep degree 3^l terms of 0)."""
+    while len(p) > 1 and p[-1] == 0:
+        p = p[:-1]
+    return p
+
+
 def _poly_mul(p, q):
     out = [Fraction(0)] * (len(p) + len(q) - 1)
     for i, p_i in enumerate(p):
         for j, q_j in enumerate(q):
             out[i + j] += p_i * q_j
-    return out
+    return _poly_trim(out)
 
 
 def _poly_add(p, q):
     m = max(len(p), len(q))
-    return [(p[i] if i < len(p) else 0) + (q[i] if i < len(q) else 0) for i in range(m)]
+    return _poly_trim([(p[i] if i < len(p) else 0) + (q[i] if i < len(q) else 0) for i in range(m)])
 
 
 def _poly_scale(c, p):
-    return [c * p_i for p_i in p]
+    return _poly_trim([c * p_i for p_i in p])
 
 
 def family_polynomials(a, b=None):

@@ -815,3 +815,12 @@ def test_malformed_inputs_are_refused_before_work():
                         (isinstance(bad, np.ndarray) and bad.ndim == value.ndim and bad.dtype.kind in "fi"
                          and np.all(np.isfinite(bad))), (fname, arg, np.shape(bad))
     assert refused > 150
+
+
+def test_sparse_family_degree_stays_L_and_blocks_L4_is_refused():
+    p, r = ir.family_polynomials([0.3, 0.5, 0.9, 1.5])
+    assert len(p) == 5 and len(r) == 4                       # deg p = L, deg r = L - 1 when b = 0
+    p, _ = ir.family_polynomials([0.3, 0.5, 0.9], b=[0.5, 0.7, np.nan])
+    assert len(p) == 1 + (3 ** 3 - 1) // 2                    # deg p = (3^L - 1)/2 with B (pm §4.1)
+    with pytest.raises(ValueError, match="kmax"):
+        ir.family_population_loss([0.3] * 4, 20, 5, b=[0.5] * 4)
