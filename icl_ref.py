@@ -372,6 +372,114 @@ def loss_and_grad(P, Q, Z, y):
 
 
 # ---------------------------------------------------------------------------------------------
+# 3b. Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads)
+#
+#     Attn_sigma(Z) = P Z M sigma(Z^T Q Z),   E = Z^T Q Z (B, n+1, n+1), E[i, j] = z_i^T Q z_j,
+#
+# key i, output column j. These layers need the (n+1) x (n+1) matrix; the linear layer above
+# stays the fast default. sigma is applied entrywise ("relu") or per output column j over keys:
+#   "softmax"     normalises over the n context keys i < n (the keys that M lets through, so each
+#                 column's weights sum to 1; icl_ref's choice)
+#   "softmax_all" normalises over all n+1 keys, the query's own key included, and M then drops
+#                 that key's value: the authors' code (torch softmax(dim=2) before the mask), so a
+#                 column's weights on the context sum to less than 1
+#   "linear"      sigma = identity: the explicit-attention twin of the linear layer
+# ---------------------------------------------------------------------------------------------
+
+ACTIVATIONS = ("linear", "relu", "softmax", "softmax_all")
+
+
+def attention_forward(P_h, Q_h, Z, activation):
+    """One head: out = (1/n) P Z M sigma(Z^T Q Z). P_h, Q_h: (D, D); Z: (B, D, n+1).
+    Returns out (B, D, n+1) and the cache for attention_backward."""
+    n = Z.shape[2] - 1
+    E = Z.transpose(0, 2, 1) @ Q_h @ Z                         # E[i, j] = z_i^T Q z_j
+    if activation == "linear":
+        A = E
+    elif activation == "relu":
+        A = np.maximum(E, 0.0)
+    else:
+        keys = n if activation == "softmax" else n + 1
+        Ek = E[:, :keys, :]
+        A = np.zeros_like(E)
+        A[:, :keys, :] = np.exp(Ek - Ek.max(axis=1, keepdims=True))
+        A /= A.sum(axis=1, keepdims=True)
+    V = P_h @ Z
+    V[:, :, n] = 0.0                                           # V = P Z M
+    return V @ A / n, (P_h, Q_h, Z, E, A, V, activation, n)
+
+
+def attention_backward(dout, cache):
+    """Adjoint of attention_forward: dout (B, D, n+1) -> dZ (B, D, n+1), dP_h, dQ_h (D, D)."""
+    P_h, Q_h, Z, E, A, V, activation, n = cache
+    # out = V A / n                 (product rule: V and A)
+    dV = dout @ A.transpose(0, 2, 1) / n
+    dA = V.transpose(0, 2, 1) @ dout / n
+    # A = sigma(E)
+    if activation == "linear":
+        dE = dA
+    elif activation == "relu":
+        dE = dA * (E > 0)
+    else:                           # softmax per column over its keys; A = 0 on keys left out
+        dE = A * (dA - np.sum(A * dA, axis=1, keepdims=True))
+    # V = P Z M                     (M removes the query column)
+    dV[:, :, n] = 0.0
+    dP_h = np.einsum("bij,bkj->ik", dV, Z)
+    dZ = P_h.T @ dV
+    # E = Z^T Q Z                   (Z appears twice: as keys and as queries)
+    dZ += Q_h @ Z @ dE.transpose(0, 2, 1) + Q_h.T @ Z @ dE
+    dQ_h = np.einsum("bki,bij,blj->kl", Z, dE, Z)
+    return dZ, dP_h, dQ_h
+
+
+def _check_activation(activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _activation_loss_and_grad(P, Q, Z, y, activation):
+    """Loss (mean (Z_L[d, n] + y)^2) and (dP, dQ) through the explicit attention layers."""
+    caches = []
+    for P_l, Q_l in zip(P, Q):
+        heads = [attention_forward(P_h, Q_h, Z, activation) for P_h, Q_h in zip(P_l, Q_l)]
+        caches.append([c for _, c in heads])
+        Z = Z + sum(out for out, _ in heads)                   # Z_{l+1} = Z_l + sum_h Attn_h
+    r = Z[:, -1, -1] + y
+    dZ = np.zeros_like(Z)
+    dZ[:, -1, -1] = 2.0 * r / r.size
+    dP, dQ = np.zeros_like(P), np.zeros_like(Q)
+    for l in reversed(range(len(caches))):
+        dZ_in = dZ.copy()                                      # the residual path
+        for h, cache in enumerate(caches[l]):
+            dZ_h, dP[l, h], dQ[l, h] = attention_backward(dZ, cache)
+            dZ_in += dZ_h
+        dZ = dZ_in
+    return float(np.mean(r ** 2)), dP, dQ, Z
+
+
+def forward_activation(P, Q, Z, activation="relu"):
+    """Z_L of L layers Z <- Z + sum_h P_h Z M sigma(Z^T Q_h Z) / n ([A] §6). Shapes as forward."""
+    _check_activation(activation)
+    P, Q = _params(P, Q)
+    Z = _prompts(Z, P.shape[2])
+    return _activation_loss_and_grad(P, Q, Z, np.zeros(Z.shape[0]), activation)[3]
+
+
+def predict_activation(P, Q, Z, activation="relu"):
+    """y_hat = -Z_L[d, n] of forward_activation, shape (B,)."""
+    return -forward_activation(P, Q, Z, activation)[:, -1, -1]
+
+
+def loss_and_grad_activation(P, Q, Z, y, activation="relu"):
+    """(loss, dP, dQ) for the attention of forward_activation, by hand-written reverse mode."""
+    _check_activation(activation)
+    P, Q = _params(P, Q)
+    Z = _prompts(Z, P.shape[2])
+    y = _labels(y, Z.shape[0])
+    return _activation_loss_and_grad(P, Q, Z, y, activation)[:3]
+
+
+# ---------------------------------------------------------------------------------------------
 # 4. Parametrisations ([A] eq. (8) and (11), pm §1.6) and flat vectors for SciPy
 # ---------------------------------------------------------------------------------------------
 
@@ -472,9 +580,18 @@ def structure_grad(structure, dP, dQ):
 # 5. Training: SciPy L-BFGS-B on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook)
 # ---------------------------------------------------------------------------------------------
 
+def _evaluator(Z, y, activation):
+    """(P, Q) -> (loss, dP, dQ) on the fixed batch (Z, y); the linear layer precomputes S_0 once."""
+    if activation == "linear":
+        n = Z.shape[2] - 1
+        S0, q0 = gram(Z), Z[:, :, n]
+        return lambda P, Q: loss_and_grad_gram(P, Q, S0, q0, y, n)
+    return lambda P, Q: _activation_loss_and_grad(P, Q, Z, y, activation)[:3]
+
+
 def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
                 rng=None, maxiter=2000, maxfun=None, maxcor=20, ftol=1e-15, gtol=1e-10,
-                maxls=50, progress=0, keep_iterates=False):
+                maxls=50, progress=0, keep_iterates=False, activation="linear"):
     """Minimise the in-context loss on the fixed batch (Z, y) with scipy's L-BFGS-B.
 
     Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in {"sparse", "blocks", "full"},
@@ -484,7 +601,8 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     maxls go to scipy.optimize.minimize(method="L-BFGS-B") as they are. progress = k > 0 prints
     "iteration, loss, |grad|, elapsed" to stderr every k iterations. keep_iterates stores the
     coordinates after every iteration (result["iterates"], a list of dicts, initial point first).
-    The Gram matrices S_0 = Z M Z^T are computed once; each evaluation costs O(B L H D^3).
+    activation: "linear" (the paper's layer; the Gram matrices S_0 = Z M Z^T are computed once and
+    each evaluation costs O(B L H D^3)) or one of ACTIVATIONS (explicit attention, O(B L H n^2 D)).
 
     Returns a dict: structure, coords (the structure's own arrays), P, Q, loss, grad_norm, nit,
     nfev, success, status, message, interrupted, wall_time, scipy_version, history (loss after
@@ -492,6 +610,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     a Ctrl-C returns the last completed iterate with interrupted=True and success=False.
     """
     _check_structure(structure)
+    _check_activation(activation)
     layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
     Z = _prompts(Z)
     y = _labels(y, Z.shape[0])
@@ -519,14 +638,14 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                    gtol=_nonneg("gtol", gtol), maxls=_int("maxls", maxls, 1))
     progress = _int("progress", progress, 0)
 
-    S0, q0 = gram(Z), Z[:, :, n]
+    evaluate = _evaluator(Z, y, activation)
 
     def coords_of(theta):
         return dict(zip(shapes, unpack(theta, list(shapes.values()))))
 
     def fun(theta):
         P, Q = structure_to_PQ(structure, coords_of(theta))
-        loss, dP, dQ = loss_and_grad_gram(P, Q, S0, q0, y, n)
+        loss, dP, dQ = evaluate(P, Q)
         grad = pack(structure_grad(structure, dP, dQ).values())
         last.update(theta=theta.copy(), loss=loss, grad=grad)
         return loss, grad
@@ -866,7 +985,7 @@ def fitted_scalar(M, T):
     return float(np.sum(M * T) / np.sum(T * T))
 
 
-def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5):
+def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation="linear"):
     """Sampling covariance of parameters trained on the batch (Z, y), in the structure's coordinates:
 
         Cov(theta_hat) ~ H^+ V H^+ / B,
@@ -878,26 +997,25 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5):
     gradients that are not heavy-tailed (pm §4.2). Returns a (p, p) array in pack order.
     """
     _check_structure(structure)
+    _check_activation(activation)
     Z = _prompts(Z)
     y = _labels(y, Z.shape[0])
     chunks = _int("chunks", chunks, 2)
     if Z.shape[0] < 2 * chunks:
         raise ValueError(f"Z must hold at least 2 * chunks = {2 * chunks} prompts, got {Z.shape[0]}")
-    n = Z.shape[2] - 1
     names, shapes = list(coords), [np.shape(coords[k]) for k in coords]
     theta0 = pack([coords[k] for k in names])
 
-    def grad(theta, Zc, yc, S0=None):
+    def grad(theta, evaluate):
         P, Q = structure_to_PQ(structure, dict(zip(names, unpack(theta, shapes))))
-        S0 = gram(Zc) if S0 is None else S0
-        dP, dQ = loss_and_grad_gram(P, Q, S0, Zc[:, :, n], yc, n)[1:]
-        return pack(structure_grad(structure, dP, dQ).values())
-    S0 = gram(Z)
-    H = np.array([(grad(theta0 + h * e, Z, y, S0) - grad(theta0 - h * e, Z, y, S0)) / (2 * h)
+        return pack(structure_grad(structure, *evaluate(P, Q)[1:]).values())
+    whole = _evaluator(Z, y, activation)
+    H = np.array([(grad(theta0 + h * e, whole) - grad(theta0 - h * e, whole)) / (2 * h)
                   for e in np.eye(theta0.size)])
     H_pinv = np.linalg.pinv((H + H.T) / 2, hermitian=True)
     size = Z.shape[0] // chunks
-    G = np.array([grad(theta0, Z[i:i + size], y[i:i + size]) for i in range(0, size * chunks, size)])
+    G = np.array([grad(theta0, _evaluator(Z[i:i + size], y[i:i + size], activation))
+                  for i in range(0, size * chunks, size)])
     V = size * np.cov(G, rowvar=False)
     return H_pinv @ V @ H_pinv / Z.shape[0]
 

@@ -824,3 +824,77 @@ def test_sparse_family_degree_stays_L_and_blocks_L4_is_refused():
     assert len(p) == 1 + (3 ** 3 - 1) // 2                    # deg p = (3^L - 1)/2 with B (pm §4.1)
     with pytest.raises(ValueError, match="kmax"):
         ir.family_population_loss([0.3] * 4, 20, 5, b=[0.5] * 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads)
+# ---------------------------------------------------------------------------------------------
+
+def test_explicit_linear_attention_is_an_independent_twin_of_the_fast_path():
+    rng, Z, y = small_problem(seed=90)
+    P, Q = random_params(rng, 3, 2, 3)
+    assert_allclose(ir.forward_activation(P, Q, Z, "linear"), ir.forward(P, Q, Z), rtol=0,
+                    atol=EXACT * np.max(np.abs(ir.forward(P, Q, Z))))
+    loss, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, "linear")
+    loss2, dP2, dQ2 = ir.loss_and_grad(P, Q, Z, y)
+    assert loss == pytest.approx(loss2, rel=EXACT)
+    assert_allclose(dP, dP2, rtol=0, atol=EXACT * np.max(np.abs(dP2)))
+    assert_allclose(dQ, dQ2, rtol=0, atol=EXACT * np.max(np.abs(dQ2)))
+
+
+@pytest.mark.parametrize("activation", ["relu", "softmax", "softmax_all"])
+def test_activation_gradients_match_finite_differences(activation):
+    rng, Z, y = small_problem(seed=91)
+    P, Q = random_params(rng, 2, 2, 3)
+    _, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, activation)
+    assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(X, Q, Z, y, activation)[0], P), dP)
+    assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(P, X, Z, y, activation)[0], Q), dQ)
+
+
+def test_softmax_variants_normalise_over_their_keys():
+    # one layer, P = e_d e_d^T: the label row gains (1/n) sum_i y_i w_ij, so with all y_i = 1 the
+    # query's label slot holds (1/n) * (sum of its context weights): 1/n for "softmax" (weights
+    # over the n context keys sum to 1), less than 1/n for "softmax_all" (the query key takes a share)
+    rng = np.random.default_rng(92)
+    Z, _ = ir.sample_prompts(rng, 3, 4, np.eye(2))
+    Z[:, 2, :4] = 1.0
+    P, Q = np.zeros((2, 1, 1, 3, 3))
+    P[0, 0, 2, 2] = 1.0
+    Q[0, 0] = rng.standard_normal((3, 3))
+    assert_allclose(ir.forward_activation(P, Q, Z, "softmax")[:, 2, 4], 1 / 4, rtol=EXACT)
+    assert np.all(ir.forward_activation(P, Q, Z, "softmax_all")[:, 2, 4] < 1 / 4)
+
+
+def test_theorem5_relu_point_is_stationary_and_beats_nearby_points():
+    rng = np.random.default_rng(93)
+    d, n = 3, 10
+    c = 2 * n / (n + 2 * d + 3)                                # Theorem 5
+    P, Q = ir.sparse_params(c * np.eye(d)[None])
+    Z, y = ir.sample_prompts(rng, 60_000, n, np.eye(d))
+    grads = np.array([np.r_[g[1].ravel(), g[2].ravel()] for g in
+                      (ir.loss_and_grad_activation(P, Q, Zc, yc, "relu")
+                       for Zc, yc in zip(np.array_split(Z, 40), np.array_split(y, 40)))])
+    mean, se = grads.mean(axis=0), grads.std(axis=0, ddof=1) / math.sqrt(40)
+    # 4.5 sigma over 32 entries (P and Q): a false alarm has probability < 32 * 7e-6
+    assert np.max(np.abs(mean) / np.where(se > 0, se, np.inf)) < 4.5
+    base = (ir.predict_activation(P, Q, Z, "relu") - y) ** 2
+    for scale in (0.8, 1.25):                                   # along the theorem's own family
+        diff = (ir.predict_activation(P, scale * Q, Z, "relu") - y) ** 2 - base
+        assert diff.mean() > Z_MC * diff.std(ddof=1) / math.sqrt(len(diff))
+    for _ in range(3):                                          # and off it (Q's last row stays 0)
+        V = 0.3 * rng.standard_normal(Q.shape)
+        V[..., d, :] = 0
+        diff = (ir.predict_activation(P, Q + V, Z, "relu") - y) ** 2 - base
+        assert diff.mean() > Z_MC * diff.std(ddof=1) / math.sqrt(len(diff))
+
+
+def test_theorem5_training_finds_the_relu_coefficient():
+    rng = np.random.default_rng(94)
+    d, n, B = 3, 10, 5000
+    Z, y = ir.sample_prompts(rng, B, n, np.eye(d))
+    res = ir.train_lbfgs(Z, y, 1, "sparse", rng=rng, init_scale=0.3, activation="relu", maxiter=500)
+    assert res["success"], res["message"]
+    cov = ir.sandwich_covariance("sparse", res["coords"], Z, y, activation="relu")
+    e = np.eye(d).ravel() / d                                   # a = <A, I>/<I, I>
+    a_hat, se = ir.fitted_scalar(res["coords"]["A"][0], np.eye(d)), math.sqrt(e @ cov @ e)
+    assert abs(a_hat - 2 * n / (n + 2 * d + 3)) <= Z_MC * se
