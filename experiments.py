@@ -448,7 +448,7 @@ def train_factored(Z, y, L, rng, maxiter, scale=0.3):
 @experiment("factored-qk", "reviewer: train Q = W_k^T W_q (standard parametrisation) vs the merged Q")
 def factored_qk(ctx):
     rng, quick = ctx["rng"], ctx["quick"]
-    B, maxiter = (1000, 500) if quick else (5000, 3000)
+    B, maxiter = (1000, 500) if quick else (5000, 1500)
     d, n = 5, 20
     Sigma, Si, Z, y = paper_data(rng, B, n)
     Zv, yv = ir.sample_prompts(rng, 4 * B, n, Sigma, Si)
@@ -468,7 +468,7 @@ def factored_qk(ctx):
 @experiment("unconstrained", "authors' conjecture: with full P, Q, does A ~ Sigma^-1 still emerge?")
 def unconstrained(ctx):
     rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
-    B, maxiter = (1500, 400) if quick else (10000, 2000)
+    B, maxiter = (1500, 400) if quick else (10000, 1500)
     d, n, L = 5, 20, 3
     Sigma, Si, Z, y = paper_data(rng, B, n)
     res = ir.train_lbfgs(Z, y, L, "full", rng=rng, init_scale=0.1, maxiter=maxiter, progress=ctx["progress"])

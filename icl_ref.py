@@ -26,8 +26,8 @@ Conventions (pm §1, §9)
     sparse (8)  P_l = [[0, 0], [0, 1]],   Q_l = -[[A_l, 0], [0, 0]]
     blocks (11) P_l = [[B_l, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]]   (the sign of (8))
 
-Sections follow the paper: data, model, loss and gradient, parametrisations, training, closed
-forms, metrics.
+Sections follow the paper: data, model, loss and gradient (and attention with an activation,
+[A] §6), parametrisations, training, closed forms, metrics; then adapters to other code's layouts.
 """
 import math
 import sys
@@ -236,56 +236,73 @@ def gram(Z):
     return Zc @ Zc.transpose(0, 2, 1)
 
 
-def layer_forward(P_l, Q_l, S, q, n, need_S=True):
-    """One layer in Gram form: T = I + (1/n) sum_h P_h S Q_h, S' = T S T^T, q' = T q.
+def kernel_forward(P_l, Q_l, n):
+    """The layer's action on S as one matrix: vec(sum_h P_h S Q_h) / n = K vec(S) (row-major vec),
 
-    The map S -> sum_h P_h S Q_h is linear and shared by the batch: with row-major vec,
-    vec(P S Q) = (P kron Q^T) vec(S), so T = I + K(S) is one GEMM with the (D^2, D^2) kernel
-    K = (1/n) sum_h P_h kron Q_h^T, whatever H is.
-    P_l, Q_l: (H, D, D); S: (B, D, D) = Z_l M Z_l^T; q: (B, D) query column of Z_l.
+        K = (1/n) sum_h P_h kron Q_h^T,   (D^2, D^2), shared by the whole batch, whatever H is.
+
+    P_l, Q_l: (H, D, D). Returns K.
+    """
+    return sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n
+
+
+def kernel_backward(dK, P_l, Q_l, n):
+    """Adjoint of kernel_forward: dK (D^2, D^2) -> dP_l, dQ_l (H, D, D).
+
+    K[(i l), (j k)] = (1/n) sum_h P_h[i, j] Q_h[k, l]: product rule in P_h and in Q_h.
+    """
+    D = P_l.shape[-1]
+    dK = dK.reshape(D, D, D, D) / n                              # indices [i, l, j, k]
+    dP_l = np.stack([np.einsum("iljk,kl->ij", dK, Q_h) for Q_h in Q_l])
+    dQ_l = np.stack([np.einsum("iljk,ij->kl", dK, P_h) for P_h in P_l])
+    return dP_l, dQ_l
+
+
+def layer_forward(K, S, q, need_S=True):
+    """One layer in Gram form: T = I + K(S), S' = T S T^T, q' = T q.
+
+    K: (D^2, D^2) from kernel_forward; S: (B, D, D) = Z_l M Z_l^T; q: (B, D) query column of Z_l.
     Returns S' (B, D, D) (None unless need_S), q' (B, D), T (B, D, D) and the cache.
+    An unchecked building block: forward, predict and loss_and_grad check their inputs.
     """
     B, D, _ = S.shape
-    K = sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n
     T = (S.reshape(B, D * D) @ K.T).reshape(B, D, D)
     T += np.eye(D)
     TS = T @ S
     S_next = TS @ T.transpose(0, 2, 1) if need_S else None
     q_next = np.einsum("bij,bj->bi", T, q)
-    return S_next, q_next, T, (P_l, Q_l, K, S, q, T, TS, n)
+    return S_next, q_next, T, (K, S, q, T, TS)
 
 
-def layer_backward(dS_next, dq_next, cache):
-    """Adjoint of layer_forward: (dS', dq') -> (dS, dq, dP_l, dQ_l).
+def layer_backward(dS_next, dq_next, cache, need_dS=True):
+    """Adjoint of layer_forward: (dS', dq') -> (dS, dq, dK).
 
     dS_next: (B, D, D) or None (the last layer's S' does not reach the loss); dq_next: (B, D).
-    Returns dS (B, D, D), dq (B, D), dP_l and dQ_l (H, D, D) summed over the batch.
+    Returns dS (B, D, D) (None unless need_dS: the first layer's S_0 is data), dq (B, D), and
+    dK (D^2, D^2) summed over the batch.
     """
-    P_l, Q_l, K, S, q, T, TS, n = cache
+    K, S, q, T, TS = cache
     B, D, _ = S.shape
     # q' = T q                      (product rule: T and q)
-    dT = dq_next[:, :, None] * q[:, None, :]
+    dT = np.einsum("bi,bj->bij", dq_next, q)
     dq = np.einsum("bji,bj->bi", T, dq_next)
     # S' = T S T^T                  (T appears twice; S is a Gram matrix, so S^T = S)
     if dS_next is not None:
         dT += (dS_next + dS_next.transpose(0, 2, 1)) @ TS
-    # vec(T) = vec(I) + K vec(S)    (linear in S and in K; K is shared by the batch)
-    dT_flat, S_flat = dT.reshape(B, D * D), S.reshape(B, D * D)
-    dS = (dT_flat @ K).reshape(B, D, D)
-    if dS_next is not None:
+    # vec(T) = vec(I) + K vec(S)    (linear in S and in K)
+    dT_flat = dT.reshape(B, D * D)
+    dK = dT_flat.T @ S.reshape(B, D * D)
+    dS = (dT_flat @ K).reshape(B, D, D) if need_dS else None
+    if need_dS and dS_next is not None:
         dS += T.transpose(0, 2, 1) @ dS_next @ T                 # S' = T S T^T, the S in the middle
-    dK = (dT_flat.T @ S_flat).reshape(D, D, D, D) / n          # [i, l, j, k] for (i l), (j k)
-    # K = (1/n) sum_h P_h kron Q_h^T, i.e. K[(i l), (j k)] = (1/n) sum_h P_h[i, j] Q_h[k, l]
-    dP_l = np.stack([np.einsum("iljk,kl->ij", dK, Q_h) for Q_h in Q_l])
-    dQ_l = np.stack([np.einsum("iljk,ij->kl", dK, P_h) for P_h in P_l])
-    return dS, dq, dP_l, dQ_l
+    return dS, dq, dK
 
 
-def _propagate(P, Q, S, q, n):
-    """Run layer_forward through all L layers; returns q_L (B, D) and the per-layer caches."""
+def _propagate(Ks, S, q):
+    """Run layer_forward through the layers' kernels Ks; returns q_L (B, D) and the caches."""
     caches = []
-    for l, (P_l, Q_l) in enumerate(zip(P, Q)):
-        S, q, _, cache = layer_forward(P_l, Q_l, S, q, n, need_S=l < len(P) - 1)
+    for l, K in enumerate(Ks):
+        S, q, _, cache = layer_forward(K, S, q, need_S=l < len(Ks) - 1)
         caches.append(cache)
     return q, caches
 
@@ -301,7 +318,7 @@ def forward(P, Q, Z, all_layers=False):
     n = Z.shape[2] - 1
     S, q, Zs = gram(Z), Z[:, :, n], [Z]
     for P_l, Q_l in zip(P, Q):
-        S, q, T, _ = layer_forward(P_l, Q_l, S, q, n)
+        S, q, T, _ = layer_forward(kernel_forward(P_l, Q_l, n), S, q)
         Zs.append(T @ Zs[-1])
     return np.stack(Zs) if all_layers else Zs[-1]
 
@@ -311,7 +328,7 @@ def predict(P, Q, Z):
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
     n = Z.shape[2] - 1
-    q_L, _ = _propagate(P, Q, gram(Z), Z[:, :, n], n)
+    q_L, _ = _propagate([kernel_forward(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)], gram(Z), Z[:, :, n])
     return -q_L[:, -1]
 
 
@@ -343,9 +360,10 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=4096):
     if P.shape != Q.shape or S0.shape != (B, D, D) or q0.shape != (B, D):
         raise ValueError(f"loss_and_grad_gram needs P, Q (L, H, D, D), S0 (B, D, D), q0 (B, D), y (B,); "
                          f"got {P.shape}, {Q.shape}, {S0.shape}, {q0.shape}, {y.shape}")
-    loss, dP, dQ = 0.0, np.zeros_like(P), np.zeros_like(Q)
+    Ks = [kernel_forward(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)]
+    loss, dKs = 0.0, np.zeros((len(Ks),) + Ks[0].shape)
     for c in range(0, B, chunk):
-        q_L, caches = _propagate(P, Q, S0[c:c + chunk], q0[c:c + chunk], n)
+        q_L, caches = _propagate(Ks, S0[c:c + chunk], q0[c:c + chunk])
         r = q_L[:, -1] + y[c:c + chunk]                   # residual Z_L[d, n] + y = y - y_hat
         loss += float(r @ r) / B
         # loss = (1/B) sum_b r_b^2 with r = q_L[:, d] + y
@@ -353,9 +371,11 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=4096):
         dq[:, -1] = 2.0 * r / B
         dS = None
         for l in reversed(range(len(caches))):
-            dS, dq, dP_l, dQ_l = layer_backward(dS, dq, caches[l])
-            dP[l] += dP_l
-            dQ[l] += dQ_l
+            dS, dq, dK = layer_backward(dS, dq, caches[l], need_dS=l > 0)
+            dKs[l] += dK                                  # every chunk uses the same K_l
+    dP, dQ = np.empty_like(P), np.empty_like(Q)
+    for l, (P_l, Q_l) in enumerate(zip(P, Q)):
+        dP[l], dQ[l] = kernel_backward(dKs[l], P_l, Q_l, n)
     return loss, dP, dQ
 
 
@@ -368,7 +388,7 @@ def loss_and_grad(P, Q, Z, y):
     Z = _prompts(Z, P.shape[2])
     y = _labels(y, Z.shape[0])
     n = Z.shape[2] - 1
-    return loss_and_grad_gram(P, Q, gram(Z), Z[:, :, n], y, n)
+    return loss_and_grad_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,7 +411,8 @@ ACTIVATIONS = ("linear", "relu", "softmax", "softmax_all")
 
 def attention_forward(P_h, Q_h, Z, activation):
     """One head: out = (1/n) P Z M sigma(Z^T Q Z). P_h, Q_h: (D, D); Z: (B, D, n+1).
-    Returns out (B, D, n+1) and the cache for attention_backward."""
+    Returns out (B, D, n+1) and the cache for attention_backward. Unchecked building block:
+    forward_activation and loss_and_grad_activation check their inputs."""
     n = Z.shape[2] - 1
     E = Z.transpose(0, 2, 1) @ Q_h @ Z                         # E[i, j] = z_i^T Q z_j
     if activation == "linear":
@@ -584,7 +605,7 @@ def _evaluator(Z, y, activation):
     """(P, Q) -> (loss, dP, dQ) on the fixed batch (Z, y); the linear layer precomputes S_0 once."""
     if activation == "linear":
         n = Z.shape[2] - 1
-        S0, q0 = gram(Z), Z[:, :, n]
+        S0, q0 = gram(Z), np.ascontiguousarray(Z[:, :, n])      # contiguous: 2x faster einsums
         return lambda P, Q: loss_and_grad_gram(P, Q, S0, q0, y, n)
     return lambda P, Q: _activation_loss_and_grad(P, Q, Z, y, activation)[:3]
 
