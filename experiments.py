@@ -270,6 +270,34 @@ def three_layer_blocks(ctx):
     return rows, {}
 
 
+@experiment("two-layer-isotropic", "Theorem 2: a diagonal global minimiser exists; is it a multiple of I?")
+def two_layer_isotropic(ctx):
+    rng, quick = ctx["rng"], ctx["quick"]
+    B, inits, maxiter = (2000, 2, 400) if quick else (20000, 3, 2000)
+    d, n = 5, 20
+    Z, y = ir.sample_prompts(rng, B, n, np.eye(d))
+    a, _, f_star = ir.optimal_family_scalars(2, n, d)
+    family = ir.in_context_loss(*ir.sparse_params(a[:, None, None] * np.eye(d)), Z, y)
+    rows = []
+    for k in range(inits):
+        res = ir.train_lbfgs(Z, y, 2, rng=rng, init_scale=0.5, maxiter=maxiter)
+        A = res["coords"]["A"]
+        # diagonal is a statement up to rotation (the data are isotropic): A_0, A_1 commute and are
+        # symmetric; multiples of I is basis-free: dist(A_l, I) = 0
+        comm = np.linalg.norm(A[0] @ A[1] - A[1] @ A[0]) / (np.linalg.norm(A[0]) * np.linalg.norm(A[1]))
+        asym = max(np.linalg.norm(A_l - A_l.T) / np.linalg.norm(A_l) for A_l in A)
+        eig = [np.linalg.eigvalsh((A_l + A_l.T) / 2) for A_l in A]
+        rows.append(row(f"init {k}: trained loss <= best scalar member (a*={fmt(a)}, f*={f_star:.4f}) on the "
+                        "same batch (ftol slack 1e-9)", f"<= {family:.5f}",
+                        f"{res['loss']:.5f} ({'converged' if res['success'] else 'not converged'})",
+                        verdict(res["loss"] <= family * (1 + 1e-9)), init=k, loss=res["loss"]))
+        rows.append(row(f"init {k}: multiples of I, diagonal (commuting, symmetric) or neither?",
+                        "Theorem 2: diagonal exists", f"dist(A_l, I)={fmt([ir.distance_to_multiple(A_l) for A_l in A], 3)} "
+                        f"commutator {comm:.3f} asymmetry {asym:.3f} eig(A_0)={fmt(eig[0], 3)} eig(A_1)={fmt(eig[1], 3)}",
+                        INFO, init=k))
+    return rows, {}
+
+
 # ---------------------------------------------------------------------------------------------
 # 4-6. Depth, prompt length, conditioning
 # ---------------------------------------------------------------------------------------------
@@ -590,8 +618,8 @@ def cosine(a, b):
 @experiment("softmax-two-head", "rebuttal: two softmax heads learn the linear algorithm, with opposite signs")
 def softmax_two_head(ctx):
     rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
-    B, maxiter = (300, 100) if quick else (1000, 500)
-    d, n = 5, 20
+    B, maxiter = (300, 100) if quick else (2000, 600)
+    d, n = 5, 10                                                 # n = 10: explicit attention is O(n^2)
     Z, y = ir.sample_prompts(rng, B, n, np.eye(d))              # isotropic: x, w* ~ N(0, I)
     Zt, yt = ir.sample_prompts(rng, 4 * B, n, np.eye(d))
     runs = {}
@@ -631,14 +659,16 @@ def softmax_two_head(ctx):
     two = runs["softmax, 2 heads"]
     two_loss = mean_se((two[1] - yt) ** 2)
     rel2 = math.sqrt(np.mean((two[1] - y_lin) ** 2) / np.mean(y_lin ** 2))
-    holds = cos_Q < 0 and cos_P < 0 and two_loss[0] <= lin_loss[0] + Z_MC * math.hypot(lin_loss[1], two_loss[1]) \
-        and rel2 < 0.1
+    parts = {"P heads opposite (cos < 0)": cos_P < 0, "Q heads opposite (cos < 0)": cos_Q < 0,
+             "test loss within 4 SE of linear": two_loss[0] <= lin_loss[0] + Z_MC * math.hypot(lin_loss[1], two_loss[1]),
+             "predictor within 10% of linear": rel2 < 0.1}
+    holds = "HOLDS" if all(parts.values()) else "HOLDS IN PART" if any(parts.values()) else "DOES NOT HOLD"
     rows.append(row("rebuttal's claim: the 2 softmax heads come out with opposite signs and implement the "
-                    "linear predictor (criteria: cos < 0 for P's last rows and Q's first d columns, test loss "
-                    "within 4 SE of linear, rel. pred. diff < 0.1)", "opposite signs, same predictor",
+                    "linear predictor", "opposite signs, same predictor",
                     f"cos(P1,P2)={cos_P:.2f} cos(Q1,Q2)={cos_Q:.2f}; loss {two_loss[0]:.4f} vs linear "
-                    f"{lin_loss[0]:.4f}; rel. pred. diff {rel2:.3f}: claim {'HOLDS' if holds else 'DOES NOT HOLD'} here",
-                    INFO, cos_P=cos_P, cos_Q=cos_Q, holds=holds))
+                    f"{lin_loss[0]:.4f}; rel. pred. diff {rel2:.3f}; "
+                    + "; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in parts.items())
+                    + f" => claim {holds} here", INFO, cos_P=cos_P, cos_Q=cos_Q, holds=holds))
     return rows, {}
 
 

@@ -17,10 +17,11 @@ import icl_ref as ir
 torch = pytest.importorskip("torch")
 
 # float64: both sides are exact computations in the same precision (rounding only).
-# float32: the worst relative errors measured over d <= 20, n <= 200, L <= 4 were below
-# 2e-5 (forward) and 2e-4 (gradient); these bounds leave a factor of ~5 over them.
-TOLERANCES = {torch.float64: dict(forward=1e-12, grad=1e-10),
-              torch.float32: dict(forward=1e-4, grad=1e-3)}
+# float32: the worst relative errors measured by examples/float32_tolerances.py over d <= 20,
+# n <= 200, L <= 4 were 1.2e-6 (forward), 4.1e-6 (loss), 7.8e-6 (gradient); the suggested
+# tolerances are 5x those, rounded up to a power of ten.
+TOLERANCES = {torch.float64: dict(forward=1e-12, loss=1e-12, grad=1e-10),
+              torch.float32: dict(forward=1e-5, loss=1e-4, grad=1e-4)}
 
 
 def attention(P, Q, Z):
@@ -65,5 +66,5 @@ def test_torch_model_matches_icl_ref(dtype):
     ref_loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
     tol = TOLERANCES[dtype]
     assert max_rel(out.detach().double().numpy(), ref_out) < tol["forward"]
-    assert abs(loss.item() - ref_loss) / ref_loss < tol["forward"]
+    assert abs(loss.item() - ref_loss) / ref_loss < tol["loss"]
     assert max_rel(ap.grad.double().numpy(), ir.grads_to_authors(dP, dQ)) < tol["grad"]
