@@ -23,6 +23,7 @@ import math
 import platform
 import sys
 import time
+import zlib
 
 import numpy as np
 import scipy
@@ -618,14 +619,16 @@ def cosine(a, b):
 @experiment("softmax-two-head", "rebuttal: two softmax heads learn the linear algorithm, with opposite signs")
 def softmax_two_head(ctx):
     rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
-    B, maxiter = (300, 100) if quick else (2000, 600)
+    B, maxiter, restarts = (300, 100, 1) if quick else (2000, 600, 3)
     d, n = 5, 10                                                 # n = 10: explicit attention is O(n^2)
     Z, y = ir.sample_prompts(rng, B, n, np.eye(d))              # isotropic: x, w* ~ N(0, I)
     Zt, yt = ir.sample_prompts(rng, 4 * B, n, np.eye(d))
     runs = {}
     for name, act, H in (("linear, 1 head", "linear", 1), ("softmax, 1 head", "softmax_all", 1),
                          ("softmax, 2 heads", "softmax_all", 2)):
-        res = ir.train_lbfgs(Z, y, 1, "full", heads=H, rng=rng, init_scale=0.3, maxiter=maxiter, activation=act)
+        # the full (P, Q) landscape has saddles: keep the best of a few random starts (batch loss)
+        res = min((ir.train_lbfgs(Z, y, 1, "full", heads=H, rng=rng, init_scale=0.3, maxiter=maxiter,
+                                  activation=act) for _ in range(restarts)), key=lambda r: r["loss"])
         y_hat = ir.predict_activation(res["P"], res["Q"], Zt, act)
         runs[name] = (res, y_hat)
         log(f"  {name}: batch loss {res['loss']:.4f}, {res['message']}")
@@ -753,7 +756,8 @@ def main(argv=None):
             fn, answers = EXPERIMENTS[name]
             log(f"{name}: {answers}")
             t0 = time.perf_counter()
-            ctx = dict(rng=np.random.default_rng([args.seed, i]), seed=args.seed, quick=args.quick,
+            # the stream depends on the experiment's name, not its position: each reproduces alone
+            ctx = dict(rng=np.random.default_rng([args.seed, zlib.crc32(name.encode())]), seed=args.seed, quick=args.quick,
                        log=log, progress=args.progress)
             rows, tables = fn(ctx)
             write_csv(os.path.join(args.out, f"{name}.csv"), rows)

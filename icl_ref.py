@@ -199,6 +199,8 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 #     T_l = I + (1/n) sum_h P_h S_l Q_h,   S_l = Z_l M Z_l^T   (D x D, never (n+1) x (n+1)).
 # Every column moves by the same T_l, so S_{l+1} = T_l S_l T_l^T and q_{l+1} = T_l q_l for the
 # query column q. The forward pass needs a prompt only through (S_0, q_0): O(B L H D^3), not n.
+# The map S -> (1/n) sum_h P_h S Q_h is one (D^2, D^2) matrix K shared by the batch
+# (kernel_forward), so the layers' pair below works on S and q alone and K has a pair of its own.
 # ---------------------------------------------------------------------------------------------
 
 def mask(n):
