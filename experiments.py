@@ -7,13 +7,9 @@ measured side with icl_ref's trained models, and prints a table claim / theory /
 verdict. Verdicts: PASS or FAIL for checked claims (each with its computed tolerance), INFO for
 findings that are reported, not checked. The exit status is 1 when a checked claim fails.
 --out DIR receives config.json, one CSV per experiment (and per extra table), summary.md and,
-when matplotlib is importable, PNG figures. Setups: ../shared/reference/paper-math.md §8.
+when matplotlib is importable, PNG figures. Setups: [A] §4.3, §5.1 and App. D; the math is in MATH.md.
 """
 import os
-
-# icl_ref's hot path is single-threaded; SciPy's L-BFGS-B wakes the BLAS thread pool whose spinning
-# workers then take the second core (training measured ~2x slower on 2 cores). Set before NumPy loads.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import csv
@@ -28,6 +24,7 @@ import zlib
 import numpy as np
 import scipy
 import scipy.optimize
+import threadpoolctl
 
 import icl_ref as ir
 
@@ -90,7 +87,7 @@ def context(Z):
 def gd_predict(Z, a, L, precond, drop_last=False):
     """L steps of (preconditioned) GD from 0 with the constant step a (w <- w - a Pre grad R, R
     the mean squared loss over the context), via Lemma 1's recursion. drop_last reproduces the
-    authors' baselines, which use only the first n-1 examples (pm §8 item 7)."""
+    authors' baselines, which use only the first n-1 examples (README, finding 4)."""
     X, Yc, xq = context(Z)
     if drop_last:
         X, Yc = X[:, :-1], Yc[:, :-1]
@@ -183,7 +180,7 @@ def single_layer(ctx):
                         test_loss=mean, test_se=se, rel_prediction_diff=rel))
     dists = [ir.distance_to_multiple(ir.gamma_star(Sigma, n), np.linalg.inv(Sigma))
              for n in (2, 5, 10, 20, 50, 100, 1000, 10000)]
-    # Gamma* = Sigma^-1 + O(1/n) (pm §3.4): ten times n should give a tenth of the distance
+    # Gamma* = Sigma^-1 + O(1/n) (MATH.md §8): ten times n should give a tenth of the distance
     rows.append(row("dist(Gamma*(n), Sigma^-1), n = 2..10^4, decreases to 0 like 1/n (exact)",
                     "monotone; dist(10^3)/dist(10^4) in (5, 20)", fmt(dists, 3),
                     verdict(np.all(np.diff(dists) < 0) and 5 < dists[-2] / dists[-1] < 20)))
@@ -237,7 +234,7 @@ def three_layer_sparse(ctx):
     return rows, {"curve": curve, "heatmaps": heat}
 
 
-@experiment("three-layer-blocks", "Theorem 4, Figs 3-5; paper n=10 vs notebook N=20 (pm §10 item 4)")
+@experiment("three-layer-blocks", "Theorem 4, Figs 3-5; paper n=10 vs notebook N=20 (README, finding 7)")
 def three_layer_blocks(ctx):
     quick, log = ctx["quick"], ctx["log"]
     B, seeds, maxiter = (2000, 1, 200) if quick else (20000, 3, 1000)
@@ -393,7 +390,7 @@ def conditioning(ctx):
         Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
         res = ir.train_lbfgs(Z, y, L, "sparse", rng=rng, init_scale=0.1, maxiter=maxiter)
         mean, se = test_loss(res["P"], res["Q"], Zv, yv)
-        f_star = ir.optimal_family_scalars(L, n, d)[2]          # the same for every Sigma (pm §4.1)
+        f_star = ir.optimal_family_scalars(L, n, d)[2]          # the same for every Sigma (MATH.md §10)
         A = res["coords"]["A"]
         rows.append(row(f"d={d}, kappa={kappa}: transformer does not beat the family optimum; distances",
                         f">= {f_star:.4f}", f"{mean:.4f} +- {se:.1e}; dist(A,S^-1)="
@@ -591,7 +588,7 @@ def nonlinear_targets(ctx):
     B, N_mc = (4000, 200_000) if quick else (20000, 1_000_000)
     d, n, k = 5, 20, 8
     # eta = E|beta|^2 / ((1/n) E[y^2 |x|^2] + (1 - 1/n) E|beta|^2), beta = E_x[x f(x)] = W^T v / (2 sqrt k)
-    # by Stein's lemma (E[x relu(w.x)] = w/2), so E|beta|^2 = d k / (4 k) = d / 4 exactly (pm §5)
+    # by Stein's lemma (E[x relu(w.x)] = w/2), so E|beta|^2 = d k / (4 k) = d / 4 exactly (MATH.md §8)
     beta2 = d / 4
     x = rng.standard_normal((N_mc, d))
     W, v = rng.standard_normal((N_mc, k, d)), rng.standard_normal((N_mc, k))
@@ -747,7 +744,8 @@ def main(argv=None):
 
     config = dict(argv=sys.argv, names=names, quick=args.quick, seed=args.seed, numpy=np.__version__,
                   scipy=scipy.__version__, python=platform.python_version(),
-                  OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS"))
+                  threadpoolctl=threadpoolctl.__version__, cores=len(os.sched_getaffinity(0))
+                  if hasattr(os, "sched_getaffinity") else os.cpu_count())
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     summary, failed = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""], []

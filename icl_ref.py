@@ -2,8 +2,8 @@
 
 "Transformers learn to implement preconditioned gradient descent for in-context learning",
 NeurIPS 2023 (arXiv 2306.00297), cited below as [A]. Equation and section numbers refer to
-[A] and to ../shared/reference/paper-math.md (cited as "pm §k"). Everything is float64 NumPy;
-gradients are derived by hand and checked against finite differences in test_icl_ref.py.
+[A]; "MATH.md §k" is section k of MATH.md beside this file, which derives every formula below.
+Everything is float64 NumPy; gradients are derived by hand and checked in test_icl_ref.py.
 
 Symbols (the paper's names; 0-based indices in code)
     B        batch size (number of prompts); the block parameter is called ``Bm`` in code
@@ -19,7 +19,7 @@ Symbols (the paper's names; 0-based indices in code)
     Sigma    covariance of x, (d, d); Sigma_w covariance of w_star, (d, d)
     Gamma    top-left block of -Q for one layer (Theorem 1), (d, d)
 
-Conventions (pm §1, §9)
+Conventions (MATH.md §1-§3, §5)
     layer       Z <- Z + (1/n) sum_h P_h Z M Z^T Q_h Z        [A] eq. (3)-(4), heads summed
     prediction  y_hat = -Z_L[d, n]                             [A] §2
     loss        mean_b (Z_L[b, d, n] + y_b)^2                   a mean, no factor 1/2
@@ -29,9 +29,12 @@ Conventions (pm §1, §9)
 Sections follow the paper: data, model, loss and gradient (and attention with an activation,
 [A] §6), parametrisations, training, closed forms, metrics; then adapters to other code's layouts.
 """
+import contextlib
 import math
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from functools import lru_cache
 
@@ -39,9 +42,10 @@ import numpy as np
 import scipy
 import scipy.linalg
 import scipy.optimize
+from threadpoolctl import ThreadpoolController
 
 STRUCTURES = ("sparse", "blocks", "full")
-PAPER_EIGENVALUES = (1.0, 1.0, 0.25, 0.0625, 1.0)   # spectrum of Sigma in [A] §4.3 (pm §8)
+PAPER_EIGENVALUES = (1.0, 1.0, 0.25, 0.0625, 1.0)   # spectrum of Sigma in [A] §4.3 (MATH.md §1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +145,7 @@ def _check_structure(structure):
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Data ([A] §2, pm §1.1-1.2, §1.8)
+# 1. Data ([A] §2; MATH.md §1)
 # ---------------------------------------------------------------------------------------------
 
 def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_star=False):
@@ -155,6 +159,7 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
     Sigma_w (d, d) SPD or None, noise_std >= 0.
     Returns Z (B, d+1, n+1) with the query label slot Z[:, d, n] = 0, and y (B,) the query's label
     (noise included when noise_std > 0); with return_w_star also w_star (B, d).
+    MATH.md §1.
     """
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
@@ -175,10 +180,10 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
 
 
 def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
-    """Sigma = U diag(eigenvalues) U^T with U Haar-random orthogonal ([A] §4.3, pm §8).
+    """Sigma = U diag(eigenvalues) U^T with U Haar-random orthogonal ([A] §4.3, MATH.md §1).
 
     U is the Q factor of a Gaussian matrix with the signs of diag(R) folded in, which makes it
-    exactly Haar (the authors' code uses SVD of a uniform matrix, not Haar: pm §8 item 4).
+    exactly Haar (the authors' code uses SVD of a uniform matrix, not Haar: MATH.md §1).
     Returns Sigma (d, d) and U (d, d).
     """
     if not isinstance(rng, np.random.Generator):
@@ -192,7 +197,7 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Model ([A] eq. (3)-(4))
+# 2. Model ([A] eq. (3)-(4); MATH.md §2)
 #
 # Since M removes the query column from the keys and values, one layer is
 #     Z_{l+1} = Z_l + (1/n) sum_h P_h (Z_l M Z_l^T) Q_h Z_l = T_l Z_l,
@@ -204,7 +209,8 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 # ---------------------------------------------------------------------------------------------
 
 def mask(n):
-    """M = diag(1, ..., 1, 0) of shape (n+1, n+1) ([A] §2): the query is not a key or value."""
+    """M = diag(1, ..., 1, 0) of shape (n+1, n+1) ([A] §2): the query is not a key or value.
+    MATH.md §2."""
     n = _int("n", n, 1)
     return np.diag(np.r_[np.ones(n), 0.0])
 
@@ -215,6 +221,7 @@ def forward_literal(P, Q, Z):
         z_j <- z_j + (1/n) sum_h P_h sum_{i<n} z_i (z_i^T Q_h z_j)   for every j <= n (query too)
 
     P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1). Cost O(B L H n^2 D^2).
+    MATH.md §2.
     """
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2]).copy()
@@ -232,7 +239,7 @@ def forward_literal(P, Q, Z):
 
 
 def gram(Z):
-    """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (pm §1.2)."""
+    """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (MATH.md §2)."""
     Z = _prompts(Z)
     Zc = Z[:, :, :-1]                                          # Z M drops the query column
     return Zc @ Zc.transpose(0, 2, 1)
@@ -244,6 +251,7 @@ def kernel_forward(P_l, Q_l, n):
         K = (1/n) sum_h P_h kron Q_h^T,   (D^2, D^2), shared by the whole batch, whatever H is.
 
     P_l, Q_l: (H, D, D). Returns K.
+    MATH.md §2.
     """
     return sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n
 
@@ -252,6 +260,7 @@ def kernel_backward(dK, P_l, Q_l, n):
     """Adjoint of kernel_forward: dK (D^2, D^2) -> dP_l, dQ_l (H, D, D).
 
     K[(i l), (j k)] = (1/n) sum_h P_h[i, j] Q_h[k, l]: product rule in P_h and in Q_h.
+    MATH.md §3.
     """
     D = P_l.shape[-1]
     dK = dK.reshape(D, D, D, D) / n                              # indices [i, l, j, k]
@@ -266,6 +275,7 @@ def layer_forward(K, S, q, need_S=True):
     K: (D^2, D^2) from kernel_forward; S: (B, D, D) = Z_l M Z_l^T; q: (B, D) query column of Z_l.
     Returns S' (B, D, D) (None unless need_S), q' (B, D), T (B, D, D) and the cache.
     An unchecked building block: forward, predict and loss_and_grad check their inputs.
+    MATH.md §2.
     """
     B, D, _ = S.shape
     T = (S.reshape(B, D * D) @ K.T).reshape(B, D, D)
@@ -276,12 +286,14 @@ def layer_forward(K, S, q, need_S=True):
     return S_next, q_next, T, (K, S, q, T, TS)
 
 
-def layer_backward(dS_next, dq_next, cache, need_dS=True):
+def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
     """Adjoint of layer_forward: (dS', dq') -> (dS, dq, dK).
 
     dS_next: (B, D, D) or None (the last layer's S' does not reach the loss); dq_next: (B, D).
     Returns dS (B, D, D) (None unless need_dS: the first layer's S_0 is data), dq (B, D), and
-    dK (D^2, D^2) summed over the batch.
+    dK (D^2, D^2) summed over the batch; with per_prompt, dT (B, D, D) in place of dK, each
+    prompt's own adjoint of T, for the Jacobian (MATH.md §3.1).
+    MATH.md §3.
     """
     K, S, q, T, TS = cache
     B, D, _ = S.shape
@@ -293,11 +305,12 @@ def layer_backward(dS_next, dq_next, cache, need_dS=True):
         dT += (dS_next + dS_next.transpose(0, 2, 1)) @ TS
     # vec(T) = vec(I) + K vec(S)    (linear in S and in K)
     dT_flat = dT.reshape(B, D * D)
-    dK = dT_flat.T @ S.reshape(B, D * D)
     dS = (dT_flat @ K).reshape(B, D, D) if need_dS else None
     if need_dS and dS_next is not None:
         dS += T.transpose(0, 2, 1) @ dS_next @ T                 # S' = T S T^T, the S in the middle
-    return dS, dq, dK
+    if per_prompt:
+        return dS, dq, dT
+    return dS, dq, dT_flat.T @ S.reshape(B, D * D)              # dK = sum_b vec(dT_b) vec(S_b)^T
 
 
 def _propagate(Ks, S, q):
@@ -314,6 +327,7 @@ def forward(P, Q, Z, all_layers=False):
 
     P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1), or with all_layers the stack
     (Z_0, ..., Z_L) of shape (L+1, B, D, n+1). Computed as Z_{l+1} = T_l Z_l (Gram form above).
+    MATH.md §2.
     """
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
@@ -326,7 +340,8 @@ def forward(P, Q, Z, all_layers=False):
 
 
 def predict(P, Q, Z):
-    """TF_L(Z_0) = y_hat = -Z_L[d, n] per prompt ([A] §2), shape (B,). Only (S_0, q_0) are used."""
+    """TF_L(Z_0) = y_hat = -Z_L[d, n] per prompt ([A] §2), shape (B,). Only (S_0, q_0) are used.
+    MATH.md §2."""
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
     n = Z.shape[2] - 1
@@ -335,13 +350,14 @@ def predict(P, Q, Z):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Loss and gradient ([A] eq. (5) as in its App. A.1 and the authors' code: pm §1.5)
+# 3. Loss and gradient ([A] eq. (5) as in its App. A.1 and the authors' code; MATH.md §3)
 # ---------------------------------------------------------------------------------------------
 
 def in_context_loss(P, Q, Z, y):
     """f = mean_b (Z_L[b, d, n] + y_b)^2 = mean_b (y_hat_b - y_b)^2 (no factor 1/2).
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,) true query labels. Returns a float.
+    MATH.md §3.
     """
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
@@ -349,52 +365,153 @@ def in_context_loss(P, Q, Z, y):
     return float(np.mean((predict(P, Q, Z) - y) ** 2))
 
 
-def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=4096):
+@lru_cache(maxsize=1)
+def _threadpools():
+    """threadpoolctl's view of the BLAS libraries loaded with NumPy and SciPy (made once)."""
+    return ThreadpoolController()
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """Context manager: BLAS limited to one thread inside, the caller's setting restored after.
+
+    Why: icl_ref's hot path is many small GEMMs; a multi-threaded BLAS pool wakes for each and
+    its spinning workers take the cores from the chunk workers (and from SciPy's optimisers'
+    bookkeeping between evaluations): ~3x slower training on 2 cores, measured (MATH.md §6).
+    """
+    with _threadpools().limit(limits=1, user_api="blas"):
+        yield
+
+
+def _thread_count(threads):
+    """Worker threads for one evaluation: `threads`, or the cores this process may use."""
+    if threads is None:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return _int("threads", threads, 1)
+
+
+def _map_chunks(fn, B, chunk, threads):
+    """[fn(start, stop) for each chunk of the batch], in chunk order, on `threads` workers that
+    each run one BLAS thread (never more threads than cores). The results come back in chunk order,
+    so sums over them are the same to the last bit whatever the thread count. MATH.md §3."""
+    bounds = [(c, min(c + chunk, B)) for c in range(0, B, chunk)]
+    workers = min(_thread_count(threads), len(bounds))
+    with one_blas_thread():
+        if workers == 1:
+            return [fn(*b) for b in bounds]
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(lambda b: fn(*b), bounds))
+
+
+def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=2048, threads=None):
     """f and (df/dP, df/dQ) from the Gram form (S_0, q_0); the fast path behind training.
 
-    P, Q: (L, H, D, D); S0: (B, D, D) = Z M Z^T; q0: (B, D) = Z[:, :, n]; y: (B,); n context size.
-    Prompts are independent, so the batch is walked in chunks of `chunk` prompts: the same sums,
-    with temporaries that stay in cache (about 1.5x faster at B = 20000 than one pass).
-    Only shapes are checked (it runs every optimiser step; the arrays come from gram and the
-    checked entry points). Returns (loss, dP, dQ).
+    P, Q: (L, H, D, D) float64; S0: (B, D, D) = Z M Z^T, symmetric (layer_backward relies on it);
+    q0: (B, D) = Z[:, :, n]; y: (B,); n context size. Prompts are independent, so the batch is
+    walked in chunks of `chunk` prompts on `threads` workers (default: every core), each chunk's
+    loss and dK divided by the whole B and added up in chunk order (MATH.md §3): the result does
+    not depend on `threads`. Only shapes are checked (it runs every optimiser step; the arrays come
+    from gram and the checked entry points). Returns (loss, dP, dQ).
     """
     B, D = y.shape[0], P.shape[-1]
     if P.shape != Q.shape or S0.shape != (B, D, D) or q0.shape != (B, D):
         raise ValueError(f"loss_and_grad_gram needs P, Q (L, H, D, D), S0 (B, D, D), q0 (B, D), y (B,); "
                          f"got {P.shape}, {Q.shape}, {S0.shape}, {q0.shape}, {y.shape}")
     Ks = [kernel_forward(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)]
-    loss, dKs = 0.0, np.zeros((len(Ks),) + Ks[0].shape)
-    for c in range(0, B, chunk):
-        q_L, caches = _propagate(Ks, S0[c:c + chunk], q0[c:c + chunk])
-        r = q_L[:, -1] + y[c:c + chunk]                   # residual Z_L[d, n] + y = y - y_hat
-        loss += float(r @ r) / B
-        # loss = (1/B) sum_b r_b^2 with r = q_L[:, d] + y
+
+    def one_chunk(start, stop):
+        q_L, caches = _propagate(Ks, S0[start:stop], q0[start:stop])
+        r = q_L[:, -1] + y[start:stop]                    # residual Z_L[d, n] + y = y - y_hat
+        # loss = (1/B) sum_b r_b^2 with r = q_L[:, d] + y: every chunk divides by the whole B
         dq = np.zeros_like(q_L)
         dq[:, -1] = 2.0 * r / B
-        dS = None
+        dS, dKs = None, [None] * len(caches)
         for l in reversed(range(len(caches))):
-            dS, dq, dK = layer_backward(dS, dq, caches[l], need_dS=l > 0)
-            dKs[l] += dK                                  # every chunk uses the same K_l
+            dS, dq, dKs[l] = layer_backward(dS, dq, caches[l], need_dS=l > 0)
+        return float(r @ r) / B, dKs
+
+    parts = _map_chunks(one_chunk, B, _int("chunk", chunk, 1), threads)
+    loss = sum(part[0] for part in parts)
     dP, dQ = np.empty_like(P), np.empty_like(Q)
     for l, (P_l, Q_l) in enumerate(zip(P, Q)):
-        dP[l], dQ[l] = kernel_backward(dKs[l], P_l, Q_l, n)
+        dK = sum(part[1][l] for part in parts)           # every chunk uses the same K_l
+        dP[l], dQ[l] = kernel_backward(dK, P_l, Q_l, n)
     return loss, dP, dQ
 
 
-def loss_and_grad(P, Q, Z, y):
+def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=2048, threads=None):
+    """Residuals r_b = Z_L[b, d, n] + y_b and their Jacobian from the Gram form (MATH.md §3.1).
+
+    Arguments as loss_and_grad_gram. Each prompt's row is the reverse pass seeded with e_d for that
+    prompt alone: dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb, dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
+    structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
+    or "blocks" maps each row through the structure's chain rule (pack order of structure_shapes).
+    Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
+    """
+    _check_structure(structure)
+    B, D = y.shape[0], P.shape[-1]
+    if P.shape != Q.shape or S0.shape != (B, D, D) or q0.shape != (B, D):
+        raise ValueError(f"residuals_and_jacobian_gram needs P, Q (L, H, D, D), S0 (B, D, D), q0 (B, D), "
+                         f"y (B,); got {P.shape}, {Q.shape}, {S0.shape}, {q0.shape}, {y.shape}")
+    L, H = P.shape[:2]
+    Ks = [kernel_forward(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)]
+
+    def one_chunk(start, stop):
+        q_L, caches = _propagate(Ks, S0[start:stop], q0[start:stop])
+        r = q_L[:, -1] + y[start:stop]
+        dq = np.zeros_like(q_L)
+        dq[:, -1] = 1.0                                   # dr_b / dq_L[b] = e_d, prompt by prompt
+        JP, JQ = np.empty((2, len(r)) + P.shape)
+        dS = None
+        for l in reversed(range(L)):
+            dS, dq, dT = layer_backward(dS, dq, caches[l], need_dS=l > 0, per_prompt=True)
+            S = caches[l][1]
+            for h in range(H):
+                # vec(T) = vec(I) + K vec(S), K = (1/n) sum_h P_h kron Q_h^T  (kernel_backward per prompt)
+                JP[:, l, h] = dT @ (Q[l, h].T / n) @ S
+                JQ[:, l, h] = S @ (P[l, h].T / n) @ dT
+        rows = structure_grad(structure, JP.reshape((-1,) + P.shape[1:]), JQ.reshape((-1,) + Q.shape[1:]))
+        return r, np.concatenate([g.reshape(len(r), -1) for g in rows.values()], axis=1)
+
+    parts = _map_chunks(one_chunk, B, _int("chunk", chunk, 1), threads)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def loss_and_grad(P, Q, Z, y, threads=None):
     """In-context loss f (see in_context_loss) and its gradient by hand-written reverse mode.
 
-    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). Returns (loss, dP, dQ), dP and dQ shaped like P, Q.
+    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,); threads: workers over chunks of prompts (default:
+    every core; the result does not depend on it). Returns (loss, dP, dQ), shaped like P, Q.
+    MATH.md §3.
     """
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
     y = _labels(y, Z.shape[0])
     n = Z.shape[2] - 1
-    return loss_and_grad_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
+    return loss_and_grad_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n, threads=threads)
+
+
+def residuals_and_jacobian(P, Q, Z, y, structure="full", threads=None):
+    """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p), MATH.md §3.1.
+
+    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). structure "full" gives J in (P, Q) coordinates
+    (pack order P then Q); "sparse" or "blocks" (P, Q of that structure, H = 1) gives J in the
+    structure's own coordinates (pack order of structure_shapes). The loss is mean(r^2) and its
+    gradient 2 J^T r / B. J holds B p floats (B = 200000, p = 150: 240 MB).
+    """
+    _check_structure(structure)
+    P, Q = _params(P, Q)
+    if structure != "full" and P.shape[1] != 1:
+        raise ValueError(f"structure {structure!r} has one head: P, Q must have H = 1, got H = {P.shape[1]}")
+    Z = _prompts(Z, P.shape[2])
+    y = _labels(y, Z.shape[0])
+    n = Z.shape[2] - 1
+    return residuals_and_jacobian_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
+                                       structure=structure, threads=threads)
 
 
 # ---------------------------------------------------------------------------------------------
-# 3b. Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads)
+# 3b. Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads; MATH.md §4)
 #
 #     Attn_sigma(Z) = P Z M sigma(Z^T Q Z),   E = Z^T Q Z (B, n+1, n+1), E[i, j] = z_i^T Q z_j,
 #
@@ -414,7 +531,7 @@ ACTIVATIONS = ("linear", "relu", "softmax", "softmax_all")
 def attention_forward(P_h, Q_h, Z, activation):
     """One head: out = (1/n) P Z M sigma(Z^T Q Z). P_h, Q_h: (D, D); Z: (B, D, n+1).
     Returns out (B, D, n+1) and the cache for attention_backward. Unchecked building block:
-    forward_activation and loss_and_grad_activation check their inputs."""
+    forward_activation and loss_and_grad_activation check their inputs. MATH.md §4."""
     n = Z.shape[2] - 1
     E = Z.transpose(0, 2, 1) @ Q_h @ Z                         # E[i, j] = z_i^T Q z_j
     if activation == "linear":
@@ -433,7 +550,8 @@ def attention_forward(P_h, Q_h, Z, activation):
 
 
 def attention_backward(dout, cache):
-    """Adjoint of attention_forward: dout (B, D, n+1) -> dZ (B, D, n+1), dP_h, dQ_h (D, D)."""
+    """Adjoint of attention_forward: dout (B, D, n+1) -> dZ (B, D, n+1), dP_h, dQ_h (D, D).
+    MATH.md §4."""
     P_h, Q_h, Z, E, A, V, activation, n = cache
     # out = V A / n                 (product rule: V and A)
     dV = dout @ A.transpose(0, 2, 1) / n
@@ -481,7 +599,8 @@ def _activation_loss_and_grad(P, Q, Z, y, activation):
 
 
 def forward_activation(P, Q, Z, activation="relu"):
-    """Z_L of L layers Z <- Z + sum_h P_h Z M sigma(Z^T Q_h Z) / n ([A] §6). Shapes as forward."""
+    """Z_L of L layers Z <- Z + sum_h P_h Z M sigma(Z^T Q_h Z) / n ([A] §6). Shapes as forward.
+    MATH.md §4."""
     _check_activation(activation)
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
@@ -489,12 +608,13 @@ def forward_activation(P, Q, Z, activation="relu"):
 
 
 def predict_activation(P, Q, Z, activation="relu"):
-    """y_hat = -Z_L[d, n] of forward_activation, shape (B,)."""
+    """y_hat = -Z_L[d, n] of forward_activation, shape (B,). MATH.md §4."""
     return -forward_activation(P, Q, Z, activation)[:, -1, -1]
 
 
 def loss_and_grad_activation(P, Q, Z, y, activation="relu"):
-    """(loss, dP, dQ) for the attention of forward_activation, by hand-written reverse mode."""
+    """(loss, dP, dQ) for the attention of forward_activation, by hand-written reverse mode.
+    MATH.md §4."""
     _check_activation(activation)
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
@@ -503,7 +623,7 @@ def loss_and_grad_activation(P, Q, Z, y, activation="relu"):
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Parametrisations ([A] eq. (8) and (11), pm §1.6) and flat vectors for SciPy
+# 4. Parametrisations ([A] eq. (8) and (11); MATH.md §5) and flat vectors for SciPy
 # ---------------------------------------------------------------------------------------------
 
 def _blocks(name, A):
@@ -517,6 +637,7 @@ def block_params(A, Bm):
     """Structure (11) with the sign of (8): P_l = [[B_l, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]].
 
     A, Bm: (L, d, d). Returns P, Q of shape (L, 1, d+1, d+1).
+    MATH.md §5.
     """
     A, Bm = _blocks("A", A), _blocks("Bm", Bm)
     if A.shape != Bm.shape:
@@ -530,7 +651,8 @@ def block_params(A, Bm):
 
 
 def block_grad(dP, dQ):
-    """Chain rule for block_params: (dP, dQ) of shape (L, 1, D, D) -> (dA, dB), each (L, d, d)."""
+    """Chain rule for block_params: (dP, dQ) of shape (L, 1, D, D) -> (dA, dB), each (L, d, d).
+    MATH.md §5."""
     dP, dQ = _params(dP, dQ)
     return -dQ[:, 0, :-1, :-1], dP[:, 0, :-1, :-1]
 
@@ -539,23 +661,24 @@ def sparse_params(A):
     """Structure (8), the family of Lemma 1: P_l = [[0, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]].
 
     A: (L, d, d). Returns P, Q of shape (L, 1, d+1, d+1).
+    MATH.md §5.
     """
     A = _blocks("A", A)
     return block_params(A, np.zeros_like(A))
 
 
 def sparse_grad(dP, dQ):
-    """Chain rule for sparse_params: (dP, dQ) of shape (L, 1, D, D) -> dA (L, d, d)."""
+    """Chain rule for sparse_params: (dP, dQ) of shape (L, 1, D, D) -> dA (L, d, d). MATH.md §5."""
     return block_grad(dP, dQ)[0]
 
 
 def pack(arrays):
-    """Concatenate arrays into one flat float64 vector (for scipy.optimize)."""
+    """Concatenate arrays into one flat float64 vector (for scipy.optimize). MATH.md §5."""
     return np.concatenate([np.ravel(a) for a in arrays]).astype(np.float64)
 
 
 def unpack(theta, shapes):
-    """Inverse of pack: the flat vector theta cut into arrays of the given shapes."""
+    """Inverse of pack: the flat vector theta cut into arrays of the given shapes. MATH.md §5."""
     theta = _array("theta", theta, 1)
     sizes = [math.prod(s) for s in shapes]
     if theta.shape != (sum(sizes),):
@@ -565,7 +688,8 @@ def unpack(theta, shapes):
 
 
 def structure_shapes(structure, L, d, H=1):
-    """Names and shapes of a structure's own coordinates: sparse A; blocks A, B; full P, Q."""
+    """Names and shapes of a structure's own coordinates: sparse A; blocks A, B; full P, Q.
+    MATH.md §5."""
     _check_structure(structure)
     if structure != "full" and H != 1:
         raise ValueError(f"heads must be 1 for structure {structure!r} (one P, Q per layer), got {H}")
@@ -577,7 +701,7 @@ def structure_shapes(structure, L, d, H=1):
 
 
 def structure_to_PQ(structure, coords):
-    """(P, Q) of a structure's coordinates (a dict as from structure_shapes)."""
+    """(P, Q) of a structure's coordinates (a dict as from structure_shapes). MATH.md §5."""
     _check_structure(structure)
     keys = {"sparse": {"A"}, "blocks": {"A", "B"}, "full": {"P", "Q"}}[structure]
     if not isinstance(coords, dict) or set(coords) != keys:
@@ -590,7 +714,7 @@ def structure_to_PQ(structure, coords):
 
 
 def structure_grad(structure, dP, dQ):
-    """The gradient in a structure's own coordinates, a dict keyed like structure_shapes."""
+    """The gradient in a structure's own coordinates, a dict keyed like structure_shapes. MATH.md §5."""
     if structure == "sparse":
         return {"A": sparse_grad(dP, dQ)}
     if structure == "blocks":
@@ -600,37 +724,62 @@ def structure_grad(structure, dP, dQ):
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Training: SciPy L-BFGS-B on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook)
+# 5. Training on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook; MATH.md §6)
 # ---------------------------------------------------------------------------------------------
 
-def _evaluator(Z, y, activation):
+def _evaluator(Z, y, activation, threads=None):
     """(P, Q) -> (loss, dP, dQ) on the fixed batch (Z, y); the linear layer precomputes S_0 once."""
     if activation == "linear":
         n = Z.shape[2] - 1
         S0, q0 = gram(Z), np.ascontiguousarray(Z[:, :, n])      # contiguous: 2x faster einsums
-        return lambda P, Q: loss_and_grad_gram(P, Q, S0, q0, y, n)
+        return lambda P, Q: loss_and_grad_gram(P, Q, S0, q0, y, n, threads=threads)
     return lambda P, Q: _activation_loss_and_grad(P, Q, Z, y, activation)[:3]
 
 
+def _start(structure, shapes, init, init_scale, rng):
+    """The initial flat vector: iid N(0, init_scale^2) from rng, or the arrays of an init dict.
+    Everything is checked before rng is touched."""
+    if isinstance(init, str) and init == "random":
+        if not isinstance(rng, np.random.Generator):
+            raise TypeError("rng must be a numpy.random.Generator when init='random'")
+        init_scale = _nonneg("init_scale", init_scale)
+        return init_scale * rng.standard_normal(sum(math.prod(s) for s in shapes.values()))
+    if isinstance(init, dict):
+        if set(init) != set(shapes):
+            raise ValueError(f"init must have the keys {sorted(shapes)} for structure {structure!r}, "
+                             f"got {sorted(init)}")
+        arrays = [_array(f"init[{k!r}]", init[k], len(s)) for k, s in shapes.items()]
+        for (k, s), a in zip(shapes.items(), arrays):
+            if a.shape != s:
+                raise ValueError(f"init[{k!r}] must have shape {s}, got {a.shape}")
+        return pack(arrays)
+    raise TypeError(f"init must be 'random' or a dict of arrays keyed {sorted(shapes)}")
+
+
 def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
-                rng=None, maxiter=2000, maxfun=None, maxcor=20, ftol=1e-15, gtol=1e-10,
-                maxls=50, progress=0, keep_iterates=False, activation="linear"):
+                rng=None, maxiter=2000, maxfun=None, maxcor=20, ftol=0.0, gtol=1e-10,
+                maxls=50, progress=0, keep_iterates=False, activation="linear", threads=None):
     """Minimise the in-context loss on the fixed batch (Z, y) with scipy's L-BFGS-B.
 
     Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in {"sparse", "blocks", "full"},
     heads = H >= 1 (only for "full"). init: "random" (iid N(0, init_scale^2) entries drawn
     from rng, a numpy Generator) or a dict of arrays in the structure's coordinates (shapes as
     structure_shapes). The options maxiter, maxfun (default 5 * maxiter), maxcor, ftol, gtol and
-    maxls go to scipy.optimize.minimize(method="L-BFGS-B") as they are. progress = k > 0 prints
+    maxls go to scipy.optimize.minimize(method="L-BFGS-B") as they are; ftol = 0 (the default)
+    stops only on the projected gradient (gtol) or when the loss no longer decreases at all, so a
+    stop is at a small gradient, not at a slow stretch (at the paper's scale |grad| ~ 4e-9). progress = k > 0 prints
     "iteration, loss, |grad|, elapsed" to stderr every k iterations. keep_iterates stores the
     coordinates after every iteration (result["iterates"], a list of dicts, initial point first).
     activation: "linear" (the paper's layer; the Gram matrices S_0 = Z M Z^T are computed once and
     each evaluation costs O(B L H D^3)) or one of ACTIVATIONS (explicit attention, O(B L H n^2 D)).
+    threads: workers per evaluation (default every core); BLAS runs one thread during training
+    (one_blas_thread) and the caller's setting is restored after.
 
     Returns a dict: structure, coords (the structure's own arrays), P, Q, loss, grad_norm, nit,
     nfev, success, status, message, interrupted, wall_time, scipy_version, history (loss after
     each iteration, starting with the initial loss) and options. success is scipy's verdict;
     a Ctrl-C returns the last completed iterate with interrupted=True and success=False.
+    MATH.md §6.
     """
     _check_structure(structure)
     _check_activation(activation)
@@ -639,29 +788,15 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     y = _labels(y, Z.shape[0])
     d, n = Z.shape[1] - 1, Z.shape[2] - 1
     shapes = structure_shapes(structure, layers, d, heads)
-    if isinstance(init, str) and init == "random":
-        if not isinstance(rng, np.random.Generator):
-            raise TypeError("rng must be a numpy.random.Generator when init='random'")
-        init_scale = _nonneg("init_scale", init_scale)
-        x0 = init_scale * rng.standard_normal(sum(math.prod(s) for s in shapes.values()))
-    elif isinstance(init, dict):
-        if set(init) != set(shapes):
-            raise ValueError(f"init must have the keys {sorted(shapes)} for structure {structure!r}, "
-                             f"got {sorted(init)}")
-        arrays = [_array(f"init[{k!r}]", init[k], len(s)) for k, s in shapes.items()]
-        for (k, s), a in zip(shapes.items(), arrays):
-            if a.shape != s:
-                raise ValueError(f"init[{k!r}] must have shape {s}, got {a.shape}")
-        x0 = pack(arrays)
-    else:
-        raise TypeError(f"init must be 'random' or a dict of arrays keyed {sorted(shapes)}")
     options = dict(maxiter=_int("maxiter", maxiter, 1),
                    maxfun=5 * maxiter if maxfun is None else _int("maxfun", maxfun, 1),
                    maxcor=_int("maxcor", maxcor, 1), ftol=_nonneg("ftol", ftol),
                    gtol=_nonneg("gtol", gtol), maxls=_int("maxls", maxls, 1))
     progress = _int("progress", progress, 0)
+    _thread_count(threads)
+    x0 = _start(structure, shapes, init, init_scale, rng)
 
-    evaluate = _evaluator(Z, y, activation)
+    evaluate = _evaluator(Z, y, activation, threads)
 
     def coords_of(theta):
         return dict(zip(shapes, unpack(theta, list(shapes.values()))))
@@ -674,9 +809,11 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
         return loss, grad
 
     last = {}
-    loss0, grad0 = fun(x0)
+    start = time.perf_counter()
+    with one_blas_thread():
+        loss0, grad0 = fun(x0)
     best = dict(theta=x0.copy(), loss=loss0, grad=grad0)     # the last completed iterate
-    history, start = [loss0], time.perf_counter()
+    history = [loss0]
     iterates = [coords_of(x0)] if keep_iterates else None
 
     def callback(theta):
@@ -692,8 +829,9 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                   f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
 
     try:
-        res = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B", callback=callback,
-                                      options=options)
+        with one_blas_thread():
+            res = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B", callback=callback,
+                                          options=options)
         theta, loss, grad = res.x, res.fun, res.jac
         outcome = dict(nit=int(res.nit), nfev=int(res.nfev), success=bool(res.success),
                        status=int(res.status), message=str(res.message), interrupted=False)
@@ -710,8 +848,106 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                 iterates=iterates, **outcome)
 
 
+def _fixed_coordinates(structure, shapes):
+    """Boolean mask (pack order) of the coordinates that never reach the loss: blocks B_{L-1}
+    ([A] footnote 4) and, for full P, Q, the x-rows of the last layer's P (MATH.md §5)."""
+    masks = {k: np.zeros(s, dtype=bool) for k, s in shapes.items()}
+    if structure == "blocks":
+        masks["B"][-1] = True
+    elif structure == "full":
+        masks["P"][-1, :, :-1, :] = True
+    return pack(masks.values()).astype(bool)
+
+
+def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
+                       rng=None, max_nfev=500, gtol=1e-8, progress=0, threads=None):
+    """Minimise the in-context loss on (Z, y) by Gauss-Newton with a trust region (MATH.md §6).
+
+    scipy.optimize.least_squares(method="trf") on the residuals r / sqrt(B) with the hand-derived
+    Jacobian of residuals_and_jacobian_gram, so its objective is half the loss. Arguments as
+    train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates
+    that do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) are held at their
+    initial values (result["fixed"] counts them). Converged means a small gradient: success is
+    grad_norm <= gtol, where grad_norm = |2 J^T r / B| over the free coordinates; scipy's own
+    reason for stopping is in message. Ctrl-C returns the best point evaluated so far with
+    interrupted=True. history holds the loss after each accepted decrease.
+
+    Returns the dict of train_lbfgs (structure, coords, P, Q, loss, grad_norm, nit, nfev, success,
+    status, message, interrupted, wall_time, scipy_version, history, options) plus fixed.
+    """
+    _check_structure(structure)
+    layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
+    Z = _prompts(Z)
+    y = _labels(y, Z.shape[0])
+    B, d, n = Z.shape[0], Z.shape[1] - 1, Z.shape[2] - 1
+    shapes = structure_shapes(structure, layers, d, heads)
+    options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
+    progress = _int("progress", progress, 0)
+    _thread_count(threads)
+    theta0 = _start(structure, shapes, init, init_scale, rng)
+    free = ~_fixed_coordinates(structure, shapes)
+    S0, q0 = gram(Z), np.ascontiguousarray(Z[:, :, n])
+    root_B = math.sqrt(B)
+
+    def coords_of(theta):
+        return dict(zip(shapes, unpack(theta, list(shapes.values()))))
+
+    def full(x):
+        theta = theta0.copy()
+        theta[free] = x
+        return theta
+
+    cache = {}
+
+    def evaluate(x):
+        if cache.get("x") is None or not np.array_equal(cache["x"], x):
+            P, Q = structure_to_PQ(structure, coords_of(full(x)))
+            with np.errstate(over="ignore", invalid="ignore"):
+                r, J = residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure=structure, threads=threads)
+            cache.update(x=x.copy(), r=r, J=J[:, free])
+            loss = float(r @ r) / B if np.all(np.isfinite(r)) else math.inf
+            if loss < best["loss"]:
+                best.update(x=x.copy(), loss=loss, r=r, J=cache["J"])
+                history.append(loss)
+                if progress and (len(history) - 1) % progress == 0:
+                    g = np.linalg.norm(2 * cache["J"].T @ r / B)
+                    print(f"eval {len(history) - 1:6d}  loss {loss:.6e}  |grad| {g:.3e}"
+                          f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
+        return cache
+
+    start = time.perf_counter()
+    best, history = dict(loss=math.inf), []
+    x0 = theta0[free]
+    try:
+        with one_blas_thread():
+            evaluate(x0)
+            if not math.isfinite(best["loss"]):
+                raise ValueError("the initial point gives a non-finite loss: choose a smaller init or "
+                                 "init_scale, or rescale Z")
+            res = scipy.optimize.least_squares(lambda x: evaluate(x)["r"] / root_B, x0,
+                                               jac=lambda x: evaluate(x)["J"] / root_B, method="trf",
+                                               ftol=1e-15, xtol=1e-15, gtol=1e-15,
+                                               max_nfev=options["max_nfev"])
+        outcome = dict(nit=int(res.nfev), nfev=int(res.nfev), status=int(res.status),
+                       message=str(res.message), interrupted=False)
+    except KeyboardInterrupt:
+        outcome = dict(nit=len(history), nfev=None, status=None, interrupted=True,
+                       message=f"interrupted by KeyboardInterrupt after {len(history)} decreases")
+    x, loss = best["x"], best["loss"]
+    grad_norm = float(np.linalg.norm(2 * best["J"].T @ best["r"] / B))
+    coords = coords_of(full(x))
+    P, Q = structure_to_PQ(structure, coords)
+    success = not outcome["interrupted"] and grad_norm <= options["gtol"]
+    if not outcome["interrupted"]:
+        outcome["message"] += (f"; gradient norm {grad_norm:.2e} {'<=' if success else '>'} "
+                               f"gtol {options['gtol']:.1e}")
+    return dict(structure=structure, coords=coords, P=P, Q=Q, loss=loss, grad_norm=grad_norm,
+                success=success, wall_time=time.perf_counter() - start, scipy_version=scipy.__version__,
+                history=np.array(history), options=options, fixed=int(np.sum(~free)), **outcome)
+
+
 # ---------------------------------------------------------------------------------------------
-# 6. Closed forms
+# 6. Closed forms (MATH.md §7-§10)
 # ---------------------------------------------------------------------------------------------
 
 def preconditioned_gd(X, y, A):
@@ -719,7 +955,7 @@ def preconditioned_gd(X, y, A):
 
         w_{l+1} = w_l - A_l^T grad R(w_l),   grad R(w) = (1/n) X^T (X w - y).
 
-    The paper writes A_l; the transpose makes it exact for non-symmetric A_l (pm §2).
+    The paper writes A_l; the transpose makes it exact for non-symmetric A_l (MATH.md §7).
     X: (n, d) or (B, n, d) context covariates; y: (n,) or (B, n) context labels; A: (L, d, d).
     Returns W of shape (L+1, d) or (B, L+1, d); the transformer predicts <w_L, x_q>.
     """
@@ -740,7 +976,7 @@ def preconditioned_gd(X, y, A):
 
 
 def _single_layer_moments(Sigma, n, Sigma_w, noise_var):
-    """(Sigma, Sigma_w, K, E[h w^T]) of pm §3.2, with h = (1/n) sum_i y_i x_i."""
+    """(Sigma, Sigma_w, K, E[h w^T]) of MATH.md §8, with h = (1/n) sum_i y_i x_i."""
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
     d = Sigma.shape[0]
@@ -751,7 +987,7 @@ def _single_layer_moments(Sigma, n, Sigma_w, noise_var):
 
 
 def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0):
-    """Optimal single-layer preconditioner, Theorem 1 of [A] generalised (pm §3.3):
+    """Optimal single-layer preconditioner, Theorem 1 of [A] generalised (MATH.md §8):
 
         Gamma* = K^-1 Sigma Sigma_w,
         K = ((n+1)/n) Sigma Sigma_w Sigma + ((tr(Sigma_w Sigma) + noise_var)/n) Sigma.
@@ -765,7 +1001,7 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0):
 
 
 def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, query_noise=True):
-    """Exact E (y_hat - y_q)^2 of the one-layer sparse model with A_0 = Gamma (pm §3.2):
+    """Exact E (y_hat - y_q)^2 of the one-layer sparse model with A_0 = Gamma (MATH.md §8):
 
         L(Gamma) = tr(Sigma Gamma^T K Gamma) - 2 tr(Sigma Gamma^T Sigma Sigma_w) + tr(Sigma Sigma_w)
                    + noise_var [if query_noise],
@@ -784,7 +1020,7 @@ def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, q
 
 def gd_step_size(n, d, noise_var=0.0):
     """Mahankali et al. (2023): the optimal single layer is one GD step from 0 with the
-    per-example step eta = 1 / (n + 1 + d + noise_var) (pm §5, translated to [A]'s form):
+    per-example step eta = 1 / (n + 1 + d + noise_var) (MATH.md §8, translated to [A]'s form):
     Gamma* = n * eta * I for Sigma = Sigma_w = I, and n * eta * Sigma^-1 for Sigma_w = Sigma^-1.
     """
     return 1.0 / (_int("n", n, 1) + 1 + _int("d", d, 1) + _nonneg("noise_var", noise_var))
@@ -792,7 +1028,7 @@ def gd_step_size(n, d, noise_var=0.0):
 
 @lru_cache(maxsize=None)
 def _wishart_T(n, d, parts):
-    """T(k_1..k_r) = E prod_j tr(W^{k_j}), W ~ Wishart_d(n, I), by the recursion of pm §4.2.
+    """T(k_1..k_r) = E prod_j tr(W^{k_j}), W ~ Wishart_d(n, I), by the recursion of MATH.md §9.
 
     parts is a sorted tuple of positive integers; an exact Python integer is returned.
     """
@@ -809,7 +1045,7 @@ def _wishart_T(n, d, parts):
 
 
 def wishart_trace_moments(n, d, kmax):
-    """m_k = E tr(S^k), k = 0..kmax, for S = W/n, W ~ Wishart_d(n, I) (pm §4.2), exactly.
+    """m_k = E tr(S^k), k = 0..kmax, for S = W/n, W ~ Wishart_d(n, I) (MATH.md §9), exactly.
 
     S is the whitened sample covariance of n context examples ([A] §4.2). Returns a list of
     fractions.Fraction; m_0 = d, m_1 = d, m_2 = d (n + d + 1)/n.
@@ -860,7 +1096,7 @@ def _poly_scale(c, p):
 
 
 def family_polynomials(a, b=None):
-    """Exact coefficients (lowest degree first, Fractions) of p(t) and r(t) = (1 - p(t))/t, pm §4.1:
+    """Exact coefficients (lowest degree first, Fractions) of p(t) and r(t) = (1 - p(t))/t, MATH.md §10:
 
         p(t) = prod_l (1 - a_l s_l(t)),  s_0 = t,  s_{l+1} = s_l (1 - a_l b_l s_l)^2.
 
@@ -881,7 +1117,7 @@ def family_polynomials(a, b=None):
 
 
 def family_population_loss(a, n, d, b=None, noise_var=0.0, query_noise=True):
-    """Exact population loss of the families of Theorems 3 and 4 ([A] §4.2, §5; pm §4.1):
+    """Exact population loss of the families of Theorems 3 and 4 ([A] §4.2, §5; MATH.md §10):
 
     A_l = a_l Sigma^-1, B_l = b_l I (b = None: the sparse family (8)), x ~ N(0, Sigma),
     w* ~ N(0, Sigma^-1), context label noise of variance noise_var. For any Sigma,
@@ -912,6 +1148,7 @@ def wishart_quadrature(n, d, K):
     The recurrence coefficients come from the exact moments by Chebyshev's algorithm in rational
     arithmetic (Gautschi, "Orthogonal polynomials", 2004, §2.1.7), so only the final symmetric
     tridiagonal eigenproblem is in floating point. Returns nodes (K,), weights (K,) (positive).
+    MATH.md §10.
     """
     K = _int("K", K, 1)
     m = wishart_trace_moments(n, d, 2 * K - 1)
@@ -950,11 +1187,12 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     Starts: a_l ~ U(0, 2), b_l ~ U(0, 1.5) from rng (default seed 0).
     Returns (a (L,), b (L,) or None, loss); b[L-1] is NaN since B_{L-1} does not enter the loss
     ([A] footnote 4). For the sparse family a is sorted (the loss is symmetric, Lemma 4).
+    MATH.md §10.
     """
     L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
     rng = np.random.default_rng(0) if rng is None else rng
-    degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, pm §4.1
+    degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, MATH.md §10
     nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
     args = (L, blocks, nodes, weights, n, noise_var)
     best = None
@@ -973,14 +1211,14 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Metrics
+# 7. Metrics (MATH.md §11)
 # ---------------------------------------------------------------------------------------------
 
 def distance_to_multiple(M, T=None):
     """dist(M, T) = min_alpha ||M - alpha T||_F / ||M||_F, alpha = <M, T>_F / <T, T>_F.
 
     With T = I (the default) this is the authors' distance to identity, ||M - (tr M/d) I||/||M||
-    ([A] §4.3, pm §8). M, T: (d, d), M != 0. Returns a float in [0, 1].
+    ([A] §4.3, MATH.md §11). M, T: (d, d), M != 0. Returns a float in [0, 1].
     """
     M = _array("M", M, 2)
     T = np.eye(M.shape[0]) if T is None else _array("T", T, 2)
@@ -993,7 +1231,8 @@ def distance_to_multiple(M, T=None):
 
 
 def distance_to_diagonal(M):
-    """||offdiag(M)||_F / ||M||_F for a square M != 0: 0 exactly when M is diagonal (Theorem 2)."""
+    """||offdiag(M)||_F / ||M||_F for a square M != 0: 0 exactly when M is diagonal (Theorem 2).
+    MATH.md §11."""
     M = _array("M", M, 2)
     if M.shape[0] != M.shape[1] or not np.any(M):
         raise ValueError(f"M must be a nonzero square matrix, got shape {M.shape}")
@@ -1001,7 +1240,8 @@ def distance_to_diagonal(M):
 
 
 def fitted_scalar(M, T):
-    """alpha = <M, T>_F / <T, T>_F, the least-squares scalar with M ~ alpha T (a_l, b_l)."""
+    """alpha = <M, T>_F / <T, T>_F, the least-squares scalar with M ~ alpha T (a_l, b_l).
+    MATH.md §11."""
     M, T = _array("M", M, 2), _array("T", T, 2)
     if M.shape != T.shape:
         raise ValueError(f"M and T must have the same shape, got {M.shape} and {T.shape}")
@@ -1014,10 +1254,11 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
         Cov(theta_hat) ~ H^+ V H^+ / B,
 
     H the batch Hessian of the loss (central differences of the exact gradient; h = 1e-5 balances
-    truncation h^2 against rounding eps/h), V the covariance of one prompt's gradient (the
-    covariance of `chunks` chunk-mean gradients times the chunk size), H^+ the pseudo-inverse
+    truncation h^2 against rounding eps/h), V the covariance of one prompt's gradient: exact from
+    the per-prompt gradients 2 r_b J_b for the linear layer (MATH.md §3.1), else estimated from
+    `chunks` chunk-mean gradients times the chunk size; H^+ the pseudo-inverse
     (B_{L-1} and rescalings leave H singular). Valid near a minimiser of the batch loss, for
-    gradients that are not heavy-tailed (pm §4.2). Returns a (p, p) array in pack order.
+    gradients that are not heavy-tailed (MATH.md §10-§11). Returns a (p, p) array in pack order.
     """
     _check_structure(structure)
     _check_activation(activation)
@@ -1035,27 +1276,31 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     whole = _evaluator(Z, y, activation)
     H = np.array([(grad(theta0 + h * e, whole) - grad(theta0 - h * e, whole)) / (2 * h)
                   for e in np.eye(theta0.size)])
-    H_pinv = np.linalg.pinv((H + H.T) / 2, hermitian=True)
-    size = Z.shape[0] // chunks
-    G = np.array([grad(theta0, _evaluator(Z[i:i + size], y[i:i + size], activation))
-                  for i in range(0, size * chunks, size)])
-    V = size * np.cov(G, rowvar=False)
-    return H_pinv @ V @ H_pinv / Z.shape[0]
+    H_pinv = np.linalg.pinv(np.atleast_2d((H + H.T) / 2), hermitian=True)
+    if activation == "linear":
+        r, J = residuals_and_jacobian(*structure_to_PQ(structure, coords), Z, y, structure=structure)
+        V = np.cov(2 * r[:, None] * J, rowvar=False)
+    else:
+        size = Z.shape[0] // chunks
+        G = np.array([grad(theta0, _evaluator(Z[i:i + size], y[i:i + size], activation))
+                      for i in range(0, size * chunks, size)])
+        V = size * np.cov(G, rowvar=False)
+    return H_pinv @ np.atleast_2d(V) @ H_pinv / Z.shape[0]
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Adapters: the layouts of other code (pm §8 items 1-3, §9; ../shared/reference/ecosystem.md)
+# 8. Adapters: the layouts of other code (MATH.md §12)
 # ---------------------------------------------------------------------------------------------
 
 def tokens_as_columns(Z_rows):
     """Prompts with tokens as rows, (B, n+1, d+1) (the authors' code, von Oswald et al.), as icl_ref's
-    (B, d+1, n+1). The inverse is tokens_as_rows."""
+    (B, d+1, n+1). The inverse is tokens_as_rows. MATH.md §12."""
     Z_rows = _array("Z_rows", Z_rows, 3)
     return _prompts(Z_rows.transpose(0, 2, 1), name="Z_rows (transposed)").copy()
 
 
 def tokens_as_rows(Z):
-    """icl_ref's prompts (B, d+1, n+1) with tokens as rows, (B, n+1, d+1)."""
+    """icl_ref's prompts (B, d+1, n+1) with tokens as rows, (B, n+1, d+1). MATH.md §12."""
     return _prompts(Z).transpose(0, 2, 1).copy()
 
 
@@ -1065,7 +1310,7 @@ def params_from_authors(allparam):
 
     Their layer is Z_rows + (Z_rows Q_full Z_rows^T) M (Z_rows P_full^T) / N with
     P_full = [[P_blk, 0], [0, 1]] and Q_full = [[Q_blk, 0], [0, 0]]; in columns that is
-    P_full Z M Z^T Q_full^T Z / N, so P = P_full and Q = Q_full^T (pm §8 item 1).
+    P_full Z M Z^T Q_full^T Z / N, so P = P_full and Q = Q_full^T (MATH.md §12).
     """
     allparam = _array("allparam", allparam, 5)
     L, H, two, d, d2 = allparam.shape
@@ -1080,7 +1325,8 @@ def params_from_authors(allparam):
 
 def params_to_authors(P, Q):
     """Inverse of params_from_authors: (P, Q) -> allparam (L, H, 2, d, d). Only (P, Q) of the
-    authors' form can be mapped: P's last row and column e_{d+1}, Q's last row and column 0."""
+    authors' form can be mapped: P's last row and column e_{d+1}, Q's last row and column 0.
+    MATH.md §12."""
     P, Q = _params(P, Q)
     d = P.shape[-1] - 1
     e = np.zeros(d + 1)
@@ -1094,7 +1340,7 @@ def params_to_authors(P, Q):
 
 def grads_to_authors(dP, dQ):
     """The gradient with respect to the authors' allparam, from icl_ref's (dP, dQ):
-    chain rule through params_from_authors (the Q block enters transposed)."""
+    chain rule through params_from_authors (the Q block enters transposed). MATH.md §12."""
     dP, dQ = _params(dP, dQ)
     d = dP.shape[-1] - 1
     return np.stack([dP[..., :d, :d], dQ[..., :d, :d].swapaxes(-1, -2)], axis=2)

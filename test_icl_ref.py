@@ -2,9 +2,11 @@
 
 Tolerances, each with its reason:
     EXACT  = 1e-12  relative: two float64 computations of the same exact quantity (rounding only)
-    FD_REL = 1e-6   relative to the gradient's largest entry: central differences at h = 1e-6 have
-                    truncation O(h^2 f''') ~ 1e-12 and rounding O(eps f / h) ~ 1e-10, so 1e-6 leaves
-                    four orders of margin and still catches any wrong term (those are O(1) relative)
+    FD_REL = 1e-6   relative, entry by entry: central differences at h = 1e-6 have truncation
+                    O(h^2 f''') ~ 1e-12 and rounding O(eps f / h) ~ 1e-10, so 1e-6 leaves four orders
+                    of margin and still catches any wrong term (those are O(1) relative)
+    FD_ABS = 1e-8   absolute floor for entries near 0, where relative error means nothing: rounding
+                    of losses of size <= 10 differenced at h = 1e-6 is eps * 10 / h = 2e-9; 5x that
     Z_MC   = 4      Monte Carlo: |estimate - exact| <= 4 standard errors computed from the samples
 Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
 """
@@ -22,6 +24,7 @@ import icl_ref as ir
 EXACT = 1e-12
 FD_REL = 1e-6
 FD_H = 1e-6
+FD_ABS = 1e-8
 Z_MC = 4.0
 
 
@@ -41,7 +44,8 @@ def central_diff(f, X, h=FD_H):
 
 
 def assert_grad_close(numeric, analytic):
-    assert_allclose(analytic, numeric, rtol=0, atol=FD_REL * np.max(np.abs(numeric)))
+    """Entry by entry, so an error confined to the small entries of a gradient is not hidden."""
+    assert_allclose(analytic, numeric, rtol=FD_REL, atol=FD_ABS)
 
 
 def small_problem(seed=0, B=6, n=5, d=3, noise_std=0.0):
@@ -258,11 +262,11 @@ def test_train_lbfgs_keyboard_interrupt_returns_last_iterate():
     rng, Z, y = small_problem(seed=14, B=100, n=8)
     real, calls = ir.loss_and_grad_gram, []
 
-    def interrupted(*args):
+    def interrupted(*args, **kwargs):
         calls.append(1)
         if len(calls) > 8:
             raise KeyboardInterrupt
-        return real(*args)
+        return real(*args, **kwargs)
     with mock.patch.object(ir, "loss_and_grad_gram", interrupted):
         res = ir.train_lbfgs(Z, y, 2, structure="full", rng=rng, maxiter=100)
     assert res["interrupted"] and not res["success"] and "interrupted" in res["message"]
@@ -545,7 +549,7 @@ def test_family_loss_L1_closed_form_and_optimum():
     assert b is None
     assert a[0] == pytest.approx(n / (n + d + 1), rel=1e-7)       # L-BFGS-B optimum, gtol 1e-12
     assert loss == pytest.approx(d * (d + 1) / (n + d + 1), rel=1e-12)   # error in a enters squared
-    # with noise, the loss of the same family equals the single-layer formula of pm §3
+    # with noise, the loss of the same family equals the single-layer formula of MATH.md §8
     s2 = 0.5
     Sigma = np.diag([1.0, 0.5, 2.0, 1.0, 0.25])
     G = 0.6 * np.linalg.inv(Sigma)
@@ -570,7 +574,7 @@ def test_family_loss_L2_explicit_polynomial_and_permutation_symmetry():
 
 
 def test_family_optimum_two_layer_reference_values():
-    # pm §2 (Theorem 2 note): n = 20, d = 5 gives a = {0.5154, 1.2496}, f = 0.36124
+    # Theorem 2 (MATH.md §10, the scalar family at L = 2): n = 20, d = 5 gives a = {0.5154, 1.2496}, f = 0.36124
     a, _, loss = ir.optimal_family_scalars(2, 20, 5)
     assert_allclose(a, [0.5154, 1.2496], atol=5e-5)       # the reference prints 4 decimals
     assert loss == pytest.approx(0.36124, abs=5e-6)
@@ -605,7 +609,7 @@ def chunked_gradient(structure, coords, Z, y, chunks=50):
 @pytest.mark.parametrize("blocks", [False, True])
 def test_theorems_3_and_4_full_gradient_vanishes_at_family_optimum(blocks):
     # n = 40: at n = 10, d = 3 the blocks-family gradient is so heavy-tailed (degree 8 in S) that
-    # chunk standard errors understate the error several-fold (pm §4.2); the loss gate below
+    # chunk standard errors understate the error several-fold (MATH.md §10); the loss gate below
     # would catch such a sample.
     rng = np.random.default_rng(40 + blocks)
     n, d, L = 40, 3, 2
@@ -825,7 +829,7 @@ def test_sparse_family_degree_stays_L_and_blocks_L4_is_refused():
     p, r = ir.family_polynomials([0.3, 0.5, 0.9, 1.5])
     assert len(p) == 5 and len(r) == 4                       # deg p = L, deg r = L - 1 when b = 0
     p, _ = ir.family_polynomials([0.3, 0.5, 0.9], b=[0.5, 0.7, np.nan])
-    assert len(p) == 1 + (3 ** 3 - 1) // 2                    # deg p = (3^L - 1)/2 with B (pm §4.1)
+    assert len(p) == 1 + (3 ** 3 - 1) // 2                    # deg p = (3^L - 1)/2 with B (MATH.md §10)
     with pytest.raises(ValueError, match="kmax"):
         ir.family_population_loss([0.3] * 4, 20, 5, b=[0.5] * 4)
 
@@ -902,3 +906,332 @@ def test_theorem5_training_finds_the_relu_coefficient():
     e = np.eye(d).ravel() / d                                   # a = <A, I>/<I, I>
     a_hat, se = ir.fitted_scalar(res["coords"]["A"][0], np.eye(d)), math.sqrt(e @ cov @ e)
     assert abs(a_hat - 2 * n / (n + 2 * d + 3)) <= Z_MC * se
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct, exact checks of paths that the tests above reach only indirectly
+# ---------------------------------------------------------------------------------------------
+
+def test_kernel_vec_identity_is_row_major():
+    # MATH.md §2: vec(A X B) = (A kron B^T) vec(X) for NumPy's row-major reshape, and K applies
+    # (1/n) sum_h P_h S Q_h to S
+    rng = np.random.default_rng(100)
+    A, X, Bm = rng.standard_normal((3, 4, 4))
+    assert_allclose(np.kron(A, Bm.T) @ X.reshape(-1), (A @ X @ Bm).reshape(-1), rtol=EXACT, atol=0)
+    P, Q = rng.standard_normal((2, 3, 4, 4))
+    S = X + X.T
+    direct = sum(P_h @ S @ Q_h for P_h, Q_h in zip(P, Q)) / 7
+    assert_allclose(ir.kernel_forward(P, Q, 7) @ S.reshape(-1), direct.reshape(-1), rtol=EXACT, atol=EXACT)
+
+
+@pytest.mark.parametrize("B,chunk", [(10, 3), (10, 5), (11, 4), (7, 1), (9, 100)])
+def test_chunked_loss_and_grad_equals_unchunked(B, chunk):
+    # MATH.md §3: chunks divide by the whole B, read their own labels, add their dK; the last
+    # chunk may be short. One chunk holding the whole batch is the reference.
+    rng, Z, y = small_problem(seed=B + chunk, B=B)
+    P, Q = random_params(rng, 3, 2, 3)
+    n = Z.shape[2] - 1
+    S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
+    loss, dP, dQ = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=chunk)
+    ref = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=B)
+    assert loss == pytest.approx(ref[0], rel=EXACT)
+    assert loss == pytest.approx(ir.in_context_loss(P, Q, Z, y), rel=EXACT)   # no chunks at all
+    assert_allclose(dP, ref[1], rtol=EXACT, atol=EXACT * np.max(np.abs(ref[1])))
+    assert_allclose(dQ, ref[2], rtol=EXACT, atol=EXACT * np.max(np.abs(ref[2])))
+
+
+def test_directional_derivatives_along_random_directions():
+    # MATH.md §3: each direction checked on its own, so an error along a few coordinates shows
+    rng, Z, y = small_problem(seed=101, B=30)
+    P, Q = random_params(rng, 3, 2, 3)
+    _, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    for _ in range(8):
+        vP, vQ = rng.standard_normal((2,) + P.shape) * (rng.random((2,) + P.shape) < 0.2)
+        f = lambda t: ir.in_context_loss(P + t * vP, Q + t * vQ, Z, y)
+        numeric = (f(FD_H) - f(-FD_H)) / (2 * FD_H)
+        assert np.sum(dP * vP) + np.sum(dQ * vQ) == pytest.approx(numeric, rel=FD_REL, abs=FD_ABS)
+
+
+def test_lemma1_two_line_counterexample():
+    # MATH.md §7: d = 2, n = 1, x_0 = e_0, y_0 = 1, query e_1, A = [[0, 1], [0, 0]]
+    Z = np.array([[[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]])
+    A = np.array([[[0.0, 1.0], [0.0, 0.0]]])
+    assert ir.predict(*ir.sparse_params(A), Z)[0] == 1.0                  # (1/n) y_0 x_0^T A x_1
+    W = ir.preconditioned_gd(Z[0, :2, :1].T, Z[0, 2, :1], A)
+    assert_allclose(W[1], [0.0, 1.0], rtol=0, atol=0)                     # A^T e_0 = e_1: y_hat = 1
+    assert_allclose(A[0] @ np.array([1.0, 0.0]), [0.0, 0.0])              # the printed A e_0 = 0
+
+
+def _sqrtm_spd(M):
+    lam, V = np.linalg.eigh(M)
+    return (V * np.sqrt(lam)) @ V.T
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.7])
+def test_theorem1_gamma_star_against_the_whitened_eigen_form(noise):
+    # MATH.md §8: Gamma* = Sigma^-1/2 V diag(mu / ((n+1)/n mu + c)) V^T Sigma^-1/2 with
+    # C = Sigma^1/2 Sigma_w Sigma^1/2 = V diag(mu) V^T, c = (tr C + noise)/n: no K, no solve
+    rng = np.random.default_rng(102)
+    n, d = 7, 4
+    Sigma, _ = ir.rotated_covariance(rng, [0.3, 1.0, 2.0, 0.6])
+    E = rng.standard_normal((d, d))
+    Sigma_w = E @ E.T / d + 0.2 * np.eye(d)
+    R = _sqrtm_spd(Sigma)
+    mu, V = np.linalg.eigh(R @ Sigma_w @ R)
+    c = (mu.sum() + noise) / n
+    Ri = np.linalg.inv(R)
+    expected = Ri @ (V * (mu / ((n + 1) / n * mu + c))) @ V.T @ Ri
+    G = ir.gamma_star(Sigma, n, Sigma_w, noise_var=noise)
+    assert_allclose(G, expected, rtol=0, atol=1e-12 * np.max(np.abs(expected)))   # EXACT, scale of G
+    L_star = mu.sum() - np.sum(mu ** 2 / ((n + 1) / n * mu + c)) + noise
+    assert ir.single_layer_population_loss(G, Sigma, n, Sigma_w, noise) == pytest.approx(L_star, rel=1e-11)
+
+
+def test_theorem1_second_moment_K_matches_monte_carlo():
+    # MATH.md §8: K = E[h h^T], h = (1/n) sum_i y_i x_i, sampled through sample_prompts; the closed
+    # form is read off the exact loss (a quadratic in Gamma), sharing no code with the sampler
+    rng = np.random.default_rng(103)
+    n, d, noise = 4, 3, 0.5
+    Sigma, _ = ir.rotated_covariance(rng, [0.5, 1.0, 2.0])
+    Sigma_w = np.diag([1.0, 0.5, 2.0])
+    Z, _ = ir.sample_prompts(rng, 400_000, n, Sigma, Sigma_w, noise_std=math.sqrt(noise))
+    h = np.einsum("bdi,bi->bd", Z[:, :d, :n], Z[:, d, :n]) / n
+    hh = np.einsum("bi,bj->bij", h, h)
+    mean, se = hh.mean(axis=0), hh.std(axis=0, ddof=1) / math.sqrt(len(h))
+    # L(Gamma) = tr(Sigma Gamma^T K Gamma) + linear + const, so for Gamma = E_ij: L(E_ij) + L(-E_ij)
+    # - 2 L(0) = 2 Sigma_jj K_ii; off-diagonal K_ik from Gamma = E_ij + E_kj
+    f = lambda G: ir.single_layer_population_loss(G, Sigma, n, Sigma_w, noise)
+    e = np.eye(d)
+    quad = lambda G: (f(G) + f(-G) - 2 * f(np.zeros((d, d)))) / 2      # tr(Sigma G^T K G)
+    K = np.empty((d, d))
+    for i in range(d):
+        for k in range(d):
+            Gi, Gk = np.outer(e[i], e[0]), np.outer(e[k], e[0])
+            K[i, k] = (quad(Gi + Gk) - quad(Gi) - quad(Gk)) / (2 * Sigma[0, 0])
+    assert np.all(np.abs(mean - K) <= Z_MC * se)
+
+
+def _p_and_r_direct(a, b, t):
+    """p(t) = prod (1 - a_l s_l) and r = sum_l a_l phi_l^2 prod_{k>l} (1 - a_k s_k) (MATH.md §10),
+    the sum form of r, evaluated at t without polynomials."""
+    gam = np.asarray(a) * np.asarray(b)
+    s, phi, factors, weights = t, np.ones_like(t), [], []
+    for a_l, g_l in zip(a, gam):
+        factors.append(1 - a_l * s)
+        weights.append(a_l * phi ** 2)
+        phi, s = phi * (1 - g_l * s), s * (1 - g_l * s) ** 2
+    p = np.prod(factors, axis=0)
+    r = sum(w * np.prod(factors[l + 1:], axis=0) for l, w in enumerate(weights))
+    return p, r
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_family_polynomials_match_the_layer_recursion_on_scalars(blocks):
+    # MATH.md §10 per prompt: with Sigma = I, A_l = a_l I, B_l = b_l I, the transformer's weight
+    # vector satisfies v - omega_L = p(S) v - r(S) e exactly. d queries e_k read omega_L off.
+    rng = np.random.default_rng(104 + blocks)
+    n, d, L = 6, 3, 3
+    a = rng.uniform(0.3, 1.2, L)
+    b = rng.uniform(0.2, 0.9, L) if blocks else np.zeros(L)
+    X = rng.standard_normal((d, n))
+    v, eps = rng.standard_normal(d), rng.standard_normal(n)
+    Z = np.zeros((d, d + 1, n + 1))
+    Z[:, :d, :n], Z[:, d, :n] = X, v @ X + eps
+    Z[:, :d, n] = np.eye(d)                                              # query e_k in prompt k
+    P, Q = ir.block_params(a[:, None, None] * np.eye(d), b[:, None, None] * np.eye(d))
+    omega = ir.predict(P, Q, Z)                                          # y_hat_k = omega^T e_k
+    S, e = X @ X.T / n, X @ eps / n
+    lam, U = np.linalg.eigh(S)
+    pc, rc = ir.family_polynomials(a, b if blocks else None)
+    poly = lambda c, t: sum(float(c_k) * t ** k for k, c_k in enumerate(c))
+    p_S = (U * poly(pc, lam)) @ U.T
+    r_S = (U * poly(rc, lam)) @ U.T
+    assert_allclose(v - omega, p_S @ v - r_S @ e, rtol=0, atol=1e-12 * (1 + np.abs(v).max()))
+    p_dir, r_dir = _p_and_r_direct(a, b, lam)                            # independent of the polynomials
+    assert_allclose(poly(pc, lam), p_dir, rtol=1e-12, atol=1e-12)
+    assert_allclose(poly(rc, lam), r_dir, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("L,blocks", [(2, False), (3, False), (2, True), (3, True)])
+def test_family_loss_with_noise_against_the_gauss_rule_and_the_sum_form(L, blocks):
+    # MATH.md §10: f = E tr p(S)^2 + (s2/n) E tr(S r(S)^2) + s2, with p and r evaluated by the
+    # sum form (not family_polynomials) at the Gauss nodes (exact for this degree).
+    rng = np.random.default_rng(105 + L + 10 * blocks)
+    n, d, s2 = 20, 5, 0.6
+    a = rng.uniform(0.2, 1.5, L)
+    b = rng.uniform(0.3, 1.0, L) if blocks else np.zeros(L)
+    deg = (3 ** L - 1) // 2 if blocks else L
+    nodes, weights = ir.wishart_quadrature(n, d, deg + 1)
+    p, r = _p_and_r_direct(a, b, nodes)
+    expected = weights @ p ** 2 + s2 / n * (weights @ (nodes * r ** 2)) + s2
+    got = ir.family_population_loss(a, n, d, b if blocks else None, noise_var=s2)
+    # 1e-10: all terms are >= 0 (no cancellation), and the float nodes carry ~1e-15 relative error
+    # amplified at most by the degree (<= 26) of the polynomials evaluated there
+    assert got == pytest.approx(expected, rel=1e-10)
+    assert got - ir.family_population_loss(a, n, d, b if blocks else None, noise_var=0.0) - s2 == \
+        pytest.approx(s2 / n * (weights @ (nodes * r ** 2)), rel=1e-9)   # the noise term alone
+
+
+def test_optimal_family_scalars_with_noise():
+    # MATH.md §10: L = 1 has the closed form a* = n/(n+d+1+s2) (§8's Mahankali step); at L = 2 the
+    # returned point is stationary for the noisy loss and differs from the noiseless optimum
+    n, d, s2 = 20, 5, 2.0
+    a, _, loss = ir.optimal_family_scalars(1, n, d, noise_var=s2)
+    assert a[0] == pytest.approx(n / (n + d + 1 + s2), rel=1e-7)          # L-BFGS-B, gtol 1e-12
+    assert loss == pytest.approx(d * (d + 1 + s2) / (n + d + 1 + s2) + s2, rel=1e-12)
+    a2, _, _ = ir.optimal_family_scalars(2, n, d, noise_var=s2)
+    a0, _, _ = ir.optimal_family_scalars(2, n, d)
+    f = lambda x: ir.family_population_loss(x, n, d, noise_var=s2)
+    h = 1e-6
+    grad = [(f(a2 + h * e) - f(a2 - h * e)) / (2 * h) for e in np.eye(2)]
+    assert np.max(np.abs(grad)) < 1e-6                                    # gtol 1e-12 + FD error
+    assert np.min(np.abs(a2 - a0)) > 0.01                                 # noise moves the optimum
+
+
+def test_softmax_all_context_weights_sum_to_one_minus_the_query_keys_weight():
+    # MATH.md §4: for softmax_all, sum_{i<n} A_ij = 1 - A_nj with A_nj = e^{E_nj} / sum_k e^{E_kj}
+    rng = np.random.default_rng(106)
+    Z, _ = ir.sample_prompts(rng, 3, 4, np.eye(2))
+    Z[:, 2, :4] = 1.0
+    P, Q = np.zeros((2, 1, 1, 3, 3))
+    P[0, 0, 2, 2] = 1.0
+    Q[0, 0] = rng.standard_normal((3, 3))
+    E = np.einsum("bki,kl,blj->bij", Z, Q[0, 0], Z)
+    query_weight = np.exp(E[:, 4, 4]) / np.exp(E[:, :, 4]).sum(axis=1)
+    assert_allclose(ir.forward_activation(P, Q, Z, "softmax_all")[:, 2, 4], (1 - query_weight) / 4,
+                    rtol=EXACT)
+
+
+def test_theorem5_exact_relu_loss_matches_monte_carlo():
+    # MATH.md §8: L(c) = d - c d + c^2 d (n + 2d + 3) / (4n) at Q = -c [[I, 0], [0, 0]]
+    rng = np.random.default_rng(107)
+    n, d = 6, 2
+    Z, y = ir.sample_prompts(rng, 150_000, n, np.eye(d))
+    for c in (0.4, 2 * n / (n + 2 * d + 3), 1.5):
+        P, Q = ir.sparse_params(c * np.eye(d)[None])
+        err = ir.predict_activation(P, Q, Z, "relu") - y
+        mean, se = np.mean(err ** 2), np.std(err ** 2, ddof=1) / math.sqrt(err.size)
+        assert abs(mean - (d - c * d + c ** 2 * d * (n + 2 * d + 3) / (4 * n))) <= Z_MC * se
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-prompt Jacobian, Gauss-Newton training, threads (MATH.md §3.1, §6)
+# ---------------------------------------------------------------------------------------------
+
+def residuals_by_forward(P, Q, Z, y):
+    """r = y - y_hat through predict: an independent route to the residuals."""
+    return y - ir.predict(P, Q, Z)
+
+
+def test_jacobian_matches_finite_differences():
+    rng, Z, y = small_problem(seed=110, B=7)
+    P, Q = random_params(rng, 2, 2, 3)
+    r, J = ir.residuals_and_jacobian(P, Q, Z, y)
+    assert_allclose(r, residuals_by_forward(P, Q, Z, y), rtol=EXACT, atol=EXACT)
+    theta = ir.pack([P, Q])
+    shapes = [P.shape, Q.shape]
+    numeric = np.empty_like(J)
+    for k in range(theta.size):
+        e = np.zeros_like(theta)
+        e[k] = FD_H
+        numeric[:, k] = (residuals_by_forward(*ir.unpack(theta + e, shapes), Z, y)
+                         - residuals_by_forward(*ir.unpack(theta - e, shapes), Z, y)) / (2 * FD_H)
+    assert_grad_close(numeric, J)
+
+
+@pytest.mark.parametrize("structure", ["full", "sparse", "blocks"])
+def test_jacobian_sums_to_the_gradient(structure):
+    # 2 J^T r / B is the loss gradient, with chunks of 4 over 11 prompts (the last one short)
+    rng, Z, y = small_problem(seed=111, B=11)
+    shapes = ir.structure_shapes(structure, 3, 3, 2 if structure == "full" else 1)
+    coords = {k: 0.5 * rng.standard_normal(s) for k, s in shapes.items()}
+    P, Q = ir.structure_to_PQ(structure, coords)
+    n = Z.shape[2] - 1
+    r, J = ir.residuals_and_jacobian_gram(P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
+                                          structure=structure, chunk=4)
+    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    grad = ir.pack(ir.structure_grad(structure, dP, dQ).values())
+    assert np.mean(r ** 2) == pytest.approx(loss, rel=EXACT)
+    assert_allclose(2 * J.T @ r / len(r), grad, rtol=0, atol=EXACT * np.max(np.abs(grad)))
+
+
+def test_jacobian_in_structure_coordinates():
+    rng, Z, y = small_problem(seed=112, B=5)
+    A, Bm = rng.standard_normal((2, 2, 3, 3))
+    _, J = ir.residuals_and_jacobian(*ir.block_params(A, Bm), Z, y, structure="blocks")
+    theta, shapes = ir.pack([A, Bm]), [A.shape, Bm.shape]
+    f = lambda t: residuals_by_forward(*ir.block_params(*ir.unpack(t, shapes)), Z, y)
+    numeric = np.stack([(f(theta + FD_H * e) - f(theta - FD_H * e)) / (2 * FD_H)
+                        for e in np.eye(theta.size)], axis=1)
+    assert_grad_close(numeric, J)
+    assert np.all(J[:, -9:] == 0)                         # B_{L-1} never reaches the residuals
+
+
+def test_train_gauss_newton_converges_and_matches_lbfgs():
+    rng, Z, y = small_problem(seed=113, B=400, n=8)
+    A0 = 0.1 * rng.standard_normal((2, 3, 3))
+    gn = ir.train_gauss_newton(Z, y, 2, init={"A": A0})
+    lb = ir.train_lbfgs(Z, y, 2, init={"A": A0}, maxiter=2000)
+    assert gn["success"] and gn["grad_norm"] <= 1e-8 and not gn["interrupted"]
+    # both stop at gradients <= 1e-8 near a minimiser; a loss gap there is O(|grad|^2 / curvature)
+    assert gn["loss"] == pytest.approx(lb["loss"], rel=1e-9)
+    assert gn["loss"] == pytest.approx(ir.in_context_loss(gn["P"], gn["Q"], Z, y), rel=EXACT)
+    for key in ("coords", "P", "Q", "loss", "grad_norm", "nit", "nfev", "success", "message", "history",
+                "interrupted", "wall_time", "fixed"):
+        assert key in gn
+    B0 = rng.standard_normal((2, 3, 3))
+    gb = ir.train_gauss_newton(Z, y, 2, structure="blocks", init={"A": A0, "B": B0})
+    assert gb["fixed"] == 9 and np.array_equal(gb["coords"]["B"][1], B0[1])   # B_{L-1} held
+    assert gb["success"] == (gb["grad_norm"] <= 1e-8)      # converged means a small gradient
+    assert str(gb["grad_norm"])[:4] in gb["message"] or f"{gb['grad_norm']:.2e}" in gb["message"]
+
+
+def test_thread_count_does_not_change_results():
+    # chunks are summed in chunk order whatever the number of workers: bit-identical results
+    rng, Z, y = small_problem(seed=114, B=53)
+    P, Q = random_params(rng, 3, 2, 3)
+    n = Z.shape[2] - 1
+    args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
+    runs = [ir.loss_and_grad_gram(*args, chunk=5, threads=k) for k in (1, 2, 3)]
+    for other in runs[1:]:
+        assert other[0] == runs[0][0]
+        assert np.array_equal(other[1], runs[0][1]) and np.array_equal(other[2], runs[0][2])
+    with pytest.raises(ValueError, match="threads"):
+        ir.loss_and_grad(P, Q, Z, y, threads=0)
+
+
+def test_train_lbfgs_restores_the_callers_blas_threads():
+    from threadpoolctl import threadpool_info, threadpool_limits
+    rng, Z, y = small_problem(seed=115, B=50, n=8)
+    seen, real = [], ir.loss_and_grad_gram
+
+    def spy(*args, **kwargs):
+        seen.append(max(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
+        return real(*args, **kwargs)
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        with mock.patch.object(ir, "loss_and_grad_gram", spy):
+            ir.train_lbfgs(Z, y, 1, rng=rng, maxiter=3)
+        after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    assert seen and set(seen) == {1}                      # one BLAS thread while training
+    assert after == before                                # the caller's setting is back
+
+
+def test_sandwich_covariance_matches_the_spread_over_batches():
+    # MATH.md §11: one layer, sparse, fitted on R independent batches; the trace of the empirical
+    # covariance of A_hat against the sandwich from one batch. tr of a sample covariance from R
+    # replicates has relative standard error <= sqrt(2 / (R - 1)); 4 of them, plus the sandwich's
+    # own estimation error from one batch of B prompts (a few percent).
+    rng = np.random.default_rng(116)
+    d, n, B, R = 2, 6, 3000, 150
+    Sigma = np.diag([1.0, 0.4])
+    fits = []
+    for k in range(R):
+        Z, y = ir.sample_prompts(rng, B, n, Sigma, noise_std=0.5)
+        res = ir.train_gauss_newton(Z, y, 1, init={"A": np.zeros((1, d, d))})
+        assert res["success"]
+        fits.append(res["coords"]["A"].ravel())
+        if k == 0:
+            cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
+    empirical = np.trace(np.cov(np.array(fits), rowvar=False))
+    assert abs(empirical / np.trace(cov) - 1) <= 4 * math.sqrt(2 / (R - 1)) + 0.1

@@ -1,0 +1,93 @@
+"""The project stands alone: citations into MATH.md resolve, MATH.md names only what exists, every
+public function cites the section that derives it, and no tracked file points outside the repository."""
+import inspect
+import os
+import re
+import subprocess
+
+import pytest
+
+import icl_ref as ir
+import test_experiments
+import test_icl_ref
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+MATH = open(os.path.join(ROOT, "MATH.md"), encoding="utf-8").read()
+SECTIONS = {int(k) for k in re.findall(r"^## §(\d+) ", MATH, flags=re.M)}
+OUTSIDE = ".." + "/shared"                  # spelled in two parts so this file does not match itself
+MAX_BYTES = 500_000
+
+
+def tracked_files():
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        return [f for f in out.decode().split("\0") if f]
+    except (OSError, subprocess.CalledProcessError):     # an unpacked sdist has no .git
+        pytest.skip("not a git checkout")
+
+
+def cited_sections(text):
+    """Every k in "MATH.md §k", "MATH.md §j-§k" and "MATH.md §j, §k"."""
+    out = []
+    for run in re.findall(r"MATH\.md((?:[ ,\-–]*§\d+)+)", text):
+        ks = [int(k) for k in re.findall(r"§(\d+)", run)]
+        out += ks if "-" not in run else list(range(ks[0], ks[-1] + 1))
+    return out
+
+
+def test_math_md_sections_are_numbered_in_order():
+    numbers = [int(k) for k in re.findall(r"^## §(\d+) ", MATH, flags=re.M)]
+    assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_math_md_citations_resolve():
+    missing = []
+    for f in tracked_files():
+        if f.endswith((".py", ".md", ".toml", ".txt")) or f.startswith(".ci/"):
+            text = open(os.path.join(ROOT, f), encoding="utf-8").read()
+            missing += [(f, k) for k in cited_sections(text) if k not in SECTIONS]
+    assert not missing, f"citations of MATH.md sections that do not exist: {missing}"
+
+
+def test_no_tracked_file_points_outside_or_is_large():
+    for f in tracked_files():
+        path = os.path.join(ROOT, f)
+        assert os.path.getsize(path) <= MAX_BYTES, f"{f} is {os.path.getsize(path)} bytes"
+        with open(path, "rb") as fh:
+            assert OUTSIDE.encode() not in fh.read(), f"{f} refers to {OUTSIDE}"
+
+
+def listed(label):
+    """{section: names} from the "**Implemented by**" or "**Checked by**" paragraphs of MATH.md."""
+    out = {}
+    for k, body in re.findall(r"^## §(\d+) .*?\n(.*?)(?=^## §|\Z)", MATH, flags=re.M | re.S):
+        paras = re.findall(rf"\*\*{label}\*\*(.*?)(?=\n\n|\*\*Checked by\*\*|\Z)", body, flags=re.S)
+        if paras:        # a section and its subsections (### §k.j) may each have one
+            out[int(k)] = [name for p in paras for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", p)]
+    return out
+
+
+def test_math_md_names_only_functions_and_tests_that_exist():
+    tests = {n for m in (test_icl_ref, test_experiments) for n in dir(m) if n.startswith("test_")}
+    tests |= {n for n in globals() if n.startswith("test_")}
+    for k, names in listed("Implemented by").items():
+        assert names, f"MATH.md §{k} names no implementing function"
+        for name in names:
+            assert hasattr(ir, name), f"MATH.md §{k} names icl_ref.{name}, which does not exist"
+    for k, names in listed("Checked by").items():
+        assert names, f"MATH.md §{k} names no test"
+        for name in names:
+            if name.startswith("test_"):
+                assert name in tests, f"MATH.md §{k} names {name}, which is not a test"
+
+
+def test_every_public_function_is_derived_in_math_md_and_cites_its_section():
+    section_of = {name: k for k, names in listed("Implemented by").items() for name in names}
+    public = [name for name, obj in vars(ir).items() if inspect.isfunction(obj)
+              and not name.startswith("_") and obj.__module__ == ir.__name__]
+    assert public
+    for name in public:
+        assert name in section_of, f"icl_ref.{name} is not listed under any MATH.md section"
+        doc = inspect.getdoc(getattr(ir, name)) or ""
+        assert section_of[name] in cited_sections(doc), \
+            f"icl_ref.{name}'s docstring does not cite MATH.md §{section_of[name]}"

@@ -1,0 +1,193 @@
+"""Mutation check: does the default test suite notice plausible slips in icl_ref.py's math?
+
+Each mutation replaces one line's text (which must occur exactly once) in a copy of the project,
+runs the default suite there with `-x`, and is "killed" when the suite fails. A survivor that
+changes a result is a hole in the tests. Equivalent mutants (that cannot change any result) are
+listed apart, with the reason, and not run.
+
+    python3 tools/mutants.py            # all mutants, 2 at a time (~10 min on 2 cores)
+    python3 tools/mutants.py -k chunk   # those whose name contains "chunk"
+    python3 tools/mutants.py --list
+
+Not part of CI (too slow). Exit status 1 if a mutant survives or no longer applies.
+"""
+import argparse
+import concurrent.futures
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, old text, new text, why it matters)
+MUTANTS = [
+    # §2 the layer and the Gram form
+    ("mask-includes-query", "return np.diag(np.r_[np.ones(n), 0.0])", "return np.diag(np.r_[np.ones(n), 1.0])",
+     "the query becomes a key and a value"),
+    ("gram-keeps-query", "Zc = Z[:, :, :-1]                                          # Z M drops the query column",
+     "Zc = Z", "S counts the query token"),
+    ("kernel-no-transpose", "return sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n",
+     "return sum(np.kron(P_h, Q_h) for P_h, Q_h in zip(P_l, Q_l)) / n", "column-major vec identity"),
+    ("kernel-1/(n+1)", "return sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n",
+     "return sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / (n + 1)", "1/(n+1) normalisation"),
+    ("layer-no-residual", "    T += np.eye(D)\n", "    T += 0 * np.eye(D)\n", "the residual connection dropped"),
+    ("layer-S-not-conjugated", "S_next = TS @ T.transpose(0, 2, 1) if need_S else None",
+     "S_next = TS if need_S else None", "S' = T S instead of T S T^T"),
+    ("predict-sign", "    return -q_L[:, -1]\n", "    return q_L[:, -1]\n", "prediction sign"),
+    ("literal-query-as-key", "for i in range(n):                           # keys/values: context tokens only",
+     "for i in range(n + 1):", "the literal twin uses the query as a key"),
+    # §3 reverse mode
+    ("bwd-dT-from-q-transposed", 'dT = np.einsum("bi,bj->bij", dq_next, q)', 'dT = np.einsum("bi,bj->bji", dq_next, q)',
+     "outer product transposed"),
+    ("bwd-dq-no-transpose", 'dq = np.einsum("bji,bj->bi", T, dq_next)', 'dq = np.einsum("bij,bj->bi", T, dq_next)',
+     "T q adjoint without the transpose"),
+    ("bwd-S-symmetrised-once", "dT += (dS_next + dS_next.transpose(0, 2, 1)) @ TS", "dT += dS_next @ TS",
+     "T appears twice in T S T^T"),
+    ("bwd-middle-S-dropped", "dS += T.transpose(0, 2, 1) @ dS_next @ T", "dS += 0 * dS_next",
+     "the S in the middle of T S T^T"),
+    ("bwd-middle-S-transposed", "dS += T.transpose(0, 2, 1) @ dS_next @ T", "dS += T @ dS_next @ T.transpose(0, 2, 1)",
+     "adjoint of T S T^T transposed"),
+    ("bwd-dK-transposed", "dK = dT_flat.T @ S.reshape(B, D * D)", "dK = S.reshape(B, D * D).T @ dT_flat",
+     "dK transposed"),
+    ("bwd-dS-without-K", "dS = (dT_flat @ K).reshape(B, D, D) if need_dS else None",
+     "dS = (dT_flat @ K.T).reshape(B, D, D) if need_dS else None", "K^T applied the wrong way"),
+    ("kernel-bwd-dP-index", 'dP_l = np.stack([np.einsum("iljk,kl->ij", dK, Q_h) for Q_h in Q_l])',
+     'dP_l = np.stack([np.einsum("iljk,lk->ij", dK, Q_h) for Q_h in Q_l])', "Q_h transposed in dP"),
+    ("kernel-bwd-dQ-index", 'dQ_l = np.stack([np.einsum("iljk,ij->kl", dK, P_h) for P_h in P_l])',
+     'dQ_l = np.stack([np.einsum("iljk,ij->lk", dK, P_h) for P_h in P_l])', "dQ transposed"),
+    ("kernel-bwd-no-1/n", "dK = dK.reshape(D, D, D, D) / n ", "dK = dK.reshape(D, D, D, D) ",
+     "the 1/n of K forgotten in its adjoint"),
+    ("chunk-drops-last", "for c in range(0, B, chunk):", "for c in range(0, B - B % chunk, chunk):",
+     "the last partial chunk dropped"),
+    ("chunk-normalised-per-chunk", "loss += float(r @ r) / B", "loss += float(r @ r) / len(r)",
+     "loss normalised per chunk"),
+    ("chunk-grad-normalised-per-chunk", "dq[:, -1] = 2.0 * r / B", "dq[:, -1] = 2.0 * r / len(r)",
+     "gradient normalised per chunk"),
+    ("chunk-dK-overwritten", "dKs[l] += dK ", "dKs[l] = dK ", "dK overwritten per chunk"),
+    ("chunk-first-labels", "r = q_L[:, -1] + y[c:c + chunk]", "r = q_L[:, -1] + y[:len(q_L)]",
+     "every chunk reads the first chunk's labels"),
+    ("loss-half", "return float(np.mean((predict(P, Q, Z) - y) ** 2))", "return float(0.5 * np.mean((predict(P, Q, Z) - y) ** 2))",
+     "loss with a factor 1/2"),
+    # §4 attention
+    ("attn-relu-grad-sign", "dE = dA * (E > 0)", "dE = dA * (E >= 0) - dA * (E < 0)", "relu derivative wrong"),
+    ("attn-softmax-grad-sign", "dE = A * (dA - np.sum(A * dA, axis=1, keepdims=True))",
+     "dE = A * (dA + np.sum(A * dA, axis=1, keepdims=True))", "sign in the softmax backward"),
+    ("attn-softmax-keys", 'keys = n if activation == "softmax" else n + 1', "keys = n + 1",
+     "softmax normalised over n+1 keys"),
+    ("attn-dZ-keys-only", "dZ += Q_h @ Z @ dE.transpose(0, 2, 1) + Q_h.T @ Z @ dE", "dZ += Q_h @ Z @ dE.transpose(0, 2, 1)",
+     "Z used as query forgotten in the backward"),
+    ("attn-value-unmasked", "    V[:, :, n] = 0.0                                           # V = P Z M\n", "\n",
+     "the query used as a value"),
+    # §5 structures
+    ("block-grad-sign", "return -dQ[:, 0, :-1, :-1], dP[:, 0, :-1, :-1]", "return dQ[:, 0, :-1, :-1], dP[:, 0, :-1, :-1]",
+     "the sign of (8) forgotten in the chain rule"),
+    ("block-P-corner", "P[:, 0, d, d] = 1.0", "P[:, 0, d, d] = 0.0", "P's corner not 1"),
+    # §7 Lemma 1
+    ("lemma1-no-transpose", "W.append(W[-1] - grad_R @ A_l) ", "W.append(W[-1] - grad_R @ A_l.T) ",
+     "the printed A_l instead of A_l^T"),
+    ("lemma1-1/(n+1)", 'np.einsum("bid,bd->bi", X, W[-1]) - y) / n', 'np.einsum("bid,bd->bi", X, W[-1]) - y) / (n + 1)',
+     "1/(n+1) in grad R"),
+    # §8 single layer
+    ("K-(n+1)/n", "K = ((n + 1) / n) * Sigma @ Sigma_w @ Sigma", "K = (n / (n + 1)) * Sigma @ Sigma_w @ Sigma",
+     "n/(n+1) for (n+1)/n"),
+    ("K-noise-dropped", "((np.trace(Sigma_w @ Sigma) + noise_var) / n) * Sigma", "((np.trace(Sigma_w @ Sigma)) / n) * Sigma",
+     "context noise dropped from K"),
+    ("K-trace-order", "((np.trace(Sigma_w @ Sigma) + noise_var) / n) * Sigma", "((np.trace(Sigma_w) + noise_var) / n) * Sigma",
+     "tr(Sigma_w) for tr(Sigma_w Sigma)"),
+    ("gamma-star-transposed", "return np.linalg.solve(K, E_hw)", "return np.linalg.solve(K, E_hw).T",
+     "Gamma* transposed (differs when Sigma_w and Sigma do not commute)"),
+    ("single-loss-query-noise", "+ np.trace(Sigma @ Sigma_w) + (noise_var if query_noise else 0.0))",
+     "+ np.trace(Sigma @ Sigma_w))", "query noise dropped"),
+    ("mahankali-no-plus-one", "return 1.0 / (_int(\"n\", n, 1) + 1 + _int(\"d\", d, 1)", "return 1.0 / (_int(\"n\", n, 1) + _int(\"d\", d, 1)",
+     "the +1 of n+1+d"),
+    # §9 Wishart
+    ("wishart-n+k", "total = (n + k - 1) * T(k - 1, *rest)", "total = (n + k) * T(k - 1, *rest)", "n+k-1 off by one"),
+    ("wishart-2m", "total += sum(2 * m * T(k + m - 1,", "total += sum(m * T(k + m - 1,", "2m factor dropped"),
+    ("wishart-split-range", "total += sum(T(j, k - 1 - j, *rest) for j in range(1, k))",
+     "total += sum(T(j, k - 1 - j, *rest) for j in range(1, k - 1))", "one split term dropped"),
+    # §10 families
+    ("family-r-phi", "r = _poly_add(r, _poly_scale(a_l, _poly_mul(p, _poly_mul(phi, phi))))",
+     "r = _poly_add(r, _poly_scale(a_l, _poly_mul(p, phi)))", "r built with phi instead of phi^2"),
+    ("family-s-square", "phi, s = _poly_mul(phi, step), _poly_mul(s, _poly_mul(step, step))",
+     "phi, s = _poly_mul(phi, step), _poly_mul(s, step)", "s_{l+1} = s_l (1 - g s_l), not squared"),
+    ("family-noise-1/n", "f += s2 / n * sum(e_k * m_k for e_k, m_k in zip(e, m[1:]))",
+     "f += s2 * sum(e_k * m_k for e_k, m_k in zip(e, m[1:]))", "noise term without 1/n"),
+    ("family-noise-moment-shift", "f += s2 / n * sum(e_k * m_k for e_k, m_k in zip(e, m[1:]))",
+     "f += s2 / n * sum(e_k * m_k for e_k, m_k in zip(e, m))", "E tr(r^2) for E tr(S r^2)"),
+    ("family-at-nodes-noise", "return float(weights @ p ** 2 + noise_var / n * (weights @ (nodes * r ** 2)))",
+     "return float(weights @ p ** 2)", "noise dropped from what optimal_family_scalars minimises"),
+    ("family-at-nodes-phi", "r = r + a_l * p * phi ** 2", "r = r + a_l * p * phi", "phi for phi^2 in the optimiser"),
+    ("chebyshev-beta", "beta.append(sigma_next[k] / sigma[k - 1])", "beta.append(sigma_next[k] / sigma[k])",
+     "Chebyshev's beta with the wrong denominator"),
+    ("gauss-weights", "return nodes, float(beta[0]) * vecs[0] ** 2", "return nodes, float(beta[0]) * vecs[0]",
+     "Golub-Welsch weights not squared"),
+    # §11 metrics
+    ("distance-alpha", "alpha = np.sum(M * T) / np.sum(T * T)", "alpha = np.sum(M * T) / np.sum(M * M)",
+     "projection onto the wrong vector"),
+    # §12 adapters
+    ("authors-Q-not-transposed", "Q[:, :, :d, :d] = allparam[:, :, 1].transpose(0, 1, 3, 2)", "Q[:, :, :d, :d] = allparam[:, :, 1]",
+     "the authors' Q used without the transpose"),
+    ("authors-grad-not-transposed", "return np.stack([dP[..., :d, :d], dQ[..., :d, :d].swapaxes(-1, -2)], axis=2)",
+     "return np.stack([dP[..., :d, :d], dQ[..., :d, :d]], axis=2)", "gradient to the authors' layout untransposed"),
+]
+
+# (name, old, new, why it cannot change any result)
+EQUIVALENT = [
+    ("chunk-size", "chunk=4096", "chunk=2048",
+     "the chunk size changes only the order of floating-point sums (tested: chunked == unchunked)"),
+    ("poly-trim", "while len(p) > 1 and p[-1] == 0:", "while False:",
+     "exact-zero leading coefficients contribute 0 to every sum (only the degree check notices; kept as a "
+     "performance detail, and test_sparse_family_degree_stays_L_and_blocks_L4_is_refused does notice)"),
+]
+
+
+def run_one(mutant, python, timeout):
+    name, old, new, why = mutant
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
+        for f in subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.split():
+            os.makedirs(os.path.join(tmp, os.path.dirname(f)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(tmp, f))
+        path = os.path.join(tmp, "icl_ref.py")
+        src = open(path).read()
+        if src.count(old) != 1:
+            return name, f"NOT APPLICABLE (old text found {src.count(old)} times)", 0.0
+        open(path, "w").write(src.replace(old, new))
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"],
+                                  cwd=tmp, capture_output=True, text=True, timeout=timeout)
+            status = "killed" if proc.returncode != 0 else "SURVIVED"
+        except subprocess.TimeoutExpired:
+            status = "killed (timeout)"
+        return name, status, time.perf_counter() - start
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-k", default="", help="run only mutants whose name contains this")
+    ap.add_argument("--jobs", type=int, default=2, help="suites run at once (default 2)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per suite")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = ap.parse_args()
+    chosen = [m for m in MUTANTS if args.k in m[0]]
+    if args.list:
+        for name, _, _, why in chosen:
+            print(f"{name:34s} {why}")
+        for name, _, _, why in EQUIVALENT:
+            print(f"{name:34s} EQUIVALENT: {why}")
+        return 0
+    bad = 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for name, status, secs in pool.map(lambda m: run_one(m, sys.executable, args.timeout), chosen):
+            print(f"{name:34s} {status:28s} {secs:6.1f} s", flush=True)
+            bad += not status.startswith("killed")
+    print(f"killed {len(chosen) - bad} / {len(chosen)}; equivalent mutants excluded: {len(EQUIVALENT)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
