@@ -1183,6 +1183,10 @@ def test_train_gauss_newton_converges_and_matches_lbfgs():
     gb = ir.train_gauss_newton(Z, y, 2, structure="blocks", init={"A": A0, "B": B0})
     assert gb["fixed"] == 9 and np.array_equal(gb["coords"]["B"][1], B0[1])   # B_{L-1} held
     assert gb["success"] == (gb["grad_norm"] <= 1e-8)      # converged means a small gradient
+    _, dP, dQ = ir.loss_and_grad(gb["P"], gb["Q"], Z, y)
+    # two exact routes to one gradient; at |g| ~ 1e-8 rounding of O(1) terms (1e-16) is 1e-8 relative
+    assert gb["grad_norm"] == pytest.approx(
+        np.linalg.norm(ir.pack(ir.structure_grad("blocks", dP, dQ).values())), rel=1e-4)
     assert str(gb["grad_norm"])[:4] in gb["message"] or f"{gb['grad_norm']:.2e}" in gb["message"]
 
 
