@@ -165,13 +165,21 @@ EQUIVALENT = [
 ]
 
 
-def run_one(mutant, python, timeout):
+def snapshot(dest):
+    """Copy the project's files (tracked and new, not ignored) once, so edits made while the
+    mutants run do not leak into them."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if os.path.exists(os.path.join(ROOT, f)):
+            os.makedirs(os.path.join(dest, os.path.dirname(f)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(dest, f))
+
+
+def run_one(mutant, base, python, timeout):
     name, old, new, why = mutant
     with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
-        for f in subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.split():
-            os.makedirs(os.path.join(tmp, os.path.dirname(f)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, f), os.path.join(tmp, f))
+        shutil.copytree(base, tmp, dirs_exist_ok=True)
         path = os.path.join(tmp, "icl_ref.py")
         src = open(path).read()
         if src.count(old) != 1:
@@ -202,8 +210,10 @@ def main():
             print(f"{name:34s} EQUIVALENT: {why}")
         return 0
     bad = 0
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for name, status, secs in pool.map(lambda m: run_one(m, sys.executable, args.timeout), chosen):
+    with tempfile.TemporaryDirectory(prefix="mutants-base-") as base, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        snapshot(base)
+        for name, status, secs in pool.map(lambda m: run_one(m, base, sys.executable, args.timeout), chosen):
             print(f"{name:34s} {status:28s} {secs:6.1f} s", flush=True)
             bad += not status.startswith("killed")
     print(f"killed {len(chosen) - bad} / {len(chosen)}; equivalent mutants excluded: {len(EQUIVALENT)}")
