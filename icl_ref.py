@@ -145,6 +145,53 @@ def _check_structure(structure):
 
 
 # ---------------------------------------------------------------------------------------------
+# Workers: the batch in chunks of prompts on the machine's cores, one BLAS thread each (MATH.md §3, §6)
+# ---------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def _threadpools():
+    """threadpoolctl's view of the BLAS libraries loaded with NumPy and SciPy (made once)."""
+    return ThreadpoolController()
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """Context manager: BLAS limited to one thread inside, the caller's setting restored after.
+
+    Why: icl_ref's hot path is many small GEMMs; a multi-threaded BLAS pool wakes for each and
+    its spinning workers take the cores from the chunk workers (and from SciPy's optimisers'
+    bookkeeping between evaluations): ~3x slower training on 2 cores, measured (MATH.md §6).
+    """
+    with _threadpools().limit(limits=1, user_api="blas"):
+        yield
+
+
+def _thread_count(threads):
+    """Worker threads for one evaluation: `threads`, or the cores this process may use."""
+    if threads is None:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return _int("threads", threads, 1)
+
+
+def _chunk(chunk, D):
+    """Prompts per chunk: `chunk`, or 2^17 / D^2 so that (chunk, D, D) arrays stay about 1 MB."""
+    return max(1, 2 ** 17 // D ** 2) if chunk is None else _int("chunk", chunk, 1)
+
+
+def _map_chunks(fn, B, chunk, threads):
+    """[fn(start, stop) for each chunk of the batch], in chunk order, on `threads` workers that
+    each run one BLAS thread (never more threads than cores). The results come back in chunk order,
+    so sums over them are the same to the last bit whatever the thread count. MATH.md §3."""
+    bounds = [(c, min(c + chunk, B)) for c in range(0, B, chunk)]
+    workers = min(_thread_count(threads), len(bounds))
+    with one_blas_thread():
+        if workers == 1:
+            return [fn(*b) for b in bounds]
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(lambda b: fn(*b), bounds))
+
+
+# ---------------------------------------------------------------------------------------------
 # 1. Data ([A] §2; MATH.md §1)
 # ---------------------------------------------------------------------------------------------
 
@@ -238,11 +285,17 @@ def forward_literal(P, Q, Z):
     return Z
 
 
-def gram(Z):
-    """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (MATH.md §2)."""
+def gram(Z, threads=None):
+    """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (MATH.md §2), formed in
+    chunks of prompts on `threads` workers (default: every core)."""
     Z = _prompts(Z)
     Zc = Z[:, :, :-1]                                          # Z M drops the query column
-    return Zc @ Zc.transpose(0, 2, 1)
+    S = np.empty((Z.shape[0], Z.shape[1], Z.shape[1]))
+
+    def one_chunk(start, stop):
+        np.matmul(Zc[start:stop], Zc[start:stop].transpose(0, 2, 1), out=S[start:stop])
+    _map_chunks(one_chunk, Z.shape[0], _chunk(None, Z.shape[1]), threads)
+    return S
 
 
 def kernel_forward(P_l, Q_l, n):
@@ -269,16 +322,79 @@ def kernel_backward(dK, P_l, Q_l, n):
     return dP_l, dQ_l
 
 
+def direct_forward(P_l, Q_l, S, n):
+    """T - I = (1/n) sum_h P_h S Q_h without the kernel, for large D (MATH.md §2).
+
+    Per head two GEMMs (B D, D) @ (D, D) with a shared operand, using S = S^T:
+    S_b P_h^T = (P_h S_b)^T for every prompt at once, then (P_h S_b) Q_h. Cost 4 H B D^3.
+    P_l, Q_l: (H, D, D); S: (B, D, D) symmetric; n context size. Returns (B, D, D).
+    """
+    B, D, _ = S.shape
+    out = np.zeros((B, D, D))
+    for P_h, Q_h in zip(P_l, Q_l):
+        PS = (S.reshape(B * D, D) @ P_h.T).reshape(B, D, D).transpose(0, 2, 1)   # P_h S_b
+        out += (np.ascontiguousarray(PS).reshape(B * D, D) @ Q_h).reshape(B, D, D)
+    out /= n
+    return out
+
+
+def direct_backward(dT, P_l, Q_l, S, n, need_dS=True, need_dPQ=True):
+    """Adjoint of direct_forward: dT (B, D, D) -> dS (B, D, D) (None unless need_dS) and
+    dPQ (2, H, D, D) = (dP_l, dQ_l) summed over the batch (None unless need_dPQ). MATH.md §3.
+
+    T = I + (1/n) sum_h P_h S Q_h, product rule in each factor:
+    dP_h = (1/n) sum_b dT_b (S_b Q_h)^T, dQ_h = (1/n) sum_b (P_h S_b)^T dT_b,
+    dS_b = (1/n) sum_h P_h^T dT_b Q_h^T.
+    """
+    B, D, _ = S.shape
+    dPQ = np.empty((2,) + P_l.shape) if need_dPQ else None
+    dS = np.zeros((B, D, D)) if need_dS else None
+    S_rows, dT_rows = S.reshape(B * D, D), dT.reshape(B * D, D)
+    for h, (P_h, Q_h) in enumerate(zip(P_l, Q_l)):
+        if need_dPQ:
+            SQ = (S_rows @ Q_h).reshape(B, D, D)                             # S_b Q_h
+            dPQ[0, h] = np.tensordot(dT, SQ, axes=([0, 2], [0, 2])) / n      # sum_b dT_b (S_b Q_h)^T
+            SPt = (S_rows @ P_h.T).reshape(B, D, D)                          # (P_h S_b)^T
+            dPQ[1, h] = np.tensordot(SPt, dT, axes=([0, 2], [0, 1])) / n     # sum_b (P_h S_b)^T dT_b
+        if need_dS:
+            dTQt = (dT_rows @ Q_h.T).reshape(B, D, D).transpose(0, 2, 1)     # (dT_b Q_h^T)^T
+            dS += (np.ascontiguousarray(dTQt).reshape(B * D, D) @ P_h).reshape(B, D, D).transpose(0, 2, 1)
+    if need_dS:
+        dS /= n
+    return dS, dPQ
+
+
+FORMULATIONS = ("kernel", "direct")
+
+
+def layer_map(P_l, Q_l, n, formulation=None):
+    """The layer's map S -> T - I = (1/n) sum_h P_h S Q_h, in one of two formulations (MATH.md §2):
+
+        "kernel"  the (D^2, D^2) matrix of kernel_forward: one GEMM per chunk, B D^4 per layer
+        "direct"  the tuple (P_l, Q_l, n) for direct_forward: 2 GEMMs per head, 4 H B D^3 per layer
+
+    formulation None takes the kernel for D <= 10 H (D = d + 1) and the direct form above, where it
+    was measured faster: the crossover lies between d = 8 and d = 10 for one head and moves up with
+    H (the kernel's cost does not grow with H; two heads: the kernel still wins at d = 14).
+    """
+    if formulation is None:
+        formulation = "kernel" if P_l.shape[-1] <= 10 * P_l.shape[0] else "direct"
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be None or one of {FORMULATIONS}, got {formulation!r}")
+    return kernel_forward(P_l, Q_l, n) if formulation == "kernel" else (P_l, Q_l, n)
+
+
 def layer_forward(K, S, q, need_S=True):
     """One layer in Gram form: T = I + K(S), S' = T S T^T, q' = T q.
 
-    K: (D^2, D^2) from kernel_forward; S: (B, D, D) = Z_l M Z_l^T; q: (B, D) query column of Z_l.
+    K: the layer's map from layer_map (a (D^2, D^2) kernel or the direct form's (P_l, Q_l, n));
+    S: (B, D, D) = Z_l M Z_l^T; q: (B, D) query column of Z_l.
     Returns S' (B, D, D) (None unless need_S), q' (B, D), T (B, D, D) and the cache.
     An unchecked building block: forward, predict and loss_and_grad check their inputs.
     MATH.md §2.
     """
     B, D, _ = S.shape
-    T = (S.reshape(B, D * D) @ K.T).reshape(B, D, D)
+    T = direct_forward(*K[:2], S, K[2]) if isinstance(K, tuple) else (S.reshape(B, D * D) @ K.T).reshape(B, D, D)
     T += np.eye(D)
     TS = T @ S
     S_next = TS @ T.transpose(0, 2, 1) if need_S else None
@@ -290,9 +406,10 @@ def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
     """Adjoint of layer_forward: (dS', dq') -> (dS, dq, dK).
 
     dS_next: (B, D, D) or None (the last layer's S' does not reach the loss); dq_next: (B, D).
-    Returns dS (B, D, D) (None unless need_dS: the first layer's S_0 is data), dq (B, D), and
-    dK (D^2, D^2) summed over the batch; with per_prompt, dT (B, D, D) in place of dK, each
-    prompt's own adjoint of T, for the Jacobian (MATH.md §3.1).
+    Returns dS (B, D, D) (None unless need_dS: the first layer's S_0 is data), dq (B, D), and the
+    map's adjoint summed over the batch: dK (D^2, D^2) for a kernel, dPQ (2, H, D, D) = (dP_l, dQ_l)
+    for the direct form; with per_prompt, dT (B, D, D) instead, each prompt's own adjoint of T, for
+    the Jacobian (MATH.md §3.1).
     MATH.md §3.
     """
     K, S, q, T, TS = cache
@@ -303,14 +420,15 @@ def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
     # S' = T S T^T                  (T appears twice; S is a Gram matrix, so S^T = S)
     if dS_next is not None:
         dT += (dS_next + dS_next.transpose(0, 2, 1)) @ TS
-    # vec(T) = vec(I) + K vec(S)    (linear in S and in K)
-    dT_flat = dT.reshape(B, D * D)
-    dS = (dT_flat @ K).reshape(B, D, D) if need_dS else None
+    if isinstance(K, tuple):        # T = I + (1/n) sum_h P_h S Q_h   (direct_backward)
+        dS, dmap = direct_backward(dT, *K[:2], S, K[2], need_dS, need_dPQ=not per_prompt)
+    else:                           # vec(T) = vec(I) + K vec(S)    (linear in S and in K)
+        dT_flat = dT.reshape(B, D * D)
+        dS = (dT_flat @ K).reshape(B, D, D) if need_dS else None
+        dmap = None if per_prompt else dT_flat.T @ S.reshape(B, D * D)   # dK = sum_b vec(dT_b) vec(S_b)^T
     if need_dS and dS_next is not None:
         dS += T.transpose(0, 2, 1) @ dS_next @ T                 # S' = T S T^T, the S in the middle
-    if per_prompt:
-        return dS, dq, dT
-    return dS, dq, dT_flat.T @ S.reshape(B, D * D)              # dK = sum_b vec(dT_b) vec(S_b)^T
+    return dS, dq, dT if per_prompt else dmap
 
 
 def _propagate(Ks, S, q):
@@ -322,11 +440,12 @@ def _propagate(Ks, S, q):
     return q, caches
 
 
-def forward(P, Q, Z, all_layers=False):
+def forward(P, Q, Z, all_layers=False, formulation=None):
     """Z_L of the L-layer linear transformer, [A] eq. (4): Z_{l+1} = Z_l + (1/n) Attn(Z_l).
 
     P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1), or with all_layers the stack
-    (Z_0, ..., Z_L) of shape (L+1, B, D, n+1). Computed as Z_{l+1} = T_l Z_l (Gram form above).
+    (Z_0, ..., Z_L) of shape (L+1, B, D, n+1). Computed as Z_{l+1} = T_l Z_l (Gram form above);
+    formulation as layer_map.
     MATH.md §2.
     """
     P, Q = _params(P, Q)
@@ -334,7 +453,7 @@ def forward(P, Q, Z, all_layers=False):
     n = Z.shape[2] - 1
     S, q, Zs = gram(Z), Z[:, :, n], [Z]
     for P_l, Q_l in zip(P, Q):
-        S, q, T, _ = layer_forward(kernel_forward(P_l, Q_l, n), S, q)
+        S, q, T, _ = layer_forward(layer_map(P_l, Q_l, n, formulation), S, q)
         Zs.append(T @ Zs[-1])
     return np.stack(Zs) if all_layers else Zs[-1]
 
@@ -345,7 +464,7 @@ def predict(P, Q, Z):
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
     n = Z.shape[2] - 1
-    q_L, _ = _propagate([kernel_forward(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)], gram(Z), Z[:, :, n])
+    q_L, _ = _propagate([layer_map(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)], gram(Z), Z[:, :, n])
     return -q_L[:, -1]
 
 
@@ -365,59 +484,23 @@ def in_context_loss(P, Q, Z, y):
     return float(np.mean((predict(P, Q, Z) - y) ** 2))
 
 
-@lru_cache(maxsize=1)
-def _threadpools():
-    """threadpoolctl's view of the BLAS libraries loaded with NumPy and SciPy (made once)."""
-    return ThreadpoolController()
-
-
-@contextlib.contextmanager
-def one_blas_thread():
-    """Context manager: BLAS limited to one thread inside, the caller's setting restored after.
-
-    Why: icl_ref's hot path is many small GEMMs; a multi-threaded BLAS pool wakes for each and
-    its spinning workers take the cores from the chunk workers (and from SciPy's optimisers'
-    bookkeeping between evaluations): ~3x slower training on 2 cores, measured (MATH.md §6).
-    """
-    with _threadpools().limit(limits=1, user_api="blas"):
-        yield
-
-
-def _thread_count(threads):
-    """Worker threads for one evaluation: `threads`, or the cores this process may use."""
-    if threads is None:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return _int("threads", threads, 1)
-
-
-def _map_chunks(fn, B, chunk, threads):
-    """[fn(start, stop) for each chunk of the batch], in chunk order, on `threads` workers that
-    each run one BLAS thread (never more threads than cores). The results come back in chunk order,
-    so sums over them are the same to the last bit whatever the thread count. MATH.md §3."""
-    bounds = [(c, min(c + chunk, B)) for c in range(0, B, chunk)]
-    workers = min(_thread_count(threads), len(bounds))
-    with one_blas_thread():
-        if workers == 1:
-            return [fn(*b) for b in bounds]
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(lambda b: fn(*b), bounds))
-
-
-def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=2048, threads=None):
+def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation=None):
     """f and (df/dP, df/dQ) from the Gram form (S_0, q_0); the fast path behind training.
 
     P, Q: (L, H, D, D) float64; S0: (B, D, D) = Z M Z^T, symmetric (layer_backward relies on it);
     q0: (B, D) = Z[:, :, n]; y: (B,); n context size. Prompts are independent, so the batch is
-    walked in chunks of `chunk` prompts on `threads` workers (default: every core), each chunk's
+    walked in chunks of `chunk` prompts (default: 2^17 / D^2, so that a chunk's (chunk, D, D)
+    temporaries stay about 1 MB, in cache: 2x faster at d = 20 than 2048 prompts) on `threads`
+    workers (default: every core), each chunk's
     loss and dK divided by the whole B and added up in chunk order (MATH.md §3): the result does
-    not depend on `threads`. Only shapes are checked (it runs every optimiser step; the arrays come
+    not depend on `threads`. formulation as layer_map. Only shapes are checked (it runs every optimiser step; the arrays come
     from gram and the checked entry points). Returns (loss, dP, dQ).
     """
     B, D = y.shape[0], P.shape[-1]
     if P.shape != Q.shape or S0.shape != (B, D, D) or q0.shape != (B, D):
         raise ValueError(f"loss_and_grad_gram needs P, Q (L, H, D, D), S0 (B, D, D), q0 (B, D), y (B,); "
                          f"got {P.shape}, {Q.shape}, {S0.shape}, {q0.shape}, {y.shape}")
-    Ks = [kernel_forward(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)]
+    Ks = [layer_map(P_l, Q_l, n, formulation) for P_l, Q_l in zip(P, Q)]
 
     def one_chunk(start, stop):
         q_L, caches = _propagate(Ks, S0[start:stop], q0[start:stop])
@@ -430,22 +513,24 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=2048, threads=None):
             dS, dq, dKs[l] = layer_backward(dS, dq, caches[l], need_dS=l > 0)
         return float(r @ r) / B, dKs
 
-    parts = _map_chunks(one_chunk, B, _int("chunk", chunk, 1), threads)
+    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads)
     loss = sum(part[0] for part in parts)
     dP, dQ = np.empty_like(P), np.empty_like(Q)
     for l, (P_l, Q_l) in enumerate(zip(P, Q)):
-        dK = sum(part[1][l] for part in parts)           # every chunk uses the same K_l
-        dP[l], dQ[l] = kernel_backward(dK, P_l, Q_l, n)
+        dmap = sum(part[1][l] for part in parts)         # every chunk uses the same map of layer l
+        dP[l], dQ[l] = dmap if isinstance(Ks[l], tuple) else kernel_backward(dmap, P_l, Q_l, n)
     return loss, dP, dQ
 
 
-def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=2048, threads=None):
+def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None, threads=None,
+                                formulation=None):
     """Residuals r_b = Z_L[b, d, n] + y_b and their Jacobian from the Gram form (MATH.md §3.1).
 
     Arguments as loss_and_grad_gram. Each prompt's row is the reverse pass seeded with e_d for that
     prompt alone: dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb, dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
     structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
     or "blocks" maps each row through the structure's chain rule (pack order of structure_shapes).
+    formulation as layer_map (it changes how T is formed, not the rows).
     Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
     """
     _check_structure(structure)
@@ -454,7 +539,7 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=2048
         raise ValueError(f"residuals_and_jacobian_gram needs P, Q (L, H, D, D), S0 (B, D, D), q0 (B, D), "
                          f"y (B,); got {P.shape}, {Q.shape}, {S0.shape}, {q0.shape}, {y.shape}")
     L, H = P.shape[:2]
-    Ks = [kernel_forward(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)]
+    Ks = [layer_map(P_l, Q_l, n, formulation) for P_l, Q_l in zip(P, Q)]
 
     def one_chunk(start, stop):
         q_L, caches = _propagate(Ks, S0[start:stop], q0[start:stop])
@@ -473,7 +558,7 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=2048
         rows = structure_grad(structure, JP.reshape((-1,) + P.shape[1:]), JQ.reshape((-1,) + Q.shape[1:]))
         return r, np.concatenate([g.reshape(len(r), -1) for g in rows.values()], axis=1)
 
-    parts = _map_chunks(one_chunk, B, _int("chunk", chunk, 1), threads)
+    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads)
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
@@ -488,7 +573,7 @@ def loss_and_grad(P, Q, Z, y, threads=None):
     Z = _prompts(Z, P.shape[2])
     y = _labels(y, Z.shape[0])
     n = Z.shape[2] - 1
-    return loss_and_grad_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n, threads=threads)
+    return loss_and_grad_gram(P, Q, gram(Z, threads), np.ascontiguousarray(Z[:, :, n]), y, n, threads=threads)
 
 
 def residuals_and_jacobian(P, Q, Z, y, structure="full", threads=None):

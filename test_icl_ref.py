@@ -2,11 +2,11 @@
 
 Tolerances, each with its reason:
     EXACT  = 1e-12  relative: two float64 computations of the same exact quantity (rounding only)
-    FD_REL = 1e-6   relative, entry by entry: central differences at h = 1e-6 have truncation
-                    O(h^2 f''') ~ 1e-12 and rounding O(eps f / h) ~ 1e-10, so 1e-6 leaves four orders
-                    of margin and still catches any wrong term (those are O(1) relative)
-    FD_ABS = 1e-8   absolute floor for entries near 0, where relative error means nothing: rounding
-                    of losses of size <= 10 differenced at h = 1e-6 is eps * 10 / h = 2e-9; 5x that
+    FD_REL = 1e-6   relative, entry by entry, for central_diff's five-point stencil at h = FD_H =
+                    1e-4: truncation (h^4/30) f^(5) ~ 3e-18 f^(5) is negligible, rounding is about
+                    1.5 eps |f| / h ~ 3e-12 |f|; 1e-6 still catches any wrong term (O(1) relative)
+    FD_ABS = 1e-8   absolute floor for entries near 0, where relative error means nothing: the
+                    rounding above for losses |f| <= 3000 (the largest in these tests)
     Z_MC   = 4      Monte Carlo: |estimate - exact| <= 4 standard errors computed from the samples
 Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
 """
@@ -23,8 +23,9 @@ import icl_ref as ir
 
 EXACT = 1e-12
 FD_REL = 1e-6
-FD_H = 1e-6
+FD_H = 1e-4
 FD_ABS = 1e-8
+FD_H2 = 1e-6       # two-point differences (directional checks): truncation h^2 f''' ~ 1e-12
 Z_MC = 4.0
 
 
@@ -33,13 +34,15 @@ def random_params(rng, L, H, d, scale=0.4):
 
 
 def central_diff(f, X, h=FD_H):
-    """Central differences (f(X + h e_i) - f(X - h e_i)) / 2h for every entry of X."""
+    """Five-point central differences for every entry of X (fourth order: error (h^4/30) f^(5)),
+    [8 (f(X + h e_i) - f(X - h e_i)) - (f(X + 2h e_i) - f(X - 2h e_i))] / 12h."""
     g = np.empty_like(X)
     for i in np.ndindex(X.shape):
-        Xp, Xm = X.copy(), X.copy()
-        Xp[i] += h
-        Xm[i] -= h
-        g[i] = (f(Xp) - f(Xm)) / (2 * h)
+        def at(t):
+            Xt = X.copy()
+            Xt[i] += t
+            return f(Xt)
+        g[i] = (8 * (at(h) - at(-h)) - (at(2 * h) - at(-2 * h))) / (12 * h)
     return g
 
 
@@ -66,6 +69,20 @@ def test_fast_forward_equals_literal_column_form(L, H):
     P, Q = random_params(rng, L, H, 3)
     fast, literal = ir.forward(P, Q, Z), ir.forward_literal(P, Q, Z)
     assert_allclose(fast, literal, rtol=EXACT, atol=EXACT * np.max(np.abs(literal)))
+
+
+@pytest.mark.parametrize("formulation", ["kernel", "direct"])
+def test_layer_is_the_matrix_form_with_the_mask(formulation):
+    # [A] eq. (4) as matrices, Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M = mask(n), batch by batch
+    rng, Z, y = small_problem(seed=3, B=4, n=5)
+    P, Q = random_params(rng, 2, 2, 3)
+    M = ir.mask(5)
+    assert_allclose(M, np.diag([1.0, 1, 1, 1, 1, 0]), rtol=0, atol=0)
+    out = Z.copy()
+    for P_l, Q_l in zip(P, Q):
+        out = np.stack([Zb + sum(P_h @ Zb @ M @ Zb.T @ Q_h @ Zb for P_h, Q_h in zip(P_l, Q_l)) / 5
+                        for Zb in out])
+    assert_allclose(ir.forward(P, Q, Z, formulation=formulation), out, rtol=EXACT, atol=EXACT * np.max(np.abs(out)))
 
 
 def test_hand_computed_layer_d1_n2():
@@ -196,7 +213,7 @@ def test_directional_derivative_larger_case():
     vP, vQ = rng.standard_normal((2,) + P.shape)
     _, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
     f = lambda t: ir.in_context_loss(P + t * vP, Q + t * vQ, Z, y)
-    numeric = (f(FD_H) - f(-FD_H)) / (2 * FD_H)
+    numeric = (f(FD_H2) - f(-FD_H2)) / (2 * FD_H2)
     analytic = np.sum(dP * vP) + np.sum(dQ * vQ)
     assert analytic == pytest.approx(numeric, rel=FD_REL)
 
@@ -762,7 +779,7 @@ def test_random_valid_configurations_forward_and_gradient():
         grads = ir.structure_grad(structure, *ir.loss_and_grad(P, Q, Z, y)[1:])
         v = {k: rng.standard_normal(np.shape(c)) for k, c in coords.items()}
         f = lambda t: ir.in_context_loss(*ir.structure_to_PQ(structure, {k: coords[k] + t * v[k] for k in coords}), Z, y)
-        numeric = (f(FD_H) - f(-FD_H)) / (2 * FD_H)
+        numeric = (f(FD_H2) - f(-FD_H2)) / (2 * FD_H2)
         analytic = sum(np.sum(grads[k] * v[k]) for k in coords)
         scale = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()) * sum(np.sum(w ** 2) for w in v.values()))
         assert abs(numeric - analytic) <= FD_REL * scale, (d, n, L, H, B, structure)
@@ -855,8 +872,11 @@ def test_activation_gradients_match_finite_differences(activation):
     rng, Z, y = small_problem(seed=91)
     P, Q = random_params(rng, 2, 2, 3)
     _, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, activation)
-    assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(X, Q, Z, y, activation)[0], P), dP)
-    assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(P, X, Z, y, activation)[0], Q), dQ)
+    # relu has kinks: the stencil must not straddle one, so the narrow FD_H2 (a kink within 2e-6 of
+    # a random point is unlikely; rounding 1.5 eps |f| / h stays below FD_ABS for this |f| < 10)
+    h = FD_H2 if activation == "relu" else FD_H
+    assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(X, Q, Z, y, activation)[0], P, h), dP)
+    assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(P, X, Z, y, activation)[0], Q, h), dQ)
 
 
 def test_softmax_variants_normalise_over_their_keys():
@@ -948,7 +968,7 @@ def test_directional_derivatives_along_random_directions():
     for _ in range(8):
         vP, vQ = rng.standard_normal((2,) + P.shape) * (rng.random((2,) + P.shape) < 0.2)
         f = lambda t: ir.in_context_loss(P + t * vP, Q + t * vQ, Z, y)
-        numeric = (f(FD_H) - f(-FD_H)) / (2 * FD_H)
+        numeric = (f(FD_H2) - f(-FD_H2)) / (2 * FD_H2)
         assert np.sum(dP * vP) + np.sum(dQ * vQ) == pytest.approx(numeric, rel=FD_REL, abs=FD_ABS)
 
 
@@ -1133,9 +1153,9 @@ def test_jacobian_matches_finite_differences():
     numeric = np.empty_like(J)
     for k in range(theta.size):
         e = np.zeros_like(theta)
-        e[k] = FD_H
+        e[k] = FD_H2
         numeric[:, k] = (residuals_by_forward(*ir.unpack(theta + e, shapes), Z, y)
-                         - residuals_by_forward(*ir.unpack(theta - e, shapes), Z, y)) / (2 * FD_H)
+                         - residuals_by_forward(*ir.unpack(theta - e, shapes), Z, y)) / (2 * FD_H2)
     assert_grad_close(numeric, J)
 
 
@@ -1161,7 +1181,7 @@ def test_jacobian_in_structure_coordinates():
     _, J = ir.residuals_and_jacobian(*ir.block_params(A, Bm), Z, y, structure="blocks")
     theta, shapes = ir.pack([A, Bm]), [A.shape, Bm.shape]
     f = lambda t: residuals_by_forward(*ir.block_params(*ir.unpack(t, shapes)), Z, y)
-    numeric = np.stack([(f(theta + FD_H * e) - f(theta - FD_H * e)) / (2 * FD_H)
+    numeric = np.stack([(f(theta + FD_H2 * e) - f(theta - FD_H2 * e)) / (2 * FD_H2)
                         for e in np.eye(theta.size)], axis=1)
     assert_grad_close(numeric, J)
     assert np.all(J[:, -9:] == 0)                         # B_{L-1} never reaches the residuals
@@ -1239,3 +1259,39 @@ def test_sandwich_covariance_matches_the_spread_over_batches():
             cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
     empirical = np.trace(np.cov(np.array(fits), rowvar=False))
     assert abs(empirical / np.trace(cov) - 1) <= 4 * math.sqrt(2 / (R - 1)) + 0.1
+
+
+@pytest.mark.parametrize("d", [1, 2, 5, 9, 12])
+def test_formulations_agree_with_each_other_and_the_literal_loop(d):
+    # MATH.md §2-§3: the kernel and the direct form compute the same T; each against the token
+    # loop (forward), against each other (loss, gradient, Jacobian), chunked with a short last chunk
+    rng = np.random.default_rng(120 + d)
+    Z, y = ir.sample_prompts(rng, 9, 4, np.eye(d), noise_std=0.3)
+    P, Q = random_params(rng, 2, 2, d, scale=0.5 / math.sqrt(d))
+    literal = ir.forward_literal(P, Q, Z)
+    n = Z.shape[2] - 1
+    S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
+    out = {}
+    for f in ir.FORMULATIONS:
+        assert_allclose(ir.forward(P, Q, Z, formulation=f), literal, rtol=EXACT,
+                        atol=EXACT * np.max(np.abs(literal)))
+        out[f] = (ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=4, formulation=f),
+                  ir.residuals_and_jacobian_gram(P, Q, S0, q0, y, n, chunk=4, formulation=f))
+    (lk, dPk, dQk), (rk, Jk) = out["kernel"]
+    (ld, dPd, dQd), (rd, Jd) = out["direct"]
+    assert ld == pytest.approx(lk, rel=EXACT)
+    for a, b in ((dPd, dPk), (dQd, dQk), (Jd, Jk), (rd, rk)):
+        assert_allclose(a, b, rtol=0, atol=EXACT * np.max(np.abs(b)))
+    assert_allclose(2 * Jd.T @ rd / len(rd), ir.pack([dPd, dQd]), rtol=0, atol=EXACT * np.max(np.abs(dPd)))
+
+
+def test_direct_formulation_gradient_matches_finite_differences():
+    rng, Z, y = small_problem(seed=125, B=7)
+    P, Q = random_params(rng, 2, 2, 3)
+    n = Z.shape[2] - 1
+    _, dP, dQ = ir.loss_and_grad_gram(P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
+                                      chunk=3, formulation="direct")
+    assert_grad_close(central_diff(lambda X: ir.in_context_loss(X, Q, Z, y), P), dP)
+    assert_grad_close(central_diff(lambda X: ir.in_context_loss(P, X, Z, y), Q), dQ)
+    with pytest.raises(ValueError, match="formulation"):
+        ir.forward(P, Q, Z, formulation="fast")

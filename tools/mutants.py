@@ -157,7 +157,7 @@ MUTANTS = [
 
 # (name, old, new, why it cannot change any result)
 EQUIVALENT = [
-    ("chunk-size", "def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=2048", "def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=1000",
+    ("chunk-size", "max(1, 2 ** 17 // D ** 2) if chunk is None", "max(1, 2 ** 16 // D ** 2) if chunk is None",
      "the chunk size changes only the order of floating-point sums (tested: chunked == unchunked)"),
     ("poly-trim", "while len(p) > 1 and p[-1] == 0:", "while False:",
      "exact-zero leading coefficients contribute 0 to every sum (only the degree check notices; kept as a "
@@ -178,7 +178,7 @@ def snapshot(dest):
 
 def run_one(mutant, base, python, timeout):
     name, old, new, why = mutant
-    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name.replace('/', '_')}-") as tmp:
         shutil.copytree(base, tmp, dirs_exist_ok=True)
         path = os.path.join(tmp, "icl_ref.py")
         src = open(path).read()
