@@ -55,6 +55,16 @@ def fmt(x, digits=4):
     return f"{x:.{digits}g}" if isinstance(x, (float, np.floating)) else str(x)
 
 
+def train_lbfgs(*args, **kwargs):
+    """icl_ref.train_lbfgs, except that a Ctrl-C stops the whole run."""
+    return stop_if_interrupted(ir.train_lbfgs(*args, **kwargs))
+
+
+def train_gauss_newton(*args, **kwargs):
+    """icl_ref.train_gauss_newton, except that a Ctrl-C stops the whole run."""
+    return stop_if_interrupted(ir.train_gauss_newton(*args, **kwargs))
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared pieces: data, test losses, baselines
 # ---------------------------------------------------------------------------------------------
@@ -158,7 +168,7 @@ def single_layer(ctx):
         Z, y = ir.sample_prompts(rng, B, n, Sigma)                     # Theorem 1: w* ~ N(0, I)
         G = ir.gamma_star(Sigma, n)
         L_star = ir.single_layer_population_loss(G, Sigma, n)
-        res = ir.train_lbfgs(Z, y, 1, "sparse", rng=rng, maxiter=2000)
+        res = train_lbfgs(Z, y, 1, "sparse", rng=rng, maxiter=2000)
         cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
         loss = lambda X: ir.single_layer_population_loss(X, Sigma, n)
         excess = loss(res["coords"]["A"][0]) - L_star
@@ -168,7 +178,7 @@ def single_layer(ctx):
                         verdict(res["success"] and excess <= bound), n=n, L_star=L_star,
                         excess=excess, bound=bound,
                         dist_to_gamma_star=ir.distance_to_multiple(res["coords"]["A"][0], G)))
-        full = ir.train_lbfgs(Z, y, 1, "full", rng=rng, init_scale=0.3, maxiter=2000)
+        full = train_lbfgs(Z, y, 1, "full", rng=rng, init_scale=0.3, maxiter=2000)
         Zt, yt = ir.sample_prompts(rng, 4 * B, n, Sigma)
         mean, se = test_loss(full["P"], full["Q"], Zt, yt)
         star = ir.predict(*ir.sparse_params(G[None]), Zt)
@@ -206,7 +216,7 @@ def three_layer_sparse(ctx):
     for s in range(seeds):
         rng = np.random.default_rng([ctx["seed"], s])
         Sigma, Si, Z, y = paper_data(rng, B, n)
-        res = ir.train_lbfgs(Z, y, L, "sparse", rng=rng, init_scale=0.1, maxiter=maxiter,
+        res = train_lbfgs(Z, y, L, "sparse", rng=rng, init_scale=0.1, maxiter=maxiter,
                              keep_iterates=True, progress=ctx["progress"])
         log(f"  seed {s}: loss {res['loss']:.5f}, nit {res['nit']}, {res['wall_time']:.1f} s, {res['message']}")
         for k, (c, f) in enumerate(zip(res["iterates"], res["history"])):
@@ -246,9 +256,9 @@ def three_layer_blocks(ctx):
         Sigma, Si, Z, y = paper_data(rng, B, n)
         init = {"A": 0.3 * rng.standard_normal((L, d, d)), "B": 0.3 * rng.standard_normal((L, d, d))}
         # the paper's claim is about what training finds: both optimisers from the same start
-        runs = {"Gauss-Newton": ir.train_gauss_newton(Z, y, L, "blocks", init=init, max_nfev=max_nfev,
+        runs = {"Gauss-Newton": train_gauss_newton(Z, y, L, "blocks", init=init, max_nfev=max_nfev,
                                                       progress=ctx["progress"]),
-                "L-BFGS": ir.train_lbfgs(Z, y, L, "blocks", init=init, maxiter=maxiter,
+                "L-BFGS": train_lbfgs(Z, y, L, "blocks", init=init, maxiter=maxiter,
                                          keep_iterates=True, progress=ctx["progress"])}
         for name, res in runs.items():
             log(f"  seed {s} {name}: loss {res['loss']:.3e}, |grad| {res['grad_norm']:.1e}, "
@@ -290,7 +300,7 @@ def two_layer_isotropic(ctx):
     family = ir.in_context_loss(*ir.sparse_params(a[:, None, None] * np.eye(d)), Z, y)
     rows = []
     for k in range(inits):
-        res = ir.train_lbfgs(Z, y, 2, rng=rng, init_scale=0.5, maxiter=maxiter)
+        res = train_lbfgs(Z, y, 2, rng=rng, init_scale=0.5, maxiter=maxiter)
         A = res["coords"]["A"]
         # diagonal is a statement up to rotation (the data are isotropic): A_0, A_1 commute and are
         # symmetric; multiples of I is basis-free: dist(A_l, I) = 0
@@ -336,7 +346,7 @@ def depth(ctx):
     Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
     rows = []
     for L in Ls:
-        res = ir.train_lbfgs(Z, y, L, "sparse", rng=rng, init_scale=0.1, maxiter=maxiter)
+        res = train_lbfgs(Z, y, L, "sparse", rng=rng, init_scale=0.1, maxiter=maxiter)
         mean, se = test_loss(res["P"], res["Q"], Zv, yv)
         _, _, f_star = ir.optimal_family_scalars(L, n, d)
         base = baselines(Zt, yt, Zv, yv, L, Si, n, d)
@@ -367,7 +377,7 @@ def icl_curve(ctx):
         Z, y = ir.sample_prompts(rng, B, n, Sigma, Si)
         Zt, yt = ir.sample_prompts(rng, B, n, Sigma, Si)
         Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
-        res = ir.train_lbfgs(Z, y, L, "sparse", rng=rng, init_scale=0.1, maxiter=maxiter)
+        res = train_lbfgs(Z, y, L, "sparse", rng=rng, init_scale=0.1, maxiter=maxiter)
         mean, se = test_loss(res["P"], res["Q"], Zv, yv)
         base = baselines(Zt, yt, Zv, yv, L, Si, n, d)
         f_star = ir.optimal_family_scalars(L, n, d)[2]
@@ -381,7 +391,7 @@ def icl_curve(ctx):
     # a single layer trained at n = 20, tested at other lengths: exact formula vs Monte Carlo
     n_train = 20
     Z, y = ir.sample_prompts(rng, B, n_train, Sigma, Si)
-    G = ir.train_lbfgs(Z, y, 1, "sparse", rng=rng, maxiter=1000)["coords"]["A"][0]
+    G = train_lbfgs(Z, y, 1, "sparse", rng=rng, maxiter=1000)["coords"]["A"][0]
     for M in (5, 10, 40):
         exact = ir.single_layer_population_loss(G, Sigma, M, Si)
         Zv, yv = ir.sample_prompts(rng, 5 * B, M, Sigma, Si)
@@ -400,7 +410,7 @@ def conditioning(ctx):
     for d, kappa in itertools.product(ds, kappas):
         Sigma, Si, Z, y = paper_data(rng, B, n, d=d, kappa=kappa)
         Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
-        res = ir.train_lbfgs(Z, y, L, "sparse", rng=rng, init_scale=0.1, maxiter=maxiter)
+        res = train_lbfgs(Z, y, L, "sparse", rng=rng, init_scale=0.1, maxiter=maxiter)
         mean, se = test_loss(res["P"], res["Q"], Zv, yv)
         f_star = ir.optimal_family_scalars(L, n, d)[2]          # the same for every Sigma (MATH.md §10)
         A = res["coords"]["A"]
@@ -449,7 +459,7 @@ def optimizers(ctx):
     d, n, L = 5, 20, 3
     Sigma, Si, Z, y = paper_data(rng, B, n)
     A0 = 0.1 * rng.standard_normal((L, d, d))
-    res = ir.train_lbfgs(Z, y, L, init={"A": A0}, maxiter=3000)
+    res = train_lbfgs(Z, y, L, init={"A": A0}, maxiter=3000)
     target = 1.01 * res["loss"]
     rows = [row("L-BFGS-B from the shared init", "-", f"loss {res['loss']:.5f} in {res['nit']} it, "
                 f"{res['wall_time']:.2f} s ({res['message']})", INFO)]
@@ -492,7 +502,7 @@ def factored_qk(ctx):
     Zv, yv = ir.sample_prompts(rng, 4 * B, n, Sigma, Si)
     rows = []
     for L in (1, 2):
-        merged = ir.train_lbfgs(Z, y, L, "full", rng=rng, init_scale=0.3, maxiter=maxiter)
+        merged = train_lbfgs(Z, y, L, "full", rng=rng, init_scale=0.3, maxiter=maxiter)
         P, Q, fac = train_factored(Z, y, L, rng, maxiter)
         y_m, y_f = ir.predict(merged["P"], merged["Q"], Zv), ir.predict(P, Q, Zv)
         rel = math.sqrt(np.mean((y_m - y_f) ** 2) / np.mean(y_m ** 2))
@@ -509,7 +519,7 @@ def unconstrained(ctx):
     B, maxiter = (1500, 400) if quick else (10000, 1500)
     d, n, L = 5, 20, 3
     Sigma, Si, Z, y = paper_data(rng, B, n)
-    res = ir.train_gauss_newton(Z, y, L, "full", rng=rng, init_scale=0.1, max_nfev=maxiter // 3,
+    res = train_gauss_newton(Z, y, L, "full", rng=rng, init_scale=0.1, max_nfev=maxiter // 3,
                                 progress=ctx["progress"])
     log(f"  loss {res['loss']:.3e}, |grad| {res['grad_norm']:.1e}, {res['nfev']} evaluations, {res['message']}")
     converged = res["grad_norm"] <= 1e-8
@@ -547,7 +557,7 @@ def noise(ctx):
         Sigma = ir.rotated_covariance(rng)[0] if precond else np.eye(d)
         Si = np.linalg.inv(Sigma)
         Z, y = ir.sample_prompts(rng, B, n, Sigma, Si, noise_std=math.sqrt(s2))
-        res = ir.train_lbfgs(Z, y, 1, "sparse", rng=rng, maxiter=1000)
+        res = train_lbfgs(Z, y, 1, "sparse", rng=rng, maxiter=1000)
         cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
         a_hat, se = scalar_fit(res["coords"]["A"][0], Si, cov)
         a_theory = n * ir.gd_step_size(n, d, s2)
@@ -577,8 +587,8 @@ def multi_head(ctx):
     rows.append(row("general heads: sum of heads != one head (P1+P2, Q1+Q2) (bilinear: cross terms "
                     "P1 S Q2 + P2 S Q1)", "O(1) difference", f"{err:.2f}", verdict(err > 1e-2)))
     for L in (1, 2):
-        one = ir.train_lbfgs(Z, y, L, "full", heads=1, rng=rng, init_scale=0.3, maxiter=maxiter)
-        two = ir.train_lbfgs(Z, y, L, "full", heads=2, rng=rng, init_scale=0.3, maxiter=maxiter)
+        one = train_lbfgs(Z, y, L, "full", heads=1, rng=rng, init_scale=0.3, maxiter=maxiter)
+        two = train_lbfgs(Z, y, L, "full", heads=2, rng=rng, init_scale=0.3, maxiter=maxiter)
         rows.append(row(f"L={L}: trained 1-head vs 2-head (full P, Q) batch loss", "-",
                         f"1 head {one['loss']:.5f}, 2 heads {two['loss']:.5f}", INFO, L=L,
                         one_head=one["loss"], two_heads=two["loss"]))
@@ -613,7 +623,7 @@ def nonlinear_targets(ctx):
     eta = beta2 / (m / n + (1 - 1 / n) * beta2)
     eta_se = eta ** 2 / beta2 * m_se / n                           # delta method in m
     Z, y = relu_prompts(rng, B, n, d, k)
-    res = ir.train_lbfgs(Z, y, 1, "sparse", rng=rng, maxiter=1000)
+    res = train_lbfgs(Z, y, 1, "sparse", rng=rng, maxiter=1000)
     cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
     a_hat, se = scalar_fit(res["coords"]["A"][0], np.eye(d), cov)
     tol = Z_MC * math.hypot(se, eta_se)
@@ -640,7 +650,7 @@ def softmax_two_head(ctx):
     for name, act, H in (("linear, 1 head", "linear", 1), ("softmax, 1 head", "softmax_all", 1),
                          ("softmax, 2 heads", "softmax_all", 2)):
         # the full (P, Q) landscape has saddles: keep the best of a few random starts (batch loss)
-        res = min((ir.train_lbfgs(Z, y, 1, "full", heads=H, rng=rng, init_scale=0.3, maxiter=maxiter,
+        res = min((train_lbfgs(Z, y, 1, "full", heads=H, rng=rng, init_scale=0.3, maxiter=maxiter,
                                   activation=act) for _ in range(restarts)), key=lambda r: r["loss"])
         y_hat = ir.predict_activation(res["P"], res["Q"], Zt, act)
         runs[name] = (res, y_hat)
@@ -707,13 +717,14 @@ def markdown_table(rows):
 
 
 def figures(out, name, rows, tables):
-    """PNG figures when matplotlib is importable (optional)."""
+    """PNG figures when matplotlib is importable (optional). Returns (paths, a note for the run or
+    None): without matplotlib the note says once how to get figures."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
+        return [], "No figures: matplotlib is not installed (python3 -m pip install matplotlib, or pip install .[plot])."
     made = []
     curve = tables.get("curve")
     if name == "three-layer-sparse" and curve:
@@ -732,17 +743,65 @@ def figures(out, name, rows, tables):
         fig.savefig(path, dpi=100)
         plt.close(fig)
         made.append(path)
-    return made
+    return made, None
+
+
+def nonneg_int(text):
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+RESULT_SUFFIXES = (".csv", ".png", ".md", ".json")
+
+
+def prepare_out(ap, out, overwrite):
+    """Refuse an --out that cannot hold a fresh run (exit 2 via ap.error, nothing written), or with
+    --overwrite remove an earlier run's files (only .csv, .png, .md, .json) from it."""
+    if not out:
+        ap.error("--out must name a directory, got ''")
+    if os.path.exists(out) and not os.path.isdir(out):
+        ap.error(f"--out {out!r} exists and is not a directory")
+    if os.path.isdir(out) and os.listdir(out):
+        others = [f for f in os.listdir(out) if not f.endswith(RESULT_SUFFIXES)]
+        if not overwrite:
+            ap.error(f"--out {out!r} is not empty: pass --overwrite to replace an earlier run's results, "
+                     "or name a new directory")
+        if others:
+            ap.error(f"--out {out!r} holds files that are not results ({others[:3]}...): not overwriting")
+        for f in os.listdir(out):
+            os.remove(os.path.join(out, f))
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".write-test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        ap.error(f"--out {out!r} cannot be written: {e.strerror}")
+
+
+def stop_if_interrupted(res):
+    """icl_ref's trainers return the last iterate on Ctrl-C; an experiment must stop instead."""
+    if res["interrupted"]:
+        raise KeyboardInterrupt
+    return res
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("names", nargs="*", help="experiments to run (default: all)")
+    ap.add_argument("names", nargs="*", help="experiments to run (default: all; a name given twice runs once)")
     ap.add_argument("--quick", action="store_true", help="reduced sizes (about a minute in all)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results")
+    ap.add_argument("--seed", type=nonneg_int, default=0, help="integer >= 0 (default 0)")
+    ap.add_argument("--out", default="results", help="directory for the results; must be new or empty")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier run's results in --out (its .csv, .png, .md, .json files)")
     ap.add_argument("--list", action="store_true", help="list the experiments and exit")
-    ap.add_argument("--progress", type=int, default=0, help="print L-BFGS progress every k iterations")
+    ap.add_argument("--progress", type=nonneg_int, default=0, help="print training progress every k steps")
     args = ap.parse_args(argv)
     if args.list:
         for name, (_, answers) in EXPERIMENTS.items():
@@ -751,8 +810,8 @@ def main(argv=None):
     unknown = [n for n in args.names if n not in EXPERIMENTS]
     if unknown:
         ap.error(f"unknown experiment(s) {unknown}; --list shows the names")
-    names = args.names or list(EXPERIMENTS)
-    os.makedirs(args.out, exist_ok=True)
+    names = list(dict.fromkeys(args.names)) or list(EXPERIMENTS)
+    prepare_out(ap, args.out, args.overwrite)
     start = time.perf_counter()
 
     def log(msg):
@@ -761,12 +820,16 @@ def main(argv=None):
     config = dict(argv=sys.argv, names=names, quick=args.quick, seed=args.seed, numpy=np.__version__,
                   scipy=scipy.__version__, python=platform.python_version(),
                   threadpoolctl=threadpoolctl.__version__, cores=len(os.sched_getaffinity(0))
-                  if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    summary, failed = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""], []
+                  if hasattr(os, "sched_getaffinity") else os.cpu_count(), status="running")
+
+    def write_config(status, done):
+        with open(os.path.join(args.out, "config.json"), "w") as f:
+            json.dump(dict(config, status=status, completed=done), f, indent=2)
+    write_config("running", [])
+    summary, failed, done = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""], [], []
+    interrupted, plot_note = False, None
     try:
-        for i, name in enumerate(names):
+        for name in names:
             fn, answers = EXPERIMENTS[name]
             log(f"{name}: {answers}")
             t0 = time.perf_counter()
@@ -777,25 +840,34 @@ def main(argv=None):
             write_csv(os.path.join(args.out, f"{name}.csv"), rows)
             for table, content in tables.items():
                 write_csv(os.path.join(args.out, f"{name}_{table}.csv"), content)
-            pngs = figures(args.out, name, rows, tables)
+            pngs, note = figures(args.out, name, rows, tables)
+            plot_note = plot_note or note
             table = markdown_table(rows)
             print(table, flush=True)
             summary += [f"## {name}", f"_{answers}_ ({time.perf_counter() - t0:.1f} s)", "", table, ""]
             summary += [f"![{name}]({os.path.basename(p)})" for p in pngs]
             failed += [f"{name}: {r['claim']}" for r in rows if r["verdict"] == FAIL]
+            done.append(name)
     except KeyboardInterrupt:
-        log("interrupted: writing what was computed so far")
-        summary.append("**Interrupted** before all experiments finished.")
+        interrupted = True
+        log("interrupted: writing the experiments that completed, then stopping (exit 130)")
+        summary.insert(1, f"**INTERRUPTED**: only {done or 'no experiment'} completed; this is not a full run.")
+        summary.insert(2, "")
+    if plot_note:
+        log(plot_note)
+        summary += ["", plot_note]
     summary.append(f"Total {time.perf_counter() - start:.1f} s; numpy {np.__version__}, scipy {scipy.__version__}.")
     if failed:
         summary += ["", "## Failed claims", ""] + [f"- {f}" for f in failed]
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write("\n".join(summary) + "\n")
-    log(f"done; results in {args.out}/")
+    write_config("interrupted" if interrupted else "complete", done)
+    log(f"{'interrupted' if interrupted else 'done'}; results in {args.out}/")
     if failed:
         print("FAILED claims:\n  " + "\n  ".join(failed), file=sys.stderr)
-        return 1
-    return 0
+    if interrupted:
+        return 130
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -63,10 +63,12 @@ def _array(name, a, ndim, allow_nan=False):
                                  or np.issubdtype(arr.dtype, np.floating)):
         raise TypeError(f"{name} must be a real integer or float array, got dtype {arr.dtype}")
     ndims = (ndim,) if isinstance(ndim, int) else ndim
-    if arr.ndim not in ndims:
+    if ndim is not None and arr.ndim not in ndims:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, got shape {arr.shape}")
     arr = arr.astype(np.float64, copy=False)
-    if not np.isfinite(np.sum(arr)):                          # NaN/Inf poison the sum
+    with np.errstate(over="ignore"):                         # a sum near the float64 limit
+        total = np.sum(arr)
+    if not np.isfinite(total):                               # NaN/Inf poison the sum
         bad = np.isinf(arr) if allow_nan else ~np.isfinite(arr)
         if np.any(bad):
             raise ValueError(f"{name} must be finite, found {'Inf' if allow_nan else 'NaN or Inf'}")
@@ -89,17 +91,28 @@ def _nonneg(name, v):
     return float(v)
 
 
-def _params(P, Q):
-    """P, Q as float64 (L, H, D, D) arrays of equal shape with L, H >= 1 and D >= 2."""
-    P, Q = _array("P", P, 4), _array("Q", Q, 4)
-    for name, X in (("P", P), ("Q", Q)):
+def _params(P, Q, names=("P", "Q")):
+    """P, Q as float64 (L, H, D, D) arrays of equal shape with L, H >= 1 and D >= 2; errors name
+    the caller's arguments (`names`, e.g. dP, dQ)."""
+    P, Q = _array(names[0], P, 4), _array(names[1], Q, 4)
+    for name, X in zip(names, (P, Q)):
         L, H, D, D2 = X.shape
         if L < 1 or H < 1 or D < 2 or D != D2:
             raise ValueError(f"{name} must have shape (L, H, d+1, d+1) with L, H >= 1 and d >= 1, "
                              f"got {X.shape}")
     if P.shape != Q.shape:
-        raise ValueError(f"P and Q must have the same shape (L, H, d+1, d+1), got {P.shape} and {Q.shape}")
+        raise ValueError(f"{names[0]} and {names[1]} must have the same shape (L, H, d+1, d+1), "
+                         f"got {P.shape} and {Q.shape}")
     return P, Q
+
+
+def _finite_result(what, value, **sizes):
+    """value, or a ValueError saying that float64 overflowed, and at what size of the inputs."""
+    if not np.all(np.isfinite(value)):
+        size = ", ".join(f"max |{k}| = {np.max(np.abs(v)):.3g}" for k, v in sizes.items())
+        raise ValueError(f"{what} is not finite: float64 overflowed ({size}); the output grows like "
+                         "(|P| |Q| |Z|^2)^(2^L) |Z|, so use smaller parameters or rescale Z")
+    return value
 
 
 def _prompts(Z, D=None, name="Z"):
@@ -131,7 +144,7 @@ def _spd(name, Sigma, d=None):
     # Products such as U diag U^T are symmetric only to rounding: allow 1e-12 of the largest entry.
     if np.max(np.abs(Sigma - Sigma.T)) > 1e-12 * np.max(np.abs(Sigma)):
         raise ValueError(f"{name} must be symmetric")
-    Sigma = (Sigma + Sigma.T) / 2
+    Sigma = Sigma / 2 + Sigma.T / 2                       # no overflow near the float64 limit
     try:
         F = np.linalg.cholesky(Sigma)
     except np.linalg.LinAlgError:
@@ -223,6 +236,9 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
     Z = np.concatenate([X.transpose(0, 2, 1), labels[:, None, :]], axis=1)
     y = labels[:, n].copy()
     Z[:, d, n] = 0.0
+    if not (np.all(np.isfinite(Z)) and np.all(np.isfinite(y))):
+        raise ValueError("the drawn prompts are not finite: Sigma (or Sigma_w, noise_std) is too large "
+                         f"for float64 (max |Sigma| = {np.max(np.abs(Sigma)):.3g})")
     return (Z, y, w_star) if return_w_star else (Z, y)
 
 
@@ -452,9 +468,11 @@ def forward(P, Q, Z, all_layers=False, formulation=None):
     Z = _prompts(Z, P.shape[2])
     n = Z.shape[2] - 1
     S, q, Zs = gram(Z), Z[:, :, n], [Z]
-    for P_l, Q_l in zip(P, Q):
-        S, q, T, _ = layer_forward(layer_map(P_l, Q_l, n, formulation), S, q)
-        Zs.append(T @ Zs[-1])
+    with np.errstate(over="ignore", invalid="ignore"):
+        for P_l, Q_l in zip(P, Q):
+            S, q, T, _ = layer_forward(layer_map(P_l, Q_l, n, formulation), S, q)
+            Zs.append(T @ Zs[-1])
+    _finite_result("Z_L", Zs[-1], P=P, Q=Q, Z=Z)
     return np.stack(Zs) if all_layers else Zs[-1]
 
 
@@ -464,8 +482,9 @@ def predict(P, Q, Z):
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
     n = Z.shape[2] - 1
-    q_L, _ = _propagate([layer_map(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)], gram(Z), Z[:, :, n])
-    return -q_L[:, -1]
+    with np.errstate(over="ignore", invalid="ignore"):
+        q_L, _ = _propagate([layer_map(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)], gram(Z), Z[:, :, n])
+    return _finite_result("the prediction", -q_L[:, -1], P=P, Q=Q, Z=Z)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,6 +503,22 @@ def in_context_loss(P, Q, Z, y):
     return float(np.mean((predict(P, Q, Z) - y) ** 2))
 
 
+def _gram_args(caller, P, Q, S0, q0, y, n):
+    """The cheap checks of the Gram-form building blocks: float64 arrays of matching shapes and an
+    integer n >= 1. Not checked, to keep them cheap: finiteness and the symmetry of S0."""
+    for name, a in (("P", P), ("Q", Q), ("S0", S0), ("q0", q0), ("y", y)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.float64:
+            raise TypeError(f"{caller}: {name} must be a float64 numpy array (use loss_and_grad for "
+                            f"converted and checked inputs), got {getattr(a, 'dtype', type(a).__name__)}")
+    _int("n", n, 1)
+    if y.ndim != 1 or P.ndim != 4:
+        raise ValueError(f"{caller} needs P, Q (L, H, D, D) and y (B,); got {P.shape} and {y.shape}")
+    B, D = y.shape[0], P.shape[-1]
+    if P.shape != Q.shape or S0.shape != (B, D, D) or q0.shape != (B, D):
+        raise ValueError(f"{caller} needs P, Q (L, H, D, D), S0 (B, D, D), q0 (B, D), y (B,); "
+                         f"got {P.shape}, {Q.shape}, {S0.shape}, {q0.shape}, {y.shape}")
+
+
 def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation=None):
     """f and (df/dP, df/dQ) from the Gram form (S_0, q_0); the fast path behind training.
 
@@ -494,12 +529,12 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     workers (default: every core), each chunk's
     loss and dK divided by the whole B and added up in chunk order (MATH.md §3): the result does
     not depend on `threads`. formulation as layer_map. Only shapes are checked (it runs every optimiser step; the arrays come
-    from gram and the checked entry points). Returns (loss, dP, dQ).
+    from gram and the checked entry points): S0 must be symmetric (layer_backward relies on it) and
+    finite; a non-finite result is returned as it is (training treats it as a failed trial).
+    Returns (loss, dP, dQ).
     """
+    _gram_args("loss_and_grad_gram", P, Q, S0, q0, y, n)
     B, D = y.shape[0], P.shape[-1]
-    if P.shape != Q.shape or S0.shape != (B, D, D) or q0.shape != (B, D):
-        raise ValueError(f"loss_and_grad_gram needs P, Q (L, H, D, D), S0 (B, D, D), q0 (B, D), y (B,); "
-                         f"got {P.shape}, {Q.shape}, {S0.shape}, {q0.shape}, {y.shape}")
     Ks = [layer_map(P_l, Q_l, n, formulation) for P_l, Q_l in zip(P, Q)]
 
     def one_chunk(start, stop):
@@ -534,10 +569,8 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
     Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
     """
     _check_structure(structure)
+    _gram_args("residuals_and_jacobian_gram", P, Q, S0, q0, y, n)
     B, D = y.shape[0], P.shape[-1]
-    if P.shape != Q.shape or S0.shape != (B, D, D) or q0.shape != (B, D):
-        raise ValueError(f"residuals_and_jacobian_gram needs P, Q (L, H, D, D), S0 (B, D, D), q0 (B, D), "
-                         f"y (B,); got {P.shape}, {Q.shape}, {S0.shape}, {q0.shape}, {y.shape}")
     L, H = P.shape[:2]
     Ks = [layer_map(P_l, Q_l, n, formulation) for P_l, Q_l in zip(P, Q)]
 
@@ -573,7 +606,12 @@ def loss_and_grad(P, Q, Z, y, threads=None):
     Z = _prompts(Z, P.shape[2])
     y = _labels(y, Z.shape[0])
     n = Z.shape[2] - 1
-    return loss_and_grad_gram(P, Q, gram(Z, threads), np.ascontiguousarray(Z[:, :, n]), y, n, threads=threads)
+    with np.errstate(over="ignore", invalid="ignore"):
+        loss, dP, dQ = loss_and_grad_gram(P, Q, gram(Z, threads), np.ascontiguousarray(Z[:, :, n]), y, n,
+                                          threads=threads)
+    for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
+        _finite_result(what, value, P=P, Q=Q, Z=Z)
+    return loss, dP, dQ
 
 
 def residuals_and_jacobian(P, Q, Z, y, structure="full", threads=None):
@@ -617,6 +655,7 @@ def attention_forward(P_h, Q_h, Z, activation):
     """One head: out = (1/n) P Z M sigma(Z^T Q Z). P_h, Q_h: (D, D); Z: (B, D, n+1).
     Returns out (B, D, n+1) and the cache for attention_backward. Unchecked building block:
     forward_activation and loss_and_grad_activation check their inputs. MATH.md §4."""
+    _check_activation(activation)
     n = Z.shape[2] - 1
     E = Z.transpose(0, 2, 1) @ Q_h @ Z                         # E[i, j] = z_i^T Q z_j
     if activation == "linear":
@@ -738,7 +777,10 @@ def block_params(A, Bm):
 def block_grad(dP, dQ):
     """Chain rule for block_params: (dP, dQ) of shape (L, 1, D, D) -> (dA, dB), each (L, d, d).
     MATH.md §5."""
-    dP, dQ = _params(dP, dQ)
+    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
+    if dP.shape[1] != 1:
+        raise ValueError(f"dP, dQ must have one head, shape (L, 1, D, D), for the structures (8) and (11); "
+                         f"got {dP.shape}")
     return -dQ[:, 0, :-1, :-1], dP[:, 0, :-1, :-1]
 
 
@@ -759,13 +801,25 @@ def sparse_grad(dP, dQ):
 
 def pack(arrays):
     """Concatenate arrays into one flat float64 vector (for scipy.optimize). MATH.md §5."""
-    return np.concatenate([np.ravel(a) for a in arrays]).astype(np.float64)
+    if isinstance(arrays, np.ndarray) or not hasattr(arrays, "__iter__"):
+        raise TypeError(f"arrays must be a list or tuple of arrays, got {type(arrays).__name__}")
+    arrays = [_array(f"arrays[{i}]", a, None) for i, a in enumerate(arrays)]
+    if not arrays:
+        raise ValueError("arrays must hold at least one array")
+    return np.concatenate([np.ravel(a) for a in arrays])
 
 
 def unpack(theta, shapes):
     """Inverse of pack: the flat vector theta cut into arrays of the given shapes. MATH.md §5."""
     theta = _array("theta", theta, 1)
-    sizes = [math.prod(s) for s in shapes]
+    if isinstance(shapes, (str, bytes)) or not hasattr(shapes, "__iter__"):
+        raise TypeError(f"shapes must be a list of shape tuples, got {type(shapes).__name__}")
+    shapes = list(shapes)
+    for s_ in shapes:
+        if not isinstance(s_, (tuple, list)) or not all(
+                isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0 for k in s_):
+            raise ValueError(f"shapes must be tuples of integers >= 0, got {s_!r}")
+    sizes = [math.prod(s_) for s_ in shapes]
     if theta.shape != (sum(sizes),):
         raise ValueError(f"theta must have shape ({sum(sizes)},) for shapes {shapes}, got {theta.shape}")
     cuts = np.cumsum(sizes)[:-1]
@@ -776,6 +830,7 @@ def structure_shapes(structure, L, d, H=1):
     """Names and shapes of a structure's own coordinates: sparse A; blocks A, B; full P, Q.
     MATH.md §5."""
     _check_structure(structure)
+    L, d, H = _int("L", L, 1), _int("d", d, 1), _int("H", H, 1)
     if structure != "full" and H != 1:
         raise ValueError(f"heads must be 1 for structure {structure!r} (one P, Q per layer), got {H}")
     if structure == "full":
@@ -795,17 +850,18 @@ def structure_to_PQ(structure, coords):
         return sparse_params(coords["A"])
     if structure == "blocks":
         return block_params(coords["A"], coords["B"])
-    return coords["P"], coords["Q"]
+    return _params(coords["P"], coords["Q"], ("coords['P']", "coords['Q']"))
 
 
 def structure_grad(structure, dP, dQ):
     """The gradient in a structure's own coordinates, a dict keyed like structure_shapes. MATH.md §5."""
+    _check_structure(structure)
     if structure == "sparse":
         return {"A": sparse_grad(dP, dQ)}
     if structure == "blocks":
         dA, dB = block_grad(dP, dQ)
         return {"A": dA, "B": dB}
-    return {"P": dP, "Q": dQ}
+    return dict(zip("PQ", _params(dP, dQ, ("dP", "dQ"))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -887,19 +943,36 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
         return dict(zip(shapes, unpack(theta, list(shapes.values()))))
 
     def fun(theta):
-        P, Q = structure_to_PQ(structure, coords_of(theta))
-        loss, dP, dQ = evaluate(P, Q)
+        # a trial point where the model overflows is a failed trial (an infinite loss), so the
+        # line search backs off instead of the run ending; `last` keeps only finite evaluations
+        if not np.all(np.isfinite(theta)):
+            return math.inf, np.zeros_like(theta)
+        with np.errstate(over="ignore", invalid="ignore"):
+            loss, dP, dQ = evaluate(*structure_to_PQ(structure, coords_of(theta)))
+        if not (math.isfinite(loss) and np.all(np.isfinite(dP)) and np.all(np.isfinite(dQ))):
+            return math.inf, np.zeros_like(theta)
         grad = pack(structure_grad(structure, dP, dQ).values())
         last.update(theta=theta.copy(), loss=loss, grad=grad)
         return loss, grad
 
-    last = {}
-    start = time.perf_counter()
-    with one_blas_thread():
-        loss0, grad0 = fun(x0)
-    best = dict(theta=x0.copy(), loss=loss0, grad=grad0)     # the last completed iterate
-    history = [loss0]
+    last, history = {}, []
     iterates = [coords_of(x0)] if keep_iterates else None
+    start = time.perf_counter()
+    try:
+        with one_blas_thread():
+            fun(x0)
+    except KeyboardInterrupt:
+        coords = coords_of(x0)
+        return dict(structure=structure, coords=coords, P=None, Q=None, loss=math.nan, grad_norm=math.nan,
+                    wall_time=time.perf_counter() - start, scipy_version=scipy.__version__,
+                    history=np.array([]), options=options, iterates=iterates, nit=0, nfev=0, success=False,
+                    status=None, message="interrupted by KeyboardInterrupt before the first evaluation "
+                    "completed: nothing was computed", interrupted=True)
+    if not last:
+        raise ValueError("the loss or its gradient at the initial point is not finite (float64 overflow): "
+                         "use a smaller init_scale or init, or rescale Z")
+    best = dict(last)                                        # the last completed iterate
+    history.append(best["loss"])
 
     def callback(theta):
         if not np.array_equal(theta, last["theta"]):          # L-BFGS-B's last call is the iterate
@@ -917,9 +990,18 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
         with one_blas_thread():
             res = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B", callback=callback,
                                           options=options)
-        theta, loss, grad = res.x, res.fun, res.jac
         outcome = dict(nit=int(res.nit), nfev=int(res.nfev), success=bool(res.success),
                        status=int(res.status), message=str(res.message), interrupted=False)
+        # the returned loss is the loss of the returned parameters: scipy's res.fun can be the
+        # value of a failed trial point, so take the point from the last finite evaluation
+        if not np.array_equal(res.x, best["theta"]):
+            with one_blas_thread():
+                fun(res.x)
+            if np.array_equal(last["theta"], res.x) and last["loss"] <= best["loss"]:
+                best.update(last)
+            else:
+                outcome["message"] += "; returning the last iterate with a finite loss"
+        theta, loss, grad = best["theta"], best["loss"], best["grad"]
     except KeyboardInterrupt:
         theta, loss, grad = best["theta"], best["loss"], best["grad"]
         outcome = dict(nit=len(history) - 1, nfev=None, success=False, status=None,
@@ -941,7 +1023,7 @@ def _fixed_coordinates(structure, shapes):
         masks["B"][-1] = True
     elif structure == "full":
         masks["P"][-1, :, :-1, :] = True
-    return pack(masks.values()).astype(bool)
+    return np.concatenate([m.ravel() for m in masks.values()])
 
 
 def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
@@ -985,12 +1067,17 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     cache = {}
 
     def evaluate(x):
+        # a trial point where the model overflows gets an infinite loss: the trust region shrinks
         if cache.get("x") is None or not np.array_equal(cache["x"], x):
+            if not np.all(np.isfinite(x)):
+                cache.update(x=x.copy(), r=np.full(B, np.inf), J=np.zeros((B, x.size)))
+                return cache
             P, Q = structure_to_PQ(structure, coords_of(full(x)))
             with np.errstate(over="ignore", invalid="ignore"):
                 r, J = residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure=structure, threads=threads)
-            cache.update(x=x.copy(), r=r, J=J[:, free])
-            loss = float(r @ r) / B if np.all(np.isfinite(r)) else math.inf
+            finite = np.all(np.isfinite(r)) and np.all(np.isfinite(J))
+            cache.update(x=x.copy(), r=r if finite else np.full(B, np.inf), J=J[:, free] if finite else 0 * x[None])
+            loss = float(r @ r) / B if finite else math.inf
             if loss < best["loss"]:
                 best.update(x=x.copy(), loss=loss, r=r, J=cache["J"])
                 history.append(loss)
@@ -1006,9 +1093,18 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     try:
         with one_blas_thread():
             evaluate(x0)
-            if not math.isfinite(best["loss"]):
-                raise ValueError("the initial point gives a non-finite loss: choose a smaller init or "
-                                 "init_scale, or rescale Z")
+    except KeyboardInterrupt:
+        coords = coords_of(theta0)
+        return dict(structure=structure, coords=coords, P=None, Q=None, loss=math.nan, grad_norm=math.nan,
+                    success=False, wall_time=time.perf_counter() - start, scipy_version=scipy.__version__,
+                    history=np.array([]), options=options, fixed=int(np.sum(~free)), nit=0, nfev=0, status=None,
+                    message="interrupted by KeyboardInterrupt before the first evaluation completed: nothing "
+                    "was computed", interrupted=True)
+    if not math.isfinite(best["loss"]):
+        raise ValueError("the loss or its Jacobian at the initial point is not finite (float64 overflow): "
+                         "use a smaller init_scale or init, or rescale Z")
+    try:
+        with one_blas_thread():
             res = scipy.optimize.least_squares(lambda x: evaluate(x)["r"] / root_B, x0,
                                                jac=lambda x: evaluate(x)["J"] / root_B, method="trf",
                                                ftol=1e-15, xtol=1e-15, gtol=1e-15,
@@ -1111,6 +1207,9 @@ def gd_step_size(n, d, noise_var=0.0):
     return 1.0 / (_int("n", n, 1) + 1 + _int("d", d, 1) + _nonneg("noise_var", noise_var))
 
 
+MAX_MOMENT_ORDER = 40    # exact Wishart moments up to this order (MATH.md §9)
+
+
 @lru_cache(maxsize=None)
 def _wishart_T(n, d, parts):
     """T(k_1..k_r) = E prod_j tr(W^{k_j}), W ~ Wishart_d(n, I), by the recursion of MATH.md §9.
@@ -1136,9 +1235,9 @@ def wishart_trace_moments(n, d, kmax):
     fractions.Fraction; m_0 = d, m_1 = d, m_2 = d (n + d + 1)/n.
     """
     n, d, kmax = _int("n", n, 1), _int("d", d, 1), _int("kmax", kmax, 0)
-    if kmax > 40:      # the recursion visits every partition of k: p(40) = 37338, p(81) = 1.8e7
-        raise ValueError(f"kmax must be <= 40 (exact moments cost every partition of k), got {kmax}; "
-                         "the blocks family needs 2 (3^L - 1)/2 + 1, so L <= 3")
+    if kmax > MAX_MOMENT_ORDER:      # the recursion visits every partition of k: p(40) = 37338, p(81) = 1.8e7
+        raise ValueError(f"kmax must be <= {MAX_MOMENT_ORDER} (exact moments cost every partition of k), "
+                         f"got {kmax}")
     return [Fraction(d)] + [Fraction(_wishart_T(n, d, (k,)), n ** k) for k in range(1, kmax + 1)]
 
 
@@ -1180,6 +1279,16 @@ def _poly_scale(c, p):
     return _poly_trim([c * p_i for p_i in p])
 
 
+def _family_degree(a, b):
+    """deg p of family_polynomials, from the recursion's degrees alone (no polynomial is built):
+    deg s_0 = 1, deg s_{l+1} = 3 deg s_l where a_l b_l != 0, deg p = sum over a_l != 0 of deg s_l."""
+    degree, deg_s = 0, 1
+    for a_l, b_l in zip(a, b):
+        degree += deg_s if a_l != 0 else 0
+        deg_s *= 3 if a_l * b_l != 0 else 1
+    return degree
+
+
 def family_polynomials(a, b=None):
     """Exact coefficients (lowest degree first, Fractions) of p(t) and r(t) = (1 - p(t))/t, MATH.md §10:
 
@@ -1190,6 +1299,10 @@ def family_polynomials(a, b=None):
     converted to Fractions exactly.
     """
     a, b = _family_scalars(a, b)
+    degree = _family_degree(a, b)
+    if degree > MAX_MOMENT_ORDER:
+        raise ValueError(f"a, b give deg p = {degree} > {MAX_MOMENT_ORDER}: exact polynomials beyond that "
+                         "are not supported (the blocks family has deg p = (3^L - 1)/2: L <= 4)")
     one, t = [Fraction(1)], [Fraction(0), Fraction(1)]
     p, r, phi, s = one, [Fraction(0)], one, t
     for a_l, b_l in zip(a, b):
@@ -1216,6 +1329,11 @@ def family_population_loss(a, n, d, b=None, noise_var=0.0, query_noise=True):
     """
     n, d = _int("n", n, 1), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
+    degree = _family_degree(*_family_scalars(a, b))
+    if 2 * degree > MAX_MOMENT_ORDER:
+        family = "blocks family (deg p = (3^L - 1)/2: L <= 3)" if b is not None else "sparse family (L <= 20)"
+        raise ValueError(f"a, b give deg p = {degree}: the exact loss needs Wishart moments up to order "
+                         f"2 deg p = {2 * degree} > {MAX_MOMENT_ORDER}; supported for the {family}")
     p, r = family_polynomials(a, b)
     c, e = _poly_mul(p, p), _poly_mul(r, r)
     m = wishart_trace_moments(n, d, max(len(c) - 1, len(e)))
@@ -1236,6 +1354,9 @@ def wishart_quadrature(n, d, K):
     MATH.md §10.
     """
     K = _int("K", K, 1)
+    if 2 * K - 1 > MAX_MOMENT_ORDER:
+        raise ValueError(f"K must be <= {(MAX_MOMENT_ORDER + 1) // 2}: a K-node rule needs exact moments up to "
+                         f"order 2K - 1 <= {MAX_MOMENT_ORDER}, got K = {K}")
     m = wishart_trace_moments(n, d, 2 * K - 1)
     alpha, beta = [m[1] / m[0]], [m[0]]
     sigma_prev, sigma = [Fraction(0)] * (2 * K), list(m)
@@ -1276,12 +1397,19 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     """
     L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
+    starts = _int("starts", starts, 1)
+    if rng is not None and not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
     rng = np.random.default_rng(0) if rng is None else rng
     degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, MATH.md §10
+    if 2 * degree > MAX_MOMENT_ORDER:
+        raise ValueError(f"L must be <= {3 if blocks else MAX_MOMENT_ORDER // 2} for the "
+                         f"{'blocks' if blocks else 'sparse'} family: its exact loss needs Wishart moments "
+                         f"up to order 2 deg p = {2 * degree} > {MAX_MOMENT_ORDER}, got L = {L}")
     nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
     args = (L, blocks, nodes, weights, n, noise_var)
     best = None
-    for _ in range(_int("starts", starts, 1)):
+    for _ in range(starts):
         theta0 = np.r_[rng.uniform(0, 2, L), rng.uniform(0, 1.5, L - 1) if blocks else []]
         res = scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=args, jac="3-point",
                                       method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12))
@@ -1311,6 +1439,7 @@ def distance_to_multiple(M, T=None):
         raise ValueError(f"M and T must be square of the same shape, got {M.shape} and {T.shape}")
     if not np.any(M) or not np.any(T):
         raise ValueError("M and T must be nonzero")
+    M, T = M / np.max(np.abs(M)), T / np.max(np.abs(T))     # scale-free: no under- or overflow
     alpha = np.sum(M * T) / np.sum(T * T)
     return float(np.linalg.norm(M - alpha * T) / np.linalg.norm(M))
 
@@ -1321,6 +1450,7 @@ def distance_to_diagonal(M):
     M = _array("M", M, 2)
     if M.shape[0] != M.shape[1] or not np.any(M):
         raise ValueError(f"M must be a nonzero square matrix, got shape {M.shape}")
+    M = M / np.max(np.abs(M))                                # scale-free: no under- or overflow
     return float(np.linalg.norm(M - np.diag(np.diag(M))) / np.linalg.norm(M))
 
 
@@ -1330,7 +1460,10 @@ def fitted_scalar(M, T):
     M, T = _array("M", M, 2), _array("T", T, 2)
     if M.shape != T.shape:
         raise ValueError(f"M and T must have the same shape, got {M.shape} and {T.shape}")
-    return float(np.sum(M * T) / np.sum(T * T))
+    if not np.any(T):
+        raise ValueError("T must be nonzero (the scalar alpha of M ~ alpha T is undefined)")
+    m, t = np.max(np.abs(M)) or 1.0, np.max(np.abs(T))       # scale-free up to the final product
+    return float(np.sum((M / m) * (T / t)) / np.sum((T / t) ** 2) * (m / t))
 
 
 def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation="linear"):
@@ -1350,6 +1483,12 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     Z = _prompts(Z)
     y = _labels(y, Z.shape[0])
     chunks = _int("chunks", chunks, 2)
+    h = _nonneg("h", h)
+    if h == 0:
+        raise ValueError("h must be > 0 (the step of the central differences of the gradient)")
+    P_c, _ = structure_to_PQ(structure, coords)
+    if P_c.shape[-1] != Z.shape[1]:
+        raise ValueError(f"coords have d = {P_c.shape[-1] - 1} but Z has d = {Z.shape[1] - 1}")
     if Z.shape[0] < 2 * chunks:
         raise ValueError(f"Z must hold at least 2 * chunks = {2 * chunks} prompts, got {Z.shape[0]}")
     names, shapes = list(coords), [np.shape(coords[k]) for k in coords]

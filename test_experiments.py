@@ -101,3 +101,85 @@ def test_factored_gradient_matches_finite_differences():
                     - ex.factored_loss_and_grad(theta - 1e-6 * e, 2, S0, q0, y, 5)[0]) / 2e-6
                    for e in np.eye(theta.size)])
     assert_allclose(g, fd, rtol=0, atol=FD_REL * np.max(np.abs(fd)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line: argument errors, output directories, Ctrl-C
+# ---------------------------------------------------------------------------------------------
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, os.path.join(HERE, "experiments.py"), *args],
+                          capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--seed", "-1"], "--seed"), (["--progress", "-5"], "--progress"), (["--seed", "x"], "--seed"),
+    (["--out", ""], "--out"), (["--out", "/proc/x"], "--out")])
+def test_argument_errors_exit_2_with_one_line_and_write_nothing(tmp_path, args, fragment):
+    proc = run_cli("noise", *args, cwd=tmp_path)
+    assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr
+    assert not os.listdir(tmp_path)                                  # nothing written anywhere
+
+
+def test_out_naming_a_file_or_a_non_empty_directory_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    proc = run_cli("noise", "--out", str(f))
+    assert proc.returncode == 2 and "not a directory" in proc.stderr and "Traceback" not in proc.stderr
+    d = tmp_path / "old"
+    d.mkdir()
+    (d / "noise.csv").write_text("stale")
+    proc = run_cli("noise", "--out", str(d))
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr
+    assert (d / "noise.csv").read_text() == "stale"
+
+
+def test_overwrite_removes_an_earlier_runs_files_and_duplicates_run_once(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: (calls.append(1) or [ex.row("x", "-", "-", ex.INFO)], {}), "t"))
+    (tmp_path / "stale.csv").write_text("from an earlier run")
+    assert ex.main(["count", "count", "--out", str(tmp_path), "--overwrite"]) == 0
+    assert calls == [1] and not (tmp_path / "stale.csv").exists()
+    assert json.loads((tmp_path / "config.json").read_text())["status"] == "complete"
+
+
+SLOW_RUN = """
+import sys, time, numpy as np
+import experiments as ex, icl_ref as ir
+def training(ctx):
+    rng = np.random.default_rng(0)
+    Z, y = ir.sample_prompts(rng, 20000, 20, np.eye(8))
+    print("READY", flush=True)
+    ex.train_lbfgs(Z, y, 3, structure="full", rng=rng, maxiter=100000, gtol=0, maxfun=10**7)
+    return [ex.row("trained", "-", "-", ex.INFO)], {}
+def sleeping(ctx):
+    print("READY", flush=True)
+    time.sleep(60)
+    return [ex.row("slept", "-", "-", ex.INFO)], {}
+def after(ctx):
+    open(sys.argv[2] + "/AFTER-RAN", "w").close()
+    return [ex.row("after", "-", "-", ex.INFO)], {}
+ex.EXPERIMENTS.update(training=(training, "t"), sleeping=(sleeping, "t"), after=(after, "t"))
+sys.exit(ex.main([sys.argv[1], "after", "--out", sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("where", ["training", "sleeping"])
+def test_ctrl_c_stops_the_run_marks_it_interrupted_and_exits_130(tmp_path, where):
+    import signal
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_RUN, where, str(out)], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:                       # wait until the experiment is under way
+        if "READY" in line:
+            break
+    import time
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    summary = (out / "summary.md").read_text()
+    assert "INTERRUPTED" in summary and "## after" not in summary
+    config = json.loads((out / "config.json").read_text())
+    assert config["status"] == "interrupted" and config["completed"] == []
+    assert not (out / "AFTER-RAN").exists()                          # nothing ran after the Ctrl-C

@@ -316,6 +316,8 @@ _S = np.eye(3)
 _nanZ = _Z.copy()
 _nanZ[0, 0, 0] = np.nan
 _rng = np.random.default_rng(0)
+_Zs, _ys = ir.sample_prompts(np.random.default_rng(1), 8, 5, np.eye(3))     # d = 3, B = 8, n = 5
+_S0, _q0 = ir.gram(_Zs), np.ascontiguousarray(_Zs[:, :, 5])
 
 BAD_CALLS = [
     ("P 3-d", lambda: ir.forward(_P[0], _Q, _Z), ValueError, "P"),
@@ -365,6 +367,57 @@ BAD_CALLS = [
     ("family b shape", lambda: ir.family_population_loss([1.0, 1.0], 5, 2, b=[1.0]), ValueError, "b"),
     ("distance zero", lambda: ir.distance_to_multiple(np.zeros((2, 2))), ValueError, "M"),
     ("distance shapes", lambda: ir.distance_to_multiple(np.eye(2), np.eye(3)), ValueError, "M and T"),
+    # issue 13: the refusals found by a hostile user, each naming the argument
+    ("sandwich h = 0", lambda: ir.sandwich_covariance("sparse", {"A": np.eye(3)[None]}, _Zs, _ys, chunks=2, h=0),
+     ValueError, "h"),
+    ("sandwich h NaN", lambda: ir.sandwich_covariance("sparse", {"A": np.eye(3)[None]}, _Zs, _ys, chunks=2, h=np.nan),
+     ValueError, "h"),
+    ("sandwich coords keys", lambda: ir.sandwich_covariance("sparse", {"P": 0}, _Zs, _ys, chunks=2), ValueError, "coords"),
+    ("sandwich coords d", lambda: ir.sandwich_covariance("sparse", {"A": np.eye(2)[None]}, _Zs, _ys, chunks=2),
+     ValueError, "coords have d = 2"),
+    ("shapes L < 0", lambda: ir.structure_shapes("sparse", -1, 3), ValueError, "L"),
+    ("shapes L None", lambda: ir.structure_shapes("sparse", None, 3), TypeError, "L"),
+    ("shapes d = 0", lambda: ir.structure_shapes("blocks", 2, 0), ValueError, "d"),
+    ("shapes H = 0", lambda: ir.structure_shapes("full", 2, 3, 0), ValueError, "H"),
+    ("full coords strings", lambda: ir.structure_to_PQ("full", {"P": "a", "Q": "b"}), TypeError, "coords\\['P'\\]"),
+    ("full coords None", lambda: ir.structure_to_PQ("full", {"P": _P, "Q": None}), TypeError, "coords\\['Q'\\]"),
+    ("full coords NaN", lambda: ir.structure_to_PQ("full", {"P": _P * np.nan, "Q": _Q}), ValueError, "coords\\['P'\\]"),
+    ("structure_grad unknown", lambda: ir.structure_grad("dense", _P, _Q), ValueError, "structure"),
+    ("block_grad H = 2", lambda: ir.block_grad(np.zeros((1, 2, 4, 4)), np.zeros((1, 2, 4, 4))), ValueError, "one head"),
+    ("sparse_grad H = 2", lambda: ir.sparse_grad(np.zeros((1, 2, 4, 4)), np.zeros((1, 2, 4, 4))), ValueError, "one head"),
+    ("block_grad names dP", lambda: ir.block_grad(np.zeros((1, 1, 4)), np.zeros((1, 1, 4, 4))), ValueError, "dP"),
+    ("block_grad names dQ", lambda: ir.block_grad(np.zeros((1, 1, 4, 4)), np.full((1, 1, 4, 4), np.inf)), ValueError, "dQ"),
+    ("pack None", lambda: ir.pack([None]), TypeError, "arrays\\[0\\]"),
+    ("pack complex", lambda: ir.pack([np.ones(2) + 1j]), TypeError, "arrays\\[0\\]"),
+    ("pack empty", lambda: ir.pack([]), ValueError, "arrays"),
+    ("pack ndarray", lambda: ir.pack(np.ones(3)), TypeError, "arrays"),
+    ("unpack shapes str", lambda: ir.unpack(np.zeros(4), "22"), TypeError, "shapes"),
+    ("unpack shapes negative", lambda: ir.unpack(np.zeros(4), [(-2, -2)]), ValueError, "shapes"),
+    ("unpack shapes float", lambda: ir.unpack(np.zeros(4), [(2.0, 2)]), ValueError, "shapes"),
+    ("blocks L = 7 loss", lambda: ir.family_population_loss([0.3] * 7, 20, 5, b=[0.5] * 7), ValueError, "deg p"),
+    ("blocks L = 7 polynomials", lambda: ir.family_polynomials([0.3] * 7, b=[0.5] * 7), ValueError, "deg p"),
+    ("sparse L = 21 loss", lambda: ir.family_population_loss([0.3] * 21, 20, 5), ValueError, "sparse family"),
+    ("quadrature K", lambda: ir.wishart_quadrature(20, 5, 21), ValueError, "K must be"),
+    ("optimal rng int", lambda: ir.optimal_family_scalars(1, 20, 5, rng=42), TypeError, "rng"),
+    ("optimal blocks L = 4", lambda: ir.optimal_family_scalars(4, 20, 5, blocks=True), ValueError, "L must be <= 3"),
+    ("fitted zero T", lambda: ir.fitted_scalar(np.eye(2), np.zeros((2, 2))), ValueError, "T"),
+    ("overflow loss", lambda: ir.loss_and_grad(_P + 1e30, _Q + 1e30, _Zs, _ys), ValueError, "overflow"),
+    ("overflow forward", lambda: ir.forward(_P + 1, _Q + 1, _Zs[:, :4] * 1e100), ValueError, "overflow"),
+    ("overflow predict", lambda: ir.predict(_P + 1, _Q + 1, _Zs[:, :4] * 1e100), ValueError, "overflow"),
+    ("overflow sampling", lambda: ir.sample_prompts(_rng, 2, 3, 1.7e308 * np.eye(3), 1.7e308 * np.eye(3)),
+     ValueError, "Sigma"),
+    ("attention activation", lambda: ir.attention_forward(_P[0, 0], _Q[0, 0], _Z, "gelu"), ValueError, "activation"),
+    ("gram int P", lambda: ir.loss_and_grad_gram(_P.astype(int), _Q, _S0, _q0, _ys, 5), TypeError, "P"),
+    ("gram chunk 0", lambda: ir.loss_and_grad_gram(_P, _Q, _S0, _q0, _ys, 5, chunk=0), ValueError, "chunk"),
+    ("gram n = 0", lambda: ir.loss_and_grad_gram(_P, _Q, _S0, _q0, _ys, 0), ValueError, "n"),
+    ("gram n float", lambda: ir.loss_and_grad_gram(_P, _Q, _S0, _q0, _ys, 5.0), TypeError, "n"),
+    ("gram q0 broadcast", lambda: ir.loss_and_grad_gram(_P, _Q, _S0, _q0[:1], _ys, 5), ValueError, "q0"),
+    ("train maxiter", lambda: ir.train_lbfgs(_Z, _y, 1, rng=_rng, maxiter=0), ValueError, "maxiter"),
+    ("train threads", lambda: ir.train_lbfgs(_Z, _y, 1, rng=_rng, threads=0), ValueError, "threads"),
+    ("gn max_nfev", lambda: ir.train_gauss_newton(_Z, _y, 1, rng=_rng, max_nfev=0), ValueError, "max_nfev"),
+    ("gn init shape", lambda: ir.train_gauss_newton(_Z, _y, 1, init={"A": np.zeros((1, 2, 2))}), ValueError, "init"),
+    ("jacobian structure heads", lambda: ir.residuals_and_jacobian(np.zeros((1, 2, 4, 4)), np.zeros((1, 2, 4, 4)), _Zs[:, :4], _ys,
+                                                                  structure="sparse"), ValueError, "H = 1"),
 ]
 
 
@@ -847,7 +900,7 @@ def test_sparse_family_degree_stays_L_and_blocks_L4_is_refused():
     assert len(p) == 5 and len(r) == 4                       # deg p = L, deg r = L - 1 when b = 0
     p, _ = ir.family_polynomials([0.3, 0.5, 0.9], b=[0.5, 0.7, np.nan])
     assert len(p) == 1 + (3 ** 3 - 1) // 2                    # deg p = (3^L - 1)/2 with B (MATH.md §10)
-    with pytest.raises(ValueError, match="kmax"):
+    with pytest.raises(ValueError, match="2 deg p = 80 > 40"):
         ir.family_population_loss([0.3] * 4, 20, 5, b=[0.5] * 4)
 
 
@@ -1295,3 +1348,64 @@ def test_direct_formulation_gradient_matches_finite_differences():
     assert_grad_close(central_diff(lambda X: ir.in_context_loss(P, X, Z, y), Q), dQ)
     with pytest.raises(ValueError, match="formulation"):
         ir.forward(P, Q, Z, formulation="fast")
+
+
+def test_scale_free_quantities_hold_at_extreme_scales():
+    # distances and fitted scalars are scale-free: the same at 1e-200 and 1e160 as at 1
+    rng = np.random.default_rng(130)
+    M, T = rng.standard_normal((2, 3, 3))
+    for c in (1e-200, 1e160):
+        assert ir.distance_to_multiple(c * M, T) == pytest.approx(ir.distance_to_multiple(M, T), rel=EXACT)
+        assert ir.distance_to_multiple(M, c * T) == pytest.approx(ir.distance_to_multiple(M, T), rel=EXACT)
+        assert ir.distance_to_diagonal(c * M) == pytest.approx(ir.distance_to_diagonal(M), rel=EXACT)
+        assert ir.fitted_scalar(c * M, T) == pytest.approx(c * ir.fitted_scalar(M, T), rel=EXACT)
+    Z, _ = ir.sample_prompts(rng, 2, 3, 1.7e308 * np.eye(3))          # the largest Sigma float64 holds
+    assert np.all(np.isfinite(Z))
+
+
+def test_train_lbfgs_survives_an_overflowing_trial_point_and_reports_its_own_loss():
+    # blocks, L = 4, init_scale 1.5 at the paper's covariance: a line-search trial point overflows
+    # float64 (issue 13; it used to end the run with "P must be finite"). It is a failed trial, and
+    # the returned loss is the loss of the returned parameters.
+    rng = np.random.default_rng(0)
+    Sigma, _ = ir.rotated_covariance(rng)
+    Z, y = ir.sample_prompts(rng, 300, 20, Sigma, np.linalg.inv(Sigma))
+    real, overflowed = ir.loss_and_grad_gram, []
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        overflowed.append(not all(np.all(np.isfinite(v)) for v in out))
+        return out
+    with mock.patch.object(ir, "loss_and_grad_gram", spy):
+        res = ir.train_lbfgs(Z, y, 4, structure="blocks", rng=rng, init_scale=1.5, maxiter=60)
+    assert any(overflowed) and not overflowed[0]              # the situation under test did occur
+    assert math.isfinite(res["loss"]) and res["nit"] >= 1
+    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
+    assert res["loss"] <= res["history"][0]
+    with pytest.raises(ValueError, match="initial point"):
+        ir.train_lbfgs(Z, y, 4, structure="blocks", rng=rng, init_scale=1e80)
+
+
+def test_train_lbfgs_validates_before_drawing_from_rng():
+    rng = np.random.default_rng(132)
+    state = rng.bit_generator.state
+    for bad in (dict(maxiter=0), dict(ftol=-1.0), dict(maxls=0), dict(progress=-1), dict(threads=0)):
+        with pytest.raises((ValueError, TypeError)):
+            ir.train_lbfgs(_Z, _y, 1, rng=rng, **bad)
+        assert rng.bit_generator.state == state
+    with pytest.raises(ValueError):
+        ir.train_gauss_newton(_Z, _y, 1, rng=rng, gtol=-1.0)
+    assert rng.bit_generator.state == state
+
+
+@pytest.mark.parametrize("trainer", ["lbfgs", "gauss_newton"])
+def test_ctrl_c_in_the_first_evaluation_returns_an_interrupted_result(trainer):
+    rng, Z, y = small_problem(seed=133, B=40, n=8)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+    name = "loss_and_grad_gram" if trainer == "lbfgs" else "residuals_and_jacobian_gram"
+    with mock.patch.object(ir, name, interrupt):
+        res = getattr(ir, f"train_{trainer}")(Z, y, 2, rng=rng)
+    assert res["interrupted"] and not res["success"] and math.isnan(res["loss"])
+    assert "before the first evaluation" in res["message"]
