@@ -557,6 +557,14 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     return loss, dP, dQ
 
 
+def _jacobian_rows(structure, JP, JQ):
+    """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
+    coordinates: structure_grad applied to every row at once (its chain rules act per layer)."""
+    B = JP.shape[0]
+    rows = structure_grad(structure, JP.reshape((-1,) + JP.shape[2:]), JQ.reshape((-1,) + JQ.shape[2:]))
+    return np.concatenate([g.reshape(B, -1) for g in rows.values()], axis=1)
+
+
 def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None, threads=None,
                                 formulation=None):
     """Residuals r_b = Z_L[b, d, n] + y_b and their Jacobian from the Gram form (MATH.md §3.1).
@@ -588,8 +596,7 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
                 # vec(T) = vec(I) + K vec(S), K = (1/n) sum_h P_h kron Q_h^T  (kernel_backward per prompt)
                 JP[:, l, h] = dT @ (Q[l, h].T / n) @ S
                 JQ[:, l, h] = S @ (P[l, h].T / n) @ dT
-        rows = structure_grad(structure, JP.reshape((-1,) + P.shape[1:]), JQ.reshape((-1,) + Q.shape[1:]))
-        return r, np.concatenate([g.reshape(len(r), -1) for g in rows.values()], axis=1)
+        return r, _jacobian_rows(structure, JP, JQ)
 
     parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads)
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
@@ -614,21 +621,26 @@ def loss_and_grad(P, Q, Z, y, threads=None):
     return loss, dP, dQ
 
 
-def residuals_and_jacobian(P, Q, Z, y, structure="full", threads=None):
+def residuals_and_jacobian(P, Q, Z, y, structure="full", threads=None, activation="linear"):
     """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p), MATH.md §3.1.
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). structure "full" gives J in (P, Q) coordinates
     (pack order P then Q); "sparse" or "blocks" (P, Q of that structure, H = 1) gives J in the
     structure's own coordinates (pack order of structure_shapes). The loss is mean(r^2) and its
-    gradient 2 J^T r / B. J holds B p floats (B = 200000, p = 150: 240 MB).
+    gradient 2 J^T r / B. J holds B p floats (B = 200000, p = 150: 240 MB). activation: one of
+    ACTIVATIONS; other than "linear" the rows come from the explicit attention (MATH.md §4).
     """
     _check_structure(structure)
+    _check_activation(activation)
     P, Q = _params(P, Q)
     if structure != "full" and P.shape[1] != 1:
         raise ValueError(f"structure {structure!r} has one head: P, Q must have H = 1, got H = {P.shape[1]}")
     Z = _prompts(Z, P.shape[2])
     y = _labels(y, Z.shape[0])
     n = Z.shape[2] - 1
+    if activation != "linear":
+        r, JP, JQ, _ = _activation_pass(P, Q, Z, y, activation, threads, jacobian=True)
+        return r, _jacobian_rows(structure, JP, JQ)
     return residuals_and_jacobian_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
                                        structure=structure, threads=threads)
 
@@ -673,8 +685,9 @@ def attention_forward(P_h, Q_h, Z, activation):
     return V @ A / n, (P_h, Q_h, Z, E, A, V, activation, n)
 
 
-def attention_backward(dout, cache):
-    """Adjoint of attention_forward: dout (B, D, n+1) -> dZ (B, D, n+1), dP_h, dQ_h (D, D).
+def attention_backward(dout, cache, per_prompt=False):
+    """Adjoint of attention_forward: dout (B, D, n+1) -> dZ (B, D, n+1), dP_h, dQ_h (D, D) summed
+    over the batch, or with per_prompt each prompt's own (B, D, D) (Jacobian rows, MATH.md §4).
     MATH.md §4."""
     P_h, Q_h, Z, E, A, V, activation, n = cache
     # out = V A / n                 (product rule: V and A)
@@ -689,11 +702,18 @@ def attention_backward(dout, cache):
         dE = A * (dA - np.sum(A * dA, axis=1, keepdims=True))
     # V = P Z M                     (M removes the query column)
     dV[:, :, n] = 0.0
-    dP_h = np.einsum("bij,bkj->ik", dV, Z)
+    if per_prompt:
+        dP_h = dV @ Z.transpose(0, 2, 1)                       # dV_b Z_b^T
+    else:
+        dP_h = np.tensordot(dV, Z, axes=([0, 2], [0, 2]))     # sum_b dV_b Z_b^T, one GEMM
     dZ = P_h.T @ dV
     # E = Z^T Q Z                   (Z appears twice: as keys and as queries)
     dZ += Q_h @ Z @ dE.transpose(0, 2, 1) + Q_h.T @ Z @ dE
-    dQ_h = np.einsum("bki,bij,blj->kl", Z, dE, Z)
+    ZdE = Z @ dE
+    if per_prompt:
+        dQ_h = ZdE @ Z.transpose(0, 2, 1)                      # Z_b dE_b Z_b^T
+    else:
+        dQ_h = np.tensordot(ZdE, Z, axes=([0, 2], [0, 2]))    # sum_b Z_b dE_b Z_b^T
     return dZ, dP_h, dQ_h
 
 
@@ -702,24 +722,42 @@ def _check_activation(activation):
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _activation_loss_and_grad(P, Q, Z, y, activation):
-    """Loss (mean (Z_L[d, n] + y)^2) and (dP, dQ) through the explicit attention layers."""
-    caches = []
-    for P_l, Q_l in zip(P, Q):
-        heads = [attention_forward(P_h, Q_h, Z, activation) for P_h, Q_h in zip(P_l, Q_l)]
-        caches.append([c for _, c in heads])
-        Z = Z + sum(out for out, _ in heads)                   # Z_{l+1} = Z_l + sum_h Attn_h
-    r = Z[:, -1, -1] + y
-    dZ = np.zeros_like(Z)
-    dZ[:, -1, -1] = 2.0 * r / r.size
-    dP, dQ = np.zeros_like(P), np.zeros_like(Q)
-    for l in reversed(range(len(caches))):
-        dZ_in = dZ.copy()                                      # the residual path
-        for h, cache in enumerate(caches[l]):
-            dZ_h, dP[l, h], dQ[l, h] = attention_backward(dZ, cache)
-            dZ_in += dZ_h
-        dZ = dZ_in
-    return float(np.mean(r ** 2)), dP, dQ, Z
+def _activation_pass(P, Q, Z, y, activation, threads=None, jacobian=False):
+    """Through the explicit attention layers, the batch in chunks on the workers. Returns
+    (loss, dP, dQ, Z_L), each chunk's loss and gradient divided by the whole B (MATH.md §3); with
+    jacobian, (r (B,), JP (B, L, H, D, D), JQ (B, L, H, D, D), Z_L), the backward seeded with
+    dr_b/dZ_L[b, d, n] = 1 prompt by prompt and not summed over the batch (MATH.md §4)."""
+    B, D, N = Z.shape
+
+    def one_chunk(start, stop):
+        Zc, caches = Z[start:stop], []
+        for P_l, Q_l in zip(P, Q):
+            heads = [attention_forward(P_h, Q_h, Zc, activation) for P_h, Q_h in zip(P_l, Q_l)]
+            caches.append([c for _, c in heads])
+            Zc = Zc + sum(out for out, _ in heads)             # Z_{l+1} = Z_l + sum_h Attn_h
+        r = Zc[:, -1, -1] + y[start:stop]
+        dZ = np.zeros_like(Zc)
+        dZ[:, -1, -1] = 1.0 if jacobian else 2.0 * r / B
+        shape = (len(r),) + P.shape if jacobian else P.shape
+        dP, dQ = np.zeros(shape), np.zeros(shape)
+        for l in reversed(range(len(caches))):
+            dZ_in = dZ.copy()                                  # the residual path
+            for h, cache in enumerate(caches[l]):
+                dZ_h, dP_h, dQ_h = attention_backward(dZ, cache, per_prompt=jacobian)
+                if jacobian:
+                    dP[:, l, h], dQ[:, l, h] = dP_h, dQ_h
+                else:
+                    dP[l, h], dQ[l, h] = dP_h, dQ_h
+                dZ_in += dZ_h
+            dZ = dZ_in
+        return (r if jacobian else float(r @ r) / B), dP, dQ, Zc
+
+    # (n+1, n+1) score matrices: chunks of 2^15 / (n+1)^2 prompts keep them in cache (2x faster)
+    parts = _map_chunks(one_chunk, B, max(1, 2 ** 15 // N ** 2), threads)
+    if jacobian:
+        return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
+    return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts),
+            np.concatenate([p[3] for p in parts]))
 
 
 def forward_activation(P, Q, Z, activation="relu"):
@@ -728,7 +766,7 @@ def forward_activation(P, Q, Z, activation="relu"):
     _check_activation(activation)
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
-    return _activation_loss_and_grad(P, Q, Z, np.zeros(Z.shape[0]), activation)[3]
+    return _activation_pass(P, Q, Z, np.zeros(Z.shape[0]), activation)[3]
 
 
 def predict_activation(P, Q, Z, activation="relu"):
@@ -743,7 +781,7 @@ def loss_and_grad_activation(P, Q, Z, y, activation="relu"):
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
     y = _labels(y, Z.shape[0])
-    return _activation_loss_and_grad(P, Q, Z, y, activation)[:3]
+    return _activation_pass(P, Q, Z, y, activation)[:3]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -874,7 +912,7 @@ def _evaluator(Z, y, activation, threads=None):
         n = Z.shape[2] - 1
         S0, q0 = gram(Z), np.ascontiguousarray(Z[:, :, n])      # contiguous: 2x faster einsums
         return lambda P, Q: loss_and_grad_gram(P, Q, S0, q0, y, n, threads=threads)
-    return lambda P, Q: _activation_loss_and_grad(P, Q, Z, y, activation)[:3]
+    return lambda P, Q: _activation_pass(P, Q, Z, y, activation, threads)[:3]
 
 
 def _start(structure, shapes, init, init_scale, rng):
@@ -1027,7 +1065,7 @@ def _fixed_coordinates(structure, shapes):
 
 
 def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
-                       rng=None, max_nfev=500, gtol=1e-8, progress=0, threads=None):
+                       rng=None, max_nfev=500, gtol=1e-8, progress=0, threads=None, activation="linear"):
     """Minimise the in-context loss on (Z, y) by Gauss-Newton with a trust region (MATH.md §6).
 
     scipy.optimize.least_squares(method="trf") on the residuals r / sqrt(B) with the hand-derived
@@ -1037,12 +1075,14 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     initial values (result["fixed"] counts them). Converged means a small gradient: success is
     grad_norm <= gtol, where grad_norm = |2 J^T r / B| over the free coordinates; scipy's own
     reason for stopping is in message. Ctrl-C returns the best point evaluated so far with
-    interrupted=True. history holds the loss after each accepted decrease.
+    interrupted=True. history holds the loss after each accepted decrease. activation as in
+    train_lbfgs (the explicit attention's Jacobian, MATH.md §4).
 
     Returns the dict of train_lbfgs (structure, coords, P, Q, loss, grad_norm, nit, nfev, success,
     status, message, interrupted, wall_time, scipy_version, history, options) plus fixed.
     """
     _check_structure(structure)
+    _check_activation(activation)
     layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
     Z = _prompts(Z)
     y = _labels(y, Z.shape[0])
@@ -1074,7 +1114,11 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
                 return cache
             P, Q = structure_to_PQ(structure, coords_of(full(x)))
             with np.errstate(over="ignore", invalid="ignore"):
-                r, J = residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure=structure, threads=threads)
+                if activation == "linear":
+                    r, J = residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure=structure, threads=threads)
+                else:
+                    r, JP, JQ, _ = _activation_pass(P, Q, Z, y, activation, threads, jacobian=True)
+                    J = _jacobian_rows(structure, JP, JQ)
             finite = np.all(np.isfinite(r)) and np.all(np.isfinite(J))
             cache.update(x=x.copy(), r=r if finite else np.full(B, np.inf), J=J[:, free] if finite else 0 * x[None])
             loss = float(r @ r) / B if finite else math.inf
