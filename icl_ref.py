@@ -29,11 +29,15 @@ Conventions (MATH.md §1-§3, §5)
 Sections follow the paper: data, model, loss and gradient (and attention with an activation,
 [A] §6), parametrisations, training, closed forms, metrics; then adapters to other code's layouts.
 """
+import argparse
 import contextlib
+import io
+import json
 import math
 import os
 import sys
 import time
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from functools import lru_cache
@@ -1616,3 +1620,370 @@ def grads_to_authors(dP, dQ):
 
 VON_OSWALD_LOSS_SCALE = 0.5
 """von Oswald et al. (2023) report 0.5 * mean squared error: multiply icl_ref's loss and gradient by it."""
+
+
+def _von_oswald_weights(W_q, W_k, W_v, W_o, heads):
+    """The four projections as (L, D, H k), (L, D, H k), (L, D, H v), (L, H v, D) float64 arrays."""
+    heads = _int("heads", heads, 1)
+    W = [_array(name, w, (2, 3)) for name, w in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v), ("W_o", W_o))]
+    if len({w.ndim for w in W}) != 1:
+        raise ValueError("W_q, W_k, W_v, W_o must all be per layer (3-d) or all shared (2-d)")
+    W = [w if w.ndim == 3 else w[None] for w in W]
+    (L, D, Hk), (_, _, Hv) = W[0].shape, W[2].shape
+    expected = [(L, D, Hk), (L, D, Hk), (L, D, Hv), (L, Hv, D)]
+    for name, w, e in zip(("W_q", "W_k", "W_v", "W_o"), W, expected):
+        if w.shape != e:
+            raise ValueError(f"{name} must have shape {e[1:] if W_q.ndim == 2 else e} to match W_q and W_v, got {w.shape}")
+    if Hk % heads or Hv % heads or D < 2:
+        raise ValueError(f"the key and value widths ({Hk}, {Hv}) must be multiples of heads = {heads}, and d+1 >= 2")
+    return W, heads
+
+
+def params_from_von_oswald(W_q, W_k, W_v, W_o, n, heads=1, layers=None, activation="linear"):
+    """von Oswald et al.'s projections as icl_ref's (P, Q), each (L, H, d+1, d+1) (MATH.md §12).
+
+    Their layer, tokens as rows e (n+1, D): per head h, q = e W_q,h, k = e W_k,h, v = e W_v,h,
+    out = concat_h(A_h v) W_o with A_h = q k^T over the context keys only (no 1/n; for "softmax"
+    A_h = softmax(q k^T / sqrt(key size)) over the context keys), e <- e + out. Heads are column
+    blocks of W_q, W_k, W_v and row blocks of W_o. In columns this is icl_ref's layer with
+
+        P_h = n W_o,h^T W_v,h^T,   Q_h = W_k,h W_q,h^T  (/ sqrt(key size) for softmax).
+
+    W_q, W_k: (L, D, H k) or (D, H k); W_v: (L, D, H v) or (D, H v); W_o: (L, H v, D) or (H v, D).
+    2-d weights are tied (the same in every layer, their default): give `layers`. n: context size.
+    activation "linear" or "softmax" (their softmax normalises over the context keys: icl_ref's
+    "softmax"). Returns P, Q.
+    """
+    W, heads = _von_oswald_weights(W_q, W_k, W_v, W_o, heads)
+    n = _int("n", n, 1)
+    if activation not in ("linear", "softmax"):
+        raise ValueError(f"activation must be 'linear' or 'softmax' for von Oswald et al.'s model, got {activation!r}")
+    tied = np.ndim(W_q) == 2
+    if tied:
+        W = [np.repeat(w, _int("layers", layers, 1), axis=0) for w in W]
+    elif layers is not None and _int("layers", layers, 1) != W[0].shape[0]:
+        raise ValueError(f"layers = {layers} but the weights have {W[0].shape[0]} layers")
+    Wq, Wk, Wv, Wo = (np.stack(np.split(w, heads, axis=2 if i < 3 else 1), axis=1) for i, w in enumerate(W))
+    scale = 1.0 if activation == "linear" else 1.0 / math.sqrt(Wq.shape[-1])
+    P = n * np.swapaxes(Wv @ Wo, -1, -2)                        # n (W_v,h W_o,h)^T = n W_o,h^T W_v,h^T
+    Q = scale * Wk @ np.swapaxes(Wq, -1, -2)                    # W_k,h W_q,h^T
+    return P, Q
+
+
+def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="linear"):
+    """The gradient of von Oswald et al.'s loss (VON_OSWALD_LOSS_SCALE times icl_ref's) with respect to
+    W_q, W_k, W_v, W_o, from icl_ref's (dP, dQ): the chain rule through params_from_von_oswald
+    (MATH.md §12). With P_h = n (W_v,h W_o,h)^T and Q_h = s W_k,h W_q,h^T:
+    dW_v,h = n dP_h^T W_o,h^T, dW_o,h = n W_v,h^T dP_h^T, dW_k,h = s dQ_h W_q,h, dW_q,h = s dQ_h^T W_k,h;
+    tied (2-d) weights get the sum over layers. Returns (dW_q, dW_k, dW_v, dW_o) shaped like the weights.
+    """
+    W, heads = _von_oswald_weights(W_q, W_k, W_v, W_o, heads)
+    n = _int("n", n, 1)
+    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
+    tied = np.ndim(W_q) == 2
+    L = dP.shape[0]
+    if tied:
+        W = [np.repeat(w, L, axis=0) for w in W]
+    if dP.shape[:2] != (W[0].shape[0], heads) or dP.shape[-1] != W[0].shape[1]:
+        raise ValueError(f"dP, dQ must have shape (L, heads, D, D) = ({W[0].shape[0]}, {heads}, {W[0].shape[1]}, "
+                         f"{W[0].shape[1]}) to match the weights, got {dP.shape}")
+    Wq, Wk, Wv, Wo = (np.stack(np.split(w, heads, axis=2 if i < 3 else 1), axis=1) for i, w in enumerate(W))
+    s = 1.0 if activation == "linear" else 1.0 / math.sqrt(Wq.shape[-1])
+    dPt, c = np.swapaxes(dP, -1, -2), VON_OSWALD_LOSS_SCALE
+    grads = [c * s * np.swapaxes(dQ, -1, -2) @ Wk, c * s * dQ @ Wq,      # dW_q,h, dW_k,h
+             c * n * dPt @ np.swapaxes(Wo, -1, -2), c * n * np.swapaxes(Wv, -1, -2) @ dPt]
+    out = [np.concatenate(list(np.moveaxis(g, 1, 0)), axis=2 if i < 3 else 1) for i, g in enumerate(grads)]
+    return tuple(o.sum(axis=0) if tied else o for o in out)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Conformance: reference vectors and a diagnosis of mismatches (MATH.md §13)
+# ---------------------------------------------------------------------------------------------
+
+VECTORS_FORMAT = 1
+ARRAY_MEANINGS = {
+    "Z": "prompts, paper layout (B, d+1, n+1): tokens are columns, the query last with label slot 0",
+    "y": "true query labels (B,)",
+    "P": "P of eq. (3) per layer and head (L, H, d+1, d+1)",
+    "Q": "Q = W_k^T W_q of eq. (3) per layer and head (L, H, d+1, d+1)",
+    "Z_L": "output of the L layers (B, d+1, n+1)",
+    "y_hat": "prediction -Z_L[:, d, n] (B,)",
+    "loss": "mean_b (y_hat_b - y_b)^2, no factor 1/2 (a 0-d array)",
+    "dP": "gradient of loss with respect to P",
+    "dQ": "gradient of loss with respect to Q",
+    "Z_rows": "authors' layout: the prompts with tokens as rows (B, n+1, d+1)",
+    "allparam": "authors' layout: free blocks (L, H, 2, d, d); [..., 0] is P's top-left, [..., 1] Q's, transposed",
+    "grad_allparam": "authors' layout: gradient of the same loss with respect to allparam",
+    "W_q": "von Oswald et al.'s layout: queries (L, d+1, H k), heads as column blocks (key size k = d+1)",
+    "W_k": "von Oswald et al.'s layout: keys (L, d+1, H k)",
+    "W_v": "von Oswald et al.'s layout: values (L, d+1, H v)",
+    "W_o": "von Oswald et al.'s layout: output projection (L, H v, d+1), heads as row blocks",
+    "grad_W_q": "von Oswald et al.'s layout: gradient of THEIR loss (0.5 * loss) with respect to W_q",
+    "grad_W_k": "von Oswald et al.'s layout: gradient of their loss (0.5 * loss) with respect to W_k",
+    "grad_W_v": "von Oswald et al.'s layout: gradient of their loss (0.5 * loss) with respect to W_v",
+    "grad_W_o": "von Oswald et al.'s layout: gradient of their loss (0.5 * loss) with respect to W_o",
+}
+VECTOR_TOLERANCES = {
+    "float64": "relative to the largest entry of each array: 1e-12 for Z_L, y_hat and loss (rounding of a few "
+               "hundred operations); 1e-10 for gradients (rounding grows with depth: 3e-13 seen at L = 8)",
+    "float32": "forward 1e-5, loss 1e-4, gradients 1e-4 (5x the worst float32 error measured over d <= 20, "
+               "n <= 200, L <= 4; larger parameters or deeper models need their own measurement)",
+}
+
+
+def reference_cases():
+    """The inputs of the reference vectors: a list of dicts (name, description, activation, structure,
+    Z, y, P, Q), deterministic (fixed seeds); fresh copies on every call. MATH.md §13."""
+    return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()} for c in _reference_cases()]
+
+
+@lru_cache(maxsize=1)
+def _reference_cases():
+    """reference_cases, built once (the family optimum takes a second)."""
+    cases = []
+
+    def add(name, description, seed, d, n, L, H, make, activation="linear", structure="full", Sigma=None,
+            Sigma_w=None):
+        rng = np.random.default_rng([VECTORS_FORMAT, seed])
+        Z, y = sample_prompts(rng, 4, n, np.eye(d) if Sigma is None else Sigma, Sigma_w)
+        P, Q = make(rng, d, L, H)
+        cases.append(dict(name=name, description=description, activation=activation, structure=structure,
+                          Z=Z, y=y, P=np.asarray(P, float), Q=np.asarray(Q, float)))
+
+    def full(scale):
+        return lambda rng, d, L, H: scale * rng.standard_normal((2, L, H, d + 1, d + 1))
+    rng0 = np.random.default_rng([VECTORS_FORMAT, 99])
+    Sigma, _ = rotated_covariance(rng0, [1.0, 0.25, 2.0])
+    Si = np.linalg.inv(Sigma)
+    a_star = optimal_family_scalars(3, 10, 3)[0]
+    add("small-full", "d = 2, n = 3, one layer, random non-symmetric P and Q", 1, 2, 3, 1, 1, full(0.5))
+    add("two-layers-two-heads", "d = 3, n = 5, L = 2, H = 2, random P and Q", 2, 3, 5, 2, 2, full(0.3))
+    add("theorem1-optimum", "Theorem 1's optimum Gamma* (sparse, one layer) for a non-isotropic Sigma, "
+        "w* ~ N(0, I)", 3, 3, 6, 1, 1, lambda rng, d, L, H: sparse_params(gamma_star(Sigma, 6)[None]),
+        structure="sparse", Sigma=Sigma)
+    add("sparse-family-optimum", "Theorem 3: A_l = a*_l Sigma^-1 with the exact sparse-family optimum a* "
+        "(L = 3, n = 10), w* ~ N(0, Sigma^-1)", 4, 3, 10, 3, 1,
+        lambda rng, d, L, H: sparse_params(a_star[:, None, None] * Si), structure="sparse", Sigma=Sigma,
+        Sigma_w=Si)
+    add("blocks", "structure (11): random A_l and B_l, L = 2", 5, 3, 6, 2, 1,
+        lambda rng, d, L, H: block_params(*(0.4 * rng.standard_normal((2, L, d, d)))), structure="blocks")
+    add("non-symmetric-sparse", "structure (8) with non-symmetric A_l: Lemma 1 needs A_l^T here", 6, 2, 4, 2, 1,
+        lambda rng, d, L, H: sparse_params(np.array([[[0.2, 0.9], [-0.3, 0.5]], [[0.6, -0.4], [0.1, 0.3]]])),
+        structure="sparse")
+    add("query-as-key", "a query far from the context: using the query as a key or value changes the answer "
+        "by O(1)", 7, 2, 3, 1, 1, full(0.5))
+    cases[-1]["Z"][:, :2, -1] *= 5.0
+    add("large-d", "d = 12, n = 8: the direct formulation of the layer (D > 10 H)", 8, 12, 8, 2, 1, full(0.1))
+    add("relu", "[A] section 6 attention with relu, d = 2, n = 4, H = 2", 9, 2, 4, 1, 2, full(0.5), activation="relu")
+    add("softmax", "softmax over the n context keys (von Oswald et al.'s), d = 2, n = 4, H = 2", 10, 2, 4, 1, 2,
+        full(0.5), activation="softmax")
+    add("softmax_all", "the authors' softmax: all n+1 keys, then the mask drops the query's value", 11, 2, 4, 1,
+        2, full(0.5), activation="softmax_all")
+    return tuple(cases)
+
+
+def _case_outputs(P, Q, Z, y, activation):
+    """Z_L, y_hat, loss, dP, dQ of icl_ref's conventions for one case."""
+    if activation == "linear":
+        loss, dP, dQ = loss_and_grad(P, Q, Z, y)
+        Z_L = forward(P, Q, Z)
+    else:
+        loss, dP, dQ = loss_and_grad_activation(P, Q, Z, y, activation)
+        Z_L = forward_activation(P, Q, Z, activation)
+    return dict(Z_L=Z_L, y_hat=-Z_L[:, -1, -1], loss=np.array(loss), dP=dP, dQ=dQ)
+
+
+def _write_npz(path, arrays):
+    """np.savez with fixed zip timestamps, so the same arrays give the same bytes."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, a in arrays.items():
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.array(a, order="C"), allow_pickle=False)   # keeps 0-d
+            zf.writestr(zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0)), buf.getvalue())
+
+
+def write_reference_vectors(out):
+    """Write the reference vectors into the directory `out` (created if needed): one .npz per case of
+    reference_cases (the arrays of ARRAY_MEANINGS that apply: the paper's layout always, the authors'
+    when P, Q have their form and the attention is linear, von Oswald et al.'s for linear and
+    softmax attention) and manifest.json (format version, conventions, shapes, meanings, tolerances).
+    The same bytes on every run. Returns the manifest (a dict). MATH.md §13."""
+    if not isinstance(out, (str, os.PathLike)) or not str(out):
+        raise TypeError(f"out must name a directory, got {out!r}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"out {str(out)!r} exists and is not a directory")
+    os.makedirs(out, exist_ok=True)
+    manifest = dict(format="icl_ref reference vectors", format_version=VECTORS_FORMAT,
+                    conventions="MATH.md sections 2-3 and 12: layer Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M dropping "
+                                "the query from keys and values; y_hat = -Z_L[d, n]; loss mean (y_hat - y)^2",
+                    tolerances=VECTOR_TOLERANCES, cases=[])
+    for case in reference_cases():
+        P, Q, Z, y, act = case["P"], case["Q"], case["Z"], case["y"], case["activation"]
+        arrays = dict(Z=Z, y=y, P=P, Q=Q, **_case_outputs(P, Q, Z, y, act))
+        layouts = ["paper"]
+        try:
+            allparam = params_to_authors(P, Q)
+            if act == "linear":
+                arrays.update(Z_rows=tokens_as_rows(Z), allparam=allparam,
+                              grad_allparam=grads_to_authors(arrays["dP"], arrays["dQ"]))
+                layouts.append("authors")
+        except ValueError:
+            pass
+        if act in ("linear", "softmax"):
+            L, H, D, _ = P.shape
+            n = Z.shape[2] - 1
+            eye = np.tile(np.eye(D), (L, 1, H))                                    # W_q,h = I, key size D
+            W = dict(W_q=eye, W_k=np.concatenate(list(np.moveaxis(Q, 1, 0)), axis=2)
+                     * (1.0 if act == "linear" else math.sqrt(D)),
+                     W_v=np.concatenate(list(np.moveaxis(np.swapaxes(P, -1, -2) / n, 1, 0)), axis=2),
+                     W_o=np.swapaxes(eye, -1, -2))
+            grads = grads_to_von_oswald(arrays["dP"], arrays["dQ"], *W.values(), n, heads=H, activation=act)
+            arrays.update(W, **{f"grad_{k}": g for k, g in zip(W, grads)})
+            layouts.append("von_oswald")
+        _write_npz(os.path.join(out, f"{case['name']}.npz"), arrays)
+        manifest["cases"].append(dict(
+            name=case["name"], file=f"{case['name']}.npz", description=case["description"],
+            activation=case["activation"], structure=case["structure"], layouts=layouts,
+            B=int(Z.shape[0]), d=int(Z.shape[1] - 1), n=int(Z.shape[2] - 1), L=int(P.shape[0]), H=int(P.shape[1]),
+            arrays={k: dict(shape=list(np.shape(v)), meaning=ARRAY_MEANINGS[k]) for k, v in arrays.items()}))
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return manifest
+
+
+def _variant_outputs(case, variant):
+    """Z_L, y_hat, loss, dP, dQ that an implementation with one known convention slip computes on a
+    reference case (MATH.md §13), or None where the slip does not apply. Gradients are with respect
+    to the paper's P and Q as the user's code names them."""
+    P, Q, Z, y, act = case["P"], case["Q"], case["Z"], case["y"], case["activation"]
+    n = Z.shape[2] - 1
+    if variant == "Q transposed":
+        out = _case_outputs(P, np.swapaxes(Q, -1, -2), Z, y, act)
+        out["dQ"] = np.swapaxes(out["dQ"], -1, -2)
+    elif variant in ("1/(n+1) normalisation", "no normalisation"):
+        c = n / (n + 1) if variant.startswith("1/") else n
+        out = _case_outputs(c * P, Q, Z, y, act)
+        out["dP"] = c * out["dP"]
+    elif variant == "query used as a key and value":
+        if act != "linear":
+            return None
+        S0, q0 = Z @ Z.transpose(0, 2, 1), np.ascontiguousarray(Z[:, :, n])   # no mask: S counts the query
+        loss, dP, dQ = loss_and_grad_gram(P, Q, S0, q0, y, n)
+        Zs = Z
+        for P_l, Q_l in zip(P, Q):
+            Zs = Zs + sum(P_h @ Zs @ Zs.transpose(0, 2, 1) @ Q_h @ Zs for P_h, Q_h in zip(P_l, Q_l)) / n
+        out = dict(Z_L=Zs, y_hat=-Zs[:, -1, -1], loss=np.array(loss), dP=dP, dQ=dQ)
+    elif variant == "loss with a factor 1/2":
+        out = _case_outputs(P, Q, Z, y, act)
+        out.update(loss=out["loss"] / 2, dP=out["dP"] / 2, dQ=out["dQ"] / 2)
+    elif variant == "prediction sign flipped":
+        out = _case_outputs(P, Q, Z, -y, act)                  # (Z_L[d, n] - y)^2 is icl_ref's loss at -y
+        out["y_hat"] = -out["y_hat"]
+    elif variant in ("softmax over n+1 keys", "softmax over n keys"):
+        other = {"softmax over n+1 keys": ("softmax", "softmax_all"), "softmax over n keys": ("softmax_all", "softmax")}
+        if act != other[variant][0]:
+            return None
+        out = _case_outputs(P, Q, Z, y, other[variant][1])
+    elif variant == "last context example dropped":
+        if n < 2:
+            return None
+        out = _case_outputs(P, Q, np.delete(Z, n - 1, axis=2), y, act)
+        out.pop("Z_L")                                          # a different shape: compare the rest
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    return out
+
+
+DIAGNOSIS_VARIANTS = {
+    "Q transposed": "your Q is the transpose of the paper's (tokens as rows compute Z^T Q^T Z): transpose it, "
+                    "or map the authors' layout with params_from_authors",
+    "1/(n+1) normalisation": "you divide the attention by n + 1 (all tokens); the paper divides by the n context "
+                             "tokens",
+    "no normalisation": "you do not divide the attention by n (von Oswald et al.'s layout folds n into P: use "
+                        "params_from_von_oswald)",
+    "query used as a key and value": "the query token is a key and a value in your attention; the mask M must "
+                                     "drop it (only the n context tokens are keys and values)",
+    "loss with a factor 1/2": "your loss is 0.5 * mean (von Oswald et al.'s); icl_ref's has no 1/2: multiply "
+                              "icl_ref's by VON_OSWALD_LOSS_SCALE to compare",
+    "prediction sign flipped": "your prediction is +Z_L[d, n]; the paper's is -Z_L[d, n]",
+    "softmax over n+1 keys": "your softmax normalises over all n+1 keys (the authors' code, icl_ref's "
+                             "'softmax_all'); this case normalises over the n context keys ('softmax')",
+    "softmax over n keys": "your softmax normalises over the n context keys (icl_ref's 'softmax'); this case "
+                           "normalises over all n+1 keys ('softmax_all', the authors' code)",
+    "last context example dropped": "you use only n - 1 context examples (the authors' GD baselines do this); "
+                                    "use all n",
+}
+
+
+def diagnose(outputs, rtol=1e-6):
+    """Compare another implementation's outputs on the reference cases with icl_ref, and name the known
+    convention slip that reproduces each mismatch (MATH.md §13).
+
+    outputs: {case name: {quantity: array}} with any of Z_L, y_hat, loss, dP, dQ in the paper's layout,
+    computed by the user's code on the inputs of reference_cases() (or the reference vectors' Z, y, P,
+    Q). rtol: relative to the largest entry of icl_ref's array (1e-6 suits float64 code; float32 code
+    needs about 1e-4). Returns (report, found): a plain-text report a person can act on, and
+    {case: {quantity: "agrees" | variant name | "unexplained"}}.
+    """
+    if not isinstance(outputs, dict):
+        raise TypeError(f"outputs must be a dict {{case name: {{quantity: array}}}}, got {type(outputs).__name__}")
+    rtol = _nonneg("rtol", rtol)
+    cases = {c["name"]: c for c in reference_cases()}
+    unknown = sorted(set(outputs) - set(cases))
+    if unknown:
+        raise ValueError(f"outputs names unknown cases {unknown}; the cases are {sorted(cases)}")
+
+    def close(mine, ref):
+        mine = np.asarray(mine, dtype=float)
+        return mine.shape == np.shape(ref) and bool(np.all(np.abs(mine - ref) <= rtol * max(np.max(np.abs(ref)), 1e-300)))
+    lines, found, culprits = [], {}, {}
+    for name, given in outputs.items():
+        if not isinstance(given, dict) or not set(given) <= {"Z_L", "y_hat", "loss", "dP", "dQ"}:
+            raise ValueError(f"outputs[{name!r}] must be a dict with keys among Z_L, y_hat, loss, dP, dQ")
+        ref = _case_outputs(cases[name]["P"], cases[name]["Q"], cases[name]["Z"], cases[name]["y"],
+                            cases[name]["activation"])
+        variants = {v: _variant_outputs(cases[name], v) for v in DIAGNOSIS_VARIANTS}
+        found[name] = {}
+        for q, mine in given.items():
+            if close(mine, ref[q]):
+                found[name][q] = "agrees"
+                continue
+            match = [v for v, out in variants.items() if out is not None and q in out and close(mine, out[q])]
+            found[name][q] = match[0] if match else "unexplained"
+            for v in match:
+                culprits.setdefault(v, []).append(f"{name}:{q}")
+        agree = [q for q, f in found[name].items() if f == "agrees"]
+        differ = [f"{q} ({f})" for q, f in found[name].items() if f != "agrees"]
+        lines.append(f"{name}: " + (f"agrees on {', '.join(agree)}" if agree else "agrees on nothing")
+                     + (f"; DIFFERS on {', '.join(differ)}" if differ else ""))
+    if culprits:
+        lines.append("")
+        lines.append("Likely causes, most frequent first:")
+        for v, where in sorted(culprits.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"- {v} (reproduces {len(where)} mismatches, e.g. {where[0]}): {DIAGNOSIS_VARIANTS[v]}")
+    if any(f == "unexplained" for fs in found.values() for f in fs.values()):
+        lines.append("Some mismatches match none of the known variants: compare Z after the first layer, "
+                     "then the gradient of one layer at a time.")
+    elif not culprits:
+        lines.append("Everything agrees within rtol.")
+    return "\n".join(lines), found
+
+
+def _main(argv=None):
+    """python3 -m icl_ref vectors --out DIR: write the reference vectors (MATH.md §13)."""
+    ap = argparse.ArgumentParser(prog="python3 -m icl_ref", description="icl_ref command line")
+    sub = ap.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("vectors", help="write the reference vectors (.npz per case and manifest.json)")
+    v.add_argument("--out", required=True, help="directory to write into (created if needed)")
+    args = ap.parse_args(argv)
+    try:
+        manifest = write_reference_vectors(args.out)
+    except (TypeError, ValueError, OSError) as e:
+        ap.error(str(e))
+    print(f"wrote {len(manifest['cases'])} cases and manifest.json to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

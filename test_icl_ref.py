@@ -11,6 +11,7 @@ Tolerances, each with its reason:
 Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
 """
 import math
+import os
 from fractions import Fraction
 from unittest import mock
 
@@ -1409,3 +1410,183 @@ def test_ctrl_c_in_the_first_evaluation_returns_an_interrupted_result(trainer):
         res = getattr(ir, f"train_{trainer}")(Z, y, 2, rng=rng)
     assert res["interrupted"] and not res["success"] and math.isnan(res["loss"])
     assert "before the first evaluation" in res["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# von Oswald et al.'s layout (MATH.md §12): an independent re-implementation from their equations
+# ---------------------------------------------------------------------------------------------
+
+def von_oswald_model(W_q, W_k, W_v, W_o, E, y, heads, layers, activation):
+    """Their model with tokens as rows E (B, n+1, D): per layer (the same weights in every layer when
+    2-d), q = E W_q, k = E W_k, v = E W_v split into heads, scores q_t . k_T over the n context keys
+    T (softmax of scores / sqrt(key size) for "softmax", the raw scores otherwise, no 1/n), heads
+    concatenated and projected by W_o, E <- E + out. Prediction -E[:, n, d]; loss 0.5 * mean."""
+    B, N, D = E.shape
+    n = N - 1
+    for l in range(layers):
+        Wq, Wk, Wv, Wo = (w if w.ndim == 2 else w[l] for w in (W_q, W_k, W_v, W_o))
+        q, k, v = (np.reshape(E @ w, (B, N, heads, -1)) for w in (Wq, Wk, Wv))
+        logits = np.einsum("bthk,bshk->bhts", q, k[:, :n])               # query t, context key s
+        if activation == "softmax":
+            logits = logits / math.sqrt(q.shape[-1])
+            A = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            A /= A.sum(axis=-1, keepdims=True)
+        else:
+            A = logits
+        out = np.einsum("bhts,bshv->bthv", A, v[:, :n]).reshape(B, N, -1) @ Wo
+        E = E + out
+    y_hat = -E[:, n, D - 1]
+    return E, 0.5 * np.mean((y_hat - y) ** 2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("activation", ["linear", "softmax"])
+def test_von_oswald_adapter_agrees_with_an_independent_implementation(tied, activation):
+    rng = np.random.default_rng(140 + tied + 2 * (activation == "softmax"))
+    d, n, L, H, kq, kv = 3, 5, 2, 2, 3, 2
+    D = d + 1
+    Z, y = ir.sample_prompts(rng, 6, n, np.eye(d))
+    lead = () if tied else (L,)
+    W = [0.3 * rng.standard_normal(lead + s) for s in ((D, H * kq), (D, H * kq), (D, H * kv), (H * kv, D))]
+    P, Q = ir.params_from_von_oswald(*W, n, heads=H, layers=L, activation=activation)
+    E, loss = von_oswald_model(*W, ir.tokens_as_rows(Z), y, H, L, activation)
+    ours = ir.forward(P, Q, Z) if activation == "linear" else ir.forward_activation(P, Q, Z, "softmax")
+    assert_allclose(ir.tokens_as_columns(E), ours, rtol=0, atol=EXACT * np.max(np.abs(ours)))
+    if activation == "linear":
+        l_ours, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    else:
+        l_ours, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, "softmax")
+    assert loss == pytest.approx(ir.VON_OSWALD_LOSS_SCALE * l_ours, rel=EXACT)
+    grads = ir.grads_to_von_oswald(dP, dQ, *W, n, heads=H, activation=activation)
+    for i, (w, g) in enumerate(zip(W, grads)):
+        def f(X, i=i):
+            return von_oswald_model(*[X if j == i else W[j] for j in range(4)], ir.tokens_as_rows(Z), y, H, L,
+                                    activation)[1]
+        assert g.shape == w.shape
+        assert_grad_close(central_diff(f, w), g)
+    # the mistakes the adapter prevents: no 1/n (P off by n) and W_q W_k^T for W_k W_q^T
+    wrong = ir.forward(P / n, Q, Z) if activation == "linear" else ir.forward_activation(P / n, Q, Z, "softmax")
+    assert np.max(np.abs(wrong - ours)) > 1e-3 * np.max(np.abs(ours))
+
+
+# ---------------------------------------------------------------------------------------------
+# Conformance kit (MATH.md §13): reference vectors and the diagnosis of convention slips
+# ---------------------------------------------------------------------------------------------
+
+def sloppy_implementation(P, Q, Z, y, activation, slip=None):
+    """A token-by-token implementation written from scratch that makes one named slip (or none)."""
+    n = Z.shape[2] - 1
+    if slip == "drop":
+        Z, n = np.delete(Z, n - 1, axis=2), n - 1
+    keys = list(range(n + 1)) if slip == "query-key" else list(range(n))
+    norm = {"n+1": n + 1, "none": 1}.get(slip, n)
+    if slip == "softmax-keys":
+        activation = {"softmax": "softmax_all", "softmax_all": "softmax"}[activation]
+    Zl = Z.copy()
+    pool = list(range(n + 1)) if activation == "softmax_all" else keys      # keys the weights run over
+    in_keys = np.array([i in keys for i in pool])                          # the mask on values
+    for P_l, Q_l in zip(P, Q):
+        new = Zl.copy()
+        for j in range(n + 1):                                             # every token, the query too
+            for P_h, Q_h in zip(P_l, Q_l):
+                Qh = Q_h.T if slip == "QT" else Q_h
+                s = np.einsum("bki,kl,bl->bi", Zl[:, :, pool], Qh, Zl[:, :, j])
+                if activation == "relu":
+                    w = np.maximum(s, 0)
+                elif activation in ("softmax", "softmax_all"):
+                    w = np.exp(s - s.max(axis=1, keepdims=True))
+                    w /= w.sum(axis=1, keepdims=True)
+                else:
+                    w = s
+                new[:, :, j] += np.einsum("bi,bki->bk", w * in_keys, Zl[:, :, pool]) @ P_h.T / norm
+        Zl = new
+    y_hat = Zl[:, -1, -1] if slip == "sign" else -Zl[:, -1, -1]
+    loss = np.mean((y_hat - y) ** 2) * (0.5 if slip == "half" else 1.0)
+    return Zl, y_hat, loss
+
+
+SLIPS = {None: None, "QT": "Q transposed", "n+1": "1/(n+1) normalisation", "none": "no normalisation",
+         "query-key": "query used as a key and value", "half": "loss with a factor 1/2",
+         "sign": "prediction sign flipped", "drop": "last context example dropped",
+         "softmax-keys": ("softmax over n+1 keys", "softmax over n keys")}
+
+
+@pytest.mark.parametrize("slip", list(SLIPS), ids=[str(s) for s in SLIPS])
+def test_diagnose_names_each_known_slip_of_an_independent_implementation(slip):
+    cases = ir.reference_cases()
+    if slip == "query-key":
+        cases = [c for c in cases if c["activation"] == "linear"]
+    if slip == "softmax-keys":
+        cases = [c for c in cases if c["activation"] in ("softmax", "softmax_all")]
+    outputs = {}
+    for c in cases:
+        Z_L, y_hat, loss = sloppy_implementation(c["P"], c["Q"], c["Z"], c["y"], c["activation"], slip)
+        outputs[c["name"]] = dict(y_hat=y_hat, loss=loss, **({} if slip == "drop" else {"Z_L": Z_L}))
+    report, found = ir.diagnose(outputs)
+    verdicts = {v for fs in found.values() for v in fs.values()}
+    expected = SLIPS[slip]
+    if slip is None:
+        assert verdicts == {"agrees"} and "Everything agrees" in report
+        return
+    expected = {expected} if isinstance(expected, str) else set(expected)
+    assert verdicts - {"agrees"} <= expected, report            # every mismatch is explained by the slip
+    assert verdicts & expected, report                          # and the slip shows somewhere
+    assert "unexplained" not in verdicts
+    assert any(ir.DIAGNOSIS_VARIANTS[v] in report for v in expected)
+
+
+def test_diagnose_uses_gradients_and_refuses_bad_input():
+    c = ir.reference_cases()[0]                                  # small-full: 18 parameters
+    P, Q, Z, y = c["P"], c["Q"], c["Z"], c["y"]
+    f = lambda X: sloppy_implementation(P, np.swapaxes(X, -1, -2), Z, y, "linear")[2]   # Q transposed
+    dQ = central_diff(f, Q)
+    report, found = ir.diagnose({"small-full": {"dQ": dQ}})
+    assert found["small-full"]["dQ"] == "Q transposed", report
+    with pytest.raises(ValueError, match="unknown cases"):
+        ir.diagnose({"no-such-case": {"loss": 1.0}})
+    with pytest.raises(ValueError, match="outputs\\['small-full'\\]"):
+        ir.diagnose({"small-full": {"logits": 1.0}})
+    with pytest.raises(TypeError, match="outputs"):
+        ir.diagnose([1, 2])
+
+
+def test_reference_vectors_are_reproducible_documented_and_right(tmp_path):
+    import json
+    import subprocess
+    import sys
+    a, b = tmp_path / "a", tmp_path / "b"
+    ir.write_reference_vectors(a)
+    proc = subprocess.run([sys.executable, "-m", "icl_ref", "vectors", "--out", str(b)], capture_output=True,
+                          text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+    for f in os.listdir(a):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f     # the same bytes on every run
+    manifest = json.loads((a / "manifest.json").read_text())
+    assert manifest["format_version"] == ir.VECTORS_FORMAT and manifest["tolerances"]
+    names = {c["name"] for c in manifest["cases"]}
+    assert {"theorem1-optimum", "sparse-family-optimum", "non-symmetric-sparse", "query-as-key"} <= names
+    for c in manifest["cases"]:
+        data = np.load(a / c["file"])
+        assert set(data.files) == set(c["arrays"])
+        for k, meta in c["arrays"].items():
+            assert list(data[k].shape) == meta["shape"] and meta["meaning"]
+        # the stored outputs against independent routes: the token loop, and the other layouts
+        Z, y, P, Q = data["Z"], data["y"], data["P"], data["Q"]
+        Z_L, y_hat, loss = sloppy_implementation(P, Q, Z, y, c["activation"])
+        assert_allclose(data["Z_L"], Z_L, rtol=0, atol=EXACT * np.max(np.abs(Z_L)))
+        assert float(data["loss"]) == pytest.approx(loss, rel=1e-10)
+        if "authors" in c["layouts"]:
+            assert_allclose(authors_forward(data["allparam"], data["Z_rows"]), ir.tokens_as_rows(data["Z_L"]),
+                            rtol=0, atol=EXACT * np.max(np.abs(Z_L)))
+        if "von_oswald" in c["layouts"]:
+            E, vo_loss = von_oswald_model(data["W_q"], data["W_k"], data["W_v"], data["W_o"], data["Z_rows"]
+                                          if "Z_rows" in data.files else ir.tokens_as_rows(Z), y, c["H"], c["L"],
+                                          c["activation"])
+            assert_allclose(ir.tokens_as_columns(E), Z_L, rtol=0, atol=1e-10 * np.max(np.abs(Z_L)))
+            assert vo_loss == pytest.approx(0.5 * loss, rel=1e-10)
+    # the query-as-key case: using the query as a key changes the answer by O(1)
+    c = next(c for c in ir.reference_cases() if c["name"] == "query-as-key")
+    wrong = sloppy_implementation(c["P"], c["Q"], c["Z"], c["y"], "linear", "query-key")[1]
+    right = sloppy_implementation(c["P"], c["Q"], c["Z"], c["y"], "linear")[1]
+    assert np.max(np.abs(wrong - right)) > 0.1 * np.max(np.abs(right))
