@@ -919,6 +919,16 @@ def _evaluator(Z, y, activation, threads=None):
     return lambda P, Q: _activation_pass(P, Q, Z, y, activation, threads)[:3]
 
 
+def _interrupted_at_start(structure, coords, options, start, **extra):
+    """The result of a training run stopped by Ctrl-C before its first evaluation completed: the
+    start's coordinates, no loss (NaN), interrupted=True."""
+    return dict(structure=structure, coords=coords, P=None, Q=None, loss=math.nan, grad_norm=math.nan,
+                success=False, wall_time=time.perf_counter() - start, scipy_version=scipy.__version__,
+                history=np.array([]), options=options, nit=0, nfev=0, status=None, interrupted=True,
+                message="interrupted by KeyboardInterrupt before the first evaluation completed: nothing was "
+                "computed", **extra)
+
+
 def _start(structure, shapes, init, init_scale, rng):
     """The initial flat vector: iid N(0, init_scale^2) from rng, or the arrays of an init dict.
     Everything is checked before rng is touched."""
@@ -1004,12 +1014,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
         with one_blas_thread():
             fun(x0)
     except KeyboardInterrupt:
-        coords = coords_of(x0)
-        return dict(structure=structure, coords=coords, P=None, Q=None, loss=math.nan, grad_norm=math.nan,
-                    wall_time=time.perf_counter() - start, scipy_version=scipy.__version__,
-                    history=np.array([]), options=options, iterates=iterates, nit=0, nfev=0, success=False,
-                    status=None, message="interrupted by KeyboardInterrupt before the first evaluation "
-                    "completed: nothing was computed", interrupted=True)
+        return _interrupted_at_start(structure, coords_of(x0), options, start, iterates=iterates)
     if not last:
         raise ValueError("the loss or its gradient at the initial point is not finite (float64 overflow): "
                          "use a smaller init_scale or init, or rescale Z")
@@ -1142,12 +1147,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         with one_blas_thread():
             evaluate(x0)
     except KeyboardInterrupt:
-        coords = coords_of(theta0)
-        return dict(structure=structure, coords=coords, P=None, Q=None, loss=math.nan, grad_norm=math.nan,
-                    success=False, wall_time=time.perf_counter() - start, scipy_version=scipy.__version__,
-                    history=np.array([]), options=options, fixed=int(np.sum(~free)), nit=0, nfev=0, status=None,
-                    message="interrupted by KeyboardInterrupt before the first evaluation completed: nothing "
-                    "was computed", interrupted=True)
+        return _interrupted_at_start(structure, coords_of(theta0), options, start, fixed=int(np.sum(~free)))
     if not math.isfinite(best["loss"]):
         raise ValueError("the loss or its Jacobian at the initial point is not finite (float64 overflow): "
                          "use a smaller init_scale or init, or rescale Z")
