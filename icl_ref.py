@@ -410,8 +410,8 @@ def layer_forward(K, S, q, need_S=True):
     K: the layer's map from layer_map (a (D^2, D^2) kernel or the direct form's (P_l, Q_l, n));
     S: (B, D, D) = Z_l M Z_l^T; q: (B, D) query column of Z_l.
     Returns S' (B, D, D) (None unless need_S), q' (B, D), T (B, D, D) and the cache.
-    An unchecked building block: forward, predict and loss_and_grad check their inputs.
-    MATH.md §2.
+    An unchecked building block (forward, predict and loss_and_grad check their inputs); it assumes
+    float64 arrays, S symmetric, and the same B in S and q (a (1, D) q would broadcast). MATH.md §2.
     """
     B, D, _ = S.shape
     T = direct_forward(*K[:2], S, K[2]) if isinstance(K, tuple) else (S.reshape(B, D * D) @ K.T).reshape(B, D, D)
@@ -669,8 +669,9 @@ ACTIVATIONS = ("linear", "relu", "softmax", "softmax_all")
 
 def attention_forward(P_h, Q_h, Z, activation):
     """One head: out = (1/n) P Z M sigma(Z^T Q Z). P_h, Q_h: (D, D); Z: (B, D, n+1).
-    Returns out (B, D, n+1) and the cache for attention_backward. Unchecked building block:
-    forward_activation and loss_and_grad_activation check their inputs. MATH.md §4."""
+    Returns out (B, D, n+1) and the cache for attention_backward. The activation is checked; the
+    arrays are not (forward_activation and loss_and_grad_activation check theirs): it assumes float64
+    P_h, Q_h of shape (D, D) matching Z. MATH.md §4."""
     _check_activation(activation)
     n = Z.shape[2] - 1
     E = Z.transpose(0, 2, 1) @ Q_h @ Z                         # E[i, j] = z_i^T Q z_j
@@ -1225,8 +1226,15 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0):
     Sigma, Sigma_w: (d, d) SPD; n >= 1; noise_var >= 0 (context label noise). Returns (d, d);
     the optimal layer is sparse_params(Gamma*[None]).
     """
-    Sigma, Sigma_w, K, E_hw = _single_layer_moments(Sigma, n, Sigma_w, noise_var)
-    return np.linalg.solve(K, E_hw)
+    n = _int("n", n, 1)
+    Sigma = _spd("Sigma", Sigma)[0]
+    Sigma_w = np.eye(Sigma.shape[0]) if Sigma_w is None else _spd("Sigma_w", Sigma_w, Sigma.shape[0])[0]
+    noise_var = _nonneg("noise_var", noise_var)
+    # scale-free: with Sigma = c S and Sigma_w = w W (max entries 1), Gamma* = K'^-1 S W / c, where K'
+    # is K of (S, W) with the noise noise_var / (c w); no under- or overflow at any scale of Sigma
+    c, w = np.max(np.abs(Sigma)), np.max(np.abs(Sigma_w))
+    _, _, K, E_hw = _single_layer_moments(Sigma / c, n, Sigma_w / w, noise_var / (c * w))
+    return _finite_result("Gamma*", np.linalg.solve(K, E_hw) / c, Sigma=Sigma)
 
 
 def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, query_noise=True):
@@ -1243,8 +1251,10 @@ def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, q
     Gamma = _array("Gamma", Gamma, 2)
     if Gamma.shape != Sigma.shape:
         raise ValueError(f"Gamma must have shape {Sigma.shape} to match Sigma, got {Gamma.shape}")
-    return float(np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
-                 + np.trace(Sigma @ Sigma_w) + (noise_var if query_noise else 0.0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        loss = (np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
+                + np.trace(Sigma @ Sigma_w) + (noise_var if query_noise else 0.0))
+    return float(_finite_result("the loss", loss, Gamma=Gamma, Sigma=Sigma))
 
 
 def gd_step_size(n, d, noise_var=0.0):

@@ -1581,3 +1581,23 @@ def test_reference_vectors_are_reproducible_documented_and_right(tmp_path):
     wrong = sloppy_implementation(c["P"], c["Q"], c["Z"], c["y"], "linear", "query-key")[1]
     right = sloppy_implementation(c["P"], c["Q"], c["Z"], c["y"], "linear")[1]
     assert np.max(np.abs(wrong - right)) > 0.1 * np.max(np.abs(right))
+
+
+def test_gamma_star_and_the_single_layer_loss_at_extreme_scales():
+    # Gamma* scales as 1/c for Sigma = c S without noise: scale-free, at 1e-200 and 1e160 too
+    rng = np.random.default_rng(134)
+    S, _ = ir.rotated_covariance(rng, [0.5, 1.0, 2.0])
+    G = ir.gamma_star(S, 7)
+    for c in (1e-200, 1e160):
+        assert_allclose(ir.gamma_star(c * S, 7) * c, G, rtol=1e-12, atol=1e-12 * np.max(np.abs(G)))
+    with pytest.raises(ValueError, match="overflow"):
+        ir.single_layer_population_loss(1e200 * np.eye(3), S, 7)
+
+
+def test_sandwich_covariance_of_a_single_parameter():
+    # sparse, L = 1, d = 1: one coordinate, a (1, 1) covariance (issue 13: it used to crash)
+    rng = np.random.default_rng(135)
+    Z, y = ir.sample_prompts(rng, 2000, 5, np.eye(1), noise_std=0.3)
+    res = ir.train_gauss_newton(Z, y, 1, init={"A": np.zeros((1, 1, 1))})
+    cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
+    assert cov.shape == (1, 1) and cov[0, 0] > 0
