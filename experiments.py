@@ -320,12 +320,10 @@ def three_layer_blocks(ctx):
                                          **{f"c{j}": v for j, v in enumerate(r)}))
             a_hat = [ir.fitted_scalar(A[l], Si) for l in range(L)]
             b_hat = [ir.fitted_scalar(Bm[l], np.eye(d)) for l in range(L)]
-            converged = res["grad_norm"] <= 1e-8
-            state = (f"converged, |grad| {res['grad_norm']:.1e}" if converged
-                     else f"not converged (|grad| {res['grad_norm']:.1e}): no verdict")
             rows.append(row(f"seed {s}, {name}: (a_l, b_l) vs exact family optimum; batch loss vs population f*",
                             f"a*={fmt(a_star)} b*={fmt(b_star[:-1])} f*={f_star:.3e}",
-                            f"a={fmt(a_hat)} b={fmt(b_hat[:-1])} loss={res['loss']:.3e} ({state})", INFO,
+                            f"a={fmt(a_hat)} b={fmt(b_hat[:-1])} loss={res['loss']:.3e} ({state(res)})",
+                            INFO if converged(res) else NO_VERDICT,
                             seed=s, trainer=name, loss=res["loss"], grad_norm=res["grad_norm"],
                             seconds=res["wall_time"]))
             if converged(res):
@@ -342,7 +340,8 @@ def three_layer_blocks(ctx):
                             "-> 0 at the family optimum",
                             f"A: {fmt([ir.distance_to_multiple(A[l], Si) for l in range(L)], 3)} "
                             f"B: {fmt([ir.distance_to_multiple(Bm[l]) for l in range(L)], 3)}"
-                            + ("" if converged else " (not converged)"), INFO, seed=s, trainer=name))
+                            + ("" if converged(res) else " (not converged)"), INFO if converged(res) else NO_VERDICT,
+                            seed=s, trainer=name))
     f10 = ir.optimal_family_scalars(L, 10, d, blocks=True)[2]
     rows.append(row("family optimum f* at n=10 (paper text) vs n=20 (notebook); notebook reached "
                     "exp(-7.12) = 8.1e-4", f"n=10: {f10:.3e}, n=20: {f_star:.3e}", f"{math.exp(-7.12):.2e}", INFO))
