@@ -245,6 +245,12 @@ def main():
     with tempfile.TemporaryDirectory(prefix="mutants-base-") as base, \
             concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         snapshot(base)
+        baseline = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"], cwd=base,
+                                  capture_output=True, text=True, timeout=args.timeout)
+        if baseline.returncode != 0:          # every mutant would look killed: say so and stop
+            print("the unmutated suite fails in the snapshot; fix that first:\n" + baseline.stdout[-2000:])
+            return 1
+        print("unmutated suite passes in the snapshot", flush=True)
         for name, status, secs in pool.map(lambda m: run_one(m, base, sys.executable, args.timeout), chosen):
             print(f"{name:34s} {status:28s} {secs:6.1f} s", flush=True)
             bad += not status.startswith("killed")
