@@ -184,10 +184,10 @@ def one_blas_thread():
 
 
 def _thread_count(threads):
-    """Worker threads for one evaluation: `threads`, or the cores this process may use."""
-    if threads is None:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return _int("threads", threads, 1)
+    """Worker threads for one evaluation: `threads` (an integer >= 1) or, by default, the cores this
+    process may use; never more than those cores (each worker runs one BLAS thread)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores if threads is None else min(_int("threads", threads, 1), cores)
 
 
 def _chunk(chunk, D):

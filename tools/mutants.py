@@ -101,8 +101,6 @@ MUTANTS = [
      "dPQ[0, h] = np.tensordot(dT, SQ, axes=([0, 2], [0, 1])) / n", "dP_h contracts the wrong index"),
     ("direct-dQ-axes", "dPQ[1, h] = np.tensordot(SPt, dT, axes=([0, 2], [0, 1])) / n",
      "dPQ[1, h] = np.tensordot(SPt, dT, axes=([0, 1], [0, 1])) / n", "dQ_h contracts the wrong index"),
-    ("direct-dS-transposed", "@ P_h).reshape(B, D, D).transpose(0, 2, 1)", "@ P_h).reshape(B, D, D)",
-     "dS of the direct form transposed"),
     # §4 attention
     ("attn-relu-grad-sign", "dE = dA * (E > 0)", "dE = dA * (E >= 0) - dA * (E < 0)", "relu derivative wrong"),
     ("attn-softmax-grad-sign", "dE = A * (dA - np.sum(A * dA, axis=1, keepdims=True))",
@@ -186,6 +184,9 @@ MUTANTS = [
 
 # (name, old, new, why it cannot change any result)
 EQUIVALENT = [
+    ("direct-dS-transposed", "@ P_h).reshape(B, D, D).transpose(0, 2, 1)", "@ P_h).reshape(B, D, D)",
+     "S is symmetric in every layer, and dS reaches a result only through (dS + dS^T) T S and T^T dS T "
+     "(whose transpose is T^T dS^T T): dS and dS^T give the same numbers (MATH.md §3)"),
     ("formulation-threshold", 'formulation = "kernel" if P_l.shape[-1] <= 10 * P_l.shape[0] else "direct"',
      'formulation = "direct" if P_l.shape[-1] <= 10 * P_l.shape[0] else "kernel"',
      "both formulations compute the same numbers to rounding (tested); only the speed changes"),
