@@ -1601,3 +1601,21 @@ def test_sandwich_covariance_of_a_single_parameter():
     res = ir.train_gauss_newton(Z, y, 1, init={"A": np.zeros((1, 1, 1))})
     cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
     assert cov.shape == (1, 1) and cov[0, 0] > 0
+
+
+@pytest.mark.parametrize("activation", ["relu", "softmax", "softmax_all"])
+def test_jacobian_through_explicit_attention(activation):
+    # MATH.md §4: per-prompt rows against central differences of the residuals (predict_activation),
+    # and 2 J^T r / B against loss_and_grad_activation
+    rng, Z, y = small_problem(seed=150, B=5, n=4)
+    P, Q = random_params(rng, 2, 2, 3)
+    r, J = ir.residuals_and_jacobian(P, Q, Z, y, activation=activation)
+    res = lambda P_, Q_: y - ir.predict_activation(P_, Q_, Z, activation)
+    assert_allclose(r, res(P, Q), rtol=0, atol=EXACT * np.max(np.abs(r)))
+    theta, shapes = ir.pack([P, Q]), [P.shape, Q.shape]
+    numeric = np.stack([(res(*ir.unpack(theta + FD_H2 * e, shapes)) - res(*ir.unpack(theta - FD_H2 * e, shapes)))
+                        / (2 * FD_H2) for e in np.eye(theta.size)], axis=1)
+    assert_grad_close(numeric, J)
+    _, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, activation)
+    grad = ir.pack([dP, dQ])
+    assert_allclose(2 * J.T @ r / len(r), grad, rtol=0, atol=EXACT * np.max(np.abs(grad)))

@@ -133,7 +133,7 @@ MUTANTS = [
      "context noise dropped from K"),
     ("K-trace-order", "((np.trace(Sigma_w @ Sigma) + noise_var) / n) * Sigma", "((np.trace(Sigma_w) + noise_var) / n) * Sigma",
      "tr(Sigma_w) for tr(Sigma_w Sigma)"),
-    ("gamma-star-transposed", "return np.linalg.solve(K, E_hw)", "return np.linalg.solve(K, E_hw).T",
+    ("gamma-star-transposed", 'np.linalg.solve(K, E_hw) / c, Sigma=Sigma)', 'np.linalg.solve(K, E_hw).T / c, Sigma=Sigma)',
      "Gamma* transposed (differs when Sigma_w and Sigma do not commute)"),
     ("single-loss-query-noise", "+ np.trace(Sigma @ Sigma_w) + (noise_var if query_noise else 0.0))",
      "+ np.trace(Sigma @ Sigma_w))", "query noise dropped"),
