@@ -1165,6 +1165,13 @@ def test_optimal_family_scalars_with_noise():
     grad = [(f(a2 + h * e) - f(a2 - h * e)) / (2 * h) for e in np.eye(2)]
     assert np.max(np.abs(grad)) < 1e-6                                    # gtol 1e-12 + FD error
     assert np.min(np.abs(a2 - a0)) > 0.01                                 # noise moves the optimum
+    # the blocks family with noise: the optimiser's objective (the Gauss rule at the nodes, its own
+    # recursion for r) must be stationary for the exact rational loss
+    a, b, _ = ir.optimal_family_scalars(2, n, d, blocks=True, noise_var=s2)
+    g = lambda x: ir.family_population_loss(x[:2], n, d, b=[x[2], np.nan], noise_var=s2)
+    x = np.r_[a, b[0]]
+    grad = [(g(x + h * e) - g(x - h * e)) / (2 * h) for e in np.eye(3)]
+    assert np.max(np.abs(grad)) < 1e-6
 
 
 def test_theorem5_exact_relu_loss_matches_monte_carlo():
