@@ -6,7 +6,7 @@ changes a result is a hole in the tests. Equivalent mutants (that cannot change 
 listed apart, with the reason, and not run.
 
     python3 tools/mutants.py            # all mutants, 2 at a time (~10 min on 2 cores)
-    python3 tools/mutants.py -k chunk   # those whose name contains "chunk"
+    python3 tools/mutants.py -k chunk,jac   # those whose name contains "chunk" or "jac"
     python3 tools/mutants.py --list
 
 Not part of CI (too slow). Exit status 1 if a mutant survives or no longer applies.
@@ -230,12 +230,12 @@ def run_one(mutant, base, python, timeout):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("-k", default="", help="run only mutants whose name contains this")
+    ap.add_argument("-k", default="", help="run only mutants whose name contains this (comma-separated: any of these)")
     ap.add_argument("--jobs", type=int, default=2, help="suites run at once (default 2)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per suite")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     args = ap.parse_args()
-    chosen = [m for m in MUTANTS if args.k in m[0]]
+    chosen = [m for m in MUTANTS if any(k in m[0] for k in args.k.split(","))]
     if args.list:
         for name, _, _, why in chosen:
             print(f"{name:34s} {why}")
