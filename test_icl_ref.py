@@ -1062,6 +1062,8 @@ def test_theorem1_gamma_star_against_the_whitened_eigen_form(noise):
     expected = Ri @ (V * (mu / ((n + 1) / n * mu + c))) @ V.T @ Ri
     G = ir.gamma_star(Sigma, n, Sigma_w, noise_var=noise)
     assert_allclose(G, expected, rtol=0, atol=1e-12 * np.max(np.abs(expected)))   # EXACT, scale of G
+    assert_allclose(G, G.T, rtol=0, atol=1e-12 * np.max(np.abs(G)))      # symmetric, though K^-1 Sigma Sigma_w
+    assert np.max(np.abs(Sigma @ Sigma_w - Sigma_w @ Sigma)) > 0.1          # ... with Sigma, Sigma_w not commuting
     L_star = mu.sum() - np.sum(mu ** 2 / ((n + 1) / n * mu + c)) + noise
     assert ir.single_layer_population_loss(G, Sigma, n, Sigma_w, noise) == pytest.approx(L_star, rel=1e-11)
 

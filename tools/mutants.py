@@ -133,8 +133,6 @@ MUTANTS = [
      "context noise dropped from K"),
     ("K-trace-order", "((np.trace(Sigma_w @ Sigma) + noise_var) / n) * Sigma", "((np.trace(Sigma_w) + noise_var) / n) * Sigma",
      "tr(Sigma_w) for tr(Sigma_w Sigma)"),
-    ("gamma-star-transposed", 'np.linalg.solve(K, E_hw) / c, Sigma=Sigma)', 'np.linalg.solve(K, E_hw).T / c, Sigma=Sigma)',
-     "Gamma* transposed (differs when Sigma_w and Sigma do not commute)"),
     ("single-loss-query-noise", "+ np.trace(Sigma @ Sigma_w) + (noise_var if query_noise else 0.0))",
      "+ np.trace(Sigma @ Sigma_w))", "query noise dropped"),
     ("mahankali-no-plus-one", "return 1.0 / (_int(\"n\", n, 1) + 1 + _int(\"d\", d, 1)", "return 1.0 / (_int(\"n\", n, 1) + _int(\"d\", d, 1)",
@@ -184,6 +182,9 @@ MUTANTS = [
 
 # (name, old, new, why it cannot change any result)
 EQUIVALENT = [
+    ("gamma-star-transposed", 'np.linalg.solve(K, E_hw) / c, Sigma=Sigma)', 'np.linalg.solve(K, E_hw).T / c, Sigma=Sigma)',
+     "Gamma* = Sigma^-1/2 f(C) Sigma^-1/2 with f(C) a function of the symmetric C is symmetric for every Sigma, "
+     "Sigma_w (MATH.md §8; test_theorem1_gamma_star_against_the_whitened_eigen_form checks it)"),
     ("direct-dS-transposed", "@ P_h).reshape(B, D, D).transpose(0, 2, 1)", "@ P_h).reshape(B, D, D)",
      "S is symmetric in every layer, and dS reaches a result only through (dS + dS^T) T S and T^T dS T "
      "(whose transpose is T^T dS^T T): dS and dS^T give the same numbers (MATH.md §3)"),
