@@ -201,11 +201,16 @@ def _map_chunks(fn, B, chunk, threads):
     so sums over them are the same to the last bit whatever the thread count. MATH.md §3."""
     bounds = [(c, min(c + chunk, B)) for c in range(0, B, chunk)]
     workers = min(_thread_count(threads), len(bounds))
+    err = np.geterr()                       # the caller's errstate: worker threads do not inherit it
+
+    def run(b):
+        with np.errstate(**err):
+            return fn(*b)
     with one_blas_thread():
         if workers == 1:
             return [fn(*b) for b in bounds]
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(lambda b: fn(*b), bounds))
+            return list(pool.map(run, bounds))
 
 
 # ---------------------------------------------------------------------------------------------
