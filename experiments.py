@@ -327,6 +327,13 @@ def three_layer_blocks(ctx):
                             seed=s, trainer=name, loss=res["loss"], grad_norm=res["grad_norm"],
                             seconds=res["wall_time"]))
             if converged(res):
+                # which population minimum of the exact family loss the fitted scalars belong to
+                a_loc, b_loc, f_loc = ir.family_local_minimum(a_hat, n, d, b=b_hat)
+                where = "the global optimum" if f_loc <= f_star * (1 + 1e-9) else "ANOTHER local minimum"
+                rows.append(row(f"seed {s}, {name}: the population basin of the fitted (a_l, b_l)",
+                                f"global: a*={fmt(a_star)} b*={fmt(b_star[:-1])} f*={f_star:.4e}",
+                                f"descends to a={fmt(a_loc)} b={fmt(b_loc[:-1])} f={f_loc:.4e}: {where}", INFO,
+                                seed=s, trainer=name, basin_loss=f_loc))
                 # a certified stationary point: its Gauss-Newton matrix 2 J^T J / B over the free
                 # coordinates (B_{L-1} excluded: it never enters); all eigenvalues > 0 is a strict minimum
                 # of the Gauss-Newton model, with no other null direction in this structure
@@ -345,7 +352,8 @@ def three_layer_blocks(ctx):
     f10 = ir.optimal_family_scalars(L, 10, d, blocks=True)[2]
     rows.append(row("family optimum f* at n=10 (paper text) vs n=20 (notebook); notebook reached "
                     "exp(-7.12) = 8.1e-4", f"n=10: {f10:.3e}, n=20: {f_star:.3e}", f"{math.exp(-7.12):.2e}", INFO))
-    return rows, {"heatmaps": heat, "optimum": [dict(layer=l, a_star=a_star[l], b_star=b_star[l]) for l in range(L)]}
+    return rows, {"heatmaps": heat, "optimum": [dict(layer=l, a_star=a_star[l], b_star=b_star[l], f_star=f_star)
+                                                for l in range(L)]}
 
 
 @experiment("two-layer-isotropic", "Theorem 2: a diagonal global minimiser exists; is it a multiple of I?")
@@ -806,17 +814,23 @@ def markdown_table(rows):
     return "\n".join(lines)
 
 
-def heat_grid(plt, mats, titles, suptitle, path, vmax=None):
-    """One row of heat maps with a shared symmetric colour scale and the values written in."""
-    vmax = vmax or max(np.max(np.abs(M)) for M in mats)
-    fig, axes = plt.subplots(1, len(mats), figsize=(3.2 * len(mats), 3.4))
-    for ax, M, title in zip(np.atleast_1d(axes), mats, titles):
-        im = ax.imshow(M, cmap="RdBu_r", vmin=-vmax, vmax=vmax)
-        for (i, j), v in np.ndenumerate(M):
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
-        ax.set(title=title, xticks=[], yticks=[])
-    fig.colorbar(im, ax=axes, shrink=0.8)
-    fig.suptitle(suptitle, fontsize=10)
+def heat_grid(plt, grid, titles, suptitle, path, row_labels=None, shared=True):
+    """Heat maps in rows (grid: a list of rows of matrices) with the values written in; one symmetric
+    colour scale for all (shared) or one per panel."""
+    vmax = max(np.max(np.abs(M)) for row in grid for M in row)
+    fig, axes = plt.subplots(len(grid), len(grid[0]), figsize=(2.6 * len(grid[0]), 2.7 * len(grid)), squeeze=False)
+    for r, (row, row_titles) in enumerate(zip(grid, titles)):
+        for ax, M, title in zip(axes[r], row, row_titles):
+            v = vmax if shared else np.max(np.abs(M))
+            ax.imshow(M, cmap="RdBu_r", vmin=-v, vmax=v)
+            for (i, j), x in np.ndenumerate(M):
+                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=6)
+            ax.set_title(title, fontsize=8)
+            ax.set(xticks=[], yticks=[])
+        if row_labels:
+            axes[r][0].set_ylabel(row_labels[r], fontsize=8)
+    fig.suptitle(suptitle, fontsize=9)
+    fig.tight_layout()
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -867,18 +881,27 @@ def figures(out, name, rows, tables):
         fig.suptitle("[A] Fig. 1: three sparse layers, d = 5, n = 20 (loss and distances per iteration)")
         made.append(save(fig, path("")))
         mats = heat_matrices(tables["heatmaps"], seed=0)
-        made.append(heat_grid(plt, mats, [f"layer {l}: fitted {np.trace(M) / len(M):.2f}" for l, M in enumerate(mats)],
+        made.append(heat_grid(plt, [mats], [[f"layer {l}: fitted {np.trace(M) / len(M):.2f}" for l, M in enumerate(mats)]],
                               "[A] Fig. 2: Sigma^1/2 A_l Sigma^1/2 (seed 0); exact family optimum a* = "
                               + " / ".join(f"{a:.2f}" for a in a_star) + " times I (as a multiset)", path("_heatmaps")))
     elif name == "three-layer-blocks":
         opt = tables["optimum"]
-        A = heat_matrices(tables["heatmaps"], seed=0, trainer="Gauss-Newton", matrix="A")
-        Bm = heat_matrices(tables["heatmaps"], seed=0, trainer="Gauss-Newton", matrix="B")
-        made.append(heat_grid(plt, A + Bm, [f"S^1/2 A_{l} S^1/2 (a* {o['a_star']:.2f})" for l, o in enumerate(opt)]
-                              + [f"B_{l} (b* {o['b_star']:.2f})" if l < len(opt) - 1 else f"B_{l} (never enters)"
-                                 for l, o in enumerate(opt)],
-                              "[A] Figs. 3-5: blocks model, seed 0, Gauss-Newton (converged); exact family optimum in "
-                              "the titles", path("_heatmaps")))
+        basins = {r["seed"]: r["basin_loss"] for r in rows if r.get("trainer") == "Gauss-Newton" and "basin_loss" in r}
+        grid, titles, labels = [], [], []
+        for s in sorted(basins):
+            A = heat_matrices(tables["heatmaps"], seed=s, trainer="Gauss-Newton", matrix="A")
+            Bm = heat_matrices(tables["heatmaps"], seed=s, trainer="Gauss-Newton", matrix="B")
+            grid.append(A + Bm)
+            titles.append([f"A_{l} (a* {o['a_star']:.2f})" for l, o in enumerate(opt)]
+                          + [f"B_{l} (b* {o['b_star']:.2f})" if l < len(opt) - 1 else f"B_{l} (never enters)"
+                             for l, o in enumerate(opt)])
+            labels.append(f"seed {s}: basin f = {basins[s]:.3e}")
+        if grid:
+            made.append(heat_grid(plt, grid, titles, "[A] Figs. 3-5: blocks model, converged Gauss-Newton runs: "
+                                  "Sigma^1/2 A_l Sigma^1/2 and B_l (each panel its own scale); the titles give the "
+                                  f"global family optimum (f* = {opt[0]['f_star']:.3e}), the row "
+                                  "labels the population minimum each run's scalars descend to", path("_heatmaps"),
+                                  row_labels=labels, shared=False))
     elif name == "icl-curve":
         curve = tables["curve"]
         ns = [c["n"] for c in curve]

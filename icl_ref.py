@@ -1486,6 +1486,28 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     return a, b, family_population_loss(a, n, d, b, noise_var=noise_var)
 
 
+def family_local_minimum(a, n, d, b=None, noise_var=0.0):
+    """The local minimum of the exact family loss (family_population_loss) whose basin holds the start
+    (a, b): one L-BFGS-B descent on the exact Gauss rule, as in optimal_family_scalars (MATH.md §10).
+    Tells which population minimum a trained model's fitted scalars belong to (the blocks family has
+    more than one). a, b: (L,) (b[L-1] ignored; b None: the sparse family).
+    Returns (a (L,), b (L,) with b[L-1] = NaN, or None, loss)."""
+    a, b_full = _family_scalars(a, b)
+    n, d = _int("n", n, 1), _int("d", d, 1)
+    noise_var = _nonneg("noise_var", noise_var)
+    L, blocks = a.size, b is not None
+    degree = (3 ** L - 1) // 2 if blocks else L
+    if 2 * degree > MAX_MOMENT_ORDER:
+        raise ValueError(f"L = {L} gives deg p = {degree}: the exact loss needs moments beyond order {MAX_MOMENT_ORDER}")
+    nodes, weights = wishart_quadrature(n, d, degree + 1)
+    theta0 = np.r_[a, b_full[:-1]] if blocks else a
+    res = scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=(L, blocks, nodes, weights, n, noise_var),
+                                  jac="3-point", method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12))
+    a_min = res.x[:L]
+    b_min = np.r_[res.x[L:], np.nan] if blocks else None
+    return a_min, b_min, family_population_loss(a_min, n, d, b_min, noise_var=noise_var)
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. Metrics (MATH.md §11)
 # ---------------------------------------------------------------------------------------------

@@ -1628,3 +1628,27 @@ def test_jacobian_through_explicit_attention(activation):
     _, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, activation)
     grad = ir.pack([dP, dQ])
     assert_allclose(2 * J.T @ r / len(r), grad, rtol=0, atol=EXACT * np.max(np.abs(grad)))
+
+
+def test_blocks_family_has_a_second_local_minimum():
+    # MATH.md §10: at n = 20, d = 5, L = 3 the exact blocks-family loss has, besides the global
+    # optimum f* = 9.613e-4, a strict local minimum near a = (0.34, 2.86, 7.64), b = (0.88, 0.35);
+    # two of three converged Gauss-Newton runs of three-layer-blocks land in its basin
+    n, d = 20, 5
+    a_g, b_g, f_g = ir.optimal_family_scalars(3, n, d, blocks=True)
+    a, b, f = ir.family_local_minimum([0.39, 3.28, 8.53], n, d, b=[0.89, 0.35, np.nan])
+    assert f > f_g * 1.03 and np.abs(b[1] - b_g[1]) > 0.1                # a different point, 5% worse
+    x = np.r_[a, b[:2]]
+
+    def g(v):
+        return ir.family_population_loss(v[:3], n, d, b=[v[3], v[4], np.nan])
+    h = 1e-4
+    E = np.eye(5) * h
+    grad = np.array([(g(x + e) - g(x - e)) / (2 * h) for e in E])
+    hess = np.array([[(g(x + ei + ej) - g(x + ei - ej) - g(x - ei + ej) + g(x - ei - ej)) / (4 * h * h)
+                      for ej in E] for ei in E])
+    # stationary: |grad| within the optimiser's gtol (1e-12 on the Gauss rule) plus the
+    # difference's truncation h^2 f^(3) ~ 1e-8; strict: the Hessian's smallest eigenvalue far above its
+    # finite-difference error (~1e-6)
+    assert np.max(np.abs(grad)) < 1e-6
+    assert np.min(np.linalg.eigvalsh((hess + hess.T) / 2)) > 1e-5
