@@ -26,8 +26,11 @@ Conventions (MATH.md §1-§3, §5)
     sparse (8)  P_l = [[0, 0], [0, 1]],   Q_l = -[[A_l, 0], [0, 0]]
     blocks (11) P_l = [[B_l, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]]   (the sign of (8))
 
-Sections follow the paper: data, model, loss and gradient (and attention with an activation,
-[A] §6), parametrisations, training, closed forms, metrics; then adapters to other code's layouts.
+Sections follow the paper: data, model, loss and gradient (with the per-prompt Jacobian, and
+attention with an activation, [A] §6), parametrisations, training (L-BFGS and Gauss-Newton), closed
+forms, metrics; then adapters to other code's layouts and the conformance kit (reference vectors,
+diagnose). A short section before them runs the batch in chunks on the machine's cores.
+Command line: python3 -m icl_ref vectors --out DIR.
 """
 import argparse
 import contextlib
