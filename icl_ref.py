@@ -1082,12 +1082,24 @@ def _fixed_coordinates(structure, shapes):
     return np.concatenate([m.ravel() for m in masks.values()])
 
 
+def _reduced_least_squares(r, J):
+    """(f, R) with R^T R = J^T J, R^T f = J^T r and |f| = |r|, from the QR factorisation J = Q R:
+    f = [Q^T r; sqrt(|r|^2 - |Q^T r|^2)] (p+1,) and R stacked on a zero row (p+1, p). A trust-region
+    Gauss-Newton step depends on J only through these, so the solver's SVD of the (B, p) Jacobian
+    becomes one of a (p+1, p) matrix, the same steps in exact arithmetic (MATH.md §6)."""
+    Qt_r, R = scipy.linalg.qr_multiply(J, r[None, :], mode="right")     # r^T Q (1, p), R (p, p)
+    g = Qt_r[0]
+    rho = math.sqrt(max(float(r @ r) - float(g @ g), 0.0))
+    return np.r_[g, rho], np.vstack([R, np.zeros((1, R.shape[1]))])
+
+
 def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
                        rng=None, max_nfev=500, gtol=1e-8, progress=0, threads=None, activation="linear"):
     """Minimise the in-context loss on (Z, y) by Gauss-Newton with a trust region (MATH.md §6).
 
     scipy.optimize.least_squares(method="trf") on the residuals r / sqrt(B) with the hand-derived
-    Jacobian of residuals_and_jacobian_gram, so its objective is half the loss. Arguments as
+    Jacobian of residuals_and_jacobian_gram, so its objective is half the loss; the solver sees the
+    equivalent (p+1)-dimensional system of _reduced_least_squares (the same steps, a small SVD). Arguments as
     train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates
     that do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) are held at their
     initial values (result["fixed"] counts them). Converged means a small gradient: success is
@@ -1128,7 +1140,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         # a trial point where the model overflows gets an infinite loss: the trust region shrinks
         if cache.get("x") is None or not np.array_equal(cache["x"], x):
             if not np.all(np.isfinite(x)):
-                cache.update(x=x.copy(), r=np.full(B, np.inf), J=np.zeros((B, x.size)))
+                cache.update(x=x.copy(), f=np.full(x.size + 1, np.inf), R=np.zeros((x.size + 1, x.size)))
                 return cache
             P, Q = structure_to_PQ(structure, coords_of(full(x)))
             with np.errstate(over="ignore", invalid="ignore"):
@@ -1138,13 +1150,18 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
                     r, JP, JQ, _ = _activation_pass(P, Q, Z, y, activation, threads, jacobian=True)
                     J = _jacobian_rows(structure, JP, JQ)
             finite = np.all(np.isfinite(r)) and np.all(np.isfinite(J))
-            cache.update(x=x.copy(), r=r if finite else np.full(B, np.inf), J=J[:, free] if finite else 0 * x[None])
-            loss = float(r @ r) / B if finite else math.inf
+            if not finite:
+                cache.update(x=x.copy(), f=np.full(x.size + 1, np.inf), R=np.zeros((x.size + 1, x.size)))
+                return cache
+            J = J[:, free]
+            f, R = _reduced_least_squares(r / root_B, J / root_B)
+            cache.update(x=x.copy(), f=f, R=R)
+            loss = float(r @ r) / B
             if loss < best["loss"]:
-                best.update(x=x.copy(), loss=loss, r=r, J=cache["J"])
+                best.update(x=x.copy(), loss=loss, r=r, J=J)
                 history.append(loss)
                 if progress and (len(history) - 1) % progress == 0:
-                    g = np.linalg.norm(2 * cache["J"].T @ r / B)
+                    g = np.linalg.norm(2 * J.T @ r / B)
                     print(f"eval {len(history) - 1:6d}  loss {loss:.6e}  |grad| {g:.3e}"
                           f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
         return cache
@@ -1162,8 +1179,8 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
                          "use a smaller init_scale or init, or rescale Z")
     try:
         with one_blas_thread():
-            res = scipy.optimize.least_squares(lambda x: evaluate(x)["r"] / root_B, x0,
-                                               jac=lambda x: evaluate(x)["J"] / root_B, method="trf",
+            res = scipy.optimize.least_squares(lambda x: evaluate(x)["f"], x0,
+                                               jac=lambda x: evaluate(x)["R"], method="trf",
                                                ftol=1e-15, xtol=1e-15, gtol=1e-15,
                                                max_nfev=options["max_nfev"])
         outcome = dict(nit=int(res.nfev), nfev=int(res.nfev), status=int(res.status),

@@ -1652,3 +1652,15 @@ def test_blocks_family_has_a_second_local_minimum():
     # finite-difference error (~1e-6)
     assert np.max(np.abs(grad)) < 1e-6
     assert np.min(np.linalg.eigvalsh((hess + hess.T) / 2)) > 1e-5
+
+
+def test_gauss_newton_reduced_system_has_the_same_normal_equations():
+    # MATH.md §6: the solver sees (f, R) with R^T R = J^T J, R^T f = J^T r, |f| = |r|, so its
+    # trust-region steps are those of the full (B, p) system
+    rng = np.random.default_rng(160)
+    J, r = rng.standard_normal((500, 12)) * np.logspace(0, 3, 12), rng.standard_normal(500)
+    f, R = ir._reduced_least_squares(r, J)
+    assert f.shape == (13,) and R.shape == (13, 12)
+    assert_allclose(R.T @ R, J.T @ J, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)))
+    assert_allclose(R.T @ f, J.T @ r, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)) * np.max(np.abs(r)))
+    assert f @ f == pytest.approx(r @ r, rel=EXACT)
