@@ -422,7 +422,10 @@ def layer_forward(K, S, q, need_S=True):
     float64 arrays, S symmetric, and the same B in S and q (a (1, D) q would broadcast). MATH.md §2.
     """
     B, D, _ = S.shape
-    T = direct_forward(*K[:2], S, K[2]) if isinstance(K, tuple) else (S.reshape(B, D * D) @ K.T).reshape(B, D, D)
+    if isinstance(K, tuple):                                   # the direct form (P_l, Q_l, n)
+        T = direct_forward(*K[:2], S, K[2])
+    else:                                                      # vec(T - I) = K vec(S)
+        T = (S.reshape(B, D * D) @ K.T).reshape(B, D, D)
     T += np.eye(D)
     TS = T @ S
     S_next = TS @ T.transpose(0, 2, 1) if need_S else None
@@ -534,16 +537,14 @@ def _gram_args(caller, P, Q, S0, q0, y, n):
 def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation=None):
     """f and (df/dP, df/dQ) from the Gram form (S_0, q_0); the fast path behind training.
 
-    P, Q: (L, H, D, D) float64; S0: (B, D, D) = Z M Z^T, symmetric (layer_backward relies on it);
-    q0: (B, D) = Z[:, :, n]; y: (B,); n context size. Prompts are independent, so the batch is
-    walked in chunks of `chunk` prompts (default: 2^17 / D^2, so that a chunk's (chunk, D, D)
-    temporaries stay about 1 MB, in cache: 2x faster at d = 20 than 2048 prompts) on `threads`
-    workers (default: every core), each chunk's
-    loss and dK divided by the whole B and added up in chunk order (MATH.md §3): the result does
-    not depend on `threads`. formulation as layer_map. Only shapes are checked (it runs every optimiser step; the arrays come
-    from gram and the checked entry points): S0 must be symmetric (layer_backward relies on it) and
-    finite; a non-finite result is returned as it is (training treats it as a failed trial).
-    Returns (loss, dP, dQ).
+    P, Q: (L, H, D, D) float64; S0: (B, D, D) = Z M Z^T; q0: (B, D) = Z[:, :, n]; y: (B,);
+    n context size; formulation as layer_map. Prompts are independent, so the batch is walked in
+    chunks of `chunk` prompts (default 2^17 / D^2: a chunk's (chunk, D, D) temporaries stay about
+    1 MB, in cache; 2x faster at d = 20 than 2048 prompts) on `threads` workers (default: every
+    core); each chunk's loss and dK are divided by the whole B and added in chunk order (MATH.md §3),
+    so the result does not depend on `threads`. It runs every optimiser step, so only dtypes and
+    shapes are checked; S0 must be symmetric (layer_backward relies on it) and finite. A non-finite
+    result is returned as it is (training treats it as a failed trial). Returns (loss, dP, dQ).
     """
     _gram_args("loss_and_grad_gram", P, Q, S0, q0, y, n)
     B, D = y.shape[0], P.shape[-1]
@@ -700,8 +701,7 @@ def attention_forward(P_h, Q_h, Z, activation):
 
 def attention_backward(dout, cache, per_prompt=False):
     """Adjoint of attention_forward: dout (B, D, n+1) -> dZ (B, D, n+1), dP_h, dQ_h (D, D) summed
-    over the batch, or with per_prompt each prompt's own (B, D, D) (Jacobian rows, MATH.md §4).
-    MATH.md §4."""
+    over the batch, or with per_prompt each prompt's own (B, D, D) (Jacobian rows). MATH.md §4."""
     P_h, Q_h, Z, E, A, V, activation, n = cache
     # out = V A / n                 (product rule: V and A)
     dV = dout @ A.transpose(0, 2, 1) / n
@@ -866,11 +866,11 @@ def unpack(theta, shapes):
     if isinstance(shapes, (str, bytes)) or not hasattr(shapes, "__iter__"):
         raise TypeError(f"shapes must be a list of shape tuples, got {type(shapes).__name__}")
     shapes = list(shapes)
-    for s_ in shapes:
-        if not isinstance(s_, (tuple, list)) or not all(
-                isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0 for k in s_):
-            raise ValueError(f"shapes must be tuples of integers >= 0, got {s_!r}")
-    sizes = [math.prod(s_) for s_ in shapes]
+    for shape in shapes:
+        if not isinstance(shape, (tuple, list)) or not all(
+                isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0 for k in shape):
+            raise ValueError(f"shapes must be tuples of integers >= 0, got {shape!r}")
+    sizes = [math.prod(shape) for shape in shapes]
     if theta.shape != (sum(sizes),):
         raise ValueError(f"theta must have shape ({sum(sizes)},) for shapes {shapes}, got {theta.shape}")
     cuts = np.cumsum(sizes)[:-1]
@@ -969,8 +969,8 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     structure_shapes). The options maxiter, maxfun (default 5 * maxiter), maxcor, ftol, gtol and
     maxls go to scipy.optimize.minimize(method="L-BFGS-B") as they are; ftol = 0 (the default)
     stops only on the projected gradient (gtol) or when the loss no longer decreases at all, so a
-    stop is at a small gradient, not at a slow stretch (at the paper's scale |grad| ~ 4e-9). progress = k > 0 prints
-    "iteration, loss, |grad|, elapsed" to stderr every k iterations. keep_iterates stores the
+    stop is at a small gradient, not at a slow stretch (at the paper's scale |grad| ~ 4e-9).
+    progress = k > 0 prints "iteration, loss, |grad|, elapsed" to stderr every k iterations. keep_iterates stores the
     coordinates after every iteration (result["iterates"], a list of dicts, initial point first).
     activation: "linear" (the paper's layer; the Gram matrices S_0 = Z M Z^T are computed once and
     each evaluation costs O(B L H D^3)) or one of ACTIVATIONS (explicit attention, O(B L H n^2 D)).
@@ -1099,8 +1099,8 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
 
     scipy.optimize.least_squares(method="trf") on the residuals r / sqrt(B) with the hand-derived
     Jacobian of residuals_and_jacobian_gram, so its objective is half the loss; the solver sees the
-    equivalent (p+1)-dimensional system of _reduced_least_squares (the same steps, a small SVD). Arguments as
-    train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates
+    equivalent (p+1)-dimensional system of _reduced_least_squares (the same steps, a small SVD).
+    Arguments as train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates
     that do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) are held at their
     initial values (result["fixed"] counts them). Converged means a small gradient: success is
     grad_norm <= gtol, where grad_norm = |2 J^T r / B| over the free coordinates; scipy's own
@@ -1138,32 +1138,30 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
 
     def evaluate(x):
         # a trial point where the model overflows gets an infinite loss: the trust region shrinks
-        if cache.get("x") is None or not np.array_equal(cache["x"], x):
-            if not np.all(np.isfinite(x)):
-                cache.update(x=x.copy(), f=np.full(x.size + 1, np.inf), R=np.zeros((x.size + 1, x.size)))
-                return cache
-            P, Q = structure_to_PQ(structure, coords_of(full(x)))
-            with np.errstate(over="ignore", invalid="ignore"):
-                if activation == "linear":
-                    r, J = residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure=structure, threads=threads)
-                else:
-                    r, JP, JQ, _ = _activation_pass(P, Q, Z, y, activation, threads, jacobian=True)
-                    J = _jacobian_rows(structure, JP, JQ)
-            finite = np.all(np.isfinite(r)) and np.all(np.isfinite(J))
-            if not finite:
-                cache.update(x=x.copy(), f=np.full(x.size + 1, np.inf), R=np.zeros((x.size + 1, x.size)))
-                return cache
-            J = J[:, free]
-            f, R = _reduced_least_squares(r / root_B, J / root_B)
-            cache.update(x=x.copy(), f=f, R=R)
-            loss = float(r @ r) / B
-            if loss < best["loss"]:
-                best.update(x=x.copy(), loss=loss, r=r, J=J)
-                history.append(loss)
-                if progress and (len(history) - 1) % progress == 0:
-                    g = np.linalg.norm(2 * J.T @ r / B)
-                    print(f"eval {len(history) - 1:6d}  loss {loss:.6e}  |grad| {g:.3e}"
-                          f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
+        if cache.get("x") is not None and np.array_equal(cache["x"], x):
+            return cache
+        cache.update(x=x.copy(), f=np.full(x.size + 1, np.inf), R=np.zeros((x.size + 1, x.size)))
+        if not np.all(np.isfinite(x)):
+            return cache
+        P, Q = structure_to_PQ(structure, coords_of(full(x)))
+        with np.errstate(over="ignore", invalid="ignore"):
+            if activation == "linear":
+                r, J = residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure=structure, threads=threads)
+            else:
+                r, JP, JQ, _ = _activation_pass(P, Q, Z, y, activation, threads, jacobian=True)
+                J = _jacobian_rows(structure, JP, JQ)
+        if not (np.all(np.isfinite(r)) and np.all(np.isfinite(J))):
+            return cache
+        J = J[:, free]
+        cache["f"], cache["R"] = _reduced_least_squares(r / root_B, J / root_B)
+        loss = float(r @ r) / B
+        if loss < best["loss"]:
+            best.update(x=x.copy(), loss=loss, r=r, J=J)
+            history.append(loss)
+            if progress and (len(history) - 1) % progress == 0:
+                g = np.linalg.norm(2 * J.T @ r / B)
+                print(f"eval {len(history) - 1:6d}  loss {loss:.6e}  |grad| {g:.3e}"
+                      f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
         return cache
 
     start = time.perf_counter()
@@ -1467,6 +1465,28 @@ def _family_loss_at_nodes(theta, L, blocks, nodes, weights, n, noise_var):
     return float(weights @ p ** 2 + noise_var / n * (weights @ (nodes * r ** 2)))
 
 
+def _family_descent(L, n, d, blocks, noise_var):
+    """theta0 -> scipy's L-BFGS-B result on the family loss at the exact Gauss nodes (MATH.md §10),
+    theta = (a (L,), b (L-1,) with blocks). Refuses families whose exact loss needs moments beyond
+    MAX_MOMENT_ORDER."""
+    degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, MATH.md §10
+    if 2 * degree > MAX_MOMENT_ORDER:
+        raise ValueError(f"L must be <= {3 if blocks else MAX_MOMENT_ORDER // 2} for the "
+                         f"{'blocks' if blocks else 'sparse'} family: its exact loss needs Wishart moments "
+                         f"up to order 2 deg p = {2 * degree} > {MAX_MOMENT_ORDER}, got L = {L}")
+    nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
+    args = (L, blocks, nodes, weights, n, noise_var)
+    return lambda theta0: scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=args, jac="3-point",
+                                                  method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12))
+
+
+def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
+    """(a, b with b[L-1] = NaN or None, exact loss) from a descent's theta."""
+    a = np.sort(theta[:L]) if sort else theta[:L]
+    b = np.r_[theta[L:], np.nan] if blocks else None
+    return a, b, family_population_loss(a, n, d, b, noise_var=noise_var)
+
+
 def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=None):
     """Best member of the family of Theorem 3 (A_l = a_l Sigma^-1) or, with blocks, of
     Theorem 4 (also B_l = b_l I), by multi-start L-BFGS-B on the exact population loss.
@@ -1484,26 +1504,10 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     if rng is not None and not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
     rng = np.random.default_rng(0) if rng is None else rng
-    degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, MATH.md §10
-    if 2 * degree > MAX_MOMENT_ORDER:
-        raise ValueError(f"L must be <= {3 if blocks else MAX_MOMENT_ORDER // 2} for the "
-                         f"{'blocks' if blocks else 'sparse'} family: its exact loss needs Wishart moments "
-                         f"up to order 2 deg p = {2 * degree} > {MAX_MOMENT_ORDER}, got L = {L}")
-    nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
-    args = (L, blocks, nodes, weights, n, noise_var)
-    best = None
-    for _ in range(starts):
-        theta0 = np.r_[rng.uniform(0, 2, L), rng.uniform(0, 1.5, L - 1) if blocks else []]
-        res = scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=args, jac="3-point",
-                                      method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12))
-        if best is None or res.fun < best.fun:
-            best = res
-    a = best.x[:L]
-    if not blocks:
-        a = np.sort(a)
-        return a, None, family_population_loss(a, n, d, noise_var=noise_var)
-    b = np.r_[best.x[L:], np.nan]
-    return a, b, family_population_loss(a, n, d, b, noise_var=noise_var)
+    descend = _family_descent(L, n, d, blocks, noise_var)
+    best = min((descend(np.r_[rng.uniform(0, 2, L), rng.uniform(0, 1.5, L - 1) if blocks else []])
+                for _ in range(starts)), key=lambda res: res.fun)
+    return _family_result(best.x, L, n, d, blocks, noise_var, sort=not blocks)
 
 
 def family_local_minimum(a, n, d, b=None, noise_var=0.0):
@@ -1516,16 +1520,8 @@ def family_local_minimum(a, n, d, b=None, noise_var=0.0):
     n, d = _int("n", n, 1), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
     L, blocks = a.size, b is not None
-    degree = (3 ** L - 1) // 2 if blocks else L
-    if 2 * degree > MAX_MOMENT_ORDER:
-        raise ValueError(f"L = {L} gives deg p = {degree}: the exact loss needs moments beyond order {MAX_MOMENT_ORDER}")
-    nodes, weights = wishart_quadrature(n, d, degree + 1)
-    theta0 = np.r_[a, b_full[:-1]] if blocks else a
-    res = scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=(L, blocks, nodes, weights, n, noise_var),
-                                  jac="3-point", method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12))
-    a_min = res.x[:L]
-    b_min = np.r_[res.x[L:], np.nan] if blocks else None
-    return a_min, b_min, family_population_loss(a_min, n, d, b_min, noise_var=noise_var)
+    res = _family_descent(L, n, d, blocks, noise_var)(np.r_[a, b_full[:-1]] if blocks else a)
+    return _family_result(res.x, L, n, d, blocks, noise_var)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1591,7 +1587,7 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     h = _nonneg("h", h)
     if h == 0:
         raise ValueError("h must be > 0 (the step of the central differences of the gradient)")
-    P_c, _ = structure_to_PQ(structure, coords)
+    P_c, Q_c = structure_to_PQ(structure, coords)
     if P_c.shape[-1] != Z.shape[1]:
         raise ValueError(f"coords have d = {P_c.shape[-1] - 1} but Z has d = {Z.shape[1] - 1}")
     if Z.shape[0] < 2 * chunks:
@@ -1607,7 +1603,7 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
                   for e in np.eye(theta0.size)])
     H_pinv = np.linalg.pinv(np.atleast_2d((H + H.T) / 2), hermitian=True)
     if activation == "linear":
-        r, J = residuals_and_jacobian(*structure_to_PQ(structure, coords), Z, y, structure=structure)
+        r, J = residuals_and_jacobian(P_c, Q_c, Z, y, structure=structure)
         V = np.cov(2 * r[:, None] * J, rowvar=False)
     else:
         size = Z.shape[0] // chunks
@@ -1670,7 +1666,7 @@ def params_to_authors(P, Q):
 def grads_to_authors(dP, dQ):
     """The gradient with respect to the authors' allparam, from icl_ref's (dP, dQ):
     chain rule through params_from_authors (the Q block enters transposed). MATH.md §12."""
-    dP, dQ = _params(dP, dQ)
+    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
     d = dP.shape[-1] - 1
     return np.stack([dP[..., :d, :d], dQ[..., :d, :d].swapaxes(-1, -2)], axis=2)
 
@@ -1690,10 +1686,18 @@ def _von_oswald_weights(W_q, W_k, W_v, W_o, heads):
     expected = [(L, D, Hk), (L, D, Hk), (L, D, Hv), (L, Hv, D)]
     for name, w, e in zip(("W_q", "W_k", "W_v", "W_o"), W, expected):
         if w.shape != e:
-            raise ValueError(f"{name} must have shape {e[1:] if W_q.ndim == 2 else e} to match W_q and W_v, got {w.shape}")
+            raise ValueError(f"{name} must have shape {e[1:] if W_q.ndim == 2 else e} to match W_q and W_v, "
+                             f"got {w.shape}")
     if Hk % heads or Hv % heads or D < 2:
         raise ValueError(f"the key and value widths ({Hk}, {Hv}) must be multiples of heads = {heads}, and d+1 >= 2")
     return W, heads
+
+
+def _von_oswald_heads(W, heads, activation):
+    """W_q, W_k, W_v, W_o split into heads, (L, H, D, k), (L, H, D, k), (L, H, D, v), (L, H, v, D),
+    and the score scale s: 1, or 1 / sqrt(key size) for their softmax."""
+    Wq, Wk, Wv, Wo = (np.stack(np.split(w, heads, axis=2 if i < 3 else 1), axis=1) for i, w in enumerate(W))
+    return Wq, Wk, Wv, Wo, 1.0 if activation == "linear" else 1.0 / math.sqrt(Wq.shape[-1])
 
 
 def params_from_von_oswald(W_q, W_k, W_v, W_o, n, heads=1, layers=None, activation="linear"):
@@ -1720,10 +1724,9 @@ def params_from_von_oswald(W_q, W_k, W_v, W_o, n, heads=1, layers=None, activati
         W = [np.repeat(w, _int("layers", layers, 1), axis=0) for w in W]
     elif layers is not None and _int("layers", layers, 1) != W[0].shape[0]:
         raise ValueError(f"layers = {layers} but the weights have {W[0].shape[0]} layers")
-    Wq, Wk, Wv, Wo = (np.stack(np.split(w, heads, axis=2 if i < 3 else 1), axis=1) for i, w in enumerate(W))
-    scale = 1.0 if activation == "linear" else 1.0 / math.sqrt(Wq.shape[-1])
+    Wq, Wk, Wv, Wo, s = _von_oswald_heads(W, heads, activation)
     P = n * np.swapaxes(Wv @ Wo, -1, -2)                        # n (W_v,h W_o,h)^T = n W_o,h^T W_v,h^T
-    Q = scale * Wk @ np.swapaxes(Wq, -1, -2)                    # W_k,h W_q,h^T
+    Q = s * Wk @ np.swapaxes(Wq, -1, -2)                        # W_k,h W_q,h^T
     return P, Q
 
 
@@ -1744,8 +1747,7 @@ def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="line
     if dP.shape[:2] != (W[0].shape[0], heads) or dP.shape[-1] != W[0].shape[1]:
         raise ValueError(f"dP, dQ must have shape (L, heads, D, D) = ({W[0].shape[0]}, {heads}, {W[0].shape[1]}, "
                          f"{W[0].shape[1]}) to match the weights, got {dP.shape}")
-    Wq, Wk, Wv, Wo = (np.stack(np.split(w, heads, axis=2 if i < 3 else 1), axis=1) for i, w in enumerate(W))
-    s = 1.0 if activation == "linear" else 1.0 / math.sqrt(Wq.shape[-1])
+    Wq, Wk, Wv, Wo, s = _von_oswald_heads(W, heads, activation)
     dPt, c = np.swapaxes(dP, -1, -2), VON_OSWALD_LOSS_SCALE
     grads = [c * s * np.swapaxes(dQ, -1, -2) @ Wk, c * s * dQ @ Wq,      # dW_q,h, dW_k,h
              c * n * dPt @ np.swapaxes(Wo, -1, -2), c * n * np.swapaxes(Wv, -1, -2) @ dPt]
@@ -1993,7 +1995,8 @@ def diagnose(outputs, rtol=1e-6):
 
     def close(mine, ref):
         mine = np.asarray(mine, dtype=float)
-        return mine.shape == np.shape(ref) and bool(np.all(np.abs(mine - ref) <= rtol * max(np.max(np.abs(ref)), 1e-300)))
+        scale = max(np.max(np.abs(ref)), 1e-300)                  # relative to ref's largest entry
+        return mine.shape == np.shape(ref) and bool(np.all(np.abs(mine - ref) <= rtol * scale))
     lines, found, culprits = [], {}, {}
     for name, given in outputs.items():
         if not isinstance(given, dict) or not set(given) <= {"Z_L", "y_hat", "loss", "dP", "dQ"}:

@@ -166,7 +166,7 @@ MUTANTS = [
     # §12-§13 adapters and diagnosis
     ("vo-no-n", "P = n * np.swapaxes(Wv @ Wo, -1, -2)", "P = np.swapaxes(Wv @ Wo, -1, -2)",
      "von Oswald et al.'s missing 1/n not folded into P"),
-    ("vo-Q-order", "Q = scale * Wk @ np.swapaxes(Wq, -1, -2)", "Q = scale * Wq @ np.swapaxes(Wk, -1, -2)",
+    ("vo-Q-order", "Q = s * Wk @ np.swapaxes(Wq, -1, -2)", "Q = s * Wq @ np.swapaxes(Wk, -1, -2)",
      "W_q W_k^T for W_k W_q^T"),
     ("vo-grad-Wq", "grads = [c * s * np.swapaxes(dQ, -1, -2) @ Wk, c * s * dQ @ Wq,",
      "grads = [c * s * dQ @ Wk, c * s * dQ @ Wq,", "dW_q without dQ^T"),
