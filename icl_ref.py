@@ -186,11 +186,24 @@ def one_blas_thread():
         yield
 
 
-def _thread_count(threads):
+# Each prompt's D x D products (T S, T S T^T, their adjoints) are one OpenBLAS call per prompt, and
+# OpenBLAS takes a process-wide mutex to hand out its work buffer in every call: for 6 x 6 products
+# two workers spend their time on that lock (20000 products: 1.4 ms on one thread, 3.0 ms on two;
+# loss_and_grad at d = 5 30 ms with one worker, 36 ms with two). From 7 x 7 up the arithmetic
+# outweighs the lock and two workers win (d = 6: 42 -> 34 ms; d = 10: 130 -> 82 ms). Measured on
+# 2 cores, numpy 1.25 and 2.4 with their OpenBLAS; MATH.md §3.
+_SERIAL_MAX_SIZE = 6
+
+
+def _thread_count(threads, size=None):
     """Worker threads for one evaluation: `threads` (an integer >= 1) or, by default, the cores this
-    process may use; never more than those cores (each worker runs one BLAS thread)."""
+    process may use, except one worker when the per-prompt matrices are at most _SERIAL_MAX_SIZE on
+    a side (`size`; workers would only queue on OpenBLAS's lock, above). Never more than the cores
+    (each worker runs one BLAS thread)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores if threads is None else min(_int("threads", threads, 1), cores)
+    if threads is None:
+        return 1 if size is not None and size <= _SERIAL_MAX_SIZE else cores
+    return min(_int("threads", threads, 1), cores)
 
 
 def _chunk(chunk, D):
@@ -198,12 +211,13 @@ def _chunk(chunk, D):
     return max(1, 2 ** 17 // D ** 2) if chunk is None else _int("chunk", chunk, 1)
 
 
-def _map_chunks(fn, B, chunk, threads):
+def _map_chunks(fn, B, chunk, threads, size):
     """[fn(start, stop) for each chunk of the batch], in chunk order, on `threads` workers that
-    each run one BLAS thread (never more threads than cores). The results come back in chunk order,
-    so sums over them are the same to the last bit whatever the thread count. MATH.md §3."""
+    each run one BLAS thread (never more threads than cores; the default as _thread_count for
+    per-prompt matrices `size` on a side). The results come back in chunk order, so sums over them
+    are the same to the last bit whatever the thread count. MATH.md §3."""
     bounds = [(c, min(c + chunk, B)) for c in range(0, B, chunk)]
-    workers = min(_thread_count(threads), len(bounds))
+    workers = min(_thread_count(threads, size), len(bounds))
     err = np.geterr()                       # the caller's errstate: worker threads do not inherit it
 
     def run(b):
@@ -315,14 +329,14 @@ def forward_literal(P, Q, Z):
 
 def gram(Z, threads=None):
     """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (MATH.md §2), formed in
-    chunks of prompts on `threads` workers (default: every core)."""
+    chunks of prompts on `threads` workers (default as _thread_count: every core, one for D <= 6)."""
     Z = _prompts(Z)
     Zc = Z[:, :, :-1]                                          # Z M drops the query column
     S = np.empty((Z.shape[0], Z.shape[1], Z.shape[1]))
 
     def one_chunk(start, stop):
         np.matmul(Zc[start:stop], Zc[start:stop].transpose(0, 2, 1), out=S[start:stop])
-    _map_chunks(one_chunk, Z.shape[0], _chunk(None, Z.shape[1]), threads)
+    _map_chunks(one_chunk, Z.shape[0], _chunk(None, Z.shape[1]), threads, Z.shape[1])
     return S
 
 
@@ -541,8 +555,8 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     n context size; formulation as layer_map. Prompts are independent, so the batch is walked in
     chunks of `chunk` prompts (default 2^17 / D^2: a chunk's (chunk, D, D) temporaries stay about
     1 MB, in cache; 2x faster at d = 20 than 2048 prompts) on `threads` workers (default: every
-    core); each chunk's loss and dK are divided by the whole B and added in chunk order (MATH.md §3),
-    so the result does not depend on `threads`. It runs every optimiser step, so only dtypes and
+    core, one for D <= 6, _thread_count); each chunk's loss and dK are divided by the whole B and
+    added in chunk order (MATH.md §3), so the result does not depend on `threads`. It runs every optimiser step, so only dtypes and
     shapes are checked; S0 must be symmetric (layer_backward relies on it) and finite. A non-finite
     result is returned as it is (training treats it as a failed trial). Returns (loss, dP, dQ).
     """
@@ -561,7 +575,7 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
             dS, dq, dKs[l] = layer_backward(dS, dq, caches[l], need_dS=l > 0)
         return float(r @ r) / B, dKs
 
-    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads)
+    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads, D)
     loss = sum(part[0] for part in parts)
     dP, dQ = np.empty_like(P), np.empty_like(Q)
     for l, (P_l, Q_l) in enumerate(zip(P, Q)):
@@ -611,7 +625,7 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
                 JQ[:, l, h] = S @ (P[l, h].T / n) @ dT
         return r, _jacobian_rows(structure, JP, JQ)
 
-    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads)
+    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads, D)
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
@@ -619,7 +633,8 @@ def loss_and_grad(P, Q, Z, y, threads=None):
     """In-context loss f (see in_context_loss) and its gradient by hand-written reverse mode.
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,); threads: workers over chunks of prompts (default:
-    every core; the result does not depend on it). Returns (loss, dP, dQ), shaped like P, Q.
+    every core, one for D <= 6 where two only contend, MATH.md §3; the result does not depend on
+    it). Returns (loss, dP, dQ), shaped like P, Q.
     MATH.md §3.
     """
     P, Q = _params(P, Q)
@@ -766,7 +781,7 @@ def _activation_pass(P, Q, Z, y, activation, threads=None, jacobian=False):
         return (r if jacobian else float(r @ r) / B), dP, dQ, Zc
 
     # (n+1, n+1) score matrices: chunks of 2^15 / (n+1)^2 prompts keep them in cache (2x faster)
-    parts = _map_chunks(one_chunk, B, max(1, 2 ** 15 // N ** 2), threads)
+    parts = _map_chunks(one_chunk, B, max(1, 2 ** 15 // N ** 2), threads, max(D, N))
     if jacobian:
         return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
     return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts),
@@ -974,7 +989,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     coordinates after every iteration (result["iterates"], a list of dicts, initial point first).
     activation: "linear" (the paper's layer; the Gram matrices S_0 = Z M Z^T are computed once and
     each evaluation costs O(B L H D^3)) or one of ACTIVATIONS (explicit attention, O(B L H n^2 D)).
-    threads: workers per evaluation (default every core); BLAS runs one thread during training
+    threads: workers per evaluation (default as loss_and_grad); BLAS runs one thread during training
     (one_blas_thread) and the caller's setting is restored after.
 
     Returns a dict: structure, coords (the structure's own arrays), P, Q, loss, grad_norm, nit,

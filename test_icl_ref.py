@@ -12,6 +12,7 @@ Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
 """
 import math
 import os
+import threading
 from fractions import Fraction
 from unittest import mock
 
@@ -1279,6 +1280,17 @@ def test_thread_count_does_not_change_results():
         assert np.array_equal(other[1], runs[0][1]) and np.array_equal(other[2], runs[0][2])
     with pytest.raises(ValueError, match="threads"):
         ir.loss_and_grad(P, Q, Z, y, threads=0)
+
+
+def test_default_workers_one_for_small_matrices_every_core_above(monkeypatch):
+    # the default: one worker up to 6 x 6 per-prompt matrices (MATH.md §3), every core above;
+    # an explicit count is honoured up to the cores
+    monkeypatch.setattr(ir.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert [ir._thread_count(None, D) for D in (2, 6, 7, 21)] == [1, 1, 4, 4]
+    assert ir._thread_count(None) == 4 and ir._thread_count(3, 2) == 3 and ir._thread_count(9, 21) == 4
+    seen = set()
+    ir._map_chunks(lambda a, b: seen.add(threading.get_ident()), 40, 2, None, 6)
+    assert seen == {threading.get_ident()}                   # ran in the caller's thread
 
 
 def test_train_lbfgs_restores_the_callers_blas_threads():
