@@ -187,18 +187,19 @@ def one_blas_thread():
 
 
 # Each prompt's D x D products (T S, T S T^T, their adjoints) are one OpenBLAS call per prompt, and
-# OpenBLAS takes a process-wide mutex to hand out its work buffer in every call: for 6 x 6 products
-# two workers spend their time on that lock (20000 products: 1.4 ms on one thread, 3.0 ms on two;
-# loss_and_grad at d = 5 30 ms with one worker, 36 ms with two). From 7 x 7 up the arithmetic
-# outweighs the lock and two workers win (d = 6: 42 -> 34 ms; d = 10: 130 -> 82 ms). Measured on
-# 2 cores, numpy 1.25 and 2.4 with their OpenBLAS; MATH.md §3.
+# OpenBLAS takes a process-wide mutex to hand out its work buffer in every call: for small products
+# two workers spend much of their time on that lock (20000 products of 6 x 6 matrices: 1.4 ms on one
+# thread, 3.0 ms on two). Up to 6 x 6 two workers are no faster (loss_and_grad_gram, B = 20000,
+# L = 3: d = 2 22 ms on one worker, 24-27 ms on two; d = 5 30-32 ms on one, 29-36 ms on two), so one
+# works and the other core stays free; from 7 x 7 up they win (d = 6: 45 -> 35 ms; d = 10: 130 ->
+# 82 ms). Measured on 2 cores, numpy 1.25 and 2.4 with their OpenBLAS; MATH.md §3.
 _SERIAL_MAX_SIZE = 6
 
 
 def _thread_count(threads, size=None):
     """Worker threads for one evaluation: `threads` (an integer >= 1) or, by default, the cores this
     process may use, except one worker when the per-prompt matrices are at most _SERIAL_MAX_SIZE on
-    a side (`size`; workers would only queue on OpenBLAS's lock, above). Never more than the cores
+    a side (`size`; more workers are no faster there, above). Never more than the cores
     (each worker runs one BLAS thread)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads is None:
@@ -556,9 +557,10 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     chunks of `chunk` prompts (default 2^17 / D^2: a chunk's (chunk, D, D) temporaries stay about
     1 MB, in cache; 2x faster at d = 20 than 2048 prompts) on `threads` workers (default: every
     core, one for D <= 6, _thread_count); each chunk's loss and dK are divided by the whole B and
-    added in chunk order (MATH.md §3), so the result does not depend on `threads`. It runs every optimiser step, so only dtypes and
-    shapes are checked; S0 must be symmetric (layer_backward relies on it) and finite. A non-finite
-    result is returned as it is (training treats it as a failed trial). Returns (loss, dP, dQ).
+    added in chunk order (MATH.md §3), so the result does not depend on `threads`. It runs every
+    optimiser step, so only dtypes and shapes are checked; S0 must be symmetric (layer_backward
+    relies on it) and finite. A non-finite result is returned as it is (training treats it as a
+    failed trial). Returns (loss, dP, dQ).
     """
     _gram_args("loss_and_grad_gram", P, Q, S0, q0, y, n)
     B, D = y.shape[0], P.shape[-1]
@@ -985,6 +987,9 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     maxls go to scipy.optimize.minimize(method="L-BFGS-B") as they are; ftol = 0 (the default)
     stops only on the projected gradient (gtol) or when the loss no longer decreases at all, so a
     stop is at a small gradient, not at a slow stretch (at the paper's scale |grad| ~ 4e-9).
+    maxcor = 20 pairs suffice for the sparse structure (~400 iterations at the paper's scale); the
+    blocks structure wants about twice its 150 coordinates: with 300 it converges in ~1200-1700
+    iterations, with 20 it still has |grad| ~1e-4 after 3000 (measured; MATH.md §6).
     progress = k > 0 prints "iteration, loss, |grad|, elapsed" to stderr every k iterations. keep_iterates stores the
     coordinates after every iteration (result["iterates"], a list of dicts, initial point first).
     activation: "linear" (the paper's layer; the Gram matrices S_0 = Z M Z^T are computed once and
