@@ -189,21 +189,23 @@ def one_blas_thread():
 # Each prompt's D x D products (T S, T S T^T, their adjoints) are one OpenBLAS call per prompt, and
 # OpenBLAS takes a process-wide mutex to hand out its work buffer in every call: for small products
 # two workers spend much of their time on that lock (20000 products of 6 x 6 matrices: 1.4 ms on one
-# thread, 3.0 ms on two). Up to 6 x 6 two workers are no faster (loss_and_grad_gram, B = 20000,
-# L = 3: d = 2 22 ms on one worker, 24-27 ms on two; d = 5 30-32 ms on one, 29-36 ms on two), so one
-# works and the other core stays free; from 7 x 7 up they win (d = 6: 45 -> 35 ms; d = 10: 130 ->
-# 82 ms). Measured on 2 cores, numpy 1.25 and 2.4 with their OpenBLAS; MATH.md §3.
-_SERIAL_MAX_SIZE = 6
+# thread, 3.0 ms on two). Where that is most of the work, two workers are no faster, so one works
+# and the other core stays free: loss_and_grad_gram (B = 20000, L = 3) at d = 2 takes 22 ms on one
+# worker and 24-33 ms on two, at d = 5 30-32 ms and 29-39 ms; from d = 6 up two win (45 -> 35 ms;
+# d = 10 130 -> 82 ms). The Jacobian adds GEMMs and copies that do scale: at d = 5 two workers win
+# (blocks: 62 -> 55 ms), at d = 2 one does (33 vs 48 ms). Measured on 2 cores, numpy 1.25 and 2.4
+# with their OpenBLAS; MATH.md §3. The largest D = d + 1 at which one worker is the default:
+_SERIAL_MAX_D = 6
+_SERIAL_MAX_D_JACOBIAN = 5
 
 
-def _thread_count(threads, size=None):
+def _thread_count(threads, serial=False):
     """Worker threads for one evaluation: `threads` (an integer >= 1) or, by default, the cores this
-    process may use, except one worker when the per-prompt matrices are at most _SERIAL_MAX_SIZE on
-    a side (`size`; more workers are no faster there, above). Never more than the cores
-    (each worker runs one BLAS thread)."""
+    process may use, or one where the caller's work is `serial` (small per-prompt products, above).
+    Never more than the cores (each worker runs one BLAS thread)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads is None:
-        return 1 if size is not None and size <= _SERIAL_MAX_SIZE else cores
+        return 1 if serial else cores
     return min(_int("threads", threads, 1), cores)
 
 
@@ -212,13 +214,13 @@ def _chunk(chunk, D):
     return max(1, 2 ** 17 // D ** 2) if chunk is None else _int("chunk", chunk, 1)
 
 
-def _map_chunks(fn, B, chunk, threads, size):
+def _map_chunks(fn, B, chunk, threads, serial=False):
     """[fn(start, stop) for each chunk of the batch], in chunk order, on `threads` workers that
-    each run one BLAS thread (never more threads than cores; the default as _thread_count for
-    per-prompt matrices `size` on a side). The results come back in chunk order, so sums over them
-    are the same to the last bit whatever the thread count. MATH.md §3."""
+    each run one BLAS thread (never more threads than cores; the default as _thread_count). The
+    results come back in chunk order, so sums over them are the same to the last bit whatever the
+    thread count. MATH.md §3."""
     bounds = [(c, min(c + chunk, B)) for c in range(0, B, chunk)]
-    workers = min(_thread_count(threads, size), len(bounds))
+    workers = min(_thread_count(threads, serial), len(bounds))
     err = np.geterr()                       # the caller's errstate: worker threads do not inherit it
 
     def run(b):
@@ -337,7 +339,7 @@ def gram(Z, threads=None):
 
     def one_chunk(start, stop):
         np.matmul(Zc[start:stop], Zc[start:stop].transpose(0, 2, 1), out=S[start:stop])
-    _map_chunks(one_chunk, Z.shape[0], _chunk(None, Z.shape[1]), threads, Z.shape[1])
+    _map_chunks(one_chunk, Z.shape[0], _chunk(None, Z.shape[1]), threads, Z.shape[1] <= _SERIAL_MAX_D)
     return S
 
 
@@ -577,7 +579,7 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
             dS, dq, dKs[l] = layer_backward(dS, dq, caches[l], need_dS=l > 0)
         return float(r @ r) / B, dKs
 
-    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads, D)
+    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads, D <= _SERIAL_MAX_D)
     loss = sum(part[0] for part in parts)
     dP, dQ = np.empty_like(P), np.empty_like(Q)
     for l, (P_l, Q_l) in enumerate(zip(P, Q)):
@@ -602,7 +604,8 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
     prompt alone: dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb, dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
     structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
     or "blocks" maps each row through the structure's chain rule (pack order of structure_shapes).
-    formulation as layer_map (it changes how T is formed, not the rows).
+    formulation as layer_map (it changes how T is formed, not the rows). Default workers: every
+    core, one for D <= 5 (_thread_count).
     Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
     """
     _check_structure(structure)
@@ -620,14 +623,15 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
         dS = None
         for l in reversed(range(L)):
             dS, dq, dT = layer_backward(dS, dq, caches[l], need_dS=l > 0, per_prompt=True)
-            S = caches[l][1]
+            S, b = caches[l][1], len(r)
             for h in range(H):
-                # vec(T) = vec(I) + K vec(S), K = (1/n) sum_h P_h kron Q_h^T  (kernel_backward per prompt)
-                JP[:, l, h] = dT @ (Q[l, h].T / n) @ S
-                JQ[:, l, h] = S @ (P[l, h].T / n) @ dT
+                # vec(T) = vec(I) + K vec(S), K = (1/n) sum_h P_h kron Q_h^T  (kernel_backward per prompt);
+                # the factor shared by all prompts goes in one (b D, D) GEMM, the rest per prompt
+                JP[:, l, h] = (dT.reshape(b * D, D) @ (Q[l, h].T / n)).reshape(b, D, D) @ S   # (dT_b Q^T/n) S_b
+                JQ[:, l, h] = (S.reshape(b * D, D) @ (P[l, h].T / n)).reshape(b, D, D) @ dT   # (S_b P^T/n) dT_b
         return r, _jacobian_rows(structure, JP, JQ)
 
-    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads, D)
+    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads, D <= _SERIAL_MAX_D_JACOBIAN)
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
@@ -783,7 +787,7 @@ def _activation_pass(P, Q, Z, y, activation, threads=None, jacobian=False):
         return (r if jacobian else float(r @ r) / B), dP, dQ, Zc
 
     # (n+1, n+1) score matrices: chunks of 2^15 / (n+1)^2 prompts keep them in cache (2x faster)
-    parts = _map_chunks(one_chunk, B, max(1, 2 ** 15 // N ** 2), threads, max(D, N))
+    parts = _map_chunks(one_chunk, B, max(1, 2 ** 15 // N ** 2), threads, max(D, N) <= _SERIAL_MAX_D)
     if jacobian:
         return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
     return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts),
@@ -1102,15 +1106,25 @@ def _fixed_coordinates(structure, shapes):
     return np.concatenate([m.ravel() for m in masks.values()])
 
 
-def _reduced_least_squares(r, J):
-    """(f, R) with R^T R = J^T J, R^T f = J^T r and |f| = |r|, from the QR factorisation J = Q R:
-    f = [Q^T r; sqrt(|r|^2 - |Q^T r|^2)] (p+1,) and R stacked on a zero row (p+1, p). A trust-region
-    Gauss-Newton step depends on J only through these, so the solver's SVD of the (B, p) Jacobian
-    becomes one of a (p+1, p) matrix, the same steps in exact arithmetic (MATH.md §6)."""
-    Qt_r, R = scipy.linalg.qr_multiply(J, r[None, :], mode="right")     # r^T Q (1, p), R (p, p)
-    g = Qt_r[0]
-    rho = math.sqrt(max(float(r @ r) - float(g @ g), 0.0))
-    return np.r_[g, rho], np.vstack([R, np.zeros((1, R.shape[1]))])
+def _reduced_least_squares(r, J, threads=None, rows=None):
+    """(f, R) with R^T R = J^T J, R^T f = J^T r and |f| = |r|: the triangular factor of the QR
+    factorisation of [J r] is [[R, g], [0, rho]], so f = [g; rho] (p+1,) and R stacked on a zero row
+    (p+1, p). A trust-region Gauss-Newton step depends on J only through these, so the solver's SVD
+    of the (B, p) Jacobian becomes one of a (p+1, p) matrix, the same steps in exact arithmetic
+    (MATH.md §6). The factor is found in blocks of `rows` rows (default max(2000, 4 (p+1))) on the
+    workers, then from the stacked blocks' factors (a tall-skinny QR: the same R up to row signs,
+    which f shares; 2x faster than one factorisation at B = 20000, p = 125, on 2 cores)."""
+    B, p = J.shape
+    A = np.column_stack([J, r])
+
+    def r_factor(start, stop):
+        return scipy.linalg.qr(A[start:stop], mode="r", check_finite=False)[0][:p + 1]
+    rows = max(2000, 4 * (p + 1)) if rows is None else rows
+    blocks = _map_chunks(r_factor, B, rows, threads)
+    top = scipy.linalg.qr(np.vstack(blocks), mode="r", check_finite=False)[0][:p + 1]
+    R_aug = np.zeros((p + 1, p + 1))
+    R_aug[:len(top)] = top                  # fewer than p + 1 prompts: the missing rows are zero
+    return R_aug[:, p], R_aug[:, :p]
 
 
 def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
@@ -1173,7 +1187,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         if not (np.all(np.isfinite(r)) and np.all(np.isfinite(J))):
             return cache
         J = J[:, free]
-        cache["f"], cache["R"] = _reduced_least_squares(r / root_B, J / root_B)
+        cache["f"], cache["R"] = _reduced_least_squares(r / root_B, J / root_B, threads)
         loss = float(r @ r) / B
         if loss < best["loss"]:
             best.update(x=x.copy(), loss=loss, r=r, J=J)

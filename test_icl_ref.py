@@ -1283,14 +1283,25 @@ def test_thread_count_does_not_change_results():
 
 
 def test_default_workers_one_for_small_matrices_every_core_above(monkeypatch):
-    # the default: one worker up to 6 x 6 per-prompt matrices (MATH.md §3), every core above;
-    # an explicit count is honoured up to the cores
+    # the default (MATH.md §3): one worker for the loss up to D = 6 and for the Jacobian up to
+    # D = 5, every core above; an explicit count is honoured up to the cores
     monkeypatch.setattr(ir.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert [ir._thread_count(None, D) for D in (2, 6, 7, 21)] == [1, 1, 4, 4]
-    assert ir._thread_count(None) == 4 and ir._thread_count(3, 2) == 3 and ir._thread_count(9, 21) == 4
+    assert ir._thread_count(None) == 4 and ir._thread_count(None, serial=True) == 1
+    assert ir._thread_count(3, serial=True) == 3 and ir._thread_count(9) == 4
     seen = set()
-    ir._map_chunks(lambda a, b: seen.add(threading.get_ident()), 40, 2, None, 6)
+    ir._map_chunks(lambda a, b: seen.add(threading.get_ident()), 40, 2, None, serial=True)
     assert seen == {threading.get_ident()}                   # ran in the caller's thread
+    chosen, real = [], ir._thread_count
+    monkeypatch.setattr(ir, "_thread_count", lambda threads, serial=False: chosen.append(real(threads, serial))
+                        or chosen[-1])
+    for d in (4, 5, 6):                                      # D = 5, 6, 7
+        rng, Z, y = small_problem(seed=d, B=8, d=d)
+        P, Q = random_params(rng, 1, 1, d)
+        args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, -1]), y, Z.shape[2] - 1)
+        ir.loss_and_grad_gram(*args, chunk=2)
+        ir.residuals_and_jacobian_gram(*args, chunk=2)
+    #            gram, loss, Jacobian at D = 5; at D = 6; at D = 7
+    assert chosen == [1, 1, 1, 1, 1, 4, 4, 4, 4]
 
 
 def test_train_lbfgs_restores_the_callers_blas_threads():
@@ -1673,11 +1684,13 @@ def test_blocks_family_has_a_second_local_minimum():
 
 def test_gauss_newton_reduced_system_has_the_same_normal_equations():
     # MATH.md §6: the solver sees (f, R) with R^T R = J^T J, R^T f = J^T r, |f| = |r|, so its
-    # trust-region steps are those of the full (B, p) system
+    # trust-region steps are those of the full (B, p) system; found in one block, in blocks of 37
+    # rows (the last one shorter, on two workers), and with fewer prompts than p + 1
     rng = np.random.default_rng(160)
-    J, r = rng.standard_normal((500, 12)) * np.logspace(0, 3, 12), rng.standard_normal(500)
-    f, R = ir._reduced_least_squares(r, J)
-    assert f.shape == (13,) and R.shape == (13, 12)
-    assert_allclose(R.T @ R, J.T @ J, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)))
-    assert_allclose(R.T @ f, J.T @ r, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)) * np.max(np.abs(r)))
-    assert f @ f == pytest.approx(r @ r, rel=EXACT)
+    for B, rows, threads in ((500, None, None), (500, 37, 2), (9, None, None)):
+        J, r = rng.standard_normal((B, 12)) * np.logspace(0, 3, 12), rng.standard_normal(B)
+        f, R = ir._reduced_least_squares(r, J, threads=threads, rows=rows)
+        assert f.shape == (13,) and R.shape == (13, 12) and not np.any(R[12])
+        assert_allclose(R.T @ R, J.T @ J, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)))
+        assert_allclose(R.T @ f, J.T @ r, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)) * np.max(np.abs(r)))
+        assert f @ f == pytest.approx(r @ r, rel=EXACT)
