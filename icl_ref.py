@@ -1131,7 +1131,8 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
                        rng=None, max_nfev=500, gtol=1e-8, progress=0, threads=None, activation="linear"):
     """Minimise the in-context loss on (Z, y) by Gauss-Newton with a trust region (MATH.md §6).
 
-    scipy.optimize.least_squares(method="trf") on the residuals r / sqrt(B) with the hand-derived
+    scipy.optimize.least_squares on the residuals r / sqrt(B) (method "dogbox" for the sparse and
+    blocks structures, "trf" for full P, Q, MATH.md §6) with the hand-derived
     Jacobian of residuals_and_jacobian_gram, so its objective is half the loss; the solver sees the
     equivalent (p+1)-dimensional system of _reduced_least_squares (the same steps, a small SVD).
     Arguments as train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates
@@ -1209,10 +1210,13 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     if not math.isfinite(best["loss"]):
         raise ValueError("the loss or its Jacobian at the initial point is not finite (float64 overflow): "
                          "use a smaller init_scale or init, or rescale Z")
+    # dogleg steps take about half the evaluations on the structured models; on full P, Q, whose
+    # Jacobian is rank-deficient along (gamma P_l, Q_l / gamma), they stall where "trf" does not
+    method = "trf" if structure == "full" else "dogbox"
     try:
         with one_blas_thread():
             res = scipy.optimize.least_squares(lambda x: evaluate(x)["f"], x0,
-                                               jac=lambda x: evaluate(x)["R"], method="trf",
+                                               jac=lambda x: evaluate(x)["R"], method=method,
                                                ftol=1e-15, xtol=1e-15, gtol=1e-15,
                                                max_nfev=options["max_nfev"])
         outcome = dict(nit=int(res.nfev), nfev=int(res.nfev), status=int(res.status),
