@@ -434,7 +434,8 @@ def layer_forward(K, S, q, need_S=True):
 
     K: the layer's map from layer_map (a (D^2, D^2) kernel or the direct form's (P_l, Q_l, n));
     S: (B, D, D) = Z_l M Z_l^T; q: (B, D) query column of Z_l.
-    Returns S' (B, D, D) (None unless need_S), q' (B, D), T (B, D, D) and the cache.
+    Returns S' (B, D, D) (None unless need_S), q' (B, D), T (B, D, D) and the cache (without S',
+    layer_backward takes dS_next = None).
     An unchecked building block (forward, predict and loss_and_grad check their inputs); it assumes
     float64 arrays, S symmetric, and the same B in S and q (a (1, D) q would broadcast). MATH.md §2.
     """
@@ -444,7 +445,7 @@ def layer_forward(K, S, q, need_S=True):
     else:                                                      # vec(T - I) = K vec(S)
         T = (S.reshape(B, D * D) @ K.T).reshape(B, D, D)
     T += np.eye(D)
-    TS = T @ S
+    TS = T @ S if need_S else None             # the backward needs T S only where S' reaches the loss
     S_next = TS @ T.transpose(0, 2, 1) if need_S else None
     q_next = np.einsum("bij,bj->bi", T, q)
     return S_next, q_next, T, (K, S, q, T, TS)
@@ -627,8 +628,10 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
             for h in range(H):
                 # vec(T) = vec(I) + K vec(S), K = (1/n) sum_h P_h kron Q_h^T  (kernel_backward per prompt);
                 # the factor shared by all prompts goes in one (b D, D) GEMM, the rest per prompt
-                JP[:, l, h] = (dT.reshape(b * D, D) @ (Q[l, h].T / n)).reshape(b, D, D) @ S   # (dT_b Q^T/n) S_b
-                JQ[:, l, h] = (S.reshape(b * D, D) @ (P[l, h].T / n)).reshape(b, D, D) @ dT   # (S_b P^T/n) dT_b
+                np.matmul((dT.reshape(b * D, D) @ (Q[l, h].T / n)).reshape(b, D, D), S,
+                          out=JP[:, l, h])                                       # (dT_b Q^T/n) S_b
+                np.matmul((S.reshape(b * D, D) @ (P[l, h].T / n)).reshape(b, D, D), dT,
+                          out=JQ[:, l, h])                                       # (S_b P^T/n) dT_b
         return r, _jacobian_rows(structure, JP, JQ)
 
     parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads, D <= _SERIAL_MAX_D_JACOBIAN)
