@@ -294,7 +294,7 @@ def three_layer_blocks(ctx):
     a_star, b_star, f_star = ir.optimal_family_scalars(L, n, d, blocks=True)
     # L-BFGS keeps 300 pairs, twice the 150 coordinates (the authors' notebook keeps 600): with
     # train_lbfgs's default 20 it had |grad| ~1e-4 after 3000 iterations here, with 300 it
-    # converges in ~1200-1400 (measured, seeds 0-2)
+    # converges in ~1200-1700 (measured, seeds 0-2)
     rows, heat = [], []
     for s in range(seeds):
         rng = np.random.default_rng([ctx["seed"], 100 + s])

@@ -1292,8 +1292,11 @@ def test_default_workers_one_for_small_matrices_every_core_above(monkeypatch):
     ir._map_chunks(lambda a, b: seen.add(threading.get_ident()), 40, 2, None, serial=True)
     assert seen == {threading.get_ident()}                   # ran in the caller's thread
     chosen, real = [], ir._thread_count
-    monkeypatch.setattr(ir, "_thread_count", lambda threads, serial=False: chosen.append(real(threads, serial))
-                        or chosen[-1])
+
+    def recording(threads, serial=False):                    # the real rule, each choice recorded
+        chosen.append(real(threads, serial))
+        return chosen[-1]
+    monkeypatch.setattr(ir, "_thread_count", recording)
     for d in (4, 5, 6):                                      # D = 5, 6, 7
         rng, Z, y = small_problem(seed=d, B=8, d=d)
         P, Q = random_params(rng, 1, 1, d)
