@@ -536,6 +536,119 @@ def in_context_loss(P, Q, Z, y):
     return float(np.mean((predict(P, Q, Z) - y) ** 2))
 
 
+# Prompts on the last axis (MATH.md §3.2). For small D each prompt's products T S, T S T^T and
+# their adjoints are a few hundred multiply-adds; with the prompts on the first axis each is one BLAS
+# call (a stack of tiny GEMMs that a second worker does not speed up, §3). With the prompts on the
+# last axis, (D, D, b), every such product is D^3 vector operations across the chunk's prompts,
+# which numpy runs in its own loops on every core; and the kernel acts on S's U = D(D+1)/2
+# distinct entries instead of its D^2 entries.
+
+@lru_cache(maxsize=None)
+def symmetric_coordinates(D):
+    """Index maps between a symmetric D x D matrix S and its U = D (D+1) / 2 distinct entries s
+    (the upper triangle, row by row). MATH.md §3.2.
+
+    Returns (upper, full, E, diagonal), read-only:
+        upper     (U,) positions of s in vec(S) (row-major):   s = vec(S)[upper]
+        full      (D^2,) the entry of s at each position:       vec(S) = s[full]
+        E         (D^2, U) 0/1 with vec(S) = E s; a kernel K acts on s as K E
+        diagonal  (U,) bool, True where the entry is on the diagonal
+    """
+    D = _int("D", D, 1)
+    i, j = np.triu_indices(D)
+    position = np.empty((D, D), dtype=np.intp)
+    position[i, j] = position[j, i] = np.arange(len(i))
+    full = position.reshape(-1)
+    E = np.zeros((D * D, len(i)))
+    E[np.arange(D * D), full] = 1.0
+    maps = (i * D + j, full, E, i == j)
+    for a in maps:
+        a.flags.writeable = False
+    return maps
+
+
+def lanes_gram(Zt):
+    """S = Z M Z^T with the prompts on the last axis: Zt (D, n+1, b) -> S (D, D, b), symmetric.
+    Only the upper triangle is summed (S_ij = sum_{t<n} Z_it Z_jt), then mirrored. MATH.md §3.2."""
+    D, n, b = Zt.shape[0], Zt.shape[1] - 1, Zt.shape[2]
+    S = np.empty((D, D, b))
+    for i in range(D):
+        np.einsum("tb,jtb->jb", Zt[i, :n], Zt[i:, :n], out=S[i, i:])
+        S[i + 1:, i] = S[i, i + 1:]
+    return S
+
+
+def _symmetric_product(X, Y):
+    """X Y^T for (D, D, b) stacks with the prompts last, where the result is known to be symmetric
+    (T S T^T, T^T G T): the upper triangle row by row ("ijb,kjb->ikb" restricted to k >= i),
+    mirrored, so the result is exactly symmetric and costs U = D(D+1)/2 of the D^2 entries."""
+    D = X.shape[0]
+    out = np.empty(X.shape)
+    for i in range(D):
+        np.einsum("jb,kjb->kb", X[i], Y[i:], out=out[i, i:])
+        out[i + 1:, i] = out[i, i + 1:]
+    return out
+
+
+def lanes_forward(K_s, S, q, last=False):
+    """One layer with the prompts on the last axis: T = I + mat(K_s s), S' = T S T^T, q' = T q.
+
+    K_s: (D^2, U) = K E, the layer's kernel on S's distinct entries s (symmetric_coordinates);
+    S: (D, D, b) symmetric; q: (D, b). Returns S' (D, D, b), q' (D, b) and the cache. The last
+    layer (`last`) forms only the row d of T that the prediction reads: S' is None and q' is
+    (T q)_d, shape (b,). An unchecked building block of loss_and_grad_gram. MATH.md §3.2.
+    """
+    D, _, b = S.shape
+    s = S.reshape(D * D, b)[symmetric_coordinates(D)[0]]          # (U, b)
+    if last:
+        t = K_s[-D:] @ s                                          # row d of T - I, (D, b)
+        t[-1] += 1.0
+        return None, np.einsum("jb,jb->b", t, q), (K_s, s, q, t, None)
+    T = (K_s @ s).reshape(D, D, b)
+    T.reshape(D * D, b)[::D + 1] += 1.0                           # + I: the D diagonal rows
+    # every product as X Y^T ("ijb,kjb->ikb"), numpy's fastest order here: T S = T S^T
+    TS = np.einsum("ijb,kjb->ikb", T, S)
+    return _symmetric_product(TS, T), np.einsum("ijb,jb->ib", T, q), (K_s, s, q, T, TS)
+
+
+def lanes_backward(G_next, dq_next, cache, first=False):
+    """Adjoint of lanes_forward: (G', dq') -> (G, dq, dK_s).
+
+    G is the adjoint of a symmetric S in full form, G = dS + dS^T (MATH.md §3.2): G_next (D, D, b),
+    None for the last layer, whose dq_next is the adjoint of (T q)_d, shape (b,); otherwise dq_next
+    is (D, b). Returns G (D, D, b) and dq (D, b), both None for the `first` layer (S_0, q_0 are
+    data), and dK_s (D^2, U) = sum_b vec(dT_b) s_b^T, the adjoint of K_s summed over the prompts.
+    """
+    K_s, s, q, T, TS = cache
+    D = q.shape[0]
+    if G_next is None:              # (T q)_d = t . q with t the row d of T   (product rule: t and q)
+        dt = dq_next * q                                          # row d of dT; the others are 0
+        dK_s = np.zeros(K_s.shape)
+        dK_s[-D:] = dt @ s.T                                      # t - e_d = K_s[-D:] s
+        if first:
+            return None, None, dK_s
+        dq, ds = dq_next * T, K_s[-D:].T @ dt
+    else:
+        # products as X Y^T (see lanes_forward), with transposed copies: Tt = T^T, TSt = (T S)^T
+        # q' = T q                  (product rule: T and q)
+        dT = dq_next[:, None, :] * q[None, :, :]
+        # S' = T S T^T              (T twice; S symmetric, so dS' T S^T + dS'^T T S = G' T S)
+        dT += np.einsum("ijb,kjb->ikb", G_next, np.ascontiguousarray(TS.transpose(1, 0, 2)))
+        dT = dT.reshape(D * D, -1)
+        dK_s = dT @ s.T                                           # vec(T - I) = K_s s: linear in K_s
+        if first:
+            return None, None, dK_s
+        Tt = np.ascontiguousarray(T.transpose(1, 0, 2))
+        dq, ds = np.einsum("ijb,jb->ib", Tt, dq_next), K_s.T @ dT  # ... and in s
+    _, full, _, diagonal = symmetric_coordinates(D)
+    # ds_p = dS_ij + dS_ji for an off-diagonal entry p = (i, j), dS_ii on the diagonal: G is ds
+    # spread over both positions, doubled on the diagonal
+    G = (ds * np.where(diagonal, 2.0, 1.0)[:, None])[full].reshape(D, D, -1)
+    if G_next is not None:          # S' = T S T^T, the S in the middle: T^T G' T (G' symmetric)
+        G += _symmetric_product(np.einsum("ijb,kjb->ikb", Tt, G_next), Tt)
+    return G, dq, dK_s
+
+
 def _gram_args(caller, P, Q, S0, q0, y, n):
     """The cheap checks of the Gram-form building blocks: float64 arrays of matching shapes and an
     integer n >= 1. Not checked, to keep them cheap: finiteness and the symmetry of S0."""
@@ -567,6 +680,11 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     """
     _gram_args("loss_and_grad_gram", P, Q, S0, q0, y, n)
     B, D = y.shape[0], P.shape[-1]
+    if _lanes(formulation, D):
+        def lanes_chunk(start, stop):             # the chunk's S_0, q_0 with the prompts last
+            return (np.ascontiguousarray(S0[start:stop].transpose(1, 2, 0)),
+                    np.ascontiguousarray(q0[start:stop].T))
+        return _lanes_loss_and_grad(P, Q, lanes_chunk, y, n, chunk, threads)
     Ks = [layer_map(P_l, Q_l, n, formulation) for P_l, Q_l in zip(P, Q)]
 
     def one_chunk(start, stop):
@@ -586,6 +704,53 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     for l, (P_l, Q_l) in enumerate(zip(P, Q)):
         dmap = sum(part[1][l] for part in parts)         # every chunk uses the same map of layer l
         dP[l], dQ[l] = dmap if isinstance(Ks[l], tuple) else kernel_backward(dmap, P_l, Q_l, n)
+    return loss, dP, dQ
+
+
+# The largest D = d + 1 at which loss_and_grad_gram takes the lanes formulation by default: above
+# it the D^3 vector operations per product cost more than the batched GEMMs of the kernel or direct
+# form (B = 20000, L = 3, 2 workers: ... ; MATH.md §3.2).
+_LANES_MAX_D = 9
+
+
+def _lanes(formulation, D):
+    """Whether loss_and_grad_gram takes the lanes formulation: asked for, or by default for D <= 9."""
+    if formulation is None:
+        return D <= _LANES_MAX_D
+    if formulation != "lanes" and formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be None, 'lanes' or one of {FORMULATIONS}, got {formulation!r}")
+    return formulation == "lanes"
+
+
+def _lanes_loss_and_grad(P, Q, read_chunk, y, n, chunk, threads):
+    """loss_and_grad_gram in the lanes formulation (MATH.md §3.2). read_chunk(start, stop) gives
+    the chunk's S_0 (D, D, b) and q_0 (D, b) with the prompts on the last axis. Default chunk
+    2^16 / D^2 prompts (each (D, D, b) array about 512 KB), workers every core."""
+    B, D = y.shape[0], P.shape[-1]
+    E = symmetric_coordinates(D)[2]
+    Ks = [kernel_forward(P_l, Q_l, n) @ E for P_l, Q_l in zip(P, Q)]   # each layer's K_s = K E
+
+    def one_chunk(start, stop):
+        S, q = read_chunk(start, stop)
+        caches = []
+        for l, K_s in enumerate(Ks):
+            S, q, cache = lanes_forward(K_s, S, q, last=l == len(Ks) - 1)
+            caches.append(cache)
+        r = q + y[start:stop]                             # q = Z_L[d, n]: r = y - y_hat
+        G, dq, dKs = None, 2.0 * r / B, [None] * len(Ks)  # every chunk divides by the whole B
+        for l in reversed(range(len(Ks))):
+            G, dq, dKs[l] = lanes_backward(G, dq, caches[l], first=l == 0)
+        return float(r @ r) / B, dKs
+
+    if chunk is None:               # about 2^16 / D^2 prompts, in a multiple of 4 equal chunks
+        count = 4 * -(-B // (4 * max(1, 2 ** 16 // D ** 2)))
+        chunk = -(-B // count)
+    parts = _map_chunks(one_chunk, B, _int("chunk", chunk, 1), threads)
+    loss = sum(part[0] for part in parts)
+    dP, dQ = np.empty_like(P), np.empty_like(Q)
+    for l, (P_l, Q_l) in enumerate(zip(P, Q)):
+        dK = sum(part[1][l] for part in parts) @ E.T     # K_s = K E: dK = dK_s E^T
+        dP[l], dQ[l] = kernel_backward(dK, P_l, Q_l, n)
     return loss, dP, dQ
 
 
@@ -651,8 +816,14 @@ def loss_and_grad(P, Q, Z, y, threads=None):
     y = _labels(y, Z.shape[0])
     n = Z.shape[2] - 1
     with np.errstate(over="ignore", invalid="ignore"):
-        loss, dP, dQ = loss_and_grad_gram(P, Q, gram(Z, threads), np.ascontiguousarray(Z[:, :, n]), y, n,
-                                          threads=threads)
+        if _lanes(None, P.shape[-1]):                    # each chunk's Gram product in its worker
+            def lanes_chunk(start, stop):
+                Zt = np.ascontiguousarray(Z[start:stop].transpose(1, 2, 0))
+                return lanes_gram(Zt), Zt[:, n]
+            loss, dP, dQ = _lanes_loss_and_grad(P, Q, lanes_chunk, y, n, None, threads)
+        else:
+            loss, dP, dQ = loss_and_grad_gram(P, Q, gram(Z, threads), np.ascontiguousarray(Z[:, :, n]), y,
+                                              n, threads=threads)
     for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
         _finite_result(what, value, P=P, Q=Q, Z=Z)
     return loss, dP, dQ

@@ -1004,16 +1004,17 @@ def test_kernel_vec_identity_is_row_major():
     assert_allclose(ir.kernel_forward(P, Q, 7) @ S.reshape(-1), direct.reshape(-1), rtol=EXACT, atol=EXACT)
 
 
+@pytest.mark.parametrize("formulation", ["lanes", "kernel", "direct"])
 @pytest.mark.parametrize("B,chunk", [(10, 3), (10, 5), (11, 4), (7, 1), (9, 100)])
-def test_chunked_loss_and_grad_equals_unchunked(B, chunk):
-    # MATH.md §3: chunks divide by the whole B, read their own labels, add their dK; the last
-    # chunk may be short. One chunk holding the whole batch is the reference.
+def test_chunked_loss_and_grad_equals_unchunked(B, chunk, formulation):
+    # MATH.md §3, §3.2: chunks divide by the whole B, read their own labels, add their dK; the
+    # last chunk may be short. One chunk holding the whole batch is the reference.
     rng, Z, y = small_problem(seed=B + chunk, B=B)
     P, Q = random_params(rng, 3, 2, 3)
     n = Z.shape[2] - 1
     S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
-    loss, dP, dQ = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=chunk)
-    ref = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=B)
+    loss, dP, dQ = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=chunk, formulation=formulation)
+    ref = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=B, formulation=formulation)
     assert loss == pytest.approx(ref[0], rel=EXACT)
     assert loss == pytest.approx(ir.in_context_loss(P, Q, Z, y), rel=EXACT)   # no chunks at all
     assert_allclose(dP, ref[1], rtol=EXACT, atol=EXACT * np.max(np.abs(ref[1])))
@@ -1283,8 +1284,9 @@ def test_thread_count_does_not_change_results():
 
 
 def test_default_workers_one_for_small_matrices_every_core_above(monkeypatch):
-    # the default (MATH.md §3): one worker for the loss up to D = 6 and for the Jacobian up to
-    # D = 5, every core above; an explicit count is honoured up to the cores
+    # the default (MATH.md §3): one worker for the Gram product and the kernel's loss up to D = 6
+    # and for the Jacobian up to D = 5, every core above and for the lanes formulation; an
+    # explicit count is honoured up to the cores
     monkeypatch.setattr(ir.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     assert ir._thread_count(None) == 4 and ir._thread_count(None, serial=True) == 1
     assert ir._thread_count(3, serial=True) == 3 and ir._thread_count(9) == 4
@@ -1301,10 +1303,11 @@ def test_default_workers_one_for_small_matrices_every_core_above(monkeypatch):
         rng, Z, y = small_problem(seed=d, B=8, d=d)
         P, Q = random_params(rng, 1, 1, d)
         args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, -1]), y, Z.shape[2] - 1)
-        ir.loss_and_grad_gram(*args, chunk=2)
+        ir.loss_and_grad_gram(*args, chunk=2, formulation="kernel")
         ir.residuals_and_jacobian_gram(*args, chunk=2)
-    #            gram, loss, Jacobian at D = 5; at D = 6; at D = 7
-    assert chosen == [1, 1, 1, 1, 1, 4, 4, 4, 4]
+        ir.loss_and_grad_gram(*args, chunk=2)                # lanes (MATH.md §3.2): every core
+    #          gram, loss (kernel), Jacobian, loss (lanes) at D = 5; at D = 6; at D = 7
+    assert chosen == [1, 1, 1, 4, 1, 1, 4, 4, 4, 4, 4, 4]
 
 
 def test_train_lbfgs_restores_the_callers_blas_threads():
@@ -1348,8 +1351,9 @@ def test_sandwich_covariance_matches_the_spread_over_batches():
 
 @pytest.mark.parametrize("d", [1, 2, 5, 9, 12])
 def test_formulations_agree_with_each_other_and_the_literal_loop(d):
-    # MATH.md §2-§3: the kernel and the direct form compute the same T; each against the token
-    # loop (forward), against each other (loss, gradient, Jacobian), chunked with a short last chunk
+    # MATH.md §2-§3.2: the kernel and the direct form compute the same T; each against the token
+    # loop (forward), against each other and the lanes formulation (loss, gradient; Jacobian),
+    # chunked with a short last chunk
     rng = np.random.default_rng(120 + d)
     Z, y = ir.sample_prompts(rng, 9, 4, np.eye(d), noise_std=0.3)
     P, Q = random_params(rng, 2, 2, d, scale=0.5 / math.sqrt(d))
@@ -1364,8 +1368,10 @@ def test_formulations_agree_with_each_other_and_the_literal_loop(d):
                   ir.residuals_and_jacobian_gram(P, Q, S0, q0, y, n, chunk=4, formulation=f))
     (lk, dPk, dQk), (rk, Jk) = out["kernel"]
     (ld, dPd, dQd), (rd, Jd) = out["direct"]
-    assert ld == pytest.approx(lk, rel=EXACT)
-    for a, b in ((dPd, dPk), (dQd, dQk), (Jd, Jk), (rd, rk)):
+    ll, dPl, dQl = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=4, formulation="lanes")
+    assert ld == pytest.approx(lk, rel=EXACT) and ll == pytest.approx(lk, rel=EXACT)
+    assert ll == pytest.approx(np.mean((literal[:, d, n] + y) ** 2), rel=EXACT)   # the token loop's loss
+    for a, b in ((dPd, dPk), (dQd, dQk), (Jd, Jk), (rd, rk), (dPl, dPk), (dQl, dQk)):
         assert_allclose(a, b, rtol=0, atol=EXACT * np.max(np.abs(b)))
     assert_allclose(2 * Jd.T @ rd / len(rd), ir.pack([dPd, dQd]), rtol=0, atol=EXACT * np.max(np.abs(dPd)))
 
@@ -1380,6 +1386,81 @@ def test_direct_formulation_gradient_matches_finite_differences():
     assert_grad_close(central_diff(lambda X: ir.in_context_loss(P, X, Z, y), Q), dQ)
     with pytest.raises(ValueError, match="formulation"):
         ir.forward(P, Q, Z, formulation="fast")
+
+
+def test_symmetric_coordinates_and_lanes_gram():
+    # MATH.md §3.2: s = vec(S)[upper], vec(S) = s[full] = E s, and the Gram product with the
+    # prompts on the last axis equals gram() (the same sums in another order: EXACT)
+    rng, Z, _ = small_problem(seed=126, B=7, d=3)
+    S = ir.gram(Z)
+    for D in (1, 2, 4):
+        upper, full, E, diagonal = ir.symmetric_coordinates(D)
+        X = rng.standard_normal((D, D))
+        X += X.T
+        s = X.reshape(-1)[upper]
+        assert len(s) == D * (D + 1) // 2 and np.array_equal(s, X[np.triu_indices(D)])
+        assert np.array_equal(s[full], X.reshape(-1)) and np.array_equal(E @ s, X.reshape(-1))
+        assert np.array_equal(diagonal, np.triu_indices(D)[0] == np.triu_indices(D)[1])
+        with pytest.raises(ValueError):
+            E[0, 0] = 2.0                                    # the cached maps are read-only
+    assert_allclose(ir.lanes_gram(np.ascontiguousarray(Z.transpose(1, 2, 0))), S.transpose(1, 2, 0),
+                    rtol=0, atol=EXACT * np.max(np.abs(S)))
+    with pytest.raises(ValueError, match="formulation"):
+        ir.loss_and_grad_gram(*random_params(rng, 1, 1, 3), S, np.ascontiguousarray(Z[:, :, -1]),
+                              np.zeros(7), 5, formulation="lane")
+
+
+@pytest.mark.parametrize("L,H", [(1, 1), (1, 3), (2, 2), (3, 1), (4, 2)])
+def test_lanes_pair_against_the_batch_first_layers(L, H):
+    # MATH.md §3.2: layer by layer, lanes_forward gives the same S', q' (and the last layer the
+    # same (T q)_d) as layer_forward, and the lanes reverse pass the same dK (= dK_s E^T) and the
+    # same G = dS + dS^T as layer_backward, from the same seed; EXACT relative (sums reordered)
+    rng, Z, y = small_problem(seed=127 + L + H, B=9, d=3)
+    P, Q = random_params(rng, L, H, 3)
+    n, D = Z.shape[2] - 1, 4
+    E = ir.symmetric_coordinates(D)[2]
+    S, q = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
+    St, qt = np.ascontiguousarray(S.transpose(1, 2, 0)), np.ascontiguousarray(q.T)
+    caches, lanes = [], []
+    for l in range(L):
+        K = ir.kernel_forward(P[l], Q[l], n)
+        S, q, _, cache = ir.layer_forward(K, S, q, need_S=l < L - 1)
+        St, qt, lcache = ir.lanes_forward(K @ E, St, qt, last=l == L - 1)
+        caches.append(cache)
+        lanes.append(lcache)
+        if l < L - 1:
+            assert_allclose(St, S.transpose(1, 2, 0), rtol=0, atol=EXACT * np.max(np.abs(S)))
+            assert_allclose(qt, q.T, rtol=0, atol=EXACT * np.max(np.abs(q)))
+    assert_allclose(qt, q[:, -1], rtol=0, atol=EXACT * np.max(np.abs(q)))
+    c = 2 * (q[:, -1] + y) / len(y)
+    dS, dq = None, np.zeros_like(q)
+    dq[:, -1] = c
+    G, dqt = None, c
+    for l in reversed(range(L)):
+        dS, dq, dK = ir.layer_backward(dS, dq, caches[l], need_dS=l > 0)
+        G, dqt, dK_s = ir.lanes_backward(G, dqt, lanes[l], first=l == 0)
+        assert_allclose(dK_s @ E.T, dK, rtol=0, atol=EXACT * np.max(np.abs(dK)))
+        if l > 0:
+            sym = dS + dS.transpose(0, 2, 1)
+            assert_allclose(G, sym.transpose(1, 2, 0), rtol=0, atol=EXACT * np.max(np.abs(sym)))
+            assert_allclose(dqt, dq.T, rtol=0, atol=EXACT * np.max(np.abs(dq)))
+        else:
+            assert G is None and dqt is None                 # S_0, q_0 are data
+
+
+def test_lanes_is_the_default_up_to_D_9():
+    # MATH.md §3.2: measured crossover; an explicit formulation is honoured at every D
+    assert ir._lanes(None, 9) and not ir._lanes(None, 10)
+    assert ir._lanes("lanes", 21) and not ir._lanes("kernel", 3) and not ir._lanes("direct", 3)
+    rng, Z, y = small_problem(seed=128, B=5, d=9)                # D = 10: the kernel by default
+    P, Q = random_params(rng, 2, 1, 9, scale=0.1)
+    n = Z.shape[2] - 1
+    args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
+    with mock.patch.object(ir, "_lanes_loss_and_grad", side_effect=AssertionError("lanes taken")):
+        ir.loss_and_grad_gram(*args)
+        ir.loss_and_grad(P, Q, Z, y)
+        with pytest.raises(AssertionError, match="lanes taken"):
+            ir.loss_and_grad_gram(*args, formulation="lanes")
 
 
 def test_scale_free_quantities_hold_at_extreme_scales():
