@@ -39,6 +39,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -186,15 +187,18 @@ def one_blas_thread():
         yield
 
 
-# Each prompt's D x D products (T S, T S T^T, their adjoints) are one OpenBLAS call per prompt, and
-# OpenBLAS takes a process-wide mutex to hand out its work buffer in every call: for small products
-# two workers spend much of their time on that lock (20000 products of 6 x 6 matrices: 1.4 ms on one
-# thread, 3.0 ms on two). Where that is most of the work, two workers are no faster, so one works
-# and the other core stays free: loss_and_grad_gram (B = 20000, L = 3) at d = 2 takes 22 ms on one
-# worker and 24-33 ms on two, at d = 5 30-32 ms and 29-39 ms; from d = 6 up two win (45 -> 35 ms;
-# d = 10 130 -> 82 ms). The Jacobian adds GEMMs and copies that do scale: at d = 5 two workers win
-# (blocks: 62 -> 55 ms), at d = 2 one does (33 vs 48 ms). Measured on 2 cores, numpy 1.25 and 2.4
-# with their OpenBLAS; MATH.md §3. The largest D = d + 1 at which one worker is the default:
+# With the prompts on the first axis, each prompt's D x D products (T S, T S T^T, their adjoints)
+# are one OpenBLAS call per prompt, and OpenBLAS takes a process-wide mutex to hand out its work
+# buffer in every call: for small products two workers spend much of their time on that lock (20000
+# products of 6 x 6 matrices: 1.4 ms on one thread, 3.0 ms on two). Where that is most of the work,
+# two workers are no faster, so one works and the other core stays free: the kernel formulation's
+# loss_and_grad_gram (B = 20000, L = 3) at d = 2 takes 22 ms on one worker and 24-33 ms on two, at
+# d = 5 30-32 ms and 29-39 ms; from d = 6 up two win (45 -> 35 ms; d = 10 130 -> 82 ms). The
+# Jacobian adds GEMMs and copies that do scale: at d = 5 two workers win (blocks: 62 -> 55 ms), at
+# d = 2 one does (33 vs 48 ms). Measured on 2 cores, numpy 1.25 and 2.4 with their OpenBLAS;
+# MATH.md §3. (The loss's default for D <= 9 is the lanes formulation, whose products are numpy's
+# own loops and run on every core, MATH.md §3.2.) The largest D = d + 1 at which one worker is the
+# default for the Gram product, the batch-first loss and the Jacobian:
 _SERIAL_MAX_D = 6
 _SERIAL_MAX_D_JACOBIAN = 5
 
@@ -229,8 +233,25 @@ def _map_chunks(fn, B, chunk, threads, serial=False):
     with one_blas_thread():
         if workers == 1:
             return [fn(*b) for b in bounds]
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(run, bounds))
+        return list(_pool(workers).map(run, bounds))
+
+
+_POOLS, _POOLS_LOCK = {}, threading.Lock()
+
+
+def _pool(workers):
+    """The process's pool of `workers` threads, started on first use and kept: starting new
+    threads for every evaluation made loss_and_grad ~10% slower at d = 5 (17.5 vs 15.8 ms). Idle
+    threads wait without using a core. On Ctrl-C the caller stops waiting and the chunks already
+    running finish in the background (Executor.map cancels the rest)."""
+    with _POOLS_LOCK:
+        if workers not in _POOLS:
+            _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="icl_ref")
+        return _POOLS[workers]
+
+
+if hasattr(os, "register_at_fork"):             # a forked child has the dict but not the threads
+    os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -669,11 +690,14 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     """f and (df/dP, df/dQ) from the Gram form (S_0, q_0); the fast path behind training.
 
     P, Q: (L, H, D, D) float64; S0: (B, D, D) = Z M Z^T; q0: (B, D) = Z[:, :, n]; y: (B,);
-    n context size; formulation as layer_map. Prompts are independent, so the batch is walked in
-    chunks of `chunk` prompts (default 2^17 / D^2: a chunk's (chunk, D, D) temporaries stay about
-    1 MB, in cache; 2x faster at d = 20 than 2048 prompts) on `threads` workers (default: every
-    core, one for D <= 6, _thread_count); each chunk's loss and dK are divided by the whole B and
-    added in chunk order (MATH.md §3), so the result does not depend on `threads`. It runs every
+    n context size. formulation: "lanes" (the prompts on the last axis, MATH.md §3.2), "kernel" or
+    "direct" (layer_map); None takes lanes for D <= 9 and layer_map's choice above. Prompts are
+    independent, so the batch is walked in chunks of `chunk` prompts (default for kernel and
+    direct 2^17 / D^2: a chunk's (chunk, D, D) temporaries stay about 1 MB, in cache; 2x faster at
+    d = 20 than 2048 prompts; for lanes see _lanes_loss_and_grad) on `threads` workers (default:
+    every core; one for kernel and direct at D <= 6, _thread_count); each chunk's loss and dK are
+    divided by the whole B and added in chunk order (MATH.md §3), so the result does not depend on
+    `threads`. It runs every
     optimiser step, so only dtypes and shapes are checked; S0 must be symmetric (layer_backward
     relies on it) and finite. A non-finite result is returned as it is (training treats it as a
     failed trial). Returns (loss, dP, dQ).
@@ -709,7 +733,8 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
 
 # The largest D = d + 1 at which loss_and_grad_gram takes the lanes formulation by default: above
 # it the D^3 vector operations per product cost more than the batched GEMMs of the kernel or direct
-# form (B = 20000, L = 3, 2 workers: ... ; MATH.md §3.2).
+# form (B = 20000, n = 20, L = 3, 2 cores: d = 8 lanes 33 ms vs kernel 49 ms, d = 9 62-86 ms vs
+# 63 ms; MATH.md §3.2).
 _LANES_MAX_D = 9
 
 
@@ -724,8 +749,9 @@ def _lanes(formulation, D):
 
 def _lanes_loss_and_grad(P, Q, read_chunk, y, n, chunk, threads):
     """loss_and_grad_gram in the lanes formulation (MATH.md §3.2). read_chunk(start, stop) gives
-    the chunk's S_0 (D, D, b) and q_0 (D, b) with the prompts on the last axis. Default chunk
-    2^16 / D^2 prompts (each (D, D, b) array about 512 KB), workers every core."""
+    the chunk's S_0 (D, D, b) and q_0 (D, b) with the prompts on the last axis. Default chunks:
+    a multiple of 4 of equal size near 2^16 / D^2 prompts (each (D, D, b) array about 512 KB, in
+    cache; equal chunks keep 2 or 4 workers equally busy); workers: every core."""
     B, D = y.shape[0], P.shape[-1]
     E = symmetric_coordinates(D)[2]
     Ks = [kernel_forward(P_l, Q_l, n) @ E for P_l, Q_l in zip(P, Q)]   # each layer's K_s = K E
@@ -806,10 +832,11 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
 def loss_and_grad(P, Q, Z, y, threads=None):
     """In-context loss f (see in_context_loss) and its gradient by hand-written reverse mode.
 
-    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,); threads: workers over chunks of prompts (default:
-    every core, one for D <= 6 where two only contend, MATH.md §3; the result does not depend on
-    it). Returns (loss, dP, dQ), shaped like P, Q.
-    MATH.md §3.
+    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,); threads: workers over chunks of prompts (default
+    as loss_and_grad_gram; the result does not depend on it). The formulation is
+    loss_and_grad_gram's default; with lanes (D <= 9) each chunk's Gram product is formed in its
+    worker (lanes_gram), otherwise gram() forms S_0 first. Returns (loss, dP, dQ), shaped like P, Q.
+    MATH.md §3, §3.2.
     """
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
@@ -817,9 +844,9 @@ def loss_and_grad(P, Q, Z, y, threads=None):
     n = Z.shape[2] - 1
     with np.errstate(over="ignore", invalid="ignore"):
         if _lanes(None, P.shape[-1]):                    # each chunk's Gram product in its worker
-            def lanes_chunk(start, stop):
-                Zt = np.ascontiguousarray(Z[start:stop].transpose(1, 2, 0))
-                return lanes_gram(Zt), Zt[:, n]
+            def lanes_chunk(start, stop):             # a view: lanes_gram reads Z in place
+                Zt = Z[start:stop].transpose(1, 2, 0)
+                return lanes_gram(Zt), np.ascontiguousarray(Zt[:, n])
             loss, dP, dQ = _lanes_loss_and_grad(P, Q, lanes_chunk, y, n, None, threads)
         else:
             loss, dP, dQ = loss_and_grad_gram(P, Q, gram(Z, threads), np.ascontiguousarray(Z[:, :, n]), y,

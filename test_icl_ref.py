@@ -1310,6 +1310,26 @@ def test_default_workers_one_for_small_matrices_every_core_above(monkeypatch):
     assert chosen == [1, 1, 1, 4, 1, 1, 4, 4, 4, 4, 4, 4]
 
 
+def _loss_on_two_workers(args):
+    return ir.loss_and_grad_gram(*args, chunk=5, threads=2)[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_worker_pool_is_kept_and_survives_fork():
+    # MATH.md §3: one pool per worker count, kept between calls; a forked child (multiprocessing's
+    # default on Linux) has the dict but not the threads, so it must start its own, not hang
+    import multiprocessing
+    rng, Z, y = small_problem(seed=117, B=40)
+    P, Q = random_params(rng, 2, 1, 3)
+    n = Z.shape[2] - 1
+    args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
+    here = _loss_on_two_workers(args)
+    pool = ir._pool(2)
+    assert _loss_on_two_workers(args) == here and ir._pool(2) is pool
+    with multiprocessing.get_context("fork").Pool(1) as child:
+        assert child.apply_async(_loss_on_two_workers, (args,)).get(timeout=60) == here
+
+
 def test_train_lbfgs_restores_the_callers_blas_threads():
     from threadpoolctl import threadpool_info, threadpool_limits
     rng, Z, y = small_problem(seed=115, B=50, n=8)
