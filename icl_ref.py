@@ -588,27 +588,24 @@ def symmetric_coordinates(D):
     return maps
 
 
-def lanes_gram(Zt):
-    """S = Z M Z^T with the prompts on the last axis: Zt (D, n+1, b) -> S (D, D, b), symmetric.
-    Only the upper triangle is summed (S_ij = sum_{t<n} Z_it Z_jt), then mirrored. MATH.md §3.2."""
-    D, n, b = Zt.shape[0], Zt.shape[1] - 1, Zt.shape[2]
-    S = np.empty((D, D, b))
-    for i in range(D):
-        np.einsum("tb,jtb->jb", Zt[i, :n], Zt[i:, :n], out=S[i, i:])
-        S[i + 1:, i] = S[i, i + 1:]
-    return S
-
-
 def _symmetric_product(X, Y):
-    """X Y^T for (D, D, b) stacks with the prompts last, where the result is known to be symmetric
-    (T S T^T, T^T G T): the upper triangle row by row ("ijb,kjb->ikb" restricted to k >= i),
-    mirrored, so the result is exactly symmetric and costs U = D(D+1)/2 of the D^2 entries."""
+    """X Y^T for stacks with the prompts last, X, Y (D, m, b) -> (D, D, b), where the result is
+    known to be symmetric (Z M Z^T, T S T^T, T^T G T): the upper triangle row by row
+    ("ijb,kjb->ikb" restricted to k >= i), mirrored, so the result is exactly symmetric and costs
+    U = D(D+1)/2 of the D^2 entries."""
     D = X.shape[0]
-    out = np.empty(X.shape)
+    out = np.empty((D, D, X.shape[2]))
     for i in range(D):
         np.einsum("jb,kjb->kb", X[i], Y[i:], out=out[i, i:])
         out[i + 1:, i] = out[i, i + 1:]
     return out
+
+
+def lanes_gram(Zt):
+    """S = Z M Z^T with the prompts on the last axis: Zt (D, n+1, b) -> S (D, D, b), symmetric,
+    S_ij = sum_{t<n} Z_it Z_jt (the query column t = n left out). MATH.md §3.2."""
+    context = Zt[:, :-1]
+    return _symmetric_product(context, context)
 
 
 def lanes_forward(K_s, S, q, last=False):

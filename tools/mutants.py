@@ -112,10 +112,9 @@ MUTANTS = [
     # §3.2 the lanes formulation (prompts on the last axis, S by its distinct entries)
     ("sym-E-off-diagonal-once", "E[np.arange(D * D), full] = 1.0", "E[np.arange(D * D), full] = 1.0\n    E[i * D + j, np.arange(len(i))] = 2.0",
      "the upper-triangle entries counted twice in vec(S) = E s"),
-    ("lanes-gram-keeps-query", 'np.einsum("tb,jtb->jb", Zt[i, :n], Zt[i:, :n], out=S[i, i:])',
-     'np.einsum("tb,jtb->jb", Zt[i], Zt[i:], out=S[i, i:])', "the lanes Gram product counts the query"),
-    ("lanes-gram-not-mirrored", "S[i + 1:, i] = S[i, i + 1:]", "S[i + 1:, i] = 0.0",
-     "the lower triangle of S left empty"),
+    ("lanes-gram-keeps-query", "    context = Zt[:, :-1]\n", "    context = Zt\n", "the lanes Gram product counts the query"),
+    ("symmetric-product-not-mirrored", "out[i + 1:, i] = out[i, i + 1:]", "out[i + 1:, i] = 0.0",
+     "the lower triangle of Z M Z^T, T S T^T and T^T G T left empty"),
     ("lanes-last-wrong-row", "t = K_s[-D:] @ s                                          # row d of T - I, (D, b)",
      "t = K_s[:D] @ s", "the last layer reads row 0 of T, not row d"),
     ("lanes-last-no-residual", "    t[-1] += 1.0\n", "    t[-1] += 0.0\n", "the residual dropped in the last layer"),
