@@ -241,7 +241,7 @@ _POOLS, _POOLS_LOCK = {}, threading.Lock()
 
 def _pool(workers):
     """The process's pool of `workers` threads, started on first use and kept: starting new
-    threads for every evaluation made loss_and_grad ~10% slower at d = 5 (17.5 vs 15.8 ms). Idle
+    threads for every evaluation made loss_and_grad 1.1-1.7 ms slower at d = 5 (of ~17 ms). Idle
     threads wait without using a core. On Ctrl-C the caller stops waiting and the chunks already
     running finish in the background (Executor.map cancels the rest)."""
     with _POOLS_LOCK:
@@ -694,10 +694,9 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     d = 20 than 2048 prompts; for lanes see _lanes_loss_and_grad) on `threads` workers (default:
     every core; one for kernel and direct at D <= 6, _thread_count); each chunk's loss and dK are
     divided by the whole B and added in chunk order (MATH.md §3), so the result does not depend on
-    `threads`. It runs every
-    optimiser step, so only dtypes and shapes are checked; S0 must be symmetric (layer_backward
-    relies on it) and finite. A non-finite result is returned as it is (training treats it as a
-    failed trial). Returns (loss, dP, dQ).
+    `threads`. It runs every optimiser step, so only dtypes and shapes are checked; S0 must be
+    symmetric (layer_backward and lanes_backward rely on it) and finite. A non-finite result is
+    returned as it is (training treats it as a failed trial). Returns (loss, dP, dQ).
     """
     _gram_args("loss_and_grad_gram", P, Q, S0, q0, y, n)
     B, D = y.shape[0], P.shape[-1]
@@ -730,8 +729,8 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
 
 # The largest D = d + 1 at which loss_and_grad_gram takes the lanes formulation by default: above
 # it the D^3 vector operations per product cost more than the batched GEMMs of the kernel or direct
-# form (B = 20000, n = 20, L = 3, 2 cores: d = 8 lanes 33 ms vs kernel 49 ms, d = 9 62-86 ms vs
-# 63 ms; MATH.md §3.2).
+# form (B = 20000, n = 20, L = 3, 2 cores: d = 8 lanes 36 ms vs kernel 53 ms, d = 9 60-86 ms vs
+# 64 ms, d = 10 88 ms vs direct 82 ms; MATH.md §3.2).
 _LANES_MAX_D = 9
 
 

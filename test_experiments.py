@@ -144,8 +144,11 @@ def test_overwrite_removes_an_earlier_runs_files_and_duplicates_run_once(tmp_pat
 
 
 SLOW_RUN = """
-import sys, time, numpy as np
+import signal, sys, time, numpy as np
 import experiments as ex, icl_ref as ir
+# a background job of a non-interactive shell starts with SIGINT ignored, and Python then installs
+# no KeyboardInterrupt handler: install it, so that the test means the same wherever it runs
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def training(ctx):
     rng = np.random.default_rng(0)
     Z, y = ir.sample_prompts(rng, 20000, 20, np.eye(8))
