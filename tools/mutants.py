@@ -113,7 +113,7 @@ MUTANTS = [
      "dPQ[0, h] = np.tensordot(dT, SQ, axes=([0, 2], [0, 1])) / n", "dP_h contracts the wrong index"),
     ("direct-dQ-axes", "dPQ[1, h] = np.tensordot(SPt, dT, axes=([0, 2], [0, 1])) / n",
      "dPQ[1, h] = np.tensordot(SPt, dT, axes=([0, 1], [0, 1])) / n", "dQ_h contracts the wrong index"),
-    ("pool-no-fork-reset", "    os.register_at_fork(after_in_child=_POOLS.clear)", "    pass",
+    ("pool-no-fork-reset", "    _POOLS.clear()\n", "    pass\n",
      "a forked child waits forever on the parent's worker threads (the test times out after 60 s)"),
     # §3.2 the lanes formulation (prompts on the last axis, S by its distinct entries)
     ("sym-E-off-diagonal-once", "E[np.arange(D * D), full] = 1.0", "E[np.arange(D * D), full] = 1.0\n    E[i * D + j, np.arange(len(i))] = 2.0",
