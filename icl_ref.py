@@ -631,28 +631,33 @@ def lanes_forward(K_s, S, q, last=False):
     if last:
         t = K_s[-D:] @ s                                          # row d of T - I, (D, b)
         t[-1] += 1.0
-        return None, np.einsum("jb,jb->b", t, q), (K_s, s, q, t, None)
+        return None, np.einsum("jb,jb->b", t, q), (K_s, S, s, q, t, None)
     T = (K_s @ s).reshape(D, D, b)
     T.reshape(D * D, b)[::D + 1] += 1.0                           # + I: the D diagonal rows
     # every product as X Y^T ("ijb,kjb->ikb"), numpy's fastest order here: T S = T S^T
     TS = np.einsum("ijb,kjb->ikb", T, S)
-    return _symmetric_product(TS, T), np.einsum("ijb,jb->ib", T, q), (K_s, s, q, T, TS)
+    return _symmetric_product(TS, T), np.einsum("ijb,jb->ib", T, q), (K_s, S, s, q, T, TS)
 
 
-def lanes_backward(G_next, dq_next, cache, first=False):
+def lanes_backward(G_next, dq_next, cache, first=False, per_prompt=False):
     """Adjoint of lanes_forward: (G', dq') -> (G, dq, dK_s).
 
     G is the adjoint of a symmetric S in full form, G = dS + dS^T (MATH.md §3.2): G_next (D, D, b),
     None for the last layer, whose dq_next is the adjoint of (T q)_d, shape (b,); otherwise dq_next
     is (D, b). Returns G (D, D, b) and dq (D, b), both None for the `first` layer (S_0, q_0 are
-    data), and dK_s (D^2, U) = sum_b vec(dT_b) s_b^T, the adjoint of K_s summed over the prompts.
+    data), and dK_s (D^2, U) = sum_b vec(dT_b) s_b^T, the adjoint of K_s summed over the prompts;
+    with per_prompt, dT (D, D, b) instead, each prompt's own adjoint of T, for the Jacobian.
     """
-    K_s, s, q, T, TS = cache
-    D = q.shape[0]
+    K_s, _, s, q, T, TS = cache
+    D, b = q.shape[0], q.shape[-1]
     if G_next is None:              # (T q)_d = t . q with t the row d of T   (product rule: t and q)
         dt = dq_next * q                                          # row d of dT; the others are 0
-        dK_s = np.zeros(K_s.shape)
-        dK_s[-D:] = dt @ s.T                                      # t - e_d = K_s[-D:] s
+        if per_prompt:
+            dK_s = np.zeros((D, D, b))
+            dK_s[-1] = dt
+        else:
+            dK_s = np.zeros(K_s.shape)
+            dK_s[-D:] = dt @ s.T                                  # t - e_d = K_s[-D:] s
         if first:
             return None, None, dK_s
         dq, ds = dq_next * T, K_s[-D:].T @ dt
@@ -662,12 +667,11 @@ def lanes_backward(G_next, dq_next, cache, first=False):
         dT = dq_next[:, None, :] * q[None, :, :]
         # S' = T S T^T              (T twice; S symmetric, so dS' T S^T + dS'^T T S = G' T S)
         dT += np.einsum("ijb,kjb->ikb", G_next, np.ascontiguousarray(TS.transpose(1, 0, 2)))
-        dT = dT.reshape(D * D, -1)
-        dK_s = dT @ s.T                                           # vec(T - I) = K_s s: linear in K_s
+        dK_s = dT if per_prompt else dT.reshape(D * D, b) @ s.T   # vec(T - I) = K_s s: linear in K_s
         if first:
             return None, None, dK_s
         Tt = np.ascontiguousarray(T.transpose(1, 0, 2))
-        dq, ds = np.einsum("ijb,jb->ib", Tt, dq_next), K_s.T @ dT  # ... and in s
+        dq, ds = np.einsum("ijb,jb->ib", Tt, dq_next), K_s.T @ dT.reshape(D * D, b)  # ... and in s
     _, full, _, diagonal = symmetric_coordinates(D)
     # ds_p = dS_ij + dS_ji for an off-diagonal entry p = (i, j), dS_ii on the diagonal: G is ds
     # spread over both positions, doubled on the diagonal
@@ -711,10 +715,7 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     _gram_args("loss_and_grad_gram", P, Q, S0, q0, y, n)
     B, D = y.shape[0], P.shape[-1]
     if _lanes(formulation, D):
-        def lanes_chunk(start, stop):             # the chunk's S_0, q_0 with the prompts last
-            return (np.ascontiguousarray(S0[start:stop].transpose(1, 2, 0)),
-                    np.ascontiguousarray(q0[start:stop].T))
-        return _lanes_loss_and_grad(P, Q, lanes_chunk, y, n, chunk, threads)
+        return _lanes_loss_and_grad(P, Q, _lanes_reader(S0, q0), y, n, chunk, threads)
     Ks = [layer_map(P_l, Q_l, n, formulation) for P_l, Q_l in zip(P, Q)]
 
     def one_chunk(start, stop):
@@ -753,14 +754,37 @@ def _lanes(formulation, D):
     return formulation == "lanes"
 
 
+def _lanes_reader(S0, q0):
+    """(start, stop) -> the chunk's S_0 (D, D, b) and q_0 (D, b) with the prompts last (copies)."""
+    def read_chunk(start, stop):
+        return (np.ascontiguousarray(S0[start:stop].transpose(1, 2, 0)),
+                np.ascontiguousarray(q0[start:stop].T))
+    return read_chunk
+
+
+def _lanes_chunk(chunk, B, D):
+    """Prompts per chunk for the lanes formulation: `chunk`, or by default a multiple of 4 equal
+    chunks near 2^16 / D^2 prompts (each (D, D, b) array about 512 KB, in cache; equal chunks keep
+    2 or 4 workers equally busy). It depends on B and D only, never on the worker count."""
+    if chunk is not None:
+        return _int("chunk", chunk, 1)
+    count = 4 * -(-B // (4 * max(1, 2 ** 16 // D ** 2)))
+    return -(-B // count)
+
+
+def _lanes_kernels(P, Q, n):
+    """Each layer's kernel on S's distinct entries, K_s = K E (D^2, U). MATH.md §3.2."""
+    E = symmetric_coordinates(P.shape[-1])[2]
+    return [kernel_forward(P_l, Q_l, n) @ E for P_l, Q_l in zip(P, Q)]
+
+
 def _lanes_loss_and_grad(P, Q, read_chunk, y, n, chunk, threads):
     """loss_and_grad_gram in the lanes formulation (MATH.md §3.2). read_chunk(start, stop) gives
-    the chunk's S_0 (D, D, b) and q_0 (D, b) with the prompts on the last axis. Default chunks:
-    a multiple of 4 of equal size near 2^16 / D^2 prompts (each (D, D, b) array about 512 KB, in
-    cache; equal chunks keep 2 or 4 workers equally busy); workers: every core."""
+    the chunk's S_0 (D, D, b) and q_0 (D, b) with the prompts on the last axis. Chunks as
+    _lanes_chunk; workers: every core."""
     B, D = y.shape[0], P.shape[-1]
     E = symmetric_coordinates(D)[2]
-    Ks = [kernel_forward(P_l, Q_l, n) @ E for P_l, Q_l in zip(P, Q)]   # each layer's K_s = K E
+    Ks = _lanes_kernels(P, Q, n)
 
     def one_chunk(start, stop):
         S, q = read_chunk(start, stop)
@@ -774,10 +798,7 @@ def _lanes_loss_and_grad(P, Q, read_chunk, y, n, chunk, threads):
             G, dq, dKs[l] = lanes_backward(G, dq, caches[l], first=l == 0)
         return float(r @ r) / B, dKs
 
-    if chunk is None:               # about 2^16 / D^2 prompts, in a multiple of 4 equal chunks
-        count = 4 * -(-B // (4 * max(1, 2 ** 16 // D ** 2)))
-        chunk = -(-B // count)
-    parts = _map_chunks(one_chunk, B, _int("chunk", chunk, 1), threads)
+    parts = _map_chunks(one_chunk, B, _lanes_chunk(chunk, B, D), threads)
     loss = sum(part[0] for part in parts)
     dP, dQ = np.empty_like(P), np.empty_like(Q)
     for l, (P_l, Q_l) in enumerate(zip(P, Q)):
@@ -810,6 +831,8 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
     _gram_args("residuals_and_jacobian_gram", P, Q, S0, q0, y, n)
     B, D = y.shape[0], P.shape[-1]
     L, H = P.shape[:2]
+    if _lanes(formulation, D):
+        return _lanes_jacobian(P, Q, _lanes_reader(S0, q0), y, n, structure, chunk, threads)
     Ks = [layer_map(P_l, Q_l, n, formulation) for P_l, Q_l in zip(P, Q)]
 
     def one_chunk(start, stop):
@@ -832,6 +855,36 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
         return r, _jacobian_rows(structure, JP, JQ)
 
     parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads, D <= _SERIAL_MAX_D_JACOBIAN)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _lanes_jacobian(P, Q, read_chunk, y, n, structure, chunk, threads):
+    """residuals_and_jacobian_gram in the lanes formulation (MATH.md §3.1, §3.2): the reverse pass
+    seeded with dr_b/d(q_L)_d = 1 for every prompt, each prompt's dT kept; the rows formed with
+    the prompts last and written to (b, L, H, D, D). Chunks as _lanes_chunk; workers: every core."""
+    B, D = y.shape[0], P.shape[-1]
+    L, H = P.shape[:2]
+    Ks = _lanes_kernels(P, Q, n)
+
+    def one_chunk(start, stop):
+        S, q = read_chunk(start, stop)
+        caches = []
+        for l, K_s in enumerate(Ks):
+            S, q, cache = lanes_forward(K_s, S, q, last=l == L - 1)
+            caches.append(cache)
+        r = q + y[start:stop]
+        JP, JQ = np.empty((2, len(r)) + P.shape)
+        G, dq = None, np.ones(len(r))                     # dr_b / d(q_L)_d = 1, prompt by prompt
+        for l in reversed(range(L)):
+            G, dq, dT = lanes_backward(G, dq, caches[l], first=l == 0, per_prompt=True)
+            S_l = caches[l][1]
+            for h in range(H):      # dr_b/dP_lh = (1/n) dT_b Q^T S_b, dr_b/dQ_lh = (1/n) S_b P^T dT_b
+                # formed with the prompts last, then copied into the rows' layout in one pass
+                JP[:, l, h] = np.einsum("ijb,kjb->bik", np.einsum("ijb,kj->ikb", dT, Q[l, h] / n), S_l)
+                JQ[:, l, h] = np.einsum("ijb,jkb->bik", np.einsum("ijb,kj->ikb", S_l, P[l, h] / n), dT)
+        return r, _jacobian_rows(structure, JP, JQ)
+
+    parts = _map_chunks(one_chunk, B, _lanes_chunk(chunk, B, D), threads)
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 

@@ -1304,10 +1304,11 @@ def test_default_workers_one_for_small_matrices_every_core_above(monkeypatch):
         P, Q = random_params(rng, 1, 1, d)
         args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, -1]), y, Z.shape[2] - 1)
         ir.loss_and_grad_gram(*args, chunk=2, formulation="kernel")
-        ir.residuals_and_jacobian_gram(*args, chunk=2)
+        ir.residuals_and_jacobian_gram(*args, chunk=2, formulation="kernel")
         ir.loss_and_grad_gram(*args, chunk=2)                # lanes (MATH.md §3.2): every core
-    #          gram, loss (kernel), Jacobian, loss (lanes) at D = 5; at D = 6; at D = 7
-    assert chosen == [1, 1, 1, 4, 1, 1, 4, 4, 4, 4, 4, 4]
+        ir.residuals_and_jacobian_gram(*args, chunk=2)
+    #   gram, loss and Jacobian (kernel), loss and Jacobian (lanes) at D = 5; at D = 6; at D = 7
+    assert chosen == [1, 1, 1, 4, 4, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4]
 
 
 def _loss_on_two_workers(args):
@@ -1389,9 +1390,10 @@ def test_formulations_agree_with_each_other_and_the_literal_loop(d):
     (lk, dPk, dQk), (rk, Jk) = out["kernel"]
     (ld, dPd, dQd), (rd, Jd) = out["direct"]
     ll, dPl, dQl = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=4, formulation="lanes")
+    rl, Jl = ir.residuals_and_jacobian_gram(P, Q, S0, q0, y, n, chunk=4, formulation="lanes")
     assert ld == pytest.approx(lk, rel=EXACT) and ll == pytest.approx(lk, rel=EXACT)
     assert ll == pytest.approx(np.mean((literal[:, d, n] + y) ** 2), rel=EXACT)   # the token loop's loss
-    for a, b in ((dPd, dPk), (dQd, dQk), (Jd, Jk), (rd, rk), (dPl, dPk), (dQl, dQk)):
+    for a, b in ((dPd, dPk), (dQd, dQk), (Jd, Jk), (rd, rk), (dPl, dPk), (dQl, dQk), (Jl, Jk), (rl, rk)):
         assert_allclose(a, b, rtol=0, atol=EXACT * np.max(np.abs(b)))
     assert_allclose(2 * Jd.T @ rd / len(rd), ir.pack([dPd, dQd]), rtol=0, atol=EXACT * np.max(np.abs(dPd)))
 
@@ -1433,8 +1435,9 @@ def test_symmetric_coordinates_and_lanes_gram():
 @pytest.mark.parametrize("L,H", [(1, 1), (1, 3), (2, 2), (3, 1), (4, 2)])
 def test_lanes_pair_against_the_batch_first_layers(L, H):
     # MATH.md §3.2: layer by layer, lanes_forward gives the same S', q' (and the last layer the
-    # same (T q)_d) as layer_forward, and the lanes reverse pass the same dK (= dK_s E^T) and the
-    # same G = dS + dS^T as layer_backward, from the same seed; EXACT relative (sums reordered)
+    # same (T q)_d) as layer_forward, and the lanes reverse pass the same per-prompt dT, the same
+    # dK (= dK_s E^T) and the same G = dS + dS^T as layer_backward, from the same seed; EXACT
+    # relative (sums reordered)
     rng, Z, y = small_problem(seed=127 + L + H, B=9, d=3)
     P, Q = random_params(rng, L, H, 3)
     n, D = Z.shape[2] - 1, 4
@@ -1457,6 +1460,9 @@ def test_lanes_pair_against_the_batch_first_layers(L, H):
     dq[:, -1] = c
     G, dqt = None, c
     for l in reversed(range(L)):
+        _, _, dT = ir.layer_backward(dS, dq, caches[l], need_dS=l > 0, per_prompt=True)
+        dT_lanes = ir.lanes_backward(G, dqt, lanes[l], first=l == 0, per_prompt=True)[2]
+        assert_allclose(dT_lanes, dT.transpose(1, 2, 0), rtol=0, atol=EXACT * np.max(np.abs(dT)))
         dS, dq, dK = ir.layer_backward(dS, dq, caches[l], need_dS=l > 0)
         G, dqt, dK_s = ir.lanes_backward(G, dqt, lanes[l], first=l == 0)
         assert_allclose(dK_s @ E.T, dK, rtol=0, atol=EXACT * np.max(np.abs(dK)))
@@ -1476,11 +1482,14 @@ def test_lanes_is_the_default_up_to_D_9():
     P, Q = random_params(rng, 2, 1, 9, scale=0.1)
     n = Z.shape[2] - 1
     args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
-    with mock.patch.object(ir, "_lanes_loss_and_grad", side_effect=AssertionError("lanes taken")):
+    with mock.patch.object(ir, "_lanes_loss_and_grad", side_effect=AssertionError("lanes taken")), \
+            mock.patch.object(ir, "_lanes_jacobian", side_effect=AssertionError("lanes taken")):
         ir.loss_and_grad_gram(*args)
         ir.loss_and_grad(P, Q, Z, y)
-        with pytest.raises(AssertionError, match="lanes taken"):
-            ir.loss_and_grad_gram(*args, formulation="lanes")
+        ir.residuals_and_jacobian_gram(*args)
+        for lanes in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
+            with pytest.raises(AssertionError, match="lanes taken"):
+                lanes(*args, formulation="lanes")
 
 
 def test_scale_free_quantities_hold_at_extreme_scales():
