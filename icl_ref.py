@@ -823,8 +823,9 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
     prompt alone: dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb, dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
     structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
     or "blocks" maps each row through the structure's chain rule (pack order of structure_shapes).
-    formulation as layer_map (it changes how T is formed, not the rows). Default workers: every
-    core, one for D <= 5 (_thread_count).
+    formulation as loss_and_grad_gram ("lanes", MATH.md §3.2, by default for D <= 9; "kernel" or
+    "direct" change how T is formed, not the rows). Default workers: every core; one for kernel
+    and direct at D <= 5 (_thread_count).
     Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
     """
     _check_structure(structure)
