@@ -624,7 +624,8 @@ def lanes_forward(K_s, S, q, last=False):
     K_s: (D^2, U) = K E, the layer's kernel on S's distinct entries s (symmetric_coordinates);
     S: (D, D, b) symmetric; q: (D, b). Returns S' (D, D, b), q' (D, b) and the cache. The last
     layer (`last`) forms only the row d of T that the prediction reads: S' is None and q' is
-    (T q)_d, shape (b,). An unchecked building block of loss_and_grad_gram. MATH.md §3.2.
+    (T q)_d, shape (b,). An unchecked building block of loss_and_grad_gram and the Jacobian.
+    MATH.md §3.2.
     """
     D, _, b = S.shape
     s = S.reshape(D * D, b)[symmetric_coordinates(D)[0]]          # (U, b)
@@ -653,23 +654,23 @@ def lanes_backward(G_next, dq_next, cache, first=False, per_prompt=False):
     if G_next is None:              # (T q)_d = t . q with t the row d of T   (product rule: t and q)
         dt = dq_next * q                                          # row d of dT; the others are 0
         if per_prompt:
-            dK_s = np.zeros((D, D, b))
-            dK_s[-1] = dt
+            dmap = np.zeros((D, D, b))
+            dmap[-1] = dt
         else:
-            dK_s = np.zeros(K_s.shape)
-            dK_s[-D:] = dt @ s.T                                  # t - e_d = K_s[-D:] s
+            dmap = np.zeros(K_s.shape)
+            dmap[-D:] = dt @ s.T                                  # t - e_d = K_s[-D:] s
         if first:
-            return None, None, dK_s
+            return None, None, dmap
         dq, ds = dq_next * T, K_s[-D:].T @ dt
     else:
-        # products as X Y^T (see lanes_forward), with transposed copies: Tt = T^T, TSt = (T S)^T
+        # products as X Y^T (see lanes_forward), with transposed copies of T S and of T (Tt)
         # q' = T q                  (product rule: T and q)
         dT = dq_next[:, None, :] * q[None, :, :]
         # S' = T S T^T              (T twice; S symmetric, so dS' T S^T + dS'^T T S = G' T S)
         dT += np.einsum("ijb,kjb->ikb", G_next, np.ascontiguousarray(TS.transpose(1, 0, 2)))
-        dK_s = dT if per_prompt else dT.reshape(D * D, b) @ s.T   # vec(T - I) = K_s s: linear in K_s
+        dmap = dT if per_prompt else dT.reshape(D * D, b) @ s.T   # vec(T - I) = K_s s: linear in K_s
         if first:
-            return None, None, dK_s
+            return None, None, dmap
         Tt = np.ascontiguousarray(T.transpose(1, 0, 2))
         dq, ds = np.einsum("ijb,jb->ib", Tt, dq_next), K_s.T @ dT.reshape(D * D, b)  # ... and in s
     _, full, _, diagonal = symmetric_coordinates(D)
@@ -678,7 +679,7 @@ def lanes_backward(G_next, dq_next, cache, first=False, per_prompt=False):
     G = (ds * np.where(diagonal, 2.0, 1.0)[:, None])[full].reshape(D, D, -1)
     if G_next is not None:          # S' = T S T^T, the S in the middle: T^T G' T (G' symmetric)
         G += _symmetric_product(np.einsum("ijb,kjb->ikb", Tt, G_next), Tt)
-    return G, dq, dK_s
+    return G, dq, dmap
 
 
 def _gram_args(caller, P, Q, S0, q0, y, n):
@@ -746,7 +747,8 @@ _LANES_MAX_D = 9
 
 
 def _lanes(formulation, D):
-    """Whether loss_and_grad_gram takes the lanes formulation: asked for, or by default for D <= 9."""
+    """Whether the loss and the Jacobian take the lanes formulation: asked for, or by default for
+    D <= 9; any other formulation than None, "lanes" and FORMULATIONS is a ValueError."""
     if formulation is None:
         return D <= _LANES_MAX_D
     if formulation != "lanes" and formulation not in FORMULATIONS:
@@ -778,6 +780,15 @@ def _lanes_kernels(P, Q, n):
     return [kernel_forward(P_l, Q_l, n) @ E for P_l, Q_l in zip(P, Q)]
 
 
+def _lanes_propagate(Ks, S, q):
+    """Run lanes_forward through the layers' kernels K_s; returns (q_L)_d (b,) and the caches."""
+    caches = []
+    for l, K_s in enumerate(Ks):
+        S, q, cache = lanes_forward(K_s, S, q, last=l == len(Ks) - 1)
+        caches.append(cache)
+    return q, caches
+
+
 def _lanes_loss_and_grad(P, Q, read_chunk, y, n, chunk, threads):
     """loss_and_grad_gram in the lanes formulation (MATH.md §3.2). read_chunk(start, stop) gives
     the chunk's S_0 (D, D, b) and q_0 (D, b) with the prompts on the last axis. Chunks as
@@ -787,11 +798,7 @@ def _lanes_loss_and_grad(P, Q, read_chunk, y, n, chunk, threads):
     Ks = _lanes_kernels(P, Q, n)
 
     def one_chunk(start, stop):
-        S, q = read_chunk(start, stop)
-        caches = []
-        for l, K_s in enumerate(Ks):
-            S, q, cache = lanes_forward(K_s, S, q, last=l == len(Ks) - 1)
-            caches.append(cache)
+        q, caches = _lanes_propagate(Ks, *read_chunk(start, stop))
         r = q + y[start:stop]                             # q = Z_L[d, n]: r = y - y_hat
         G, dq, dKs = None, 2.0 * r / B, [None] * len(Ks)  # every chunk divides by the whole B
         for l in reversed(range(len(Ks))):
@@ -868,11 +875,7 @@ def _lanes_jacobian(P, Q, read_chunk, y, n, structure, chunk, threads):
     Ks = _lanes_kernels(P, Q, n)
 
     def one_chunk(start, stop):
-        S, q = read_chunk(start, stop)
-        caches = []
-        for l, K_s in enumerate(Ks):
-            S, q, cache = lanes_forward(K_s, S, q, last=l == L - 1)
-            caches.append(cache)
+        q, caches = _lanes_propagate(Ks, *read_chunk(start, stop))
         r = q + y[start:stop]
         JP, JQ = np.empty((2, len(r)) + P.shape)
         G, dq = None, np.ones(len(r))                     # dr_b / d(q_L)_d = 1, prompt by prompt

@@ -158,7 +158,7 @@ MUTANTS = [
      "dr/dQ = S P^T dT^T instead of S P^T dT"),
     ("lanes-jac-no-1/n", 'np.einsum("ijb,kj->ikb", S_l, P[l, h] / n), dT)', 'np.einsum("ijb,kj->ikb", S_l, P[l, h]), dT)',
      "dr/dQ without the 1/n"),
-    ("lanes-jac-last-row", "            dK_s[-1] = dt\n", "            dK_s[0] = dt\n",
+    ("lanes-jac-last-row", "            dmap[-1] = dt\n", "            dmap[0] = dt\n",
      "the last layer's per-prompt dT in row 0 instead of row d"),
     ("lanes-jac-S-after-layer", "            S_l = caches[l][1]\n", "            S_l = caches[min(l + 1, L - 1)][1]\n",
      "the rows use the next layer's S"),
