@@ -13,6 +13,7 @@ Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
 import math
 import os
 import threading
+import time
 from fractions import Fraction
 from unittest import mock
 
@@ -1311,6 +1312,24 @@ def test_default_workers_one_for_small_matrices_every_core_above(monkeypatch):
     assert chosen == [1, 1, 1, 4, 4, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4]
 
 
+def test_map_chunks_in_chunk_order_and_no_new_chunk_after_an_error():
+    # MATH.md §3: the workers claim chunks from one counter; the results come back in chunk order,
+    # and once a chunk fails no worker starts another (the one running elsewhere finishes; without
+    # the stop the other worker would go on through all 100 chunks, 50 ms each, in the background)
+    assert ir._map_chunks(lambda a, b: (a, b), 10, 3, 2) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    started = []
+
+    def chunk(a, b):
+        started.append(a)
+        if a == 0:
+            raise RuntimeError("chunk 0 failed")
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError, match="chunk 0 failed"):
+        ir._map_chunks(chunk, 100, 1, 2)
+    time.sleep(0.25)
+    assert 0 in started and len(started) <= 3, started
+
+
 def _loss_on_two_workers(args):
     return ir.loss_and_grad_gram(*args, chunk=5, threads=2)[0]
 
@@ -1412,7 +1431,8 @@ def test_direct_formulation_gradient_matches_finite_differences():
 
 def test_symmetric_coordinates_and_lanes_gram():
     # MATH.md §3.2: s = vec(S)[upper], vec(S) = s[full] = E s, and the Gram product with the
-    # prompts on the last axis equals gram() (the same sums in another order: EXACT)
+    # prompts on the last axis equals gram() (the same sums in another order: EXACT), exactly
+    # symmetric, with its distinct entries beside it
     rng, Z, _ = small_problem(seed=126, B=7, d=3)
     S = ir.gram(Z)
     for D in (1, 2, 4):
@@ -1425,8 +1445,10 @@ def test_symmetric_coordinates_and_lanes_gram():
         assert np.array_equal(diagonal, np.triu_indices(D)[0] == np.triu_indices(D)[1])
         with pytest.raises(ValueError):
             E[0, 0] = 2.0                                    # the cached maps are read-only
-    assert_allclose(ir.lanes_gram(np.ascontiguousarray(Z.transpose(1, 2, 0))), S.transpose(1, 2, 0),
-                    rtol=0, atol=EXACT * np.max(np.abs(S)))
+    St, st = ir.lanes_gram(np.ascontiguousarray(Z.transpose(1, 2, 0)))
+    assert_allclose(St, S.transpose(1, 2, 0), rtol=0, atol=EXACT * np.max(np.abs(S)))
+    assert np.array_equal(St, St.transpose(1, 0, 2))
+    assert np.array_equal(st, St.reshape(16, -1)[ir.symmetric_coordinates(4)[0]])
     with pytest.raises(ValueError, match="formulation"):
         ir.loss_and_grad_gram(*random_params(rng, 1, 1, 3), S, np.ascontiguousarray(Z[:, :, -1]),
                               np.zeros(7), 5, formulation="lane")
@@ -1444,16 +1466,23 @@ def test_lanes_pair_against_the_batch_first_layers(L, H):
     E = ir.symmetric_coordinates(D)[2]
     S, q = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
     St, qt = np.ascontiguousarray(S.transpose(1, 2, 0)), np.ascontiguousarray(q.T)
+    upper = ir.symmetric_coordinates(D)[0]
+    st = St.reshape(D * D, -1)[upper]
     caches, lanes = [], []
     for l in range(L):
         K = ir.kernel_forward(P[l], Q[l], n)
         S, q, _, cache = ir.layer_forward(K, S, q, need_S=l < L - 1)
-        St, qt, lcache = ir.lanes_forward(K @ E, St, qt, last=l == L - 1)
+        St, st, qt, lcache = ir.lanes_forward(K @ E, St, st, qt, last=l == L - 1)
         caches.append(cache)
         lanes.append(lcache)
         if l < L - 1:
             assert_allclose(St, S.transpose(1, 2, 0), rtol=0, atol=EXACT * np.max(np.abs(S)))
             assert_allclose(qt, q.T, rtol=0, atol=EXACT * np.max(np.abs(q)))
+            # S' exactly symmetric, s' exactly its distinct entries
+            assert np.array_equal(St, St.transpose(1, 0, 2))
+            assert np.array_equal(st, St.reshape(D * D, -1)[upper])
+        else:
+            assert St is None and st is None
     assert_allclose(qt, q[:, -1], rtol=0, atol=EXACT * np.max(np.abs(q)))
     c = 2 * (q[:, -1] + y) / len(y)
     dS, dq = None, np.zeros_like(q)
@@ -1469,6 +1498,7 @@ def test_lanes_pair_against_the_batch_first_layers(L, H):
         if l > 0:
             sym = dS + dS.transpose(0, 2, 1)
             assert_allclose(G, sym.transpose(1, 2, 0), rtol=0, atol=EXACT * np.max(np.abs(sym)))
+            assert np.array_equal(G, G.transpose(1, 0, 2))
             assert_allclose(dqt, dq.T, rtol=0, atol=EXACT * np.max(np.abs(dq)))
         else:
             assert G is None and dqt is None                 # S_0, q_0 are data
@@ -1490,6 +1520,24 @@ def test_lanes_is_the_default_up_to_D_9():
         for lanes in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
             with pytest.raises(AssertionError, match="lanes taken"):
                 lanes(*args, formulation="lanes")
+
+
+def test_loss_and_grad_refuses_a_non_finite_Z_in_any_chunk():
+    # with lanes each worker checks its own chunk of Z just before reading it (loss_and_grad's
+    # docstring): a NaN or Inf in the last prompt of the last of four chunks, on one worker and on
+    # two, is the same ValueError naming Z as the serial check gives on the kernel path (D = 10)
+    rng = np.random.default_rng(131)
+    assert ir._lanes_chunk(None, 4000, 6) == 1000                # four chunks at d = 5, B = 4000
+    for d, B in ((5, 4000), (9, 40)):
+        P, Q = random_params(rng, 2, 1, d, scale=0.1)
+        Z, y = rng.standard_normal((B, d + 1, 4)), rng.standard_normal(B)
+        ir.loss_and_grad(P, Q, Z, y)
+        for bad in (np.nan, np.inf, -np.inf):
+            Z_bad = Z.copy()
+            Z_bad[-1, 0, 0] = bad
+            for threads in (1, 2):
+                with pytest.raises(ValueError, match="Z must be finite"):
+                    ir.loss_and_grad(P, Q, Z_bad, y, threads=threads)
 
 
 def test_scale_free_quantities_hold_at_extreme_scales():
