@@ -206,7 +206,7 @@ def one_blas_thread():
 # d = 5 30-32 ms and 29-39 ms; from d = 6 up two win (45 -> 35 ms; d = 10 130 -> 82 ms). The
 # Jacobian adds GEMMs and copies that do scale: at d = 5 two workers win (blocks: 62 -> 55 ms), at
 # d = 2 one does (33 vs 48 ms). Measured on 2 cores, numpy 1.25 and 2.4 with their OpenBLAS;
-# MATH.md §3. (The loss's default for D <= 9 is the lanes formulation, whose products are numpy's
+# MATH.md §3. (The loss's default for D <= 12 is the lanes formulation, whose products are numpy's
 # own loops and run on every core, MATH.md §3.2.) The largest D = d + 1 at which one worker is the
 # default for the Gram product, the batch-first loss and the Jacobian:
 _SERIAL_MAX_D = 6
@@ -741,7 +741,7 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
 
     P, Q: (L, H, D, D) float64; S0: (B, D, D) = Z M Z^T; q0: (B, D) = Z[:, :, n]; y: (B,);
     n context size. formulation: "lanes" (the prompts on the last axis, MATH.md §3.2), "kernel" or
-    "direct" (layer_map); None takes lanes for D <= 9 and layer_map's choice above. Prompts are
+    "direct" (layer_map); None takes lanes for D <= 12 and layer_map's choice above. Prompts are
     independent, so the batch is walked in chunks of `chunk` prompts (default for kernel and
     direct 2^17 / D^2: a chunk's (chunk, D, D) temporaries stay about 1 MB, in cache; 2x faster at
     d = 20 than 2048 prompts; for lanes see _lanes_loss_and_grad) on `threads` workers (default:
@@ -777,18 +777,21 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     return loss, dP, dQ
 
 
-# The largest D = d + 1 at which loss_and_grad_gram takes the lanes formulation by default: above
-# it the D^3 vector operations per product cost more than the batched GEMMs of the kernel or direct
-# form (B = 20000, n = 20, L = 3, 2 cores: d = 8 lanes 36 ms vs kernel 53 ms, d = 9 60-86 ms vs
-# 64 ms, d = 10 88 ms vs direct 82 ms; MATH.md §3.2).
-_LANES_MAX_D = 9
+# The largest D = d + 1 at which the loss (loss_and_grad_gram) and the Jacobian take the lanes
+# formulation by default: above it the D^3 vector operations per product cost more than the batched
+# GEMMs of the kernel or direct form (B = 20000, n = 20, L = 3, 2 cores; loss: d = 10 lanes 67 ms vs
+# direct 73, d = 11 95 vs kernel 101, d = 12 113 vs direct 99; blocks Jacobian: d = 8 69 vs kernel
+# 82, d = 9 118 vs 113, d = 10 146 vs 142; MATH.md §3.2).
+_LANES_MAX_D = 12
+_LANES_MAX_D_JACOBIAN = 9
 
 
-def _lanes(formulation, D):
-    """Whether the loss and the Jacobian take the lanes formulation: asked for, or by default for
-    D <= 9; any other formulation than None, "lanes" and FORMULATIONS is a ValueError."""
+def _lanes(formulation, D, jacobian=False):
+    """Whether the loss (or the `jacobian`) takes the lanes formulation: asked for, or by default
+    for D <= 12 (the Jacobian D <= 9); any other formulation than None, "lanes" and FORMULATIONS is
+    a ValueError."""
     if formulation is None:
-        return D <= _LANES_MAX_D
+        return D <= (_LANES_MAX_D_JACOBIAN if jacobian else _LANES_MAX_D)
     if formulation != "lanes" and formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be None, 'lanes' or one of {FORMULATIONS}, got {formulation!r}")
     return formulation == "lanes"
@@ -882,7 +885,7 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None
     _gram_args("residuals_and_jacobian_gram", P, Q, S0, q0, y, n)
     B, D = y.shape[0], P.shape[-1]
     L, H = P.shape[:2]
-    if _lanes(formulation, D):
+    if _lanes(formulation, D, jacobian=True):
         return _lanes_jacobian(P, Q, _lanes_reader(S0, q0), y, n, structure, chunk, threads)
     Ks = [layer_map(P_l, Q_l, n, formulation) for P_l, Q_l in zip(P, Q)]
 
@@ -940,7 +943,7 @@ def loss_and_grad(P, Q, Z, y, threads=None):
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,); threads: workers over chunks of prompts (default
     as loss_and_grad_gram; the result does not depend on it). The formulation is
-    loss_and_grad_gram's default; with lanes (D <= 9) each chunk's Gram product is formed in its
+    loss_and_grad_gram's default; with lanes (D <= 12) each chunk's Gram product is formed in its
     worker (lanes_gram), otherwise gram() forms S_0 first. Returns (loss, dP, dQ), shaped like P, Q.
     A NaN or Inf in Z is a ValueError; with lanes each worker looks for one in its chunk of Z just
     before reading it (in the cache, on every core: 1 ms of ~15 at the paper's size when the whole

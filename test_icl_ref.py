@@ -1504,31 +1504,37 @@ def test_lanes_pair_against_the_batch_first_layers(L, H):
             assert G is None and dqt is None                 # S_0, q_0 are data
 
 
-def test_lanes_is_the_default_up_to_D_9():
-    # MATH.md §3.2: measured crossover; an explicit formulation is honoured at every D
-    assert ir._lanes(None, 9) and not ir._lanes(None, 10)
+def test_lanes_is_the_default_up_to_D_12_for_the_loss_and_D_9_for_the_jacobian():
+    # MATH.md §3.2: measured crossovers; an explicit formulation is honoured at every D
+    assert ir._lanes(None, 12) and not ir._lanes(None, 13)
+    assert ir._lanes(None, 9, jacobian=True) and not ir._lanes(None, 10, jacobian=True)
     assert ir._lanes("lanes", 21) and not ir._lanes("kernel", 3) and not ir._lanes("direct", 3)
-    rng, Z, y = small_problem(seed=128, B=5, d=9)                # D = 10: the kernel by default
-    P, Q = random_params(rng, 2, 1, 9, scale=0.1)
-    n = Z.shape[2] - 1
-    args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
-    with mock.patch.object(ir, "_lanes_loss_and_grad", side_effect=AssertionError("lanes taken")), \
-            mock.patch.object(ir, "_lanes_jacobian", side_effect=AssertionError("lanes taken")):
-        ir.loss_and_grad_gram(*args)
-        ir.loss_and_grad(P, Q, Z, y)
-        ir.residuals_and_jacobian_gram(*args)
-        for lanes in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
-            with pytest.raises(AssertionError, match="lanes taken"):
-                lanes(*args, formulation="lanes")
+    for d, loss_lanes in ((9, True), (12, False)):              # D = 10: the Jacobian's kernel
+        rng, Z, y = small_problem(seed=128 + d, B=5, d=d)
+        P, Q = random_params(rng, 2, 1, d, scale=0.1)
+        n = Z.shape[2] - 1
+        args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
+        with mock.patch.object(ir, "_lanes_loss_and_grad", side_effect=AssertionError("lanes taken")), \
+                mock.patch.object(ir, "_lanes_jacobian", side_effect=AssertionError("lanes taken")):
+            ir.residuals_and_jacobian_gram(*args)
+            for loss in (lambda: ir.loss_and_grad_gram(*args), lambda: ir.loss_and_grad(P, Q, Z, y)):
+                if loss_lanes:
+                    with pytest.raises(AssertionError, match="lanes taken"):
+                        loss()
+                else:
+                    loss()
+            for lanes in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
+                with pytest.raises(AssertionError, match="lanes taken"):
+                    lanes(*args, formulation="lanes")
 
 
 def test_loss_and_grad_refuses_a_non_finite_Z_in_any_chunk():
     # with lanes each worker checks its own chunk of Z just before reading it (loss_and_grad's
     # docstring): a NaN or Inf in the last prompt of the last of four chunks, on one worker and on
-    # two, is the same ValueError naming Z as the serial check gives on the kernel path (D = 10)
+    # two, is the same ValueError naming Z as the serial check gives on the direct path (D = 13)
     rng = np.random.default_rng(131)
     assert ir._lanes_chunk(None, 4000, 6) == 1000                # four chunks at d = 5, B = 4000
-    for d, B in ((5, 4000), (9, 40)):
+    for d, B in ((5, 4000), (12, 40)):
         P, Q = random_params(rng, 2, 1, d, scale=0.1)
         Z, y = rng.standard_normal((B, d + 1, 4)), rng.standard_normal(B)
         ir.loss_and_grad(P, Q, Z, y)
