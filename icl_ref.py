@@ -777,11 +777,11 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation
     return loss, dP, dQ
 
 
-# The largest D = d + 1 at which the loss (loss_and_grad_gram) and the Jacobian take the lanes
-# formulation by default: above it the D^3 vector operations per product cost more than the batched
-# GEMMs of the kernel or direct form (B = 20000, n = 20, L = 3, 2 cores; loss: d = 10 lanes 68 ms vs
-# direct 76, d = 11 97 vs kernel 106, d = 12 119 vs direct 99; blocks Jacobian: d = 8 69 vs kernel
-# 82, d = 9 118 vs 113, d = 10 146 vs 142; MATH.md §3.2).
+# The largest D = d + 1 at which the loss (loss_and_grad_gram), and apart from it the Jacobian,
+# take the lanes formulation by default: above it the D^3 vector operations per product cost more
+# than the batched GEMMs of the kernel or direct form (B = 20000, n = 20, L = 3, 2 cores; loss:
+# d = 10 lanes 68 ms vs direct 76, d = 11 97 vs kernel 106, d = 12 119 vs direct 99; blocks
+# Jacobian: d = 8 69 vs kernel 82, d = 9 118 vs 113, d = 10 146 vs 142; MATH.md §3.2).
 _LANES_MAX_D = 12
 _LANES_MAX_D_JACOBIAN = 9
 
