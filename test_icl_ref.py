@@ -1330,6 +1330,20 @@ def test_map_chunks_in_chunk_order_and_no_new_chunk_after_an_error():
     assert 0 in started and len(started) <= 3, started
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs thread affinity and two cores")
+def test_one_worker_per_core_binds_each_worker_to_its_own_core():
+    # MATH.md §3 (_pool): with one worker per core, worker k runs on the k-th core; a barrier
+    # makes every worker take one chunk, and each reports the cores it may run on
+    cores = sorted(os.sched_getaffinity(0))
+    barrier = threading.Barrier(len(cores), timeout=30)
+
+    def where(a, b):
+        barrier.wait()
+        return frozenset(os.sched_getaffinity(0))
+    assert sorted(ir._map_chunks(where, len(cores), 1, None), key=min) == [frozenset({c}) for c in cores]
+
+
 def _loss_on_two_workers(args):
     return ir.loss_and_grad_gram(*args, chunk=5, threads=2)[0]
 

@@ -115,6 +115,9 @@ MUTANTS = [
      "dPQ[1, h] = np.tensordot(SPt, dT, axes=([0, 1], [0, 1])) / n", "dQ_h contracts the wrong index"),
     ("map-chunks-keeps-claiming", "if i >= len(bounds) or stop.is_set():", "if i >= len(bounds):",
      "after an error or a Ctrl-C the workers go on through every chunk in the background"),
+    ("pool-unbound", '            bound = len(cores) == workers and hasattr(os, "sched_setaffinity")\n',
+     "            bound = False\n",
+     "workers woken together after an idle spell share one core (an evaluation ~1.7x slower)"),
     ("pool-no-fork-reset", "    _POOLS.clear()\n", "    pass\n",
      "a forked child waits forever on the parent's worker threads (the test times out after 60 s)"),
     # §3.2 the lanes formulation (prompts on the last axis, S by its distinct entries)
