@@ -285,16 +285,17 @@ def _pool(workers):
     with _POOLS_LOCK:
         if workers not in _POOLS:
             cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-            next_core = iter(cores).__next__
+            bind = None
+            if len(cores) == workers and hasattr(os, "sched_setaffinity"):
+                next_core = iter(cores).__next__
 
-            def bind():                                  # run by each new thread: the next core
-                try:
-                    os.sched_setaffinity(0, {next_core()})
-                except OSError:                          # a core this process may no longer use
-                    pass                                 # binding only helps placement: go unbound
-            bound = len(cores) == workers and hasattr(os, "sched_setaffinity")
+                def bind():                              # run by each new thread: the next core
+                    try:
+                        os.sched_setaffinity(0, {next_core()})
+                    except OSError:                      # a core this process may no longer use
+                        pass                             # binding only helps placement: go unbound
             _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="icl_ref",
-                                                 initializer=bind if bound else None)
+                                                 initializer=bind)
         return _POOLS[workers]
 
 
