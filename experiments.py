@@ -26,6 +26,7 @@ import scipy
 import scipy.optimize
 import threadpoolctl
 
+import icl_fast as fast
 import icl_ref as ir
 
 PASS, FAIL, INFO, NO_VERDICT = "PASS", "FAIL", "INFO", "NO VERDICT"
@@ -35,6 +36,7 @@ Z_MC = 4.0            # Monte Carlo checks: |estimate - theory| <= 4 computed st
 # every Monte Carlo error these experiments compare with. Verdicts use converged models only.
 GRAD_TOL = 1e-6
 EXPERIMENTS = {}
+THREADS = dict(threads=None)     # icl_fast's workers per evaluation (--threads; None: every core)
 
 
 def experiment(name, answers):
@@ -76,13 +78,18 @@ def fmt(x, digits=4):
 
 
 def train_lbfgs(*args, **kwargs):
-    """icl_ref.train_lbfgs, except that a Ctrl-C stops the whole run."""
-    return stop_if_interrupted(ir.train_lbfgs(*args, **kwargs))
+    """icl_fast.train_lbfgs on --threads workers, except that a Ctrl-C stops the whole run."""
+    return stop_if_interrupted(fast.train_lbfgs(*args, **THREADS, **kwargs))
 
 
 def train_gauss_newton(*args, **kwargs):
-    """icl_ref.train_gauss_newton, except that a Ctrl-C stops the whole run."""
-    return stop_if_interrupted(ir.train_gauss_newton(*args, **kwargs))
+    """icl_fast.train_gauss_newton on --threads workers, except that a Ctrl-C stops the whole run."""
+    return stop_if_interrupted(fast.train_gauss_newton(*args, **THREADS, **kwargs))
+
+
+def sandwich_covariance(*args, **kwargs):
+    """icl_fast.sandwich_covariance on --threads workers."""
+    return fast.sandwich_covariance(*args, **THREADS, **kwargs)
 
 
 def train_full(Z, y, L, rng, maxiter, heads=1, init_scale=0.3):
@@ -199,7 +206,7 @@ def single_layer(ctx):
         G = ir.gamma_star(Sigma, n)
         L_star = ir.single_layer_population_loss(G, Sigma, n)
         res = train_gauss_newton(Z, y, 1, "sparse", rng=rng)
-        cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
+        cov = sandwich_covariance("sparse", res["coords"], Z, y)
         loss = lambda X: ir.single_layer_population_loss(X, Sigma, n)
         excess = loss(res["coords"]["A"][0]) - L_star
         bound = quadratic_excess_bound(loss, G, cov)
@@ -261,7 +268,7 @@ def three_layer_sparse(ctx):
         for l in range(L):
             for i, r in enumerate(R @ A[l] @ R):
                 heat.append(dict(seed=s, layer=l, row=i, **{f"c{j}": v for j, v in enumerate(r)}))
-        cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
+        cov = sandwich_covariance("sparse", res["coords"], Z, y)
         fits = [scalar_fit(A[l], Si, cov[l * d * d:(l + 1) * d * d, l * d * d:(l + 1) * d * d])
                 for l in range(L)]
         a_hat, se = np.array([f[0] for f in fits]), np.array([f[1] for f in fits])
@@ -340,7 +347,7 @@ def three_layer_blocks(ctx):
                 # a certified stationary point: its Gauss-Newton matrix 2 J^T J / B over the free
                 # coordinates (B_{L-1} excluded: it never enters); all eigenvalues > 0 is a strict minimum
                 # of the Gauss-Newton model, with no other null direction in this structure
-                _, J = ir.residuals_and_jacobian(res["P"], res["Q"], Z, y, structure="blocks")
+                _, J = fast.residuals_and_jacobian(res["P"], res["Q"], Z, y, structure="blocks")
                 eig = np.linalg.eigvalsh(2 * J[:, :-d * d].T @ J[:, :-d * d] / B)
                 rows.append(row(f"seed {s}, {name}: the stationary point's Gauss-Newton spectrum (B_2 excluded)",
                                 "> 0 at a strict minimum", f"eigenvalues {eig[0]:.2e} .. {eig[-1]:.2e}, "
@@ -506,7 +513,7 @@ def first_order(Z, y, A0, steps, lr, method, rng, batch=None):
     A, m, v, losses, start = A0.copy(), np.zeros_like(A0), np.zeros_like(A0), [], time.perf_counter()
     for t in range(1, steps + 1):
         idx = slice(None) if batch is None else rng.integers(0, len(y), batch)
-        loss, dP, dQ = ir.loss_and_grad_gram(*ir.sparse_params(A), S0[idx], q0[idx], y[idx], n)
+        loss, dP, dQ = fast.loss_and_grad_gram(*ir.sparse_params(A), S0[idx], q0[idx], y[idx], n, **THREADS)
         g = ir.sparse_grad(dP, dQ)
         if method == "adam":
             m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g ** 2
@@ -514,7 +521,8 @@ def first_order(Z, y, A0, steps, lr, method, rng, batch=None):
         else:
             m = 0.9 * m + g
             A -= lr * m
-        losses.append(loss if batch is None else ir.loss_and_grad_gram(*ir.sparse_params(A), S0, q0, y, n)[0])
+        losses.append(loss if batch is None else
+                      fast.loss_and_grad_gram(*ir.sparse_params(A), S0, q0, y, n, **THREADS)[0])
     return A, np.array(losses), (time.perf_counter() - start) / steps
 
 
@@ -554,7 +562,7 @@ def factored_loss_and_grad(theta, L, S0, q0, y, n):
     Q_l = W_k^T W_q (eq. (3)): by the chain rule dW_k = W_q dQ^T and dW_q = W_k dQ."""
     D = S0.shape[-1]
     P, Wk, Wq = ir.unpack(theta, [(L, 1, D, D)] * 3)
-    loss, dP, dQ = ir.loss_and_grad_gram(P, Wk.transpose(0, 1, 3, 2) @ Wq, S0, q0, y, n)
+    loss, dP, dQ = fast.loss_and_grad_gram(P, Wk.transpose(0, 1, 3, 2) @ Wq, S0, q0, y, n, **THREADS)
     return loss, ir.pack([dP, Wq @ dQ.transpose(0, 1, 3, 2), Wk @ dQ])
 
 
@@ -636,7 +644,7 @@ def noise(ctx):
         Si = np.linalg.inv(Sigma)
         Z, y = ir.sample_prompts(rng, B, n, Sigma, Si, noise_std=math.sqrt(s2))
         res = train_gauss_newton(Z, y, 1, "sparse", rng=rng)
-        cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
+        cov = sandwich_covariance("sparse", res["coords"], Z, y)
         a_hat, se = scalar_fit(res["coords"]["A"][0], Si, cov)
         a_theory = n * ir.gd_step_size(n, d, s2)
         rows.append(row(f"noise_var={s2}, {'Sigma^-1-preconditioned' if precond else 'isotropic'}: "
@@ -703,7 +711,7 @@ def nonlinear_targets(ctx):
     eta_se = eta ** 2 / beta2 * m_se / n                           # delta method in m
     Z, y = relu_prompts(rng, B, n, d, k)
     res = train_gauss_newton(Z, y, 1, "sparse", rng=rng)
-    cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
+    cov = sandwich_covariance("sparse", res["coords"], Z, y)
     a_hat, se = scalar_fit(res["coords"]["A"][0], np.eye(d), cov)
     tol = Z_MC * math.hypot(se, eta_se)
     return [row("trained single layer = eta I with Mahankali's eta (both sides with computed errors)",
@@ -969,6 +977,14 @@ def nonneg_int(text):
     return value
 
 
+def positive_int(text):
+    """argparse type: an integer >= 1."""
+    value = nonneg_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 RESULT_SUFFIXES = (".csv", ".png", ".md", ".json")
 
 
@@ -1014,7 +1030,10 @@ def main(argv=None):
                     help="replace an earlier run's results in --out (its .csv, .png, .md, .json files)")
     ap.add_argument("--list", action="store_true", help="list the experiments and exit")
     ap.add_argument("--progress", type=nonneg_int, default=0, help="print training progress every k steps")
+    ap.add_argument("--threads", type=positive_int, default=None,
+                    help="icl_fast's worker threads per evaluation (default: every core)")
     args = ap.parse_args(argv)
+    THREADS["threads"] = args.threads
     if args.list:
         for name, (_, answers) in EXPERIMENTS.items():
             print(f"{name:20s} {answers}")
@@ -1032,7 +1051,7 @@ def main(argv=None):
     config = dict(argv=sys.argv, names=names, quick=args.quick, seed=args.seed, numpy=np.__version__,
                   scipy=scipy.__version__, python=platform.python_version(),
                   threadpoolctl=threadpoolctl.__version__, cores=len(os.sched_getaffinity(0))
-                  if hasattr(os, "sched_getaffinity") else os.cpu_count(), status="running")
+                  if hasattr(os, "sched_getaffinity") else os.cpu_count(), threads=args.threads, status="running")
 
     def write_config(status, done):
         with open(os.path.join(args.out, "config.json"), "w") as f:

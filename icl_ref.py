@@ -29,21 +29,19 @@ Conventions (MATH.md §1-§3, §5)
 Sections follow the paper: data, model, loss and gradient (with the per-prompt Jacobian, and
 attention with an activation, [A] §6), parametrisations, training (L-BFGS and Gauss-Newton), closed
 forms, metrics; then adapters to other code's layouts and the conformance kit (reference vectors,
-diagnose). A short section before them runs the batch in chunks on the machine's cores.
+diagnose). One formulation of each quantity, serial, with no process-wide state: icl_fast.py beside
+it computes the same functions faster, on every core.
 Command line: python3 -m icl_ref vectors --out DIR.
 """
 import argparse
-import contextlib
 import io
-import itertools
 import json
 import math
 import os
 import sys
-import threading
 import time
+import types
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from functools import lru_cache
 
@@ -51,7 +49,6 @@ import numpy as np
 import scipy
 import scipy.linalg
 import scipy.optimize
-from threadpoolctl import ThreadpoolController
 
 STRUCTURES = ("sparse", "blocks", "full")
 PAPER_EIGENVALUES = (1.0, 1.0, 0.25, 0.0625, 1.0)   # spectrum of Sigma in [A] §4.3 (MATH.md §1)
@@ -127,8 +124,9 @@ def _finite_result(what, value, **sizes):
     """value, or a ValueError saying that float64 overflowed, and at what size of the inputs."""
     if not np.all(np.isfinite(value)):
         size = ", ".join(f"max |{k}| = {np.max(np.abs(v)):.3g}" for k, v in sizes.items())
-        raise ValueError(f"{what} is not finite: float64 overflowed ({size}); the output grows like "
-                         "(|P| |Q| |Z|^2)^(2^L) |Z|, so use smaller parameters or rescale Z")
+        raise ValueError(f"{what} is not finite: float64 overflowed ({size}); the output of L layers "
+                         "grows like (|P| |Q| |Z|^2)^((3^L - 1)/2) |Z|, so use smaller parameters or "
+                         "rescale Z")
     return value
 
 
@@ -173,142 +171,6 @@ def _spd(name, Sigma, d=None):
 def _check_structure(structure):
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Workers: the batch in chunks of prompts on the machine's cores, one BLAS thread each (MATH.md §3, §6)
-# ---------------------------------------------------------------------------------------------
-
-@lru_cache(maxsize=1)
-def _threadpools():
-    """threadpoolctl's view of the BLAS libraries loaded with NumPy and SciPy (made once)."""
-    return ThreadpoolController()
-
-
-@contextlib.contextmanager
-def one_blas_thread():
-    """Context manager: BLAS limited to one thread inside, the caller's setting restored after.
-
-    Why: icl_ref's hot path is many small GEMMs; a multi-threaded BLAS pool wakes for each and
-    its spinning workers take the cores from the chunk workers (and from SciPy's optimisers'
-    bookkeeping between evaluations): ~3x slower training on 2 cores, measured (MATH.md §6).
-    """
-    with _threadpools().limit(limits=1, user_api="blas"):
-        yield
-
-
-# With the prompts on the first axis, each prompt's D x D products (T S, T S T^T, their adjoints)
-# are one OpenBLAS call per prompt, and OpenBLAS takes a process-wide mutex to hand out its work
-# buffer in every call: for small products two workers spend much of their time on that lock (20000
-# products of 6 x 6 matrices: 1.4 ms on one thread, 3.0 ms on two). Where that is most of the work,
-# two workers are no faster, so one works and the other core stays free: the kernel formulation's
-# loss_and_grad_gram (B = 20000, L = 3) at d = 2 takes 22 ms on one worker and 24-33 ms on two, at
-# d = 5 30-32 ms and 29-39 ms; from d = 6 up two win (45 -> 35 ms; d = 10 130 -> 82 ms). The
-# Jacobian adds GEMMs and copies that do scale: at d = 5 two workers win (blocks: 62 -> 55 ms), at
-# d = 2 one does (33 vs 48 ms). Measured on 2 cores, numpy 1.25 and 2.4 with their OpenBLAS;
-# MATH.md §3. (The loss's default for D <= 12 is the lanes formulation, whose products are numpy's
-# own loops and run on every core, MATH.md §3.2.) The largest D = d + 1 at which one worker is the
-# default for the Gram product, the batch-first loss and the Jacobian:
-_SERIAL_MAX_D = 6
-_SERIAL_MAX_D_JACOBIAN = 5
-
-
-def _thread_count(threads, serial=False):
-    """Worker threads for one evaluation: `threads` (an integer >= 1) or, by default, the cores this
-    process may use, or one where the caller's work is `serial` (small per-prompt products, above).
-    Never more than the cores (each worker runs one BLAS thread)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if threads is None:
-        return 1 if serial else cores
-    return min(_int("threads", threads, 1), cores)
-
-
-def _chunk(chunk, D):
-    """Prompts per chunk: `chunk`, or 2^17 / D^2 so that (chunk, D, D) arrays stay about 1 MB."""
-    return max(1, 2 ** 17 // D ** 2) if chunk is None else _int("chunk", chunk, 1)
-
-
-def _map_chunks(fn, B, chunk, threads, serial=False):
-    """[fn(start, stop) for each chunk of the batch], in chunk order, on `threads` workers that
-    each run one BLAS thread (never more threads than cores; the default as _thread_count). The
-    results come back in chunk order, so sums over them are the same to the last bit whatever the
-    thread count. MATH.md §3.
-
-    Each worker claims the next chunk from a shared counter until none is left: one task per
-    worker rather than one per chunk, so the caller waits once, not once per chunk, and a worker
-    that another thread slows takes fewer chunks (0.6 ms of ~14 at the paper's size, measured).
-    An error or a Ctrl-C stops the claiming: the chunks already running finish, no new one starts.
-    """
-    bounds = [(c, min(c + chunk, B)) for c in range(0, B, chunk)]
-    workers = min(_thread_count(threads, serial), len(bounds))
-    err = np.geterr()                       # the caller's errstate: worker threads do not inherit it
-    with one_blas_thread():
-        if workers == 1:
-            return [fn(*b) for b in bounds]
-        results, claim, stop = [None] * len(bounds), itertools.count(), threading.Event()
-
-        def work(_):
-            with np.errstate(**err):
-                for i in claim:                        # next() on a count is atomic under the GIL
-                    if i >= len(bounds) or stop.is_set():
-                        return
-                    try:
-                        results[i] = fn(*bounds[i])
-                    except BaseException:
-                        stop.set()
-                        raise
-        try:
-            list(_pool(workers).map(work, range(workers)))
-        except BaseException:
-            stop.set()
-            raise
-        return results
-
-
-_POOLS, _POOLS_LOCK = {}, threading.Lock()
-
-
-def _pool(workers):
-    """The process's pool of `workers` threads, started on first use and kept: starting new
-    threads for every evaluation made loss_and_grad 1.1-1.7 ms slower at d = 5 (of ~17 ms). Idle
-    threads wait without using a core. On Ctrl-C the caller stops waiting and the chunks already
-    running finish in the background (_map_chunks starts no new one). A process that forks after
-    such an evaluation has live threads (Python 3.12+ warns at the fork); the child starts its own
-    (_forget_pools).
-
-    When the pool has one thread per core this process may use (the default), thread k is bound to
-    the k-th of those cores (Linux; os.sched_setaffinity). Why: woken together after the machine
-    has idled for 0.1 s or more, two unbound workers were often placed on one core and an
-    evaluation took 23-25 ms instead of 14 at d = 5 (2-core VM, measured; with another process
-    busy on a core, bound 17.5-18 ms, unbound 18.5-21.7). With fewer workers than cores they stay
-    unbound, free to move to an idle core."""
-    with _POOLS_LOCK:
-        if workers not in _POOLS:
-            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-            bind = None
-            if len(cores) == workers and hasattr(os, "sched_setaffinity"):
-                next_core = iter(cores).__next__
-
-                def bind():                              # run by each new thread: the next core
-                    try:
-                        os.sched_setaffinity(0, {next_core()})
-                    except OSError:                      # a core this process may no longer use
-                        pass                             # binding only helps placement: go unbound
-            _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="icl_ref",
-                                                 initializer=bind)
-        return _POOLS[workers]
-
-
-def _forget_pools():
-    """In a forked child: the parent's pools have no threads here, and the lock may have been held
-    by another of the parent's threads at the fork, so both start anew."""
-    global _POOLS_LOCK
-    _POOLS.clear()
-    _POOLS_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pools)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,8 +236,8 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 #     T_l = I + (1/n) sum_h P_h S_l Q_h,   S_l = Z_l M Z_l^T   (D x D, never (n+1) x (n+1)).
 # Every column moves by the same T_l, so S_{l+1} = T_l S_l T_l^T and q_{l+1} = T_l q_l for the
 # query column q. The forward pass needs a prompt only through (S_0, q_0): O(B L H D^3), not n.
-# The map S -> (1/n) sum_h P_h S Q_h is one (D^2, D^2) matrix K shared by the batch
-# (kernel_forward), so the layers' pair below works on S and q alone and K has a pair of its own.
+# Every product below is a stack of the prompts' own D x D products (np.matmul over the first
+# axis), so no call is one large GEMM: BLAS never starts its threads (MATH.md §3).
 # ---------------------------------------------------------------------------------------------
 
 def mask(n):
@@ -386,7 +248,7 @@ def mask(n):
 
 
 def forward_literal(P, Q, Z):
-    """The paper's column form of eq. (4), token by token; the twin that tests the fast path.
+    """The paper's column form of eq. (4), token by token; the twin that tests the Gram form.
 
         z_j <- z_j + (1/n) sum_h P_h sum_{i<n} z_i (z_i^T Q_h z_j)   for every j <= n (query too)
 
@@ -408,171 +270,88 @@ def forward_literal(P, Q, Z):
     return Z
 
 
-def gram(Z, threads=None):
-    """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (MATH.md §2), formed in
-    chunks of prompts on `threads` workers (default as _thread_count: every core, one for D <= 6)."""
+def gram(Z):
+    """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (MATH.md §2)."""
     Z = _prompts(Z)
-    Zc = Z[:, :, :-1]                                          # Z M drops the query column
-    S = np.empty((Z.shape[0], Z.shape[1], Z.shape[1]))
-
-    def one_chunk(start, stop):
-        np.matmul(Zc[start:stop], Zc[start:stop].transpose(0, 2, 1), out=S[start:stop])
-    _map_chunks(one_chunk, Z.shape[0], _chunk(None, Z.shape[1]), threads, Z.shape[1] <= _SERIAL_MAX_D)
-    return S
+    context = np.ascontiguousarray(Z[:, :, :-1])               # Z M drops the query column
+    return context @ np.ascontiguousarray(context.transpose(0, 2, 1))
 
 
-def kernel_forward(P_l, Q_l, n):
-    """The layer's action on S as one matrix: vec(sum_h P_h S Q_h) / n = K vec(S) (row-major vec),
+def layer_forward(P_l, Q_l, S, q, n, need_S=True):
+    """One layer in Gram form: T = I + (1/n) sum_h P_h S Q_h, S' = T S T^T, q' = T q.
 
-        K = (1/n) sum_h P_h kron Q_h^T,   (D^2, D^2), shared by the whole batch, whatever H is.
-
-    P_l, Q_l: (H, D, D). Returns K.
-    MATH.md §2.
+    P_l, Q_l: (H, D, D); S: (B, D, D) = Z_l M Z_l^T (symmetric); q: (B, D) the query column of
+    Z_l; n context size. Returns S' (B, D, D) (None unless need_S: the last layer's S' does not
+    reach the loss), q' (B, D), T (B, D, D) and the cache for layer_backward.
+    An unchecked building block (forward, predict and loss_and_grad check their inputs): it assumes
+    float64 arrays, S symmetric and the same B in S and q. MATH.md §2.
     """
-    return sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n
-
-
-def kernel_backward(dK, P_l, Q_l, n):
-    """Adjoint of kernel_forward: dK (D^2, D^2) -> dP_l, dQ_l (H, D, D).
-
-    K[(i l), (j k)] = (1/n) sum_h P_h[i, j] Q_h[k, l]: product rule in P_h and in Q_h.
-    MATH.md §3.
-    """
-    D = P_l.shape[-1]
-    dK = dK.reshape(D, D, D, D) / n                              # indices [i, l, j, k]
-    dP_l = np.stack([np.einsum("iljk,kl->ij", dK, Q_h) for Q_h in Q_l])
-    dQ_l = np.stack([np.einsum("iljk,ij->kl", dK, P_h) for P_h in P_l])
-    return dP_l, dQ_l
-
-
-def direct_forward(P_l, Q_l, S, n):
-    """T - I = (1/n) sum_h P_h S Q_h without the kernel, for large D (MATH.md §2).
-
-    Per head two GEMMs (B D, D) @ (D, D) with a shared operand, using S = S^T:
-    S_b P_h^T = (P_h S_b)^T for every prompt at once, then (P_h S_b) Q_h. Cost 4 H B D^3.
-    P_l, Q_l: (H, D, D); S: (B, D, D) symmetric; n context size. Returns (B, D, D).
-    """
-    B, D, _ = S.shape
-    out = np.zeros((B, D, D))
-    for P_h, Q_h in zip(P_l, Q_l):
-        PS = (S.reshape(B * D, D) @ P_h.T).reshape(B, D, D).transpose(0, 2, 1)   # P_h S_b
-        out += (np.ascontiguousarray(PS).reshape(B * D, D) @ Q_h).reshape(B, D, D)
-    out /= n
-    return out
-
-
-def direct_backward(dT, P_l, Q_l, S, n, need_dS=True, need_dPQ=True):
-    """Adjoint of direct_forward: dT (B, D, D) -> dS (B, D, D) (None unless need_dS) and
-    dPQ (2, H, D, D) = (dP_l, dQ_l) summed over the batch (None unless need_dPQ). MATH.md §3.
-
-    T = I + (1/n) sum_h P_h S Q_h, product rule in each factor:
-    dP_h = (1/n) sum_b dT_b (S_b Q_h)^T, dQ_h = (1/n) sum_b (P_h S_b)^T dT_b,
-    dS_b = (1/n) sum_h P_h^T dT_b Q_h^T.
-    """
-    B, D, _ = S.shape
-    dPQ = np.empty((2,) + P_l.shape) if need_dPQ else None
-    dS = np.zeros((B, D, D)) if need_dS else None
-    S_rows, dT_rows = S.reshape(B * D, D), dT.reshape(B * D, D)
-    for h, (P_h, Q_h) in enumerate(zip(P_l, Q_l)):
-        if need_dPQ:
-            SQ = (S_rows @ Q_h).reshape(B, D, D)                             # S_b Q_h
-            dPQ[0, h] = np.tensordot(dT, SQ, axes=([0, 2], [0, 2])) / n      # sum_b dT_b (S_b Q_h)^T
-            SPt = (S_rows @ P_h.T).reshape(B, D, D)                          # (P_h S_b)^T
-            dPQ[1, h] = np.tensordot(SPt, dT, axes=([0, 2], [0, 1])) / n     # sum_b (P_h S_b)^T dT_b
-        if need_dS:
-            dTQt = (dT_rows @ Q_h.T).reshape(B, D, D).transpose(0, 2, 1)     # (dT_b Q_h^T)^T
-            dS += (np.ascontiguousarray(dTQt).reshape(B * D, D) @ P_h).reshape(B, D, D).transpose(0, 2, 1)
-    if need_dS:
-        dS /= n
-    return dS, dPQ
-
-
-FORMULATIONS = ("kernel", "direct")
-
-
-def layer_map(P_l, Q_l, n, formulation=None):
-    """The layer's map S -> T - I = (1/n) sum_h P_h S Q_h, in one of two formulations (MATH.md §2):
-
-        "kernel"  the (D^2, D^2) matrix of kernel_forward: one GEMM per chunk, B D^4 per layer
-        "direct"  the tuple (P_l, Q_l, n) for direct_forward: 2 GEMMs per head, 4 H B D^3 per layer
-
-    formulation None takes the kernel for D <= 10 H (D = d + 1) and the direct form above, where it
-    was measured faster: the crossover lies between d = 8 and d = 10 for one head and moves up with
-    H (the kernel's cost does not grow with H; two heads: the kernel still wins at d = 14).
-    """
-    if formulation is None:
-        formulation = "kernel" if P_l.shape[-1] <= 10 * P_l.shape[0] else "direct"
-    if formulation not in FORMULATIONS:
-        raise ValueError(f"formulation must be None or one of {FORMULATIONS}, got {formulation!r}")
-    return kernel_forward(P_l, Q_l, n) if formulation == "kernel" else (P_l, Q_l, n)
-
-
-def layer_forward(K, S, q, need_S=True):
-    """One layer in Gram form: T = I + K(S), S' = T S T^T, q' = T q.
-
-    K: the layer's map from layer_map (a (D^2, D^2) kernel or the direct form's (P_l, Q_l, n));
-    S: (B, D, D) = Z_l M Z_l^T; q: (B, D) query column of Z_l.
-    Returns S' (B, D, D) (None unless need_S), q' (B, D), T (B, D, D) and the cache (without S',
-    layer_backward takes dS_next = None).
-    An unchecked building block (forward, predict and loss_and_grad check their inputs); it assumes
-    float64 arrays, S symmetric, and the same B in S and q (a (1, D) q would broadcast). MATH.md §2.
-    """
-    B, D, _ = S.shape
-    if isinstance(K, tuple):                                   # the direct form (P_l, Q_l, n)
-        T = direct_forward(*K[:2], S, K[2])
-    else:                                                      # vec(T - I) = K vec(S)
-        T = (S.reshape(B, D * D) @ K.T).reshape(B, D, D)
-    T += np.eye(D)
-    TS = T @ S if need_S else None             # the backward needs T S only where S' reaches the loss
-    S_next = TS @ T.transpose(0, 2, 1) if need_S else None
+    T = np.eye(S.shape[-1]) + (P_l[0] / n) @ S @ Q_l[0]
+    for P_h, Q_h in zip(P_l[1:], Q_l[1:]):
+        T += (P_h / n) @ S @ Q_h
+    Tt = np.ascontiguousarray(T.transpose(0, 2, 1))              # T^T, a copy: contiguous stacks
+    TS = T @ S if need_S else None
+    S_next = TS @ Tt if need_S else None
     q_next = np.einsum("bij,bj->bi", T, q)
-    return S_next, q_next, T, (K, S, q, T, TS)
+    return S_next, q_next, T, (P_l, Q_l, n, S, q, T, Tt, TS)
 
 
 def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
-    """Adjoint of layer_forward: (dS', dq') -> (dS, dq, dK).
+    """Adjoint of layer_forward: (dS', dq') -> (dS, dq, dP_l, dQ_l).
 
     dS_next: (B, D, D) or None (the last layer's S' does not reach the loss); dq_next: (B, D).
-    Returns dS (B, D, D) (None unless need_dS: the first layer's S_0 is data), dq (B, D), and the
-    map's adjoint summed over the batch: dK (D^2, D^2) for a kernel, dPQ (2, H, D, D) = (dP_l, dQ_l)
-    for the direct form; with per_prompt, dT (B, D, D) instead, each prompt's own adjoint of T, for
-    the Jacobian (MATH.md §3.1).
-    MATH.md §3.
+    Returns dS (B, D, D) (None unless need_dS: the first layer's S_0 is data), dq (B, D) and
+    dP_l, dQ_l (H, D, D) summed over the batch; with per_prompt, each prompt's own (B, H, D, D)
+    (the rows of the Jacobian, MATH.md §3.1). MATH.md §3.
     """
-    K, S, q, T, TS = cache
-    B, D, _ = S.shape
+    P_l, Q_l, n, S, q, T, Tt, TS = cache
     # q' = T q                      (product rule: T and q)
     dT = np.einsum("bi,bj->bij", dq_next, q)
-    dq = np.einsum("bji,bj->bi", T, dq_next)
-    # S' = T S T^T                  (T appears twice; S is a Gram matrix, so S^T = S)
+    dq = np.einsum("bij,bj->bi", Tt, dq_next)
+    # S' = T S T^T                  (T twice; S is a Gram matrix, so S^T = S)
     if dS_next is not None:
         dT += (dS_next + dS_next.transpose(0, 2, 1)) @ TS
-    if isinstance(K, tuple):        # T = I + (1/n) sum_h P_h S Q_h   (direct_backward)
-        dS, dmap = direct_backward(dT, *K[:2], S, K[2], need_dS, need_dPQ=not per_prompt)
-    else:                           # vec(T) = vec(I) + K vec(S)    (linear in S and in K)
-        dT_flat = dT.reshape(B, D * D)
-        dS = (dT_flat @ K).reshape(B, D, D) if need_dS else None
-        dmap = None if per_prompt else dT_flat.T @ S.reshape(B, D * D)   # dK = sum_b vec(dT_b) vec(S_b)^T
-    if need_dS and dS_next is not None:
-        dS += T.transpose(0, 2, 1) @ dS_next @ T                 # S' = T S T^T, the S in the middle
-    return dS, dq, dT if per_prompt else dmap
+    # T = I + (1/n) sum_h P_h S Q_h (product rule in P_h, S and Q_h; S^T = S):
+    #   dP_h = (1/n) dT Q_h^T S,   dQ_h = (1/n) S P_h^T dT,   dS = (1/n) sum_h P_h^T dT Q_h^T
+    dP, dQ = [], []
+    dS = Tt @ dS_next @ T if need_dS and dS_next is not None else 0.0   # S' = T S T^T, the middle S
+    for P_h, Q_h in zip(P_l, Q_l):
+        Pt, Qt = np.ascontiguousarray(P_h.T), np.ascontiguousarray(Q_h.T)   # contiguous: BLAS
+        dT_Qt = dT @ (Qt / n)                                  # (1/n) dT Q_h^T
+        Pt_dT = (Pt / n) @ dT                                  # (1/n) P_h^T dT
+        dP.append(dT_Qt @ S)
+        dQ.append(S @ Pt_dT)
+        if need_dS:
+            dS += Pt_dT @ Qt
+    dP, dQ = (np.stack(g, axis=1) if per_prompt else np.array([x.sum(axis=0) for x in g]) for g in (dP, dQ))
+    return (dS if need_dS else None), dq, dP, dQ
 
 
-def _propagate(Ks, S, q):
-    """Run layer_forward through the layers' kernels Ks; returns q_L (B, D) and the caches."""
+def _propagate(P, Q, S, q, n):
+    """layer_forward through the layers from (S_0, q_0); returns q_L (B, D) and the caches."""
     caches = []
-    for l, K in enumerate(Ks):
-        S, q, _, cache = layer_forward(K, S, q, need_S=l < len(Ks) - 1)
+    for l, (P_l, Q_l) in enumerate(zip(P, Q)):
+        S, q, _, cache = layer_forward(P_l, Q_l, S, q, n, need_S=l < len(P) - 1)
         caches.append(cache)
     return q, caches
 
 
-def forward(P, Q, Z, all_layers=False, formulation=None):
+def _backpropagate(dq, caches, per_prompt=False):
+    """layer_backward through the layers in reverse from the seed dq = dq_L (B, D); returns dP, dQ
+    (L, H, D, D), or with per_prompt (B, L, H, D, D)."""
+    dS, grads = None, [None] * len(caches)
+    for l in reversed(range(len(caches))):
+        dS, dq, dP_l, dQ_l = layer_backward(dS, dq, caches[l], need_dS=l > 0, per_prompt=per_prompt)
+        grads[l] = dP_l, dQ_l
+    axis = 1 if per_prompt else 0
+    return np.stack([g[0] for g in grads], axis=axis), np.stack([g[1] for g in grads], axis=axis)
+
+
+def forward(P, Q, Z, all_layers=False):
     """Z_L of the L-layer linear transformer, [A] eq. (4): Z_{l+1} = Z_l + (1/n) Attn(Z_l).
 
     P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1), or with all_layers the stack
-    (Z_0, ..., Z_L) of shape (L+1, B, D, n+1). Computed as Z_{l+1} = T_l Z_l (Gram form above);
-    formulation as layer_map.
+    (Z_0, ..., Z_L) of shape (L+1, B, D, n+1). Computed as Z_{l+1} = T_l Z_l (Gram form above).
     MATH.md §2.
     """
     P, Q = _params(P, Q)
@@ -581,7 +360,7 @@ def forward(P, Q, Z, all_layers=False, formulation=None):
     S, q, Zs = gram(Z), Z[:, :, n], [Z]
     with np.errstate(over="ignore", invalid="ignore"):
         for P_l, Q_l in zip(P, Q):
-            S, q, T, _ = layer_forward(layer_map(P_l, Q_l, n, formulation), S, q)
+            S, q, T, _ = layer_forward(P_l, Q_l, S, q, n)
             Zs.append(T @ Zs[-1])
     _finite_result("Z_L", Zs[-1], P=P, Q=Q, Z=Z)
     return np.stack(Zs) if all_layers else Zs[-1]
@@ -594,7 +373,7 @@ def predict(P, Q, Z):
     Z = _prompts(Z, P.shape[2])
     n = Z.shape[2] - 1
     with np.errstate(over="ignore", invalid="ignore"):
-        q_L, _ = _propagate([layer_map(P_l, Q_l, n) for P_l, Q_l in zip(P, Q)], gram(Z), Z[:, :, n])
+        q_L, _ = _propagate(P, Q, gram(Z), Z[:, :, n], n)
     return _finite_result("the prediction", -q_L[:, -1], P=P, Q=Q, Z=Z)
 
 
@@ -614,381 +393,143 @@ def in_context_loss(P, Q, Z, y):
     return float(np.mean((predict(P, Q, Z) - y) ** 2))
 
 
-# Prompts on the last axis (MATH.md §3.2). For small D each prompt's products T S, T S T^T and
-# their adjoints are a few hundred multiply-adds; with the prompts on the first axis each is one BLAS
-# call (a stack of tiny GEMMs that a second worker does not speed up, §3). With the prompts on the
-# last axis, (D, D, b), every such product is D^3 vector operations across the chunk's prompts,
-# which numpy runs in its own loops on every core; and the kernel acts on S's U = D(D+1)/2
-# distinct entries instead of its D^2 entries.
-
-@lru_cache(maxsize=None)
-def symmetric_coordinates(D):
-    """Index maps between a symmetric D x D matrix S and its U = D (D+1) / 2 distinct entries s
-    (the upper triangle, row by row). MATH.md §3.2.
-
-    Returns (upper, full, E, diagonal), read-only:
-        upper     (U,) positions of s in vec(S) (row-major):   s = vec(S)[upper]
-        full      (D^2,) the entry of s at each position:       vec(S) = s[full]
-        E         (D^2, U) 0/1 with vec(S) = E s; a kernel K acts on s as K E
-        diagonal  (U,) bool, True where the entry is on the diagonal
-    """
-    D = _int("D", D, 1)
-    i, j = np.triu_indices(D)
-    position = np.empty((D, D), dtype=np.intp)
-    position[i, j] = position[j, i] = np.arange(len(i))
-    full = position.reshape(-1)
-    E = np.zeros((D * D, len(i)))
-    E[np.arange(D * D), full] = 1.0
-    maps = (i * D + j, full, E, i == j)
-    for a in maps:
-        a.flags.writeable = False
-    return maps
-
-
-def _symmetric_product(X, Y):
-    """The distinct entries s (U, b) of X Y^T, for stacks with the prompts last, X, Y (D, m, b),
-    where X Y^T is known to be symmetric (Z M Z^T, T S T^T, T^T G T): its upper triangle row by
-    row ("ijb,kjb->ikb" restricted to k >= i), written straight into s (symmetric_coordinates),
-    U = D(D+1)/2 of the D^2 entries. MATH.md §3.2."""
-    D, b = X.shape[0], X.shape[2]
-    s = np.empty((D * (D + 1) // 2, b))
-    start = 0
-    for i in range(D):                  # row i of the upper triangle: s[start : start + D - i]
-        np.einsum("jb,kjb->kb", X[i], Y[i:], out=s[start:start + D - i])
-        start += D - i
-    return s
-
-
-def _symmetric_full(s, D):
-    """The symmetric S (D, D, b) from its distinct entries s (U, b): S = s[full], one gather, so S is
-    exactly symmetric. MATH.md §3.2."""
-    return s.take(symmetric_coordinates(D)[1], axis=0).reshape(D, D, s.shape[-1])
-
-
-def lanes_gram(Zt):
-    """S = Z M Z^T with the prompts on the last axis: Zt (D, n+1, b) -> (S, s), S (D, D, b)
-    symmetric, S_ij = sum_{t<n} Z_it Z_jt (the query column t = n left out), s (U, b) its
-    distinct entries. MATH.md §3.2."""
-    context = Zt[:, :-1]
-    s = _symmetric_product(context, context)
-    return _symmetric_full(s, Zt.shape[0]), s
-
-
-def lanes_forward(K_s, S, s, q, last=False):
-    """One layer with the prompts on the last axis: T = I + mat(K_s s), S' = T S T^T, q' = T q.
-
-    K_s: (D^2, U) = K E, the layer's kernel on S's distinct entries (symmetric_coordinates);
-    S: (D, D, b) symmetric and s (U, b) its distinct entries; q: (D, b). Returns S' (D, D, b),
-    s' (U, b), q' (D, b) and the cache. The last layer (`last`) forms only the row d of T that the
-    prediction reads: S' and s' are None and q' is (T q)_d, shape (b,). An unchecked building
-    block of loss_and_grad_gram and the Jacobian. MATH.md §3.2.
-    """
-    D, b = q.shape
-    if last:
-        t = K_s[-D:] @ s                                          # row d of T - I, (D, b)
-        t[-1] += 1.0
-        return None, None, np.einsum("jb,jb->b", t, q), (K_s, S, s, q, t, None)
-    T = (K_s @ s).reshape(D, D, b)
-    T.reshape(D * D, b)[::D + 1] += 1.0                           # + I: the D diagonal rows
-    # every product as X Y^T ("ijb,kjb->ikb"), numpy's fastest order here: T S = T S^T
-    TS = np.einsum("ijb,kjb->ikb", T, S)
-    s_next = _symmetric_product(TS, T)
-    return (_symmetric_full(s_next, D), s_next, np.einsum("ijb,jb->ib", T, q),
-            (K_s, S, s, q, T, TS))
-
-
-def lanes_backward(G_next, dq_next, cache, first=False, per_prompt=False):
-    """Adjoint of lanes_forward: (G', dq') -> (G, dq, dK_s).
-
-    G is the adjoint of a symmetric S in full form, G = dS + dS^T (MATH.md §3.2): G_next (D, D, b),
-    None for the last layer, whose dq_next is the adjoint of (T q)_d, shape (b,); otherwise dq_next
-    is (D, b). Returns G (D, D, b) and dq (D, b), both None for the `first` layer (S_0, q_0 are
-    data), and dK_s (D^2, U) = sum_b vec(dT_b) s_b^T, the adjoint of K_s summed over the prompts;
-    with per_prompt, dT (D, D, b) instead, each prompt's own adjoint of T, for the Jacobian.
-    """
-    K_s, _, s, q, T, TS = cache
-    D, b = q.shape[0], q.shape[-1]
-    if G_next is None:              # (T q)_d = t . q with t the row d of T   (product rule: t and q)
-        dt = dq_next * q                                          # row d of dT; the others are 0
-        if per_prompt:
-            dmap = np.zeros((D, D, b))
-            dmap[-1] = dt
-        else:
-            dmap = np.zeros(K_s.shape)
-            dmap[-D:] = dt @ s.T                                  # t - e_d = K_s[-D:] s
-        if first:
-            return None, None, dmap
-        dq, ds = dq_next * T, K_s[-D:].T @ dt
-    else:
-        # products as X Y^T (see lanes_forward), with transposed copies of T S and of T (Tt)
-        # q' = T q                  (product rule: T and q)
-        dT = dq_next[:, None, :] * q[None, :, :]
-        # S' = T S T^T              (T twice; S symmetric, so dS' T S^T + dS'^T T S = G' T S)
-        dT += np.einsum("ijb,kjb->ikb", G_next, np.ascontiguousarray(TS.transpose(1, 0, 2)))
-        dmap = dT if per_prompt else dT.reshape(D * D, b) @ s.T   # vec(T - I) = K_s s: linear in K_s
-        if first:
-            return None, None, dmap
-        Tt = np.ascontiguousarray(T.transpose(1, 0, 2))
-        dq, ds = np.einsum("ijb,jb->ib", Tt, dq_next), K_s.T @ dT.reshape(D * D, b)  # ... and in s
-    # ds_p = dS_ij + dS_ji for an off-diagonal entry p = (i, j), dS_ii on the diagonal: G is ds
-    # spread over both positions, doubled on the diagonal (its distinct entries g, then mirrored)
-    g = ds * np.where(symmetric_coordinates(D)[3], 2.0, 1.0)[:, None]
-    if G_next is not None:          # S' = T S T^T, the S in the middle: T^T G' T (G' symmetric)
-        g += _symmetric_product(np.einsum("ijb,kjb->ikb", Tt, G_next), Tt)
-    return _symmetric_full(g, D), dq, dmap
+def _chunks(B, D):
+    """(start, stop) of the batch in chunks of 2^15 / D^2 prompts: a chunk's (b, D, D) stacks stay
+    about 256 KB, in cache. The chunks only reorder the sums over prompts (MATH.md §3)."""
+    size = max(1, 2 ** 15 // D ** 2)
+    return [(c, min(c + size, B)) for c in range(0, B, size)]
 
 
 def _gram_args(caller, P, Q, S0, q0, y, n):
-    """The cheap checks of the Gram-form building blocks: float64 arrays of matching shapes and an
-    integer n >= 1. Not checked, to keep them cheap: finiteness and the symmetry of S0."""
-    for name, a in (("P", P), ("Q", Q), ("S0", S0), ("q0", q0), ("y", y)):
-        if not isinstance(a, np.ndarray) or a.dtype != np.float64:
-            raise TypeError(f"{caller}: {name} must be a float64 numpy array (use loss_and_grad for "
-                            f"converted and checked inputs), got {getattr(a, 'dtype', type(a).__name__)}")
-    _int("n", n, 1)
-    if y.ndim != 1 or P.ndim != 4:
-        raise ValueError(f"{caller} needs P, Q (L, H, D, D) and y (B,); got {P.shape} and {y.shape}")
+    """Checks of the Gram-form functions: P, Q as _params; S0 (B, D, D) finite and symmetric
+    (the adjoint relies on S^T = S, MATH.md §3); q0 (B, D) and y (B,) finite; n an integer >= 1.
+    Returns the float64 arrays and n."""
+    P, Q = _params(P, Q)
+    S0, q0, y = _array("S0", S0, 3), _array("q0", q0, 2), _array("y", y, 1)
     B, D = y.shape[0], P.shape[-1]
-    if P.shape != Q.shape or S0.shape != (B, D, D) or q0.shape != (B, D):
-        raise ValueError(f"{caller} needs P, Q (L, H, D, D), S0 (B, D, D), q0 (B, D), y (B,); "
-                         f"got {P.shape}, {Q.shape}, {S0.shape}, {q0.shape}, {y.shape}")
+    if S0.shape != (B, D, D) or q0.shape != (B, D) or B < 1:
+        raise ValueError(f"{caller} needs S0 (B, D, D), q0 (B, D), y (B,) with B >= 1 and D = {D} from P, Q; "
+                         f"got {S0.shape}, {q0.shape}, {y.shape}")
+    if np.any(S0 != S0.transpose(0, 2, 1)):
+        raise ValueError("S0 must be symmetric (S0 = Z M Z^T): the reverse pass relies on S^T = S")
+    return P, Q, S0, q0, y, _int("n", n, 1)
 
 
-def loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=None, threads=None, formulation=None):
-    """f and (df/dP, df/dQ) from the Gram form (S_0, q_0); the fast path behind training.
+def _loss_and_grad_chunk(P, Q, S0, q0, y, n, B):
+    """One chunk of prompts (S0 (b, D, D), q0 (b, D), y (b,)) forward and back: its part of the
+    loss, (1/B) sum_b r_b^2, and of dP, dQ, each divided by the whole batch size B."""
+    q_L, caches = _propagate(P, Q, S0, q0, n)
+    r = q_L[:, -1] + y                                    # residual Z_L[d, n] + y = y - y_hat
+    dq = np.zeros_like(q_L)
+    dq[:, -1] = 2.0 * r / B
+    return (float(r @ r) / B, *_backpropagate(dq, caches))
 
-    P, Q: (L, H, D, D) float64; S0: (B, D, D) = Z M Z^T; q0: (B, D) = Z[:, :, n]; y: (B,);
-    n context size. formulation: "lanes" (the prompts on the last axis, MATH.md §3.2), "kernel" or
-    "direct" (layer_map); None takes lanes for D <= 12 and layer_map's choice above. Prompts are
-    independent, so the batch is walked in chunks of `chunk` prompts (default for kernel and
-    direct 2^17 / D^2: a chunk's (chunk, D, D) temporaries stay about 1 MB, in cache; 2x faster at
-    d = 20 than 2048 prompts; for lanes see _lanes_loss_and_grad) on `threads` workers (default:
-    every core; one for kernel and direct at D <= 6, _thread_count); each chunk's loss and dK are
-    divided by the whole B and added in chunk order (MATH.md §3), so the result does not depend on
-    `threads`. It runs every optimiser step, so only dtypes and shapes are checked; S0 must be
-    symmetric (layer_backward and lanes_backward rely on it) and finite. A non-finite result is
-    returned as it is (training treats it as a failed trial). Returns (loss, dP, dQ).
+
+def _loss_and_grad_gram(P, Q, S0, q0, y, n):
+    """loss_and_grad_gram without the checks (the trainers call it at every evaluation): the chunks'
+    parts added in chunk order (MATH.md §3)."""
+    B = y.shape[0]
+    parts = [_loss_and_grad_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B) for a, b in _chunks(B, P.shape[-1])]
+    return tuple(sum(part[i] for part in parts) for i in range(3))
+
+
+def loss_and_grad_gram(P, Q, S0, q0, y, n):
+    """f and (df/dP, df/dQ) from the Gram form (S_0, q_0): what training evaluates (MATH.md §3).
+
+    P, Q: (L, H, D, D); S0: (B, D, D) = Z M Z^T (symmetric); q0: (B, D) = Z[:, :, n]; y: (B,);
+    n context size. The batch is walked in chunks of prompts (_chunks); each chunk's loss and
+    gradient are divided by the whole B and added in chunk order. A non-finite result is a
+    ValueError saying that float64 overflowed. Returns (loss, dP, dQ).
     """
-    _gram_args("loss_and_grad_gram", P, Q, S0, q0, y, n)
-    B, D = y.shape[0], P.shape[-1]
-    if _lanes(formulation, D):
-        return _lanes_loss_and_grad(P, Q, _lanes_reader(S0, q0), y, n, chunk, threads)
-    Ks = [layer_map(P_l, Q_l, n, formulation) for P_l, Q_l in zip(P, Q)]
-
-    def one_chunk(start, stop):
-        q_L, caches = _propagate(Ks, S0[start:stop], q0[start:stop])
-        r = q_L[:, -1] + y[start:stop]                    # residual Z_L[d, n] + y = y - y_hat
-        # loss = (1/B) sum_b r_b^2 with r = q_L[:, d] + y: every chunk divides by the whole B
-        dq = np.zeros_like(q_L)
-        dq[:, -1] = 2.0 * r / B
-        dS, dKs = None, [None] * len(caches)
-        for l in reversed(range(len(caches))):
-            dS, dq, dKs[l] = layer_backward(dS, dq, caches[l], need_dS=l > 0)
-        return float(r @ r) / B, dKs
-
-    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads, D <= _SERIAL_MAX_D)
-    loss = sum(part[0] for part in parts)
-    dP, dQ = np.empty_like(P), np.empty_like(Q)
-    for l, (P_l, Q_l) in enumerate(zip(P, Q)):
-        dmap = sum(part[1][l] for part in parts)         # every chunk uses the same map of layer l
-        dP[l], dQ[l] = dmap if isinstance(Ks[l], tuple) else kernel_backward(dmap, P_l, Q_l, n)
+    P, Q, S0, q0, y, n = _gram_args("loss_and_grad_gram", P, Q, S0, q0, y, n)
+    with np.errstate(over="ignore", invalid="ignore"):
+        loss, dP, dQ = _loss_and_grad_gram(P, Q, S0, q0, y, n)
+    for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
+        _finite_result(what, value, P=P, Q=Q, S0=S0)
     return loss, dP, dQ
 
 
-# The largest D = d + 1 at which the loss (loss_and_grad_gram), and apart from it the Jacobian,
-# take the lanes formulation by default: above it the D^3 vector operations per product cost more
-# than the batched GEMMs of the kernel or direct form (B = 20000, n = 20, L = 3, 2 cores; loss:
-# d = 10 lanes 68 ms vs direct 76, d = 11 97 vs kernel 106, d = 12 119 vs direct 99; blocks
-# Jacobian: d = 8 69 vs kernel 82, d = 9 118 vs 113, d = 10 146 vs 142; MATH.md §3.2).
-_LANES_MAX_D = 12
-_LANES_MAX_D_JACOBIAN = 9
-
-
-def _lanes(formulation, D, jacobian=False):
-    """Whether the loss (or the `jacobian`) takes the lanes formulation: asked for, or by default
-    for D <= 12 (the Jacobian D <= 9); any other formulation than None, "lanes" and FORMULATIONS is
-    a ValueError."""
-    if formulation is None:
-        return D <= (_LANES_MAX_D_JACOBIAN if jacobian else _LANES_MAX_D)
-    if formulation != "lanes" and formulation not in FORMULATIONS:
-        raise ValueError(f"formulation must be None, 'lanes' or one of {FORMULATIONS}, got {formulation!r}")
-    return formulation == "lanes"
-
-
-def _lanes_reader(S0, q0):
-    """(start, stop) -> the chunk's S_0 (D, D, b), its distinct entries s_0 (U, b) and q_0 (D, b)
-    with the prompts last (copies)."""
-    D = S0.shape[-1]
-    upper = symmetric_coordinates(D)[0]
-
-    def read_chunk(start, stop):
-        S = np.ascontiguousarray(S0[start:stop].transpose(1, 2, 0))
-        return S, S.reshape(D * D, -1).take(upper, axis=0), np.ascontiguousarray(q0[start:stop].T)
-    return read_chunk
-
-
-def _lanes_chunk(chunk, B, D):
-    """Prompts per chunk for the lanes formulation: `chunk`, or by default a multiple of 4 equal
-    chunks near 2^16 / D^2 prompts (each (D, D, b) array about 512 KB, in cache; equal chunks keep
-    2 or 4 workers equally busy). It depends on B and D only, never on the worker count."""
-    if chunk is not None:
-        return _int("chunk", chunk, 1)
-    count = 4 * -(-B // (4 * max(1, 2 ** 16 // D ** 2)))
-    return -(-B // count)
-
-
-def _lanes_kernels(P, Q, n):
-    """Each layer's kernel on S's distinct entries, K_s = K E (D^2, U). MATH.md §3.2."""
-    E = symmetric_coordinates(P.shape[-1])[2]
-    return [kernel_forward(P_l, Q_l, n) @ E for P_l, Q_l in zip(P, Q)]
-
-
-def _lanes_propagate(Ks, S, s, q):
-    """Run lanes_forward through the layers' kernels K_s from S_0, s_0, q_0; returns (q_L)_d (b,)
-    and the caches."""
-    caches = []
-    for l, K_s in enumerate(Ks):
-        S, s, q, cache = lanes_forward(K_s, S, s, q, last=l == len(Ks) - 1)
-        caches.append(cache)
-    return q, caches
-
-
-def _lanes_loss_and_grad(P, Q, read_chunk, y, n, chunk, threads):
-    """loss_and_grad_gram in the lanes formulation (MATH.md §3.2). read_chunk(start, stop) gives
-    the chunk's S_0 (D, D, b), its distinct entries s_0 (U, b) and q_0 (D, b) with the prompts on
-    the last axis. Chunks as _lanes_chunk; workers: every core."""
-    B, D = y.shape[0], P.shape[-1]
-    E = symmetric_coordinates(D)[2]
-    Ks = _lanes_kernels(P, Q, n)
-
-    def one_chunk(start, stop):
-        q, caches = _lanes_propagate(Ks, *read_chunk(start, stop))
-        r = q + y[start:stop]                             # q = Z_L[d, n]: r = y - y_hat
-        G, dq, dKs = None, 2.0 * r / B, [None] * len(Ks)  # every chunk divides by the whole B
-        for l in reversed(range(len(Ks))):
-            G, dq, dKs[l] = lanes_backward(G, dq, caches[l], first=l == 0)
-        return float(r @ r) / B, dKs
-
-    parts = _map_chunks(one_chunk, B, _lanes_chunk(chunk, B, D), threads)
-    loss = sum(part[0] for part in parts)
-    dP, dQ = np.empty_like(P), np.empty_like(Q)
-    for l, (P_l, Q_l) in enumerate(zip(P, Q)):
-        dK = sum(part[1][l] for part in parts) @ E.T     # K_s = K E: dK = dK_s E^T
-        dP[l], dQ[l] = kernel_backward(dK, P_l, Q_l, n)
-    return loss, dP, dQ
-
-
-def _jacobian_rows(structure, JP, JQ):
-    """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
-    coordinates: structure_grad applied to every row at once (its chain rules act per layer)."""
-    B = JP.shape[0]
-    rows = structure_grad(structure, JP.reshape((-1,) + JP.shape[2:]), JQ.reshape((-1,) + JQ.shape[2:]))
-    return np.concatenate([g.reshape(B, -1) for g in rows.values()], axis=1)
-
-
-def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", chunk=None, threads=None,
-                                formulation=None):
-    """Residuals r_b = Z_L[b, d, n] + y_b and their Jacobian from the Gram form (MATH.md §3.1).
-
-    Arguments as loss_and_grad_gram. Each prompt's row is the reverse pass seeded with e_d for that
-    prompt alone: dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb, dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
-    structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
-    or "blocks" maps each row through the structure's chain rule (pack order of structure_shapes).
-    formulation as loss_and_grad_gram ("lanes", MATH.md §3.2, by default for D <= 9; "kernel" or
-    "direct" change how T is formed, not the rows). Default workers: every core; one for kernel
-    and direct at D <= 5 (_thread_count).
-    Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
-    """
-    _check_structure(structure)
-    _gram_args("residuals_and_jacobian_gram", P, Q, S0, q0, y, n)
-    B, D = y.shape[0], P.shape[-1]
-    L, H = P.shape[:2]
-    if _lanes(formulation, D, jacobian=True):
-        return _lanes_jacobian(P, Q, _lanes_reader(S0, q0), y, n, structure, chunk, threads)
-    Ks = [layer_map(P_l, Q_l, n, formulation) for P_l, Q_l in zip(P, Q)]
-
-    def one_chunk(start, stop):
-        q_L, caches = _propagate(Ks, S0[start:stop], q0[start:stop])
-        r = q_L[:, -1] + y[start:stop]
-        dq = np.zeros_like(q_L)
-        dq[:, -1] = 1.0                                   # dr_b / dq_L[b] = e_d, prompt by prompt
-        JP, JQ = np.empty((2, len(r)) + P.shape)
-        dS = None
-        for l in reversed(range(L)):
-            dS, dq, dT = layer_backward(dS, dq, caches[l], need_dS=l > 0, per_prompt=True)
-            S, b = caches[l][1], len(r)
-            for h in range(H):
-                # vec(T) = vec(I) + K vec(S), K = (1/n) sum_h P_h kron Q_h^T  (kernel_backward per prompt);
-                # the factor shared by all prompts goes in one (b D, D) GEMM, the rest per prompt
-                np.matmul((dT.reshape(b * D, D) @ (Q[l, h].T / n)).reshape(b, D, D), S,
-                          out=JP[:, l, h])                                       # (dT_b Q^T/n) S_b
-                np.matmul((S.reshape(b * D, D) @ (P[l, h].T / n)).reshape(b, D, D), dT,
-                          out=JQ[:, l, h])                                       # (S_b P^T/n) dT_b
-        return r, _jacobian_rows(structure, JP, JQ)
-
-    parts = _map_chunks(one_chunk, B, _chunk(chunk, D), threads, D <= _SERIAL_MAX_D_JACOBIAN)
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-
-
-def _lanes_jacobian(P, Q, read_chunk, y, n, structure, chunk, threads):
-    """residuals_and_jacobian_gram in the lanes formulation (MATH.md §3.1, §3.2): the reverse pass
-    seeded with dr_b/d(q_L)_d = 1 for every prompt, each prompt's dT kept; the rows formed with
-    the prompts last and written to (b, L, H, D, D). Chunks as _lanes_chunk; workers: every core."""
-    B, D = y.shape[0], P.shape[-1]
-    L, H = P.shape[:2]
-    Ks = _lanes_kernels(P, Q, n)
-
-    def one_chunk(start, stop):
-        q, caches = _lanes_propagate(Ks, *read_chunk(start, stop))
-        r = q + y[start:stop]
-        JP, JQ = np.empty((2, len(r)) + P.shape)
-        G, dq = None, np.ones(len(r))                     # dr_b / d(q_L)_d = 1, prompt by prompt
-        for l in reversed(range(L)):
-            G, dq, dT = lanes_backward(G, dq, caches[l], first=l == 0, per_prompt=True)
-            S_l = caches[l][1]
-            for h in range(H):      # dr_b/dP_lh = (1/n) dT_b Q^T S_b, dr_b/dQ_lh = (1/n) S_b P^T dT_b
-                # formed with the prompts last, then copied into the rows' layout in one pass
-                JP[:, l, h] = np.einsum("ijb,kjb->bik", np.einsum("ijb,kj->ikb", dT, Q[l, h] / n), S_l)
-                JQ[:, l, h] = np.einsum("ijb,jkb->bik", np.einsum("ijb,kj->ikb", S_l, P[l, h] / n), dT)
-        return r, _jacobian_rows(structure, JP, JQ)
-
-    parts = _map_chunks(one_chunk, B, _lanes_chunk(chunk, B, D), threads)
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-
-
-def loss_and_grad(P, Q, Z, y, threads=None):
+def loss_and_grad(P, Q, Z, y):
     """In-context loss f (see in_context_loss) and its gradient by hand-written reverse mode.
 
-    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,); threads: workers over chunks of prompts (default
-    as loss_and_grad_gram; the result does not depend on it). The formulation is
-    loss_and_grad_gram's default; with lanes (D <= 12) each chunk's Gram product is formed in its
-    worker (lanes_gram), otherwise gram() forms S_0 first. Returns (loss, dP, dQ), shaped like P, Q.
-    A NaN or Inf in Z is a ValueError; with lanes each worker looks for one in its chunk of Z just
-    before reading it (in the cache, on every core: 1 ms of ~15 at the paper's size when the whole
-    Z was checked first, serially), so no result comes out of a Z that is not finite.
-    MATH.md §3, §3.2.
+    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). Returns (loss, dP, dQ), dP and dQ shaped like
+    P, Q. Computed from the Gram form (S_0, q_0) (loss_and_grad_gram). A result that is not
+    finite is a ValueError saying that float64 overflowed. MATH.md §3.
     """
     P, Q = _params(P, Q)
-    lanes = _lanes(None, P.shape[-1])
-    Z = _prompts(Z, P.shape[2], finite=not lanes)
+    Z = _prompts(Z, P.shape[2])
     y = _labels(y, Z.shape[0])
     n = Z.shape[2] - 1
     with np.errstate(over="ignore", invalid="ignore"):
-        if lanes:                                       # each chunk's Gram product in its worker
-            def lanes_chunk(start, stop):
-                _finite_entries("Z", Z[start:stop])
-                Zt = Z[start:stop].transpose(1, 2, 0)     # a view: lanes_gram reads Z in place
-                return (*lanes_gram(Zt), np.ascontiguousarray(Zt[:, n]))
-            loss, dP, dQ = _lanes_loss_and_grad(P, Q, lanes_chunk, y, n, None, threads)
-        else:
-            loss, dP, dQ = loss_and_grad_gram(P, Q, gram(Z, threads), np.ascontiguousarray(Z[:, :, n]), y,
-                                              n, threads=threads)
+        loss, dP, dQ = _loss_and_grad_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
     for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
         _finite_result(what, value, P=P, Q=Q, Z=Z)
     return loss, dP, dQ
 
 
-def residuals_and_jacobian(P, Q, Z, y, structure="full", threads=None, activation="linear"):
+def _jacobian_rows(structure, JP, JQ):
+    """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
+    coordinates: the chain rules of structure_grad applied to every row at once (MATH.md §5)."""
+    B = JP.shape[0]
+    if structure == "full":
+        rows = (JP, JQ)
+    else:                                          # -dQ[l, 0, :d, :d] (and dP[l, 0, :d, :d]) per row
+        rows = (-JQ[:, :, 0, :-1, :-1],) + ((JP[:, :, 0, :-1, :-1],) if structure == "blocks" else ())
+    return np.concatenate([g.reshape(B, -1) for g in rows], axis=1)
+
+
+def _residuals_and_jacobian_chunk(P, Q, S0, q0, y, n, structure):
+    """One chunk of prompts: its residuals r (b,) and Jacobian rows (b, p), the reverse pass seeded
+    with dr_b / dq_L[b] = e_d for each prompt and not summed (MATH.md §3.1)."""
+    q_L, caches = _propagate(P, Q, S0, q0, n)
+    dq = np.zeros_like(q_L)
+    dq[:, -1] = 1.0
+    return q_L[:, -1] + y, _jacobian_rows(structure, *_backpropagate(dq, caches, per_prompt=True))
+
+
+def _residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure):
+    """residuals_and_jacobian_gram without the checks (Gauss-Newton calls it at every evaluation)."""
+    parts = [_residuals_and_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, structure)
+             for a, b in _chunks(y.shape[0], P.shape[-1])]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _check_structure_of(structure, P, Q):
+    """A ValueError unless P, Q have the form of `structure` (one head, the fixed entries of (8) or
+    (11)): the Jacobian's columns in that structure's coordinates assume it."""
+    if structure == "full":
+        return
+    if P.shape[1] != 1:
+        raise ValueError(f"structure {structure!r} has one head: P, Q must have H = 1, got H = {P.shape[1]}")
+    d = P.shape[-1] - 1
+    A, Bm = -Q[:, 0, :d, :d], P[:, 0, :d, :d]
+    expected = (sparse_params(A) if structure == "sparse" else block_params(A, Bm))
+    if not (np.array_equal(P, expected[0]) and np.array_equal(Q, expected[1])):
+        raise ValueError(f"P, Q must have the form of structure {structure!r} (MATH.md §5: P_l = "
+                         f"[[{'0' if structure == 'sparse' else 'B_l'}, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]]); "
+                         "use structure='full' for other parameters")
+
+
+def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full"):
+    """Residuals r_b = Z_L[b, d, n] + y_b and their Jacobian from the Gram form (MATH.md §3.1).
+
+    Arguments as loss_and_grad_gram. Each prompt's row is the reverse pass seeded with e_d for that
+    prompt alone: dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb, dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
+    structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
+    or "blocks" (P, Q of that form, H = 1) maps each row through the structure's chain rule (pack
+    order of structure_shapes). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
+    """
+    _check_structure(structure)
+    P, Q, S0, q0, y, n = _gram_args("residuals_and_jacobian_gram", P, Q, S0, q0, y, n)
+    _check_structure_of(structure, P, Q)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r, J = _residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure)
+    _finite_result("the residuals", r, P=P, Q=Q, S0=S0)
+    _finite_result("the Jacobian", J, P=P, Q=Q, S0=S0)
+    return r, J
+
+
+def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear"):
     """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p), MATH.md §3.1.
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). structure "full" gives J in (P, Q) coordinates
@@ -996,21 +537,25 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", threads=None, activatio
     structure's own coordinates (pack order of structure_shapes). The loss is mean(r^2) and its
     gradient 2 J^T r / B. J holds B p floats (B = 200000, p = 150: 240 MB). activation: one of
     ACTIVATIONS; other than "linear" the rows come from the explicit attention (MATH.md §4).
+    A result that is not finite is a ValueError saying that float64 overflowed.
     """
     _check_structure(structure)
     _check_activation(activation)
     P, Q = _params(P, Q)
-    if structure != "full" and P.shape[1] != 1:
-        raise ValueError(f"structure {structure!r} has one head: P, Q must have H = 1, got H = {P.shape[1]}")
+    _check_structure_of(structure, P, Q)
     Z = _prompts(Z, P.shape[2])
     y = _labels(y, Z.shape[0])
     n = Z.shape[2] - 1
-    if activation != "linear":
-        r, JP, JQ, _ = _activation_pass(P, Q, Z, y, activation, threads, jacobian=True)
-        return r, _jacobian_rows(structure, JP, JQ)
-    return residuals_and_jacobian_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
-                                       structure=structure, threads=threads)
-
+    with np.errstate(over="ignore", invalid="ignore"):
+        if activation == "linear":
+            r, J = _residuals_and_jacobian_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
+                                                structure)
+        else:
+            r, JP, JQ = _activation_pass(P, Q, Z, y, activation, jacobian=True)[:3]
+            J = _jacobian_rows(structure, JP, JQ)
+    _finite_result("the residuals", r, P=P, Q=Q, Z=Z)
+    _finite_result("the Jacobian", J, P=P, Q=Q, Z=Z)
+    return r, J
 
 # ---------------------------------------------------------------------------------------------
 # 3b. Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads; MATH.md §4)
@@ -1089,42 +634,56 @@ def _check_activation(activation):
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _activation_pass(P, Q, Z, y, activation, threads=None, jacobian=False):
-    """Through the explicit attention layers, the batch in chunks on the workers. Returns
-    (loss, dP, dQ, Z_L), each chunk's loss and gradient divided by the whole B (MATH.md §3); with
-    jacobian, (r (B,), JP (B, L, H, D, D), JQ (B, L, H, D, D), Z_L), the backward seeded with
-    dr_b/dZ_L[b, d, n] = 1 prompt by prompt and not summed over the batch (MATH.md §4)."""
-    B, D, N = Z.shape
+def _activation_chunk(P, Q, Zc, yc, B, activation, jacobian=False):
+    """One chunk of prompts Zc (b, D, n+1) with labels yc (b,) through the explicit attention
+    layers and back. Returns (loss part, dP, dQ, Z_L), the loss and gradient divided by the whole
+    batch size B (MATH.md §3); with jacobian, (r (b,), JP (b, L, H, D, D), JQ, Z_L), the backward
+    seeded with dr_b/dZ_L[b, d, n] = 1 prompt by prompt and not summed (MATH.md §4)."""
+    caches = []
+    for P_l, Q_l in zip(P, Q):
+        heads = [attention_forward(P_h, Q_h, Zc, activation) for P_h, Q_h in zip(P_l, Q_l)]
+        caches.append([c for _, c in heads])
+        Zc = Zc + sum(out for out, _ in heads)                 # Z_{l+1} = Z_l + sum_h Attn_h
+    r = Zc[:, -1, -1] + yc
+    dZ = np.zeros_like(Zc)
+    dZ[:, -1, -1] = 1.0 if jacobian else 2.0 * r / B
+    shape = (len(r),) + P.shape if jacobian else P.shape
+    dP, dQ = np.zeros(shape), np.zeros(shape)
+    for l in reversed(range(len(caches))):
+        dZ_in = dZ.copy()                                      # the residual path
+        for h, cache in enumerate(caches[l]):
+            dZ_h, dP_h, dQ_h = attention_backward(dZ, cache, per_prompt=jacobian)
+            if jacobian:
+                dP[:, l, h], dQ[:, l, h] = dP_h, dQ_h
+            else:
+                dP[l, h], dQ[l, h] = dP_h, dQ_h
+            dZ_in += dZ_h
+        dZ = dZ_in
+    return (r if jacobian else float(r @ r) / B), dP, dQ, Zc
 
-    def one_chunk(start, stop):
-        Zc, caches = Z[start:stop], []
-        for P_l, Q_l in zip(P, Q):
-            heads = [attention_forward(P_h, Q_h, Zc, activation) for P_h, Q_h in zip(P_l, Q_l)]
-            caches.append([c for _, c in heads])
-            Zc = Zc + sum(out for out, _ in heads)             # Z_{l+1} = Z_l + sum_h Attn_h
-        r = Zc[:, -1, -1] + y[start:stop]
-        dZ = np.zeros_like(Zc)
-        dZ[:, -1, -1] = 1.0 if jacobian else 2.0 * r / B
-        shape = (len(r),) + P.shape if jacobian else P.shape
-        dP, dQ = np.zeros(shape), np.zeros(shape)
-        for l in reversed(range(len(caches))):
-            dZ_in = dZ.copy()                                  # the residual path
-            for h, cache in enumerate(caches[l]):
-                dZ_h, dP_h, dQ_h = attention_backward(dZ, cache, per_prompt=jacobian)
-                if jacobian:
-                    dP[:, l, h], dQ[:, l, h] = dP_h, dQ_h
-                else:
-                    dP[l, h], dQ[l, h] = dP_h, dQ_h
-                dZ_in += dZ_h
-            dZ = dZ_in
-        return (r if jacobian else float(r @ r) / B), dP, dQ, Zc
 
-    # (n+1, n+1) score matrices: chunks of 2^15 / (n+1)^2 prompts keep them in cache (2x faster)
-    parts = _map_chunks(one_chunk, B, max(1, 2 ** 15 // N ** 2), threads, max(D, N) <= _SERIAL_MAX_D)
+def _activation_bounds(B, N):
+    """(start, stop) of the chunks for the explicit attention: 2^15 / (n+1)^2 prompts each, so the
+    (b, n+1, n+1) score matrices stay in cache."""
+    size = max(1, 2 ** 15 // N ** 2)
+    return [(c, min(c + size, B)) for c in range(0, B, size)]
+
+
+def _combine_activation_parts(parts, jacobian):
+    """The chunks' results of _activation_chunk as one: (loss, dP, dQ, Z_L) summed in chunk order,
+    or with jacobian (r, JP, JQ, Z_L) concatenated."""
     if jacobian:
         return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
     return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts),
             np.concatenate([p[3] for p in parts]))
+
+
+def _activation_pass(P, Q, Z, y, activation, jacobian=False):
+    """The batch through _activation_chunk, chunk by chunk (unchecked; the callers check)."""
+    B = Z.shape[0]
+    parts = [_activation_chunk(P, Q, Z[a:b], y[a:b], B, activation, jacobian)
+             for a, b in _activation_bounds(B, Z.shape[2])]
+    return _combine_activation_parts(parts, jacobian)
 
 
 def forward_activation(P, Q, Z, activation="relu"):
@@ -1133,7 +692,9 @@ def forward_activation(P, Q, Z, activation="relu"):
     _check_activation(activation)
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
-    return _activation_pass(P, Q, Z, np.zeros(Z.shape[0]), activation)[3]
+    with np.errstate(over="ignore", invalid="ignore"):
+        Z_L = _activation_pass(P, Q, Z, np.zeros(Z.shape[0]), activation)[3]
+    return _finite_result("Z_L", Z_L, P=P, Q=Q, Z=Z)
 
 
 def predict_activation(P, Q, Z, activation="relu"):
@@ -1148,7 +709,11 @@ def loss_and_grad_activation(P, Q, Z, y, activation="relu"):
     P, Q = _params(P, Q)
     Z = _prompts(Z, P.shape[2])
     y = _labels(y, Z.shape[0])
-    return _activation_pass(P, Q, Z, y, activation)[:3]
+    with np.errstate(over="ignore", invalid="ignore"):
+        loss, dP, dQ, _ = _activation_pass(P, Q, Z, y, activation)
+    for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
+        _finite_result(what, value, P=P, Q=Q, Z=Z)
+    return loss, dP, dQ
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1273,13 +838,15 @@ def structure_grad(structure, dP, dQ):
 # 5. Training on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook; MATH.md §6)
 # ---------------------------------------------------------------------------------------------
 
-def _evaluator(Z, y, activation, threads=None):
-    """(P, Q) -> (loss, dP, dQ) on the fixed batch (Z, y); the linear layer precomputes S_0 once."""
+def _evaluator(engine, Z, y, activation):
+    """(P, Q) -> (loss, dP, dQ) on the fixed batch (Z, y) by `engine` (None: icl_ref's own
+    functions); the linear layer precomputes S_0 once."""
+    engine = REFERENCE if engine is None else engine
     if activation == "linear":
         n = Z.shape[2] - 1
-        S0, q0 = gram(Z), np.ascontiguousarray(Z[:, :, n])      # contiguous: 2x faster einsums
-        return lambda P, Q: loss_and_grad_gram(P, Q, S0, q0, y, n, threads=threads)
-    return lambda P, Q: _activation_pass(P, Q, Z, y, activation, threads)[:3]
+        S0, q0 = gram(Z), np.ascontiguousarray(Z[:, :, n])
+        return lambda P, Q: engine.loss_and_grad_gram(P, Q, S0, q0, y, n)
+    return lambda P, Q: engine.activation_pass(P, Q, Z, y, activation)[:3]
 
 
 def _interrupted_at_start(structure, coords, options, start, **extra):
@@ -1313,8 +880,8 @@ def _start(structure, shapes, init, init_scale, rng):
 
 
 def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
-                rng=None, maxiter=2000, maxfun=None, maxcor=20, ftol=0.0, gtol=1e-10,
-                maxls=50, progress=0, keep_iterates=False, activation="linear", threads=None):
+                rng=None, maxiter=2000, maxfun=None, maxcor=20, ftol=0.0, gtol=1e-8,
+                maxls=50, progress=0, keep_iterates=False, activation="linear", engine=None):
     """Minimise the in-context loss on the fixed batch (Z, y) with scipy's L-BFGS-B.
 
     Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in {"sparse", "blocks", "full"},
@@ -1323,22 +890,24 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     structure_shapes). The options maxiter, maxfun (default 5 * maxiter), maxcor, ftol, gtol and
     maxls go to scipy.optimize.minimize(method="L-BFGS-B") as they are; ftol = 0 (the default)
     stops only on the projected gradient (gtol) or when the loss no longer decreases at all, so a
-    stop is at a small gradient, not at a slow stretch (at the paper's scale |grad| ~ 4e-9).
-    maxcor = 20 pairs suffice for the sparse structure (~400 iterations at the paper's scale); the
-    blocks structure wants about twice its 150 coordinates: with 300 it converges in ~1200-1700
-    iterations, with 20 it still has |grad| ~1e-4 after 3000 (measured; MATH.md §6).
+    stop is at a small gradient, not at a slow stretch. maxcor = 20 pairs suffice for the sparse
+    structure; the blocks structure wants about twice its coordinates (MATH.md §6).
     progress = k > 0 prints "iteration, loss, |grad|, elapsed" to stderr every k iterations. keep_iterates stores the
     coordinates after every iteration (result["iterates"], a list of dicts, initial point first).
     activation: "linear" (the paper's layer; the Gram matrices S_0 = Z M Z^T are computed once and
     each evaluation costs O(B L H D^3)) or one of ACTIVATIONS (explicit attention, O(B L H n^2 D)).
-    threads: workers per evaluation (default as loss_and_grad); BLAS runs one thread during training
-    (one_blas_thread) and the caller's setting is restored after.
+    engine: None evaluates with this module's functions; icl_fast's trainers pass their own
+    (the same numbers, on several cores).
 
-    Returns a dict: structure, coords (the structure's own arrays), P, Q, loss, grad_norm, nit,
-    nfev, success, status, message, interrupted, wall_time, scipy_version, history (loss after
-    each iteration, starting with the initial loss) and options. success is scipy's verdict;
-    a Ctrl-C returns the last completed iterate with interrupted=True and success=False.
-    MATH.md §6.
+    Returns a dict: structure, coords (the structure's own arrays), P, Q, loss, grad_norm (the
+    gradient's 2-norm), nit, nfev, success, status, message, interrupted, wall_time,
+    scipy_version, history (loss after each iteration, starting with the initial loss) and
+    options. success is icl_ref's own verdict on the returned point: its loss and gradient are
+    finite and no gradient entry exceeds gtol in size (the projected-gradient test of L-BFGS-B;
+    gtol is absolute, in the loss's units). scipy's status and message are kept beside it, with
+    the reason whenever the two disagree. A trial point where the model overflows is a failed
+    trial (the line search backs off); the message counts such trials. A Ctrl-C returns the last
+    completed iterate with interrupted=True and success=False. MATH.md §6.
     """
     _check_structure(structure)
     _check_activation(activation)
@@ -1352,10 +921,9 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                    maxcor=_int("maxcor", maxcor, 1), ftol=_nonneg("ftol", ftol),
                    gtol=_nonneg("gtol", gtol), maxls=_int("maxls", maxls, 1))
     progress = _int("progress", progress, 0)
-    _thread_count(threads)
     x0 = _start(structure, shapes, init, init_scale, rng)
 
-    evaluate = _evaluator(Z, y, activation, threads)
+    evaluate = _evaluator(engine, Z, y, activation)
 
     def coords_of(theta):
         return dict(zip(shapes, unpack(theta, list(shapes.values()))))
@@ -1363,22 +931,22 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     def fun(theta):
         # a trial point where the model overflows is a failed trial (an infinite loss), so the
         # line search backs off instead of the run ending; `last` keeps only finite evaluations
-        if not np.all(np.isfinite(theta)):
-            return math.inf, np.zeros_like(theta)
-        with np.errstate(over="ignore", invalid="ignore"):
-            loss, dP, dQ = evaluate(*structure_to_PQ(structure, coords_of(theta)))
-        if not (math.isfinite(loss) and np.all(np.isfinite(dP)) and np.all(np.isfinite(dQ))):
+        if np.all(np.isfinite(theta)):
+            with np.errstate(over="ignore", invalid="ignore"):
+                loss, dP, dQ = evaluate(*structure_to_PQ(structure, coords_of(theta)))
+        if not (np.all(np.isfinite(theta)) and math.isfinite(loss) and np.all(np.isfinite(dP))
+                and np.all(np.isfinite(dQ))):
+            failed[0] += 1
             return math.inf, np.zeros_like(theta)
         grad = pack(structure_grad(structure, dP, dQ).values())
         last.update(theta=theta.copy(), loss=loss, grad=grad)
         return loss, grad
 
-    last, history = {}, []
+    last, history, failed = {}, [], [0]
     iterates = [coords_of(x0)] if keep_iterates else None
     start = time.perf_counter()
     try:
-        with one_blas_thread():
-            fun(x0)
+        fun(x0)
     except KeyboardInterrupt:
         return _interrupted_at_start(structure, coords_of(x0), options, start, iterates=iterates)
     if not last:
@@ -1400,16 +968,14 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                   f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
 
     try:
-        with one_blas_thread():
-            res = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B", callback=callback,
-                                          options=options)
-        outcome = dict(nit=int(res.nit), nfev=int(res.nfev), success=bool(res.success),
-                       status=int(res.status), message=str(res.message), interrupted=False)
+        res = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B", callback=callback,
+                                      options=options)
+        outcome = dict(nit=int(res.nit), nfev=int(res.nfev), status=int(res.status),
+                       message=str(res.message), interrupted=False)
         # the returned loss is the loss of the returned parameters: scipy's res.fun can be the
         # value of a failed trial point, so take the point from the last finite evaluation
         if not np.array_equal(res.x, best["theta"]):
-            with one_blas_thread():
-                fun(res.x)
+            fun(res.x)
             if np.array_equal(last["theta"], res.x) and last["loss"] <= best["loss"]:
                 best.update(last)
             else:
@@ -1420,6 +986,13 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
         outcome = dict(nit=len(history) - 1, nfev=None, success=False, status=None,
                        message=f"interrupted by KeyboardInterrupt after {len(history) - 1} iterations",
                        interrupted=True)
+    grad_max = float(np.max(np.abs(grad)))
+    outcome["success"] = not outcome["interrupted"] and grad_max <= options["gtol"]
+    if not outcome["interrupted"]:
+        outcome["message"] += (f"; largest gradient entry {grad_max:.2e} {'<=' if outcome['success'] else '>'} "
+                               f"gtol {options['gtol']:.1e}")
+        if failed[0]:
+            outcome["message"] += f"; {failed[0]} trial points overflowed float64 and were rejected"
     coords = coords_of(theta)
     P, Q = structure_to_PQ(structure, coords)
     return dict(structure=structure, coords=coords, P=P, Q=Q, loss=float(loss),
@@ -1439,29 +1012,21 @@ def _fixed_coordinates(structure, shapes):
     return np.concatenate([m.ravel() for m in masks.values()])
 
 
-def _reduced_least_squares(r, J, threads=None, rows=None):
+def _reduced_least_squares(r, J):
     """(f, R) with R^T R = J^T J, R^T f = J^T r and |f| = |r|: the triangular factor of the QR
     factorisation of [J r] is [[R, g], [0, rho]], so f = [g; rho] (p+1,) and R stacked on a zero row
     (p+1, p). A trust-region Gauss-Newton step depends on J only through these, so the solver's SVD
     of the (B, p) Jacobian becomes one of a (p+1, p) matrix, the same steps in exact arithmetic
-    (MATH.md §6). The factor is found in blocks of `rows` rows (default max(2000, 4 (p+1))) on the
-    workers, then from the stacked blocks' factors (a tall-skinny QR: the same R up to row signs,
-    which f shares; 2x faster than one factorisation at B = 20000, p = 125, on 2 cores)."""
+    (MATH.md §6). r: (B,), J: (B, p)."""
     B, p = J.shape
-    A = np.column_stack([J, r])
-
-    def r_factor(start, stop):
-        return scipy.linalg.qr(A[start:stop], mode="r", check_finite=False)[0][:p + 1]
-    rows = max(2000, 4 * (p + 1)) if rows is None else rows
-    blocks = _map_chunks(r_factor, B, rows, threads)
-    top = scipy.linalg.qr(np.vstack(blocks), mode="r", check_finite=False)[0][:p + 1]
+    top = scipy.linalg.qr(np.column_stack([J, r]), mode="r", check_finite=False)[0][:p + 1]
     R_aug = np.zeros((p + 1, p + 1))
     R_aug[:len(top)] = top                  # fewer than p + 1 prompts: the missing rows are zero
     return R_aug[:, p], R_aug[:, :p]
 
 
 def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
-                       rng=None, max_nfev=500, gtol=1e-8, progress=0, threads=None, activation="linear"):
+                       rng=None, max_nfev=500, gtol=1e-8, progress=0, activation="linear", engine=None):
     """Minimise the in-context loss on (Z, y) by Gauss-Newton with a trust region (MATH.md §6).
 
     scipy.optimize.least_squares on the residuals r / sqrt(B) (method "dogbox" for the sparse and
@@ -1488,7 +1053,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     shapes = structure_shapes(structure, layers, d, heads)
     options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
     progress = _int("progress", progress, 0)
-    _thread_count(threads)
+    engine = REFERENCE if engine is None else engine
     theta0 = _start(structure, shapes, init, init_scale, rng)
     free = ~_fixed_coordinates(structure, shapes)
     S0, q0 = gram(Z), np.ascontiguousarray(Z[:, :, n])
@@ -1514,14 +1079,14 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         P, Q = structure_to_PQ(structure, coords_of(full(x)))
         with np.errstate(over="ignore", invalid="ignore"):
             if activation == "linear":
-                r, J = residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure=structure, threads=threads)
+                r, J = engine.residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure)
             else:
-                r, JP, JQ, _ = _activation_pass(P, Q, Z, y, activation, threads, jacobian=True)
+                r, JP, JQ, _ = engine.activation_pass(P, Q, Z, y, activation, jacobian=True)
                 J = _jacobian_rows(structure, JP, JQ)
         if not (np.all(np.isfinite(r)) and np.all(np.isfinite(J))):
             return cache
         J = J[:, free]
-        cache["f"], cache["R"] = _reduced_least_squares(r / root_B, J / root_B, threads)
+        cache["f"], cache["R"] = engine.reduced_least_squares(r / root_B, J / root_B)
         loss = float(r @ r) / B
         if loss < best["loss"]:
             best.update(x=x.copy(), loss=loss, r=r, J=J)
@@ -1536,8 +1101,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     best, history = dict(loss=math.inf), []
     x0 = theta0[free]
     try:
-        with one_blas_thread():
-            evaluate(x0)
+        evaluate(x0)
     except KeyboardInterrupt:
         return _interrupted_at_start(structure, coords_of(theta0), options, start, fixed=int(np.sum(~free)))
     if not math.isfinite(best["loss"]):
@@ -1547,11 +1111,9 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     # Jacobian is rank-deficient along (gamma P_l, Q_l / gamma), they stall where "trf" does not
     method = "trf" if structure == "full" else "dogbox"
     try:
-        with one_blas_thread():
-            res = scipy.optimize.least_squares(lambda x: evaluate(x)["f"], x0,
-                                               jac=lambda x: evaluate(x)["R"], method=method,
-                                               ftol=1e-15, xtol=1e-15, gtol=1e-15,
-                                               max_nfev=options["max_nfev"])
+        res = scipy.optimize.least_squares(lambda x: evaluate(x)["f"], x0, jac=lambda x: evaluate(x)["R"],
+                                           method=method, ftol=1e-15, xtol=1e-15, gtol=1e-15,
+                                           max_nfev=options["max_nfev"])
         outcome = dict(nit=int(res.nfev), nfev=int(res.nfev), status=int(res.status),
                        message=str(res.message), interrupted=False)
     except KeyboardInterrupt:
@@ -1568,6 +1130,15 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     return dict(structure=structure, coords=coords, P=P, Q=Q, loss=loss, grad_norm=grad_norm,
                 success=success, wall_time=time.perf_counter() - start, scipy_version=scipy.__version__,
                 history=np.array(history), options=options, fixed=int(np.sum(~free)), **outcome)
+
+
+# What the trainers evaluate with, unchecked (they check their inputs once): icl_ref's own
+# functions. An engine is any object with these four attributes (icl_fast makes one per thread
+# count); it must return the same numbers.
+REFERENCE = types.SimpleNamespace(loss_and_grad_gram=_loss_and_grad_gram,
+                                  residuals_and_jacobian_gram=_residuals_and_jacobian_gram,
+                                  activation_pass=_activation_pass,
+                                  reduced_least_squares=_reduced_least_squares)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1662,21 +1233,24 @@ def gd_step_size(n, d, noise_var=0.0):
 MAX_MOMENT_ORDER = 40    # exact Wishart moments up to this order (MATH.md §9)
 
 
-@lru_cache(maxsize=None)
-def _wishart_T(n, d, parts):
+def _wishart_T(n, d, parts, memo):
     """T(k_1..k_r) = E prod_j tr(W^{k_j}), W ~ Wishart_d(n, I), by the recursion of MATH.md §9.
 
-    parts is a sorted tuple of positive integers; an exact Python integer is returned.
+    parts is a sorted tuple of positive integers; an exact Python integer is returned. memo holds
+    the values found so far in this computation (a dict the caller owns).
     """
     if not parts:
         return 1
+    if parts in memo:
+        return memo[parts]
     k, rest = parts[-1], parts[:-1]
 
     def T(*ks):                        # tr W^0 = d, so every zero exponent is a factor d
-        return d ** ks.count(0) * _wishart_T(n, d, tuple(sorted(x for x in ks if x)))
+        return d ** ks.count(0) * _wishart_T(n, d, tuple(sorted(x for x in ks if x)), memo)
     total = (n + k - 1) * T(k - 1, *rest)
     total += sum(T(j, k - 1 - j, *rest) for j in range(1, k))
     total += sum(2 * m * T(k + m - 1, *(rest[:i] + rest[i + 1:])) for i, m in enumerate(rest))
+    memo[parts] = total
     return total
 
 
@@ -1690,7 +1264,15 @@ def wishart_trace_moments(n, d, kmax):
     if kmax > MAX_MOMENT_ORDER:      # the recursion visits every partition of k: p(40) = 37338, p(81) = 1.8e7
         raise ValueError(f"kmax must be <= {MAX_MOMENT_ORDER} (exact moments cost every partition of k), "
                          f"got {kmax}")
-    return [Fraction(d)] + [Fraction(_wishart_T(n, d, (k,)), n ** k) for k in range(1, kmax + 1)]
+    return list(_trace_moments(n, d, kmax))
+
+
+@lru_cache(maxsize=64)
+def _trace_moments(n, d, kmax):
+    """wishart_trace_moments as a tuple, kept for the 64 most recent (n, d, kmax): the exact loss
+    and the quadrature ask for the same moments at every evaluation."""
+    memo = {}
+    return (Fraction(d),) + tuple(Fraction(_wishart_T(n, d, (k,), memo), n ** k) for k in range(1, kmax + 1))
 
 
 def _family_scalars(a, b):
@@ -1938,7 +1520,7 @@ def fitted_scalar(M, T):
     return float(np.sum((M / m) * (T / t)) / np.sum((T / t) ** 2) * (m / t))
 
 
-def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation="linear"):
+def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation="linear", engine=None):
     """Sampling covariance of parameters trained on the batch (Z, y), in the structure's coordinates:
 
         Cov(theta_hat) ~ H^+ V H^+ / B,
@@ -1969,16 +1551,18 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     def grad(theta, evaluate):
         P, Q = structure_to_PQ(structure, dict(zip(names, unpack(theta, shapes))))
         return pack(structure_grad(structure, *evaluate(P, Q)[1:]).values())
-    whole = _evaluator(Z, y, activation)
+    whole = _evaluator(engine, Z, y, activation)
     H = np.array([(grad(theta0 + h * e, whole) - grad(theta0 - h * e, whole)) / (2 * h)
                   for e in np.eye(theta0.size)])
     H_pinv = np.linalg.pinv(np.atleast_2d((H + H.T) / 2), hermitian=True)
     if activation == "linear":
-        r, J = residuals_and_jacobian(P_c, Q_c, Z, y, structure=structure)
+        n = Z.shape[2] - 1
+        r, J = (REFERENCE if engine is None else engine).residuals_and_jacobian_gram(
+            P_c, Q_c, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n, structure)
         V = np.cov(2 * r[:, None] * J, rowvar=False)
     else:
         size = Z.shape[0] // chunks
-        G = np.array([grad(theta0, _evaluator(Z[i:i + size], y[i:i + size], activation))
+        G = np.array([grad(theta0, _evaluator(engine, Z[i:i + size], y[i:i + size], activation))
                       for i in range(0, size * chunks, size)])
         V = size * np.cov(G, rowvar=False)
     return H_pinv @ np.atleast_2d(V) @ H_pinv / Z.shape[0]
@@ -2203,7 +1787,7 @@ def _reference_cases():
     add("query-as-key", "a query far from the context: using the query as a key or value changes the answer "
         "by O(1)", 7, 2, 3, 1, 1, full(0.5))
     cases[-1]["Z"][:, :2, -1] *= 5.0
-    add("large-d", "d = 12, n = 8: the direct formulation of the layer (D > 10 H)", 8, 12, 8, 2, 1, full(0.1))
+    add("large-d", "d = 12, n = 8: a larger token dimension, two layers", 8, 12, 8, 2, 1, full(0.1))
     add("relu", "[A] section 6 attention with relu, d = 2, n = 4, H = 2", 9, 2, 4, 1, 2, full(0.5), activation="relu")
     add("softmax", "softmax over the n context keys (von Oswald et al.'s), d = 2, n = 4, H = 2", 10, 2, 4, 1, 2,
         full(0.5), activation="softmax")

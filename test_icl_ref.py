@@ -12,8 +12,7 @@ Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
 """
 import math
 import os
-import threading
-import time
+import types
 from fractions import Fraction
 from unittest import mock
 
@@ -54,6 +53,11 @@ def assert_grad_close(numeric, analytic):
     assert_allclose(analytic, numeric, rtol=FD_REL, atol=FD_ABS)
 
 
+def reference_engine(**replaced):
+    """icl_ref's own engine (what the trainers evaluate with) with some functions replaced."""
+    return types.SimpleNamespace(**{**vars(ir.REFERENCE), **replaced})
+
+
 def small_problem(seed=0, B=6, n=5, d=3, noise_std=0.0):
     rng = np.random.default_rng(seed)
     Sigma, _ = ir.rotated_covariance(rng, np.linspace(0.5, 1.5, d))
@@ -74,8 +78,7 @@ def test_fast_forward_equals_literal_column_form(L, H):
     assert_allclose(fast, literal, rtol=EXACT, atol=EXACT * np.max(np.abs(literal)))
 
 
-@pytest.mark.parametrize("formulation", ["kernel", "direct"])
-def test_layer_is_the_matrix_form_with_the_mask(formulation):
+def test_layer_is_the_matrix_form_with_the_mask():
     # [A] eq. (4) as matrices, Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M = mask(n), batch by batch
     rng, Z, y = small_problem(seed=3, B=4, n=5)
     P, Q = random_params(rng, 2, 2, 3)
@@ -85,7 +88,7 @@ def test_layer_is_the_matrix_form_with_the_mask(formulation):
     for P_l, Q_l in zip(P, Q):
         out = np.stack([Zb + sum(P_h @ Zb @ M @ Zb.T @ Q_h @ Zb for P_h, Q_h in zip(P_l, Q_l)) / 5
                         for Zb in out])
-    assert_allclose(ir.forward(P, Q, Z, formulation=formulation), out, rtol=EXACT, atol=EXACT * np.max(np.abs(out)))
+    assert_allclose(ir.forward(P, Q, Z), out, rtol=EXACT, atol=EXACT * np.max(np.abs(out)))
 
 
 def test_hand_computed_layer_d1_n2():
@@ -280,15 +283,15 @@ def test_train_lbfgs_reports_non_convergence():
 
 def test_train_lbfgs_keyboard_interrupt_returns_last_iterate():
     rng, Z, y = small_problem(seed=14, B=100, n=8)
-    real, calls = ir.loss_and_grad_gram, []
+    calls = []
 
-    def interrupted(*args, **kwargs):
+    def interrupted(*args):
         calls.append(1)
         if len(calls) > 8:
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
-    with mock.patch.object(ir, "loss_and_grad_gram", interrupted):
-        res = ir.train_lbfgs(Z, y, 2, structure="full", rng=rng, maxiter=100)
+        return ir.REFERENCE.loss_and_grad_gram(*args)
+    res = ir.train_lbfgs(Z, y, 2, structure="full", rng=rng, maxiter=100,
+                         engine=reference_engine(loss_and_grad_gram=interrupted))
     assert res["interrupted"] and not res["success"] and "interrupted" in res["message"]
     assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
     assert res["loss"] == res["history"][-1] < res["history"][0]
@@ -370,7 +373,6 @@ BAD_CALLS = [
     ("family b shape", lambda: ir.family_population_loss([1.0, 1.0], 5, 2, b=[1.0]), ValueError, "b"),
     ("distance zero", lambda: ir.distance_to_multiple(np.zeros((2, 2))), ValueError, "M"),
     ("distance shapes", lambda: ir.distance_to_multiple(np.eye(2), np.eye(3)), ValueError, "M and T"),
-    # issue 13: the refusals found by a hostile user, each naming the argument
     ("sandwich h = 0", lambda: ir.sandwich_covariance("sparse", {"A": np.eye(3)[None]}, _Zs, _ys, chunks=2, h=0),
      ValueError, "h"),
     ("sandwich h NaN", lambda: ir.sandwich_covariance("sparse", {"A": np.eye(3)[None]}, _Zs, _ys, chunks=2, h=np.nan),
@@ -410,17 +412,28 @@ BAD_CALLS = [
     ("overflow sampling", lambda: ir.sample_prompts(_rng, 2, 3, 1.7e308 * np.eye(3), 1.7e308 * np.eye(3)),
      ValueError, "Sigma"),
     ("attention activation", lambda: ir.attention_forward(_P[0, 0], _Q[0, 0], _Z, "gelu"), ValueError, "activation"),
-    ("gram int P", lambda: ir.loss_and_grad_gram(_P.astype(int), _Q, _S0, _q0, _ys, 5), TypeError, "P"),
-    ("gram chunk 0", lambda: ir.loss_and_grad_gram(_P, _Q, _S0, _q0, _ys, 5, chunk=0), ValueError, "chunk"),
+    ("gram complex P", lambda: ir.loss_and_grad_gram(_P + 0j, _Q, _S0, _q0, _ys, 5), TypeError, "P"),
+    ("gram S0 not symmetric", lambda: ir.loss_and_grad_gram(_P, _Q, _S0 + np.triu(np.ones(4), 1), _q0, _ys, 5),
+     ValueError, "S0 must be symmetric"),
+    ("gram S0 NaN", lambda: ir.loss_and_grad_gram(_P, _Q, _S0 * np.nan, _q0, _ys, 5), ValueError, "S0"),
+    ("gram q0 Inf", lambda: ir.loss_and_grad_gram(_P, _Q, _S0, _q0 + np.inf, _ys, 5), ValueError, "q0"),
     ("gram n = 0", lambda: ir.loss_and_grad_gram(_P, _Q, _S0, _q0, _ys, 0), ValueError, "n"),
     ("gram n float", lambda: ir.loss_and_grad_gram(_P, _Q, _S0, _q0, _ys, 5.0), TypeError, "n"),
     ("gram q0 broadcast", lambda: ir.loss_and_grad_gram(_P, _Q, _S0, _q0[:1], _ys, 5), ValueError, "q0"),
     ("train maxiter", lambda: ir.train_lbfgs(_Z, _y, 1, rng=_rng, maxiter=0), ValueError, "maxiter"),
-    ("train threads", lambda: ir.train_lbfgs(_Z, _y, 1, rng=_rng, threads=0), ValueError, "threads"),
+    ("train maxcor", lambda: ir.train_lbfgs(_Z, _y, 1, rng=_rng, maxcor=0), ValueError, "maxcor"),
     ("gn max_nfev", lambda: ir.train_gauss_newton(_Z, _y, 1, rng=_rng, max_nfev=0), ValueError, "max_nfev"),
     ("gn init shape", lambda: ir.train_gauss_newton(_Z, _y, 1, init={"A": np.zeros((1, 2, 2))}), ValueError, "init"),
     ("jacobian structure heads", lambda: ir.residuals_and_jacobian(np.zeros((1, 2, 4, 4)), np.zeros((1, 2, 4, 4)), _Zs[:, :4], _ys,
                                                                   structure="sparse"), ValueError, "H = 1"),
+    ("jacobian not sparse", lambda: ir.residuals_and_jacobian(_P + 1, _Q, _Zs[:, :4], _ys, structure="sparse"),
+     ValueError, "form of structure 'sparse'"),
+    ("jacobian gram not blocks", lambda: ir.residuals_and_jacobian_gram(_P, _Q + 1, _S0, _q0, _ys, 5, structure="blocks"),
+     ValueError, "form of structure 'blocks'"),
+    ("overflow jacobian", lambda: ir.residuals_and_jacobian(_P + 1e80, _Q + 1e80, _Zs[:, :4], _ys), ValueError,
+     "overflow"),
+    ("overflow activation", lambda: ir.loss_and_grad_activation(_P + 1e80, _Q + 1e80, _Zs[:, :4], _ys), ValueError,
+     "overflow"),
 ]
 
 
@@ -982,7 +995,10 @@ def test_theorem5_training_finds_the_relu_coefficient():
     d, n, B = 3, 10, 5000
     Z, y = ir.sample_prompts(rng, B, n, np.eye(d))
     res = ir.train_lbfgs(Z, y, 1, "sparse", rng=rng, init_scale=0.3, activation="relu", maxiter=500)
-    assert res["success"], res["message"]
+    # the relu batch loss is piecewise smooth: its gradient jumps across each prompt's kinks
+    # (z_i^T Q z_j = 0) by O(1/B) ~ 2e-4, so L-BFGS-B stops where no step decreases the loss, with
+    # |grad| of that order rather than below gtol; not a verdict of convergence
+    assert res["status"] == 0 and not res["success"] and res["grad_norm"] < 1e-3, res["message"]
     cov = ir.sandwich_covariance("sparse", res["coords"], Z, y, activation="relu")
     e = np.eye(d).ravel() / d                                   # a = <A, I>/<I, I>
     a_hat, se = ir.fitted_scalar(res["coords"]["A"][0], np.eye(d)), math.sqrt(e @ cov @ e)
@@ -993,33 +1009,28 @@ def test_theorem5_training_finds_the_relu_coefficient():
 # Direct, exact checks of paths that the tests above reach only indirectly
 # ---------------------------------------------------------------------------------------------
 
-def test_kernel_vec_identity_is_row_major():
-    # MATH.md §2: vec(A X B) = (A kron B^T) vec(X) for NumPy's row-major reshape, and K applies
-    # (1/n) sum_h P_h S Q_h to S
-    rng = np.random.default_rng(100)
-    A, X, Bm = rng.standard_normal((3, 4, 4))
-    assert_allclose(np.kron(A, Bm.T) @ X.reshape(-1), (A @ X @ Bm).reshape(-1), rtol=EXACT, atol=0)
-    P, Q = rng.standard_normal((2, 3, 4, 4))
-    S = X + X.T
-    direct = sum(P_h @ S @ Q_h for P_h, Q_h in zip(P, Q)) / 7
-    assert_allclose(ir.kernel_forward(P, Q, 7) @ S.reshape(-1), direct.reshape(-1), rtol=EXACT, atol=EXACT)
-
-
-@pytest.mark.parametrize("formulation", ["lanes", "kernel", "direct"])
 @pytest.mark.parametrize("B,chunk", [(10, 3), (10, 5), (11, 4), (7, 1), (9, 100)])
-def test_chunked_loss_and_grad_equals_unchunked(B, chunk, formulation):
-    # MATH.md §3, §3.2: chunks divide by the whole B, read their own labels, add their dK; the
-    # last chunk may be short. One chunk holding the whole batch is the reference.
+def test_chunked_loss_and_grad_equals_unchunked(B, chunk):
+    # MATH.md §3: chunks divide by the whole B, read their own labels, add their parts; the last
+    # chunk may be short. The token loop's loss (no chunks at all) and one chunk holding the whole
+    # batch are the references; the Jacobian's rows are concatenated in chunk order.
     rng, Z, y = small_problem(seed=B + chunk, B=B)
     P, Q = random_params(rng, 3, 2, 3)
     n = Z.shape[2] - 1
     S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
-    loss, dP, dQ = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=chunk, formulation=formulation)
-    ref = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=B, formulation=formulation)
-    assert loss == pytest.approx(ref[0], rel=EXACT)
-    assert loss == pytest.approx(ir.in_context_loss(P, Q, Z, y), rel=EXACT)   # no chunks at all
-    assert_allclose(dP, ref[1], rtol=EXACT, atol=EXACT * np.max(np.abs(ref[1])))
-    assert_allclose(dQ, ref[2], rtol=EXACT, atol=EXACT * np.max(np.abs(ref[2])))
+
+    def with_chunks(size):
+        bounds = lambda B_, D: [(c, min(c + size, B_)) for c in range(0, B_, size)]
+        with mock.patch.object(ir, "_chunks", bounds):
+            return ir.loss_and_grad_gram(P, Q, S0, q0, y, n), ir.residuals_and_jacobian_gram(P, Q, S0, q0, y, n)
+    (loss, dP, dQ), (r, J) = with_chunks(chunk)
+    (loss1, dP1, dQ1), (r1, J1) = with_chunks(B)
+    assert loss == pytest.approx(loss1, rel=EXACT)
+    assert loss == pytest.approx(np.mean((ir.forward_literal(P, Q, Z)[:, -1, -1] + y) ** 2), rel=EXACT)
+    assert_allclose(dP, dP1, rtol=EXACT, atol=EXACT * np.max(np.abs(dP1)))
+    assert_allclose(dQ, dQ1, rtol=EXACT, atol=EXACT * np.max(np.abs(dQ1)))
+    assert_allclose(r, r1, rtol=0, atol=EXACT * np.max(np.abs(r1)))
+    assert_allclose(J, J1, rtol=0, atol=EXACT * np.max(np.abs(J1)))
 
 
 def test_directional_derivatives_along_random_directions():
@@ -1195,7 +1206,7 @@ def test_theorem5_exact_relu_loss_matches_monte_carlo():
 
 
 # ---------------------------------------------------------------------------------------------
-# The per-prompt Jacobian, Gauss-Newton training, threads (MATH.md §3.1, §6)
+# The per-prompt Jacobian and Gauss-Newton training (MATH.md §3.1, §6)
 # ---------------------------------------------------------------------------------------------
 
 def residuals_by_forward(P, Q, Z, y):
@@ -1227,8 +1238,9 @@ def test_jacobian_sums_to_the_gradient(structure):
     coords = {k: 0.5 * rng.standard_normal(s) for k, s in shapes.items()}
     P, Q = ir.structure_to_PQ(structure, coords)
     n = Z.shape[2] - 1
-    r, J = ir.residuals_and_jacobian_gram(P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
-                                          structure=structure, chunk=4)
+    with mock.patch.object(ir, "_chunks", lambda B, D: [(c, min(c + 4, B)) for c in range(0, B, 4)]):
+        r, J = ir.residuals_and_jacobian_gram(P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
+                                              structure=structure)
     loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
     grad = ir.pack(ir.structure_grad(structure, dP, dQ).values())
     assert np.mean(r ** 2) == pytest.approx(loss, rel=EXACT)
@@ -1270,117 +1282,8 @@ def test_train_gauss_newton_converges_and_matches_lbfgs():
     assert f"gradient norm {gb['grad_norm']:.2e}" in gb["message"]
 
 
-def test_thread_count_does_not_change_results():
-    # chunks are summed in chunk order whatever the number of workers: bit-identical results
-    rng, Z, y = small_problem(seed=114, B=53)
-    P, Q = random_params(rng, 3, 2, 3)
-    n = Z.shape[2] - 1
-    args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
-    runs = [ir.loss_and_grad_gram(*args, chunk=5, threads=k) for k in (1, 2, 3)]
-    for other in runs[1:]:
-        assert other[0] == runs[0][0]
-        assert np.array_equal(other[1], runs[0][1]) and np.array_equal(other[2], runs[0][2])
-    with pytest.raises(ValueError, match="threads"):
-        ir.loss_and_grad(P, Q, Z, y, threads=0)
-
-
-def test_default_workers_one_for_small_matrices_every_core_above(monkeypatch):
-    # the default (MATH.md §3): one worker for the Gram product and the kernel's loss up to D = 6
-    # and for the Jacobian up to D = 5, every core above and for the lanes formulation; an
-    # explicit count is honoured up to the cores
-    monkeypatch.setattr(ir.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert ir._thread_count(None) == 4 and ir._thread_count(None, serial=True) == 1
-    assert ir._thread_count(3, serial=True) == 3 and ir._thread_count(9) == 4
-    seen = set()
-    ir._map_chunks(lambda a, b: seen.add(threading.get_ident()), 40, 2, None, serial=True)
-    assert seen == {threading.get_ident()}                   # ran in the caller's thread
-    chosen, real = [], ir._thread_count
-
-    def recording(threads, serial=False):                    # the real rule, each choice recorded
-        chosen.append(real(threads, serial))
-        return chosen[-1]
-    monkeypatch.setattr(ir, "_thread_count", recording)
-    for d in (4, 5, 6):                                      # D = 5, 6, 7
-        rng, Z, y = small_problem(seed=d, B=8, d=d)
-        P, Q = random_params(rng, 1, 1, d)
-        args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, -1]), y, Z.shape[2] - 1)
-        ir.loss_and_grad_gram(*args, chunk=2, formulation="kernel")
-        ir.residuals_and_jacobian_gram(*args, chunk=2, formulation="kernel")
-        ir.loss_and_grad_gram(*args, chunk=2)                # lanes (MATH.md §3.2): every core
-        ir.residuals_and_jacobian_gram(*args, chunk=2)
-    #   gram, loss and Jacobian (kernel), loss and Jacobian (lanes) at D = 5; at D = 6; at D = 7
-    assert chosen == [1, 1, 1, 4, 4, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4]
-
-
-def test_map_chunks_in_chunk_order_and_no_new_chunk_after_an_error():
-    # MATH.md §3: the workers claim chunks from one counter; the results come back in chunk order,
-    # and once a chunk fails no worker starts another (the one running elsewhere finishes; without
-    # the stop the other worker would go on through all 100 chunks, 50 ms each, in the background)
-    assert ir._map_chunks(lambda a, b: (a, b), 10, 3, 2) == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    started = []
-
-    def chunk(a, b):
-        started.append(a)
-        if a == 0:
-            raise RuntimeError("chunk 0 failed")
-        time.sleep(0.05)
-    with pytest.raises(RuntimeError, match="chunk 0 failed"):
-        ir._map_chunks(chunk, 100, 1, 2)
-    time.sleep(0.25)
-    assert 0 in started and len(started) <= 3, started
-
-
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs thread affinity and two cores")
-def test_one_worker_per_core_binds_each_worker_to_its_own_core():
-    # MATH.md §3 (_pool): with one worker per core, worker k runs on the k-th core; a barrier
-    # makes every worker take one chunk, and each reports the cores it may run on
-    cores = sorted(os.sched_getaffinity(0))
-    barrier = threading.Barrier(len(cores), timeout=30)
-
-    def where(a, b):
-        barrier.wait()
-        return frozenset(os.sched_getaffinity(0))
-    assert sorted(ir._map_chunks(where, len(cores), 1, None), key=min) == [frozenset({c}) for c in cores]
-
-
-def _loss_on_two_workers(args):
-    return ir.loss_and_grad_gram(*args, chunk=5, threads=2)[0]
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
-def test_worker_pool_is_kept_and_survives_fork():
-    # MATH.md §3: one pool per worker count, kept between calls; a forked child (multiprocessing's
-    # default on Linux) has the dict but not the threads, so it must start its own, not hang
-    import multiprocessing
-    rng, Z, y = small_problem(seed=117, B=40)
-    P, Q = random_params(rng, 2, 1, 3)
-    n = Z.shape[2] - 1
-    args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
-    here = _loss_on_two_workers(args)
-    pool = ir._pool(2)
-    assert _loss_on_two_workers(args) == here and ir._pool(2) is pool
-    with multiprocessing.get_context("fork").Pool(1) as child:
-        assert child.apply_async(_loss_on_two_workers, (args,)).get(timeout=60) == here
-
-
-def test_train_lbfgs_restores_the_callers_blas_threads():
-    from threadpoolctl import threadpool_info, threadpool_limits
-    rng, Z, y = small_problem(seed=115, B=50, n=8)
-    seen, real = [], ir.loss_and_grad_gram
-
-    def spy(*args, **kwargs):
-        seen.append(max(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
-        return real(*args, **kwargs)
-    with threadpool_limits(limits=2, user_api="blas"):
-        before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
-        with mock.patch.object(ir, "loss_and_grad_gram", spy):
-            ir.train_lbfgs(Z, y, 1, rng=rng, maxiter=3)
-        after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
-    assert seen and set(seen) == {1}                      # one BLAS thread while training
-    assert after == before                                # the caller's setting is back
-
-
 def test_sandwich_covariance_matches_the_spread_over_batches():
     # MATH.md §11: one layer, sparse, fitted on R independent batches. The trace of the empirical
     # covariance of A_hat has relative standard error <= sqrt(2 / (R - 1)) (a sample variance of R
@@ -1403,161 +1306,29 @@ def test_sandwich_covariance_matches_the_spread_over_batches():
     assert abs(empirical - predicted) <= Z_MC * se
 
 
-@pytest.mark.parametrize("d", [1, 2, 5, 9, 12])
-def test_formulations_agree_with_each_other_and_the_literal_loop(d):
-    # MATH.md §2-§3.2: the kernel and the direct form compute the same T; each against the token
-    # loop (forward), against each other and the lanes formulation (loss, gradient; Jacobian),
-    # chunked with a short last chunk
-    rng = np.random.default_rng(120 + d)
-    Z, y = ir.sample_prompts(rng, 9, 4, np.eye(d), noise_std=0.3)
-    P, Q = random_params(rng, 2, 2, d, scale=0.5 / math.sqrt(d))
-    literal = ir.forward_literal(P, Q, Z)
-    n = Z.shape[2] - 1
-    S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
-    out = {}
-    for f in ir.FORMULATIONS:
-        assert_allclose(ir.forward(P, Q, Z, formulation=f), literal, rtol=EXACT,
-                        atol=EXACT * np.max(np.abs(literal)))
-        out[f] = (ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=4, formulation=f),
-                  ir.residuals_and_jacobian_gram(P, Q, S0, q0, y, n, chunk=4, formulation=f))
-    (lk, dPk, dQk), (rk, Jk) = out["kernel"]
-    (ld, dPd, dQd), (rd, Jd) = out["direct"]
-    ll, dPl, dQl = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, chunk=4, formulation="lanes")
-    rl, Jl = ir.residuals_and_jacobian_gram(P, Q, S0, q0, y, n, chunk=4, formulation="lanes")
-    assert ld == pytest.approx(lk, rel=EXACT) and ll == pytest.approx(lk, rel=EXACT)
-    assert ll == pytest.approx(np.mean((literal[:, d, n] + y) ** 2), rel=EXACT)   # the token loop's loss
-    for a, b in ((dPd, dPk), (dQd, dQk), (Jd, Jk), (rd, rk), (dPl, dPk), (dQl, dQk), (Jl, Jk), (rl, rk)):
-        assert_allclose(a, b, rtol=0, atol=EXACT * np.max(np.abs(b)))
-    assert_allclose(2 * Jd.T @ rd / len(rd), ir.pack([dPd, dQd]), rtol=0, atol=EXACT * np.max(np.abs(dPd)))
-
-
-def test_direct_formulation_gradient_matches_finite_differences():
-    rng, Z, y = small_problem(seed=125, B=7)
-    P, Q = random_params(rng, 2, 2, 3)
-    n = Z.shape[2] - 1
-    _, dP, dQ = ir.loss_and_grad_gram(P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
-                                      chunk=3, formulation="direct")
-    assert_grad_close(central_diff(lambda X: ir.in_context_loss(X, Q, Z, y), P), dP)
-    assert_grad_close(central_diff(lambda X: ir.in_context_loss(P, X, Z, y), Q), dQ)
-    with pytest.raises(ValueError, match="formulation"):
-        ir.forward(P, Q, Z, formulation="fast")
-
-
-def test_symmetric_coordinates_and_lanes_gram():
-    # MATH.md §3.2: s = vec(S)[upper], vec(S) = s[full] = E s, and the Gram product with the
-    # prompts on the last axis equals gram() (the same sums in another order: EXACT), exactly
-    # symmetric, with its distinct entries beside it
-    rng, Z, _ = small_problem(seed=126, B=7, d=3)
-    S = ir.gram(Z)
-    for D in (1, 2, 4):
-        upper, full, E, diagonal = ir.symmetric_coordinates(D)
-        X = rng.standard_normal((D, D))
-        X += X.T
-        s = X.reshape(-1)[upper]
-        assert len(s) == D * (D + 1) // 2 and np.array_equal(s, X[np.triu_indices(D)])
-        assert np.array_equal(s[full], X.reshape(-1)) and np.array_equal(E @ s, X.reshape(-1))
-        assert np.array_equal(diagonal, np.triu_indices(D)[0] == np.triu_indices(D)[1])
-        with pytest.raises(ValueError):
-            E[0, 0] = 2.0                                    # the cached maps are read-only
-    St, st = ir.lanes_gram(np.ascontiguousarray(Z.transpose(1, 2, 0)))
-    assert_allclose(St, S.transpose(1, 2, 0), rtol=0, atol=EXACT * np.max(np.abs(S)))
-    assert np.array_equal(St, St.transpose(1, 0, 2))
-    assert np.array_equal(st, St.reshape(16, -1)[ir.symmetric_coordinates(4)[0]])
-    with pytest.raises(ValueError, match="formulation"):
-        ir.loss_and_grad_gram(*random_params(rng, 1, 1, 3), S, np.ascontiguousarray(Z[:, :, -1]),
-                              np.zeros(7), 5, formulation="lane")
-
-
-@pytest.mark.parametrize("L,H", [(1, 1), (1, 3), (2, 2), (3, 1), (4, 2)])
-def test_lanes_pair_against_the_batch_first_layers(L, H):
-    # MATH.md §3.2: layer by layer, lanes_forward gives the same S', q' (and the last layer the
-    # same (T q)_d) as layer_forward, and the lanes reverse pass the same per-prompt dT, the same
-    # dK (= dK_s E^T) and the same G = dS + dS^T as layer_backward, from the same seed; EXACT
-    # relative (sums reordered)
-    rng, Z, y = small_problem(seed=127 + L + H, B=9, d=3)
-    P, Q = random_params(rng, L, H, 3)
-    n, D = Z.shape[2] - 1, 4
-    E = ir.symmetric_coordinates(D)[2]
-    S, q = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
-    St, qt = np.ascontiguousarray(S.transpose(1, 2, 0)), np.ascontiguousarray(q.T)
-    upper = ir.symmetric_coordinates(D)[0]
-    st = St.reshape(D * D, -1)[upper]
-    caches, lanes = [], []
-    for l in range(L):
-        K = ir.kernel_forward(P[l], Q[l], n)
-        S, q, _, cache = ir.layer_forward(K, S, q, need_S=l < L - 1)
-        St, st, qt, lcache = ir.lanes_forward(K @ E, St, st, qt, last=l == L - 1)
-        caches.append(cache)
-        lanes.append(lcache)
-        if l < L - 1:
-            assert_allclose(St, S.transpose(1, 2, 0), rtol=0, atol=EXACT * np.max(np.abs(S)))
-            assert_allclose(qt, q.T, rtol=0, atol=EXACT * np.max(np.abs(q)))
-            # S' exactly symmetric, s' exactly its distinct entries
-            assert np.array_equal(St, St.transpose(1, 0, 2))
-            assert np.array_equal(st, St.reshape(D * D, -1)[upper])
-        else:
-            assert St is None and st is None
-    assert_allclose(qt, q[:, -1], rtol=0, atol=EXACT * np.max(np.abs(q)))
-    c = 2 * (q[:, -1] + y) / len(y)
-    dS, dq = None, np.zeros_like(q)
-    dq[:, -1] = c
-    G, dqt = None, c
-    for l in reversed(range(L)):
-        _, _, dT = ir.layer_backward(dS, dq, caches[l], need_dS=l > 0, per_prompt=True)
-        dT_lanes = ir.lanes_backward(G, dqt, lanes[l], first=l == 0, per_prompt=True)[2]
-        assert_allclose(dT_lanes, dT.transpose(1, 2, 0), rtol=0, atol=EXACT * np.max(np.abs(dT)))
-        dS, dq, dK = ir.layer_backward(dS, dq, caches[l], need_dS=l > 0)
-        G, dqt, dK_s = ir.lanes_backward(G, dqt, lanes[l], first=l == 0)
-        assert_allclose(dK_s @ E.T, dK, rtol=0, atol=EXACT * np.max(np.abs(dK)))
-        if l > 0:
-            sym = dS + dS.transpose(0, 2, 1)
-            assert_allclose(G, sym.transpose(1, 2, 0), rtol=0, atol=EXACT * np.max(np.abs(sym)))
-            assert np.array_equal(G, G.transpose(1, 0, 2))
-            assert_allclose(dqt, dq.T, rtol=0, atol=EXACT * np.max(np.abs(dq)))
-        else:
-            assert G is None and dqt is None                 # S_0, q_0 are data
-
-
-def test_lanes_is_the_default_up_to_D_12_for_the_loss_and_D_9_for_the_jacobian():
-    # MATH.md §3.2: measured crossovers; an explicit formulation is honoured at every D
-    assert ir._lanes(None, 12) and not ir._lanes(None, 13)
-    assert ir._lanes(None, 9, jacobian=True) and not ir._lanes(None, 10, jacobian=True)
-    assert ir._lanes("lanes", 21) and not ir._lanes("kernel", 3) and not ir._lanes("direct", 3)
-    for d, loss_lanes in ((9, True), (12, False)):              # D = 10: the Jacobian's kernel
-        rng, Z, y = small_problem(seed=128 + d, B=5, d=d)
-        P, Q = random_params(rng, 2, 1, d, scale=0.1)
-        n = Z.shape[2] - 1
-        args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
-        with mock.patch.object(ir, "_lanes_loss_and_grad", side_effect=AssertionError("lanes taken")), \
-                mock.patch.object(ir, "_lanes_jacobian", side_effect=AssertionError("lanes taken")):
-            ir.residuals_and_jacobian_gram(*args)
-            for loss in (lambda: ir.loss_and_grad_gram(*args), lambda: ir.loss_and_grad(P, Q, Z, y)):
-                if loss_lanes:
-                    with pytest.raises(AssertionError, match="lanes taken"):
-                        loss()
-                else:
-                    loss()
-            for lanes in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
-                with pytest.raises(AssertionError, match="lanes taken"):
-                    lanes(*args, formulation="lanes")
-
-
-def test_loss_and_grad_refuses_a_non_finite_Z_in_any_chunk():
-    # with lanes each worker checks its own chunk of Z just before reading it (loss_and_grad's
-    # docstring): a NaN or Inf in the last prompt of the last of four chunks, on one worker and on
-    # two, is the same ValueError naming Z as the serial check gives on the direct path (D = 13)
+def test_loss_and_grad_refuses_a_non_finite_Z_and_a_non_finite_or_asymmetric_S0():
+    # a NaN or Inf in the last prompt is a ValueError naming Z; the Gram-form functions name S0, q0
+    # and y, and refuse an S0 that is not symmetric (the reverse pass relies on S^T = S, MATH.md §3)
     rng = np.random.default_rng(131)
-    assert ir._lanes_chunk(None, 4000, 6) == 1000                # four chunks at d = 5, B = 4000
-    for d, B in ((5, 4000), (12, 40)):
+    for d, B in ((5, 40), (12, 9)):
         P, Q = random_params(rng, 2, 1, d, scale=0.1)
         Z, y = rng.standard_normal((B, d + 1, 4)), rng.standard_normal(B)
+        S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, 3])
         ir.loss_and_grad(P, Q, Z, y)
         for bad in (np.nan, np.inf, -np.inf):
-            Z_bad = Z.copy()
-            Z_bad[-1, 0, 0] = bad
-            for threads in (1, 2):
-                with pytest.raises(ValueError, match="Z must be finite"):
-                    ir.loss_and_grad(P, Q, Z_bad, y, threads=threads)
+            Z_bad, S_bad, q_bad = Z.copy(), S0.copy(), q0.copy()
+            Z_bad[-1, 0, 0] = S_bad[-1, 0, 0] = q_bad[-1, 0] = bad
+            with pytest.raises(ValueError, match="Z must be finite"):
+                ir.loss_and_grad(P, Q, Z_bad, y)
+            for name, args in (("S0", (S_bad, q0)), ("q0", (S0, q_bad))):
+                for f in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
+                    with pytest.raises(ValueError, match=f"{name} must be finite"):
+                        f(P, Q, *args, y, 3)
+        S_asym = S0.copy()
+        S_asym[0, 0, 1] += 1e-9
+        for f in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
+            with pytest.raises(ValueError, match="S0 must be symmetric"):
+                f(P, Q, S_asym, q0, y, 3)
 
 
 def test_scale_free_quantities_hold_at_extreme_scales():
@@ -1575,21 +1346,22 @@ def test_scale_free_quantities_hold_at_extreme_scales():
 
 def test_train_lbfgs_survives_an_overflowing_trial_point_and_reports_its_own_loss():
     # blocks, L = 4, init_scale 1.5 at the paper's covariance: a line-search trial point overflows
-    # float64 (issue 13; it used to end the run with "P must be finite"). It is a failed trial, and
-    # the returned loss is the loss of the returned parameters.
+    # float64. It is a failed trial (counted in the message), and the returned loss is the loss of
+    # the returned parameters.
     rng = np.random.default_rng(0)
     Sigma, _ = ir.rotated_covariance(rng)
     Z, y = ir.sample_prompts(rng, 300, 20, Sigma, np.linalg.inv(Sigma))
-    real, overflowed = ir.loss_and_grad_gram, []
+    overflowed = []
 
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
+    def spy(*args):
+        out = ir.REFERENCE.loss_and_grad_gram(*args)
         overflowed.append(not all(np.all(np.isfinite(v)) for v in out))
         return out
-    with mock.patch.object(ir, "loss_and_grad_gram", spy):
-        res = ir.train_lbfgs(Z, y, 4, structure="blocks", rng=rng, init_scale=1.5, maxiter=60)
+    res = ir.train_lbfgs(Z, y, 4, structure="blocks", rng=rng, init_scale=1.5, maxiter=60,
+                         engine=reference_engine(loss_and_grad_gram=spy))
     assert any(overflowed) and not overflowed[0]              # the situation under test did occur
     assert math.isfinite(res["loss"]) and res["nit"] >= 1
+    assert f"{sum(overflowed)} trial points overflowed" in res["message"]
     assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
     assert res["loss"] <= res["history"][0]
     with pytest.raises(ValueError, match="initial point"):
@@ -1599,7 +1371,7 @@ def test_train_lbfgs_survives_an_overflowing_trial_point_and_reports_its_own_los
 def test_train_lbfgs_validates_before_drawing_from_rng():
     rng = np.random.default_rng(132)
     state = rng.bit_generator.state
-    for bad in (dict(maxiter=0), dict(ftol=-1.0), dict(maxls=0), dict(progress=-1), dict(threads=0)):
+    for bad in (dict(maxiter=0), dict(ftol=-1.0), dict(maxls=0), dict(progress=-1), dict(maxcor=0)):
         with pytest.raises((ValueError, TypeError)):
             ir.train_lbfgs(_Z, _y, 1, rng=rng, **bad)
         assert rng.bit_generator.state == state
@@ -1612,11 +1384,10 @@ def test_train_lbfgs_validates_before_drawing_from_rng():
 def test_ctrl_c_in_the_first_evaluation_returns_an_interrupted_result(trainer):
     rng, Z, y = small_problem(seed=133, B=40, n=8)
 
-    def interrupt(*args, **kwargs):
+    def interrupt(*args):
         raise KeyboardInterrupt
     name = "loss_and_grad_gram" if trainer == "lbfgs" else "residuals_and_jacobian_gram"
-    with mock.patch.object(ir, name, interrupt):
-        res = getattr(ir, f"train_{trainer}")(Z, y, 2, rng=rng)
+    res = getattr(ir, f"train_{trainer}")(Z, y, 2, rng=rng, engine=reference_engine(**{name: interrupt}))
     assert res["interrupted"] and not res["success"] and math.isnan(res["loss"])
     assert "before the first evaluation" in res["message"]
 
@@ -1865,13 +1636,60 @@ def test_blocks_family_has_a_second_local_minimum():
 
 def test_gauss_newton_reduced_system_has_the_same_normal_equations():
     # MATH.md §6: the solver sees (f, R) with R^T R = J^T J, R^T f = J^T r, |f| = |r|, so its
-    # trust-region steps are those of the full (B, p) system; found in one block, in blocks of 37
-    # rows (the last one shorter, on two workers), and with fewer prompts than p + 1
+    # trust-region steps are those of the full (B, p) system; also with fewer prompts than p + 1
     rng = np.random.default_rng(160)
-    for B, rows, threads in ((500, None, None), (500, 37, 2), (9, None, None)):
+    for B in (500, 9):
         J, r = rng.standard_normal((B, 12)) * np.logspace(0, 3, 12), rng.standard_normal(B)
-        f, R = ir._reduced_least_squares(r, J, threads=threads, rows=rows)
+        f, R = ir._reduced_least_squares(r, J)
         assert f.shape == (13,) and R.shape == (13, 12) and not np.any(R[12])
         assert_allclose(R.T @ R, J.T @ J, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)))
         assert_allclose(R.T @ f, J.T @ r, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)) * np.max(np.abs(r)))
         assert f @ f == pytest.approx(r @ r, rel=EXACT)
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# A reference that changes nothing outside its return values
+# ---------------------------------------------------------------------------------------------
+
+def test_icl_ref_imports_only_numpy_scipy_and_the_standard_library():
+    # every import statement of the module, wherever it stands (numpy and scipy may load what they
+    # like; icl_ref itself asks for nothing else, so the file can be copied into another project)
+    import ast
+    import sys
+    with open(ir.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    names |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert {"numpy", "scipy"} <= names
+    assert names - {"numpy", "scipy"} <= set(sys.stdlib_module_names) - {"threading", "concurrent", "ctypes"}
+
+
+def test_reference_leaves_no_threads_or_process_state_and_concurrent_calls_equal_serial():
+    # threads, CPU affinity and BLAS thread counts are the same after the work as before it; four
+    # Python threads calling loss_and_grad at once get the serial result to the last bit
+    import threading
+    from threadpoolctl import threadpool_info
+
+    def state():
+        return (threading.active_count(), os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None,
+                [(i["internal_api"], i["num_threads"]) for i in threadpool_info()])
+    before = state()
+    rng, Z, y = small_problem(seed=170, B=20000, n=20, d=5)
+    P, Q = random_params(rng, 3, 1, 5, scale=0.1)
+    serial = ir.loss_and_grad(P, Q, Z, y)
+    ir.residuals_and_jacobian(P, Q, Z[:2000], y[:2000])
+    ir.train_lbfgs(Z[:2000], y[:2000], 2, rng=rng, maxiter=5)
+    ir.train_gauss_newton(Z[:2000], y[:2000], 2, rng=rng, max_nfev=3)
+    results = []
+    callers = [threading.Thread(target=lambda: results.append(ir.loss_and_grad(P, Q, Z, y))) for _ in range(4)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert len(results) == 4
+    for res in results:
+        assert res[0] == serial[0] and np.array_equal(res[1], serial[1]) and np.array_equal(res[2], serial[2])
+    assert state() == before
