@@ -17,7 +17,9 @@ import itertools
 import json
 import math
 import platform
+import signal
 import sys
+import threading
 import time
 import zlib
 
@@ -985,25 +987,49 @@ def positive_int(text):
     return value
 
 
-RESULT_SUFFIXES = (".csv", ".png", ".md", ".json")
+RECORD = "config.json"              # the run's record: options, versions, status and the files it wrote
 
 
-def prepare_out(ap, out, overwrite):
-    """Refuse an --out that cannot hold a fresh run (exit 2 via ap.error, nothing written), or with
-    --overwrite remove an earlier run's files (only .csv, .png, .md, .json) from it."""
+def earlier_run_files(out):
+    """The files an earlier run wrote into out, from its record (RECORD lists them, itself included),
+    or None when out holds no readable record of a run of this script."""
+    try:
+        with open(os.path.join(out, RECORD)) as f:
+            record = json.load(f)
+        files = record["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(files, list) and all(isinstance(x, str) and os.path.basename(x) == x for x in files)):
+        return None
+    return set(files) | {RECORD}
+
+
+def prepare_out(ap, out, overwrite, keep_others):
+    """Refuse an --out that cannot hold a fresh run (exit 2 via ap.error, nothing written). With
+    --overwrite, remove the files an earlier run wrote there (its record says which), and nothing
+    else: a directory that also holds other files is refused unless --keep-others says to leave
+    them as they are."""
     if not out:
         ap.error("--out must name a directory, got ''")
     if os.path.exists(out) and not os.path.isdir(out):
         ap.error(f"--out {out!r} exists and is not a directory")
-    if os.path.isdir(out) and os.listdir(out):
-        others = [f for f in os.listdir(out) if not f.endswith(RESULT_SUFFIXES)]
+    present = set(os.listdir(out)) if os.path.isdir(out) else set()
+    if present:
         if not overwrite:
             ap.error(f"--out {out!r} is not empty: pass --overwrite to replace an earlier run's results, "
                      "or name a new directory")
-        if others:
-            ap.error(f"--out {out!r} holds files that are not results ({others[:3]}...): not overwriting")
-        for f in os.listdir(out):
-            os.remove(os.path.join(out, f))
+        earlier = earlier_run_files(out)
+        if earlier is None:
+            ap.error(f"--out {out!r} holds files but no record of an earlier run ({RECORD} listing the files it "
+                     "wrote): not touching them; name a new directory")
+        others = sorted(present - earlier)
+        if others and not keep_others:
+            ap.error(f"--out {out!r} holds files that no earlier run wrote ({', '.join(others[:3])}"
+                     f"{', ...' if len(others) > 3 else ''}): pass --keep-others to leave them there, or name a new "
+                     "directory")
+        for f in sorted(present & earlier):
+            if os.path.isfile(os.path.join(out, f)):
+                os.remove(os.path.join(out, f))
     try:
         os.makedirs(out, exist_ok=True)
         probe = os.path.join(out, ".write-test")
@@ -1011,6 +1037,19 @@ def prepare_out(ap, out, overwrite):
         os.remove(probe)
     except OSError as e:
         ap.error(f"--out {out!r} cannot be written: {e.strerror}")
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so that it stops as a Ctrl-C does (the trainers return
+    their last iterate, the run writes what completed)."""
+
+
+SIGTERM_SEEN = []          # the trainers turn the exception into a result: the run remembers the signal here
+
+
+def on_sigterm(signum, frame):
+    SIGTERM_SEEN.append(signum)
+    raise Stopped()
 
 
 def stop_if_interrupted(res):
@@ -1027,7 +1066,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=nonneg_int, default=0, help="integer >= 0 (default 0)")
     ap.add_argument("--out", default="results", help="directory for the results; must be new or empty")
     ap.add_argument("--overwrite", action="store_true",
-                    help="replace an earlier run's results in --out (its .csv, .png, .md, .json files)")
+                    help="replace an earlier run's results in --out (the files its config.json lists, nothing else)")
+    ap.add_argument("--keep-others", action="store_true",
+                    help="with --overwrite: leave files in --out that no earlier run wrote, instead of refusing")
     ap.add_argument("--list", action="store_true", help="list the experiments and exit")
     ap.add_argument("--progress", type=nonneg_int, default=0, help="print training progress every k steps")
     ap.add_argument("--threads", type=positive_int, default=None,
@@ -1042,7 +1083,7 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown experiment(s) {unknown}; --list shows the names")
     names = list(dict.fromkeys(args.names)) or list(EXPERIMENTS)
-    prepare_out(ap, args.out, args.overwrite)
+    prepare_out(ap, args.out, args.overwrite, args.keep_others)
     start = time.perf_counter()
 
     def log(msg):
@@ -1051,14 +1092,23 @@ def main(argv=None):
     config = dict(argv=sys.argv, names=names, quick=args.quick, seed=args.seed, numpy=np.__version__,
                   scipy=scipy.__version__, python=platform.python_version(),
                   threadpoolctl=threadpoolctl.__version__, cores=len(os.sched_getaffinity(0))
-                  if hasattr(os, "sched_getaffinity") else os.cpu_count(), threads=args.threads, status="running")
+                  if hasattr(os, "sched_getaffinity") else os.cpu_count(), threads=args.threads)
+    written = []                     # every file this run writes, in the record as it is written
 
-    def write_config(status, done):
-        with open(os.path.join(args.out, "config.json"), "w") as f:
-            json.dump(dict(config, status=status, completed=done), f, indent=2)
+    def write(path_name, writer):
+        writer(os.path.join(args.out, path_name))
+        written.append(path_name)
+
+    def write_config(status, done, **extra):
+        with open(os.path.join(args.out, RECORD), "w") as f:
+            json.dump(dict(config, status=status, completed=done, files=sorted(set(written)), **extra), f, indent=2)
     write_config("running", [])
     summary, failed, done = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""], [], []
-    interrupted, plot_note = False, None
+    stopped_by, plot_note = None, None
+    # SIGTERM stops the run as Ctrl-C does; while the results are written at the end, both wait
+    main_thread = threading.current_thread() is threading.main_thread()
+    SIGTERM_SEEN.clear()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         for name in names:
             fn, answers = EXPERIMENTS[name]
@@ -1068,10 +1118,11 @@ def main(argv=None):
             ctx = dict(rng=np.random.default_rng([args.seed, zlib.crc32(name.encode())]), seed=args.seed, quick=args.quick,
                        log=log, progress=args.progress)
             rows, tables = fn(ctx)
-            write_csv(os.path.join(args.out, f"{name}.csv"), rows)
+            write(f"{name}.csv", lambda p: write_csv(p, rows))
             for table, content in tables.items():
-                write_csv(os.path.join(args.out, f"{name}_{table}.csv"), content)
+                write(f"{name}_{table}.csv", lambda p: write_csv(p, content))
             pngs, note = figures(args.out, name, rows, tables)
+            written.extend(os.path.basename(p) for p in pngs)
             plot_note = plot_note or note
             table = markdown_table(rows)
             print(table, flush=True)
@@ -1079,25 +1130,43 @@ def main(argv=None):
             summary += [f"![{name}]({os.path.basename(p)})" for p in pngs]
             failed += [f"{name}: {r['claim']}" for r in rows if r["verdict"] == FAIL]
             done.append(name)
-    except KeyboardInterrupt:
-        interrupted = True
-        log("interrupted: writing the experiments that completed, then stopping (exit 130)")
-        summary.insert(1, f"**INTERRUPTED**: only {done or 'no experiment'} completed; this is not a full run.")
-        summary.insert(2, "")
-    if plot_note:
-        log(plot_note)
-        summary += ["", plot_note]
-    summary.append(f"Total {time.perf_counter() - start:.1f} s; numpy {np.__version__}, scipy {scipy.__version__}.")
-    if failed:
-        summary += ["", "## Failed claims", ""] + [f"- {f}" for f in failed]
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write("\n".join(summary) + "\n")
-    write_config("interrupted" if interrupted else "complete", done)
-    log(f"{'interrupted' if interrupted else 'done'}; results in {args.out}/")
+            write_config("running", done)
+    except KeyboardInterrupt as e:
+        stopped_by = "SIGTERM" if isinstance(e, Stopped) or SIGTERM_SEEN else "SIGINT (Ctrl-C)"
+    late = []
+    if main_thread:
+        signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
+        previous_int = signal.signal(signal.SIGINT, lambda signum, frame: late.append(signum))
+    try:
+        if stopped_by:
+            log(f"stopped by {stopped_by}: writing the experiments that completed, then stopping")
+            what = (f"only {', '.join(done)} completed" if done else
+                    "no experiment completed, so there are no results")
+            summary[1:1] = [f"**INTERRUPTED** by {stopped_by}: {what}; this is not a full run.", ""]
+        if plot_note:
+            log(plot_note)
+            summary += ["", plot_note]
+        summary.append(f"Total {time.perf_counter() - start:.1f} s; numpy {np.__version__}, scipy {scipy.__version__}.")
+        if failed:
+            summary += ["", "## Failed claims", ""] + [f"- {f}" for f in failed]
+
+        def summary_md(path):
+            with open(path, "w") as f:
+                f.write("\n".join(summary) + "\n")
+        write("summary.md", summary_md)
+        if stopped_by:
+            write_config("interrupted", done, stopped_by=stopped_by)
+        else:
+            write_config("complete", done)
+        log(f"{'interrupted' if stopped_by else 'done'}; results in {args.out}/")
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
     if failed:
         print("FAILED claims:\n  " + "\n  ".join(failed), file=sys.stderr)
-    if interrupted:
-        return 130
+    if stopped_by:
+        return 128 + (signal.SIGTERM if stopped_by == "SIGTERM" else signal.SIGINT)
     return 1 if failed else 0
 
 

@@ -35,8 +35,8 @@ import icl_ref as ir
 # The largest D = d + 1 at which the loss, and apart from it the Jacobian, take the lanes
 # formulation; above it the reference's batch-first layers (icl_ref.layer_forward) run on the
 # workers, as their D^3 BLAS products beat D^3 vector loops there (docs/benchmarks.md).
-LANES_MAX_D = 12
-LANES_MAX_D_JACOBIAN = 9
+LANES_MAX_D = 11
+LANES_MAX_D_JACOBIAN = 6
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ Command line: python3 -m icl_ref vectors --out DIR.
 """
 import argparse
 import io
+import itertools
 import json
 import math
 import os
@@ -471,11 +472,7 @@ def _jacobian_rows(structure, JP, JQ):
     """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
     coordinates: the chain rules of structure_grad applied to every row at once (MATH.md §5)."""
     B = JP.shape[0]
-    if structure == "full":
-        rows = (JP, JQ)
-    else:                                          # -dQ[l, 0, :d, :d] (and dP[l, 0, :d, :d]) per row
-        rows = (-JQ[:, :, 0, :-1, :-1],) + ((JP[:, :, 0, :-1, :-1],) if structure == "blocks" else ())
-    return np.concatenate([g.reshape(B, -1) for g in rows], axis=1)
+    return np.concatenate([g.reshape(B, -1) for g in _structure_grad(structure, JP, JQ).values()], axis=1)
 
 
 def _residuals_and_jacobian_chunk(P, Q, S0, q0, y, n, structure):
@@ -834,6 +831,17 @@ def structure_grad(structure, dP, dQ):
     return dict(zip("PQ", _params(dP, dQ, ("dP", "dQ"))))
 
 
+def _structure_grad(structure, dP, dQ):
+    """structure_grad without the checks, for (dP, dQ) of shape (..., L, H, D, D) (a leading axis
+    of prompts for the Jacobian's rows): the chain rules of block_grad act on the last four axes."""
+    if structure == "full":
+        return {"P": dP, "Q": dQ}
+    out = {"A": -dQ[..., 0, :-1, :-1]}
+    if structure == "blocks":
+        out["B"] = dP[..., 0, :-1, :-1]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Training on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook; MATH.md §6)
 # ---------------------------------------------------------------------------------------------
@@ -857,6 +865,22 @@ def _interrupted_at_start(structure, coords, options, start, **extra):
                 history=np.array([]), options=options, nit=0, nfev=0, status=None, interrupted=True,
                 message="interrupted by KeyboardInterrupt before the first evaluation completed: nothing was "
                 "computed", **extra)
+
+
+def _norm(g):
+    """The 2-norm of a finite vector without overflow in the squares: |g| = m |g / m|, m = max |g_i|."""
+    m = float(np.max(np.abs(g))) if np.size(g) else 0.0
+    return m * float(np.linalg.norm(g / m)) if 0 < m < math.inf else m
+
+
+def _trainable_scale(Z):
+    """gtol is absolute, so data whose entries are all tiny would "converge" at any start (the loss
+    and its gradient scale with powers of |Z|): Z with no entry above 1e-30 in size is refused
+    (MATH.md §6)."""
+    if np.max(np.abs(Z)) < 1e-30:
+        raise ValueError(f"Z's entries are all below 1e-30 in size (largest {np.max(np.abs(Z)):.1e}): at that scale "
+                         "the loss's gradient is below any gradient tolerance, so convergence cannot be judged; "
+                         "rescale Z and y")
 
 
 def _start(structure, shapes, init, init_scale, rng):
@@ -921,6 +945,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                    maxcor=_int("maxcor", maxcor, 1), ftol=_nonneg("ftol", ftol),
                    gtol=_nonneg("gtol", gtol), maxls=_int("maxls", maxls, 1))
     progress = _int("progress", progress, 0)
+    _trainable_scale(Z)
     x0 = _start(structure, shapes, init, init_scale, rng)
 
     evaluate = _evaluator(engine, Z, y, activation)
@@ -964,7 +989,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
             iterates.append(coords_of(last["theta"]))
         k = len(history) - 1
         if progress and k % progress == 0:
-            print(f"iter {k:6d}  loss {last['loss']:.6e}  |grad| {np.linalg.norm(last['grad']):.3e}"
+            print(f"iter {k:6d}  loss {last['loss']:.6e}  |grad| {_norm(last['grad']):.3e}"
                   f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
 
     try:
@@ -996,19 +1021,23 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     coords = coords_of(theta)
     P, Q = structure_to_PQ(structure, coords)
     return dict(structure=structure, coords=coords, P=P, Q=Q, loss=float(loss),
-                grad_norm=float(np.linalg.norm(grad)), wall_time=time.perf_counter() - start,
+                grad_norm=_norm(grad), wall_time=time.perf_counter() - start,
                 scipy_version=scipy.__version__, history=np.array(history), options=options,
                 iterates=iterates, **outcome)
 
 
-def _fixed_coordinates(structure, shapes):
-    """Boolean mask (pack order) of the coordinates that never reach the loss: blocks B_{L-1}
-    ([A] footnote 4) and, for full P, Q, the x-rows of the last layer's P (MATH.md §5)."""
+def _fixed_coordinates(structure, shapes, query_label_zero=True):
+    """Boolean mask (pack order) of the coordinates that never reach the loss (MATH.md §6): blocks
+    B_{L-1} ([A] footnote 4); for full P, Q the x-rows of the last layer's P and, for one layer
+    when every query's label slot is 0 (query_label_zero), the last column of Q (it multiplies
+    that slot)."""
     masks = {k: np.zeros(s, dtype=bool) for k, s in shapes.items()}
     if structure == "blocks":
         masks["B"][-1] = True
     elif structure == "full":
         masks["P"][-1, :, :-1, :] = True
+        if query_label_zero and shapes["Q"][0] == 1:
+            masks["Q"][0, :, :, -1] = True
     return np.concatenate([m.ravel() for m in masks.values()])
 
 
@@ -1054,8 +1083,9 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
     progress = _int("progress", progress, 0)
     engine = REFERENCE if engine is None else engine
+    _trainable_scale(Z)
     theta0 = _start(structure, shapes, init, init_scale, rng)
-    free = ~_fixed_coordinates(structure, shapes)
+    free = ~_fixed_coordinates(structure, shapes, query_label_zero=not np.any(Z[:, -1, -1]))
     S0, q0 = gram(Z), np.ascontiguousarray(Z[:, :, n])
     root_B = math.sqrt(B)
 
@@ -1092,7 +1122,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
             best.update(x=x.copy(), loss=loss, r=r, J=J)
             history.append(loss)
             if progress and (len(history) - 1) % progress == 0:
-                g = np.linalg.norm(2 * J.T @ r / B)
+                g = _norm(2 * J.T @ r / B)
                 print(f"eval {len(history) - 1:6d}  loss {loss:.6e}  |grad| {g:.3e}"
                       f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
         return cache
@@ -1120,7 +1150,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         outcome = dict(nit=len(history), nfev=None, status=None, interrupted=True,
                        message=f"interrupted by KeyboardInterrupt after {len(history)} decreases")
     x, loss = best["x"], best["loss"]
-    grad_norm = float(np.linalg.norm(2 * best["J"].T @ best["r"] / B))
+    grad_norm = _norm(2 * best["J"].T @ best["r"] / B)
     coords = coords_of(full(x))
     P, Q = structure_to_PQ(structure, coords)
     success = not outcome["interrupted"] and grad_norm <= options["gtol"]
@@ -1520,52 +1550,143 @@ def fitted_scalar(M, T):
     return float(np.sum((M / m) * (T / t)) / np.sum((T / t) ** 2) * (m / t))
 
 
+def symmetry_directions(structure, coords, query_label_zero=True):
+    """An orthonormal basis (p, k) of the directions in which the loss is exactly constant at
+    coords, in the structure's pack order (MATH.md §11):
+
+    - coordinates that never reach the loss: blocks B_{L-1}; for full (P, Q) the x-rows of every
+      head of the last layer's P, and for one layer the last column of Q when every query's label
+      slot is 0 (query_label_zero, as sample_prompts makes them; _fixed_coordinates);
+    - for full (P, Q), each layer's heads enter only through K_l = sum_h P_lh kron Q_lh^T, which
+      (P_lh, Q_lh) -> (sum_g A_hg P_lg, sum_g (A^-T)_hg Q_lg) leaves unchanged for any invertible
+      A: the tangent directions dP_lh = P_lg, dQ_lg = -Q_lh for every pair (h, g), the rescaling
+      (P_lh, -Q_lh) among them (h = g).
+
+    The sparse structure has none (k = 0). Returns an array (p, k)."""
+    _check_structure(structure)
+    P, Q = structure_to_PQ(structure, coords)
+    L, H = P.shape[:2]
+    shapes = structure_shapes(structure, L, P.shape[-1] - 1, H)
+    fixed = _fixed_coordinates(structure, shapes, query_label_zero)
+    directions = [e for e in np.eye(fixed.size)[fixed]]
+    if structure == "full":
+        for l, h, g in itertools.product(range(L), range(H), range(H)):
+            dP, dQ = np.zeros_like(P), np.zeros_like(Q)
+            dP[l, h], dQ[l, g] = P[l, g], -Q[l, h]
+            directions.append(np.r_[dP.ravel(), dQ.ravel()])
+    if not directions:
+        return np.zeros((fixed.size, 0))
+    U, sv, _ = np.linalg.svd(np.array(directions).T, full_matrices=False)
+    return U[:, sv > 1e-12 * sv[0]] if sv[0] > 0 else np.zeros((fixed.size, 0))
+
+
+def _identifiable_basis(structure, coords, Z):
+    """An orthonormal basis (p, p - k) of the complement of symmetry_directions for the prompts Z."""
+    gauge = symmetry_directions(structure, coords, query_label_zero=not np.any(Z[:, -1, -1]))
+    if gauge.shape[1] == 0:
+        return np.eye(gauge.shape[0])
+    U = np.linalg.svd(gauge, full_matrices=True)[0]
+    return U[:, gauge.shape[1]:]
+
+
+def _check_coords(structure, coords, Z):
+    """The structure's coordinates as (names, shapes, flat theta), checked against Z's d."""
+    P_c, _ = structure_to_PQ(structure, coords)
+    if P_c.shape[-1] != Z.shape[1]:
+        raise ValueError(f"coords have d = {P_c.shape[-1] - 1} but Z has d = {Z.shape[1] - 1}")
+    names = list(coords)
+    return names, [np.shape(coords[k]) for k in names], pack([coords[k] for k in names])
+
+
+def _gradient_at(structure, names, shapes, evaluate):
+    """theta -> the loss gradient in the structure's coordinates by `evaluate` (P, Q) -> (loss, dP,
+    dQ), a ValueError saying float64 overflowed if it is not finite."""
+    def grad(theta):
+        P, Q = structure_to_PQ(structure, dict(zip(names, unpack(theta, shapes))))
+        with np.errstate(over="ignore", invalid="ignore"):
+            _, dP, dQ = evaluate(P, Q)
+        _finite_result("the gradient", np.r_[dP.ravel(), dQ.ravel()], P=P, Q=Q)
+        return np.concatenate([g.ravel() for g in _structure_grad(structure, dP, dQ).values()])
+    return grad
+
+
+def identifiable_hessian(structure, coords, Z, y, h=1e-5, activation="linear", engine=None):
+    """The batch loss's gradient and Hessian at coords in the identifiable coordinates: an
+    orthonormal basis U of the complement of the exact symmetry directions (symmetry_directions),
+    so that a strict local minimum has a zero gradient and a positive definite Hessian here, and a
+    saddle a negative eigenvalue (MATH.md §11).
+
+    The Hessian is central differences of the exact gradient along each column of U (h = 1e-5
+    balances truncation h^2 against rounding eps/h), symmetrised. Arguments as sandwich_covariance.
+    Returns a dict: basis U (p, m), gradient (m,) = U^T grad, hessian (m, m), eigenvalues (m,)
+    ascending, symmetries k = p - m (the directions removed).
+    """
+    _check_structure(structure)
+    _check_activation(activation)
+    Z = _prompts(Z)
+    y = _labels(y, Z.shape[0])
+    h = _nonneg("h", h)
+    if h == 0:
+        raise ValueError("h must be > 0 (the step of the central differences of the gradient)")
+    names, shapes, theta0 = _check_coords(structure, coords, Z)
+    grad = _gradient_at(structure, names, shapes, _evaluator(engine, Z, y, activation))
+    g0 = grad(theta0)                                    # an overflow is said here, before the differences
+    U = _identifiable_basis(structure, coords, Z)
+    H = np.array([U.T @ (grad(theta0 + h * u) - grad(theta0 - h * u)) / (2 * h) for u in U.T]).reshape(U.shape[1], -1)
+    H = (H + H.T) / 2
+    return dict(basis=U, gradient=U.T @ g0, hessian=H, eigenvalues=np.linalg.eigvalsh(H),
+                symmetries=U.shape[0] - U.shape[1])
+
+
 def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation="linear", engine=None):
     """Sampling covariance of parameters trained on the batch (Z, y), in the structure's coordinates:
 
-        Cov(theta_hat) ~ H^+ V H^+ / B,
+        Cov(theta_hat) ~ U (H_U^-1 V_U H_U^-1) U^T / B,
 
-    H the batch Hessian of the loss (central differences of the exact gradient; h = 1e-5 balances
-    truncation h^2 against rounding eps/h), V the covariance of one prompt's gradient: exact from
-    the per-prompt gradients 2 r_b J_b for the linear layer (MATH.md §3.1), else estimated from
-    `chunks` chunk-mean gradients times the chunk size; H^+ the pseudo-inverse
-    (B_{L-1} and rescalings leave H singular). Valid near a minimiser of the batch loss, for
-    gradients that are not heavy-tailed (MATH.md §10-§11). Returns a (p, p) array in pack order.
+    U the identifiable coordinates and H_U the batch Hessian there (identifiable_hessian: the
+    exact symmetry directions removed by construction, so H_U is invertible at a strict minimum),
+    V_U = U^T V U with V the covariance of one prompt's gradient: exact from the per-prompt gradients
+    2 r_b J_b for the linear layer (MATH.md §3.1), else estimated as the chunk size times the
+    covariance of `chunks` chunk-mean gradients. The result is symmetric and positive semi-definite,
+    zero along the symmetry directions. Valid near a strict minimiser of the batch loss (a Hessian
+    with an eigenvalue <= 0 there is a ValueError), for gradients that are not heavy-tailed
+    (MATH.md §10-§11). Returns a (p, p) array in pack order.
     """
     _check_structure(structure)
     _check_activation(activation)
     Z = _prompts(Z)
     y = _labels(y, Z.shape[0])
     chunks = _int("chunks", chunks, 2)
-    h = _nonneg("h", h)
-    if h == 0:
-        raise ValueError("h must be > 0 (the step of the central differences of the gradient)")
-    P_c, Q_c = structure_to_PQ(structure, coords)
-    if P_c.shape[-1] != Z.shape[1]:
-        raise ValueError(f"coords have d = {P_c.shape[-1] - 1} but Z has d = {Z.shape[1] - 1}")
-    if Z.shape[0] < 2 * chunks:
-        raise ValueError(f"Z must hold at least 2 * chunks = {2 * chunks} prompts, got {Z.shape[0]}")
-    names, shapes = list(coords), [np.shape(coords[k]) for k in coords]
-    theta0 = pack([coords[k] for k in names])
-
-    def grad(theta, evaluate):
-        P, Q = structure_to_PQ(structure, dict(zip(names, unpack(theta, shapes))))
-        return pack(structure_grad(structure, *evaluate(P, Q)[1:]).values())
-    whole = _evaluator(engine, Z, y, activation)
-    H = np.array([(grad(theta0 + h * e, whole) - grad(theta0 - h * e, whole)) / (2 * h)
-                  for e in np.eye(theta0.size)])
-    H_pinv = np.linalg.pinv(np.atleast_2d((H + H.T) / 2), hermitian=True)
+    names, shapes, theta0 = _check_coords(structure, coords, Z)
+    if activation != "linear" and Z.shape[0] < 2 * chunks:
+        raise ValueError(f"Z must hold at least 2 * chunks = {2 * chunks} prompts for the chunk-mean estimate "
+                         f"of V with an activation, got {Z.shape[0]}")
+    curvature = identifiable_hessian(structure, coords, Z, y, h=h, activation=activation, engine=engine)
+    U, H_U = curvature["basis"], curvature["hessian"]
+    if U.shape[1] == 0:
+        return np.zeros((theta0.size, theta0.size))
+    low, high = curvature["eigenvalues"][0], np.max(np.abs(curvature["eigenvalues"]))
+    if low <= 1e-10 * high:           # 1e-10: above the differences' error (~1e-11 relative)
+        raise ValueError(f"the Hessian in the identifiable coordinates has an eigenvalue {low:.3g} (largest "
+                         f"{high:.3g}): coords are not at a strict local minimum of the batch loss, where the "
+                         "sandwich covariance is defined")
     if activation == "linear":
         n = Z.shape[2] - 1
-        r, J = (REFERENCE if engine is None else engine).residuals_and_jacobian_gram(
-            P_c, Q_c, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n, structure)
-        V = np.cov(2 * r[:, None] * J, rowvar=False)
+        P_c, Q_c = structure_to_PQ(structure, coords)
+        with np.errstate(over="ignore", invalid="ignore"):
+            r, J = (REFERENCE if engine is None else engine).residuals_and_jacobian_gram(
+                P_c, Q_c, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n, structure)
+        _finite_result("the Jacobian", J, P=P_c, Q=Q_c, Z=Z)
+        V_U = np.atleast_2d(np.cov(2 * r[:, None] * (J @ U), rowvar=False))
     else:
         size = Z.shape[0] // chunks
-        G = np.array([grad(theta0, _evaluator(engine, Z[i:i + size], y[i:i + size], activation))
+        G = np.array([_gradient_at(structure, names, shapes, _evaluator(engine, Z[i:i + size], y[i:i + size],
+                                                                         activation))(theta0)
                       for i in range(0, size * chunks, size)])
-        V = size * np.cov(G, rowvar=False)
-    return H_pinv @ np.atleast_2d(V) @ H_pinv / Z.shape[0]
+        V_U = size * np.atleast_2d(np.cov(G @ U, rowvar=False))
+    A = U @ np.linalg.inv(H_U)
+    cov = A @ V_U @ A.T / Z.shape[0]
+    return (cov + cov.T) / 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1816,16 +1937,113 @@ def _write_npz(path, arrays):
             zf.writestr(zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0)), buf.getvalue())
 
 
-def write_reference_vectors(out):
+LAYOUTS = {
+    "paper": (("Z", "y", "P", "Q"), ("Z_L", "y_hat", "loss", "dP", "dQ")),
+    "authors": (("Z_rows", "y", "allparam"), ("Z_L_rows", "y_hat", "loss", "grad_allparam")),
+    "von_oswald": (("Z_rows", "y", "W_q", "W_k", "W_v", "W_o"),
+                   ("Z_L_rows", "y_hat", "loss", "grad_W_q", "grad_W_k", "grad_W_v", "grad_W_o")),
+}
+"""Per layout, the input arrays a reference case is given in and the outputs compared in it
+(check_implementation, MATH.md §13). Z_L_rows is Z_L with tokens as rows (B, n+1, d+1); in
+von Oswald et al.'s layout the loss and the gradients are those of their loss, 0.5 * icl_ref's."""
+
+
+def _case_layouts(case):
+    """The layouts a reference case can be given in: the paper's always; the authors' when the
+    attention is linear and P, Q have their form; von Oswald et al.'s for linear and softmax."""
+    layouts = ["paper"]
+    if case["activation"] == "linear":
+        try:
+            params_to_authors(case["P"], case["Q"])
+            layouts.append("authors")
+        except ValueError:
+            pass
+    if case["activation"] in ("linear", "softmax"):
+        layouts.append("von_oswald")
+    return layouts
+
+
+def _case_von_oswald_weights(case):
+    """von Oswald et al.'s weights for a case, key size D: W_q,h = I, W_k,h = Q_h (times sqrt(D) for
+    softmax), W_v,h = P_h^T / n, W_o,h = I, which params_from_von_oswald maps back to (P, Q)."""
+    P, Q, act = case["P"], case["Q"], case["activation"]
+    L, H, D, _ = P.shape
+    n = case["Z"].shape[2] - 1
+    eye = np.tile(np.eye(D), (L, 1, H))
+    return dict(W_q=eye, W_k=np.concatenate(list(np.moveaxis(Q, 1, 0)), axis=2) * (1.0 if act == "linear" else math.sqrt(D)),
+                W_v=np.concatenate(list(np.moveaxis(np.swapaxes(P, -1, -2) / n, 1, 0)), axis=2),
+                W_o=np.swapaxes(eye, -1, -2))
+
+
+def _layout_inputs(case, layout):
+    """The case's input arrays in a layout (LAYOUTS)."""
+    if layout == "paper":
+        return dict(Z=case["Z"], y=case["y"], P=case["P"], Q=case["Q"])
+    out = dict(Z_rows=tokens_as_rows(case["Z"]), y=case["y"])
+    if layout == "authors":
+        return dict(out, allparam=params_to_authors(case["P"], case["Q"]))
+    return dict(out, **_case_von_oswald_weights(case))
+
+
+def _layout_outputs(case, layout, out):
+    """icl_ref's outputs in the paper's layout (any subset of Z_L, y_hat, loss, dP, dQ) as the
+    layout's outputs (LAYOUTS)."""
+    if layout == "paper":
+        return dict(out)
+    res = {k: v for k, v in (("Z_L_rows", out.get("Z_L")), ("y_hat", out.get("y_hat"))) if v is not None}
+    if "Z_L_rows" in res:
+        res["Z_L_rows"] = np.swapaxes(res["Z_L_rows"], 1, 2)
+    scale = 1.0 if layout == "authors" else VON_OSWALD_LOSS_SCALE
+    if "loss" in out:
+        res["loss"] = scale * np.asarray(out["loss"])
+    if "dP" in out and "dQ" in out:
+        if layout == "authors":
+            res["grad_allparam"] = grads_to_authors(out["dP"], out["dQ"])
+        else:
+            W = _case_von_oswald_weights(case)
+            grads = grads_to_von_oswald(out["dP"], out["dQ"], *W.values(), case["Z"].shape[2] - 1,
+                                        heads=case["P"].shape[1], activation=case["activation"])
+            res.update({f"grad_{k}": g for k, g in zip(W, grads)})
+    return res
+
+
+def _earlier_vectors(out):
+    """The files an earlier write_reference_vectors put in out (manifest.json and the files it
+    lists), or None when out holds no readable manifest of ours."""
+    try:
+        with open(os.path.join(out, "manifest.json")) as f:
+            manifest = json.load(f)
+        if manifest["format"] != "icl_ref reference vectors":
+            return None
+        files = {case["file"] for case in manifest["cases"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return files | {"manifest.json"}
+
+
+def write_reference_vectors(out, overwrite=False):
     """Write the reference vectors into the directory `out` (created if needed): one .npz per case of
     reference_cases (the arrays of ARRAY_MEANINGS that apply: the paper's layout always, the authors'
     when P, Q have their form and the attention is linear, von Oswald et al.'s for linear and
     softmax attention) and manifest.json (format version, conventions, shapes, meanings, tolerances).
-    The same bytes on every run. Returns the manifest (a dict). MATH.md §13."""
+    The same bytes on every run. A non-empty `out` is refused, except with overwrite=True when it
+    holds only an earlier set of reference vectors (its manifest names the files), which are
+    replaced. Returns the manifest (a dict). MATH.md §13."""
     if not isinstance(out, (str, os.PathLike)) or not str(out):
         raise TypeError(f"out must name a directory, got {out!r}")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"out {str(out)!r} exists and is not a directory")
+    present = set(os.listdir(out)) if os.path.isdir(out) else set()
+    if present:
+        earlier = _earlier_vectors(out)
+        if not overwrite:
+            raise ValueError(f"out {str(out)!r} is not empty: name a new directory (or pass overwrite=True, "
+                             "--overwrite, to replace an earlier set of reference vectors there)")
+        if earlier is None or present - earlier:
+            foreign = sorted(present - (earlier or set()))
+            raise ValueError(f"out {str(out)!r} holds files that are not an earlier set of reference vectors "
+                             f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): not touching them; "
+                             "name a new directory")
     os.makedirs(out, exist_ok=True)
     manifest = dict(format="icl_ref reference vectors", format_version=VECTORS_FORMAT,
                     conventions="MATH.md sections 2-3 and 12: layer Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M dropping "
@@ -1834,26 +2052,10 @@ def write_reference_vectors(out):
     for case in reference_cases():
         P, Q, Z, y, act = case["P"], case["Q"], case["Z"], case["y"], case["activation"]
         arrays = dict(Z=Z, y=y, P=P, Q=Q, **_case_outputs(P, Q, Z, y, act))
-        layouts = ["paper"]
-        try:
-            allparam = params_to_authors(P, Q)
-            if act == "linear":
-                arrays.update(Z_rows=tokens_as_rows(Z), allparam=allparam,
-                              grad_allparam=grads_to_authors(arrays["dP"], arrays["dQ"]))
-                layouts.append("authors")
-        except ValueError:
-            pass
-        if act in ("linear", "softmax"):
-            L, H, D, _ = P.shape
-            n = Z.shape[2] - 1
-            eye = np.tile(np.eye(D), (L, 1, H))                                    # W_q,h = I, key size D
-            W = dict(W_q=eye, W_k=np.concatenate(list(np.moveaxis(Q, 1, 0)), axis=2)
-                     * (1.0 if act == "linear" else math.sqrt(D)),
-                     W_v=np.concatenate(list(np.moveaxis(np.swapaxes(P, -1, -2) / n, 1, 0)), axis=2),
-                     W_o=np.swapaxes(eye, -1, -2))
-            grads = grads_to_von_oswald(arrays["dP"], arrays["dQ"], *W.values(), n, heads=H, activation=act)
-            arrays.update(W, **{f"grad_{k}": g for k, g in zip(W, grads)})
-            layouts.append("von_oswald")
+        layouts = _case_layouts(case)
+        for layout in layouts[1:]:
+            theirs = _layout_outputs(case, layout, arrays)
+            arrays.update(_layout_inputs(case, layout), **{k: v for k, v in theirs.items() if k.startswith("grad_")})
         _write_npz(os.path.join(out, f"{case['name']}.npz"), arrays)
         manifest["cases"].append(dict(
             name=case["name"], file=f"{case['name']}.npz", description=case["description"],
@@ -1880,14 +2082,14 @@ def _variant_outputs(case, variant):
         out = _case_outputs(c * P, Q, Z, y, act)
         out["dP"] = c * out["dP"]
     elif variant == "query used as a key and value":
-        if act != "linear":
-            return None
-        S0, q0 = Z @ Z.transpose(0, 2, 1), np.ascontiguousarray(Z[:, :, n])   # no mask: S counts the query
-        loss, dP, dQ = loss_and_grad_gram(P, Q, S0, q0, y, n)
-        Zs = Z
-        for P_l, Q_l in zip(P, Q):
-            Zs = Zs + sum(P_h @ Zs @ Zs.transpose(0, 2, 1) @ Q_h @ Zs for P_h, Q_h in zip(P_l, Q_l)) / n
-        out = dict(Z_L=Zs, y_hat=-Zs[:, -1, -1], loss=np.array(loss), dP=dP, dQ=dQ)
+        # a copy of the query appended as an (n+1)-th context token is a key and a value that evolves
+        # exactly as the query does (each column's update depends on itself and the keys); P scaled by
+        # (n+1)/n keeps the 1/n; softmax then normalises over all n+1 distinct keys, as either softmax
+        # does once the mask is gone
+        Z_aug = np.concatenate([Z[:, :, :n], Z[:, :, n:], Z[:, :, n:]], axis=2)
+        c = (n + 1) / n
+        out = _case_outputs(c * P, Q, Z_aug, y, "softmax" if act.startswith("softmax") else act)
+        out.update(Z_L=np.delete(out["Z_L"], n, axis=2), dP=c * out["dP"])
     elif variant == "loss with a factor 1/2":
         out = _case_outputs(P, Q, Z, y, act)
         out.update(loss=out["loss"] / 2, dP=out["dP"] / 2, dQ=out["dQ"] / 2)
@@ -1899,11 +2101,21 @@ def _variant_outputs(case, variant):
         if act != other[variant][0]:
             return None
         out = _case_outputs(P, Q, Z, y, other[variant][1])
-    elif variant == "last context example dropped":
-        if n < 2:
+    elif variant in ("last context example dropped", "last context example masked, 1/n kept"):
+        # the authors' softmax would still normalise over the masked example's key: not this variant
+        if n < 2 or (act == "softmax_all" and variant.endswith("kept")):
             return None
-        out = _case_outputs(P, Q, np.delete(Z, n - 1, axis=2), y, act)
-        out.pop("Z_L")                                          # a different shape: compare the rest
+        c = 1.0 if variant.endswith("dropped") else (n - 1) / n      # 1/(n-1) times (n-1)/n is the 1/n kept
+        out = _case_outputs(c * P, Q, np.delete(Z, n - 1, axis=2), y, act)
+        out["dP"] = c * out["dP"]
+        if variant.endswith("dropped"):
+            out.pop("Z_L")                                      # a different shape: compare the rest
+        else:       # the masked example's own column moves as a query over the other n - 1 would
+            own = _case_outputs(c * P, Q, Z[:, :, :n], y, act)["Z_L"][:, :, -1:]
+            out["Z_L"] = np.concatenate([out["Z_L"][:, :, :n - 1], own, out["Z_L"][:, :, n - 1:]], axis=2)
+    elif variant == "tokens as rows (Z_L transposed)":
+        out = _case_outputs(P, Q, Z, y, act)
+        out = dict(Z_L=np.swapaxes(out["Z_L"], 1, 2))
     else:
         raise ValueError(f"unknown variant {variant!r}")
     return out
@@ -1927,7 +2139,85 @@ DIAGNOSIS_VARIANTS = {
                            "normalises over all n+1 keys ('softmax_all', the authors' code)",
     "last context example dropped": "you use only n - 1 context examples (the authors' GD baselines do this); "
                                     "use all n",
+    "last context example masked, 1/n kept": "your mask drops the last context example as well as the query "
+                                             "while you still divide by n: M = diag(1, ..., 1, 0) masks the "
+                                             "query only",
+    "tokens as rows (Z_L transposed)": "your Z_L has tokens as rows, (B, n+1, d+1); the paper's has them as "
+                                       "columns: compare tokens_as_columns(your Z_L)",
 }
+
+
+def _malformed(mine, ref):
+    """What is wrong with a given array as such (missing, not numeric, wrong shape, NaN or Inf), or
+    None."""
+    if mine is None:
+        return "missing (None)"
+    try:
+        mine = np.asarray(mine, dtype=float)
+    except (TypeError, ValueError):
+        return f"not a numeric array ({type(mine).__name__})"
+    if mine.shape != np.shape(ref):
+        turned = mine.ndim == 3 and mine.shape == np.swapaxes(np.empty(np.shape(ref)), 1, 2).shape
+        return (f"shape {mine.shape}, expected {np.shape(ref)}"
+                + (" (tokens as rows? the paper's Z_L has tokens as columns)" if turned else ""))
+    if not np.all(np.isfinite(mine)):
+        return "holds NaN or Inf"
+    return None
+
+
+def _close(mine, ref, rtol):
+    """mine within rtol of ref's largest entry, entry by entry, and of ref's shape."""
+    mine = np.asarray(mine, dtype=float)
+    scale = max(np.max(np.abs(ref)), 1e-300)
+    return mine.shape == np.shape(ref) and bool(np.all(np.abs(mine - ref) <= rtol * scale))
+
+
+def _judge_case(case, given, layout, rtol_of):
+    """{quantity: "agrees" | "malformed: ..." | variant name | "unexplained"} for one case's outputs
+    given in `layout`, each compared within rtol_of(quantity), and the variants that reproduce
+    each mismatch {variant: [quantity]}."""
+    ref = _layout_outputs(case, layout, _case_outputs(case["P"], case["Q"], case["Z"], case["y"], case["activation"]))
+    variants = {v: _variant_outputs(case, v) for v in DIAGNOSIS_VARIANTS}
+    variants = {v: _layout_outputs(case, layout, out) for v, out in variants.items() if out is not None}
+    found, culprits = {}, {}
+    for q, mine in given.items():
+        bad = _malformed(mine, ref[q])
+        turned = variants["tokens as rows (Z_L transposed)"].get(q)
+        if bad and not (turned is not None and mine is not None and _close(mine, turned, rtol_of(q))):
+            found[q] = f"malformed: {bad}"
+            continue
+        if _close(mine, ref[q], rtol_of(q)):
+            found[q] = "agrees"
+            continue
+        match = [v for v, out in variants.items() if q in out and _close(mine, out[q], rtol_of(q))]
+        found[q] = match[0] if match else "unexplained"
+        for v in match:
+            culprits.setdefault(v, []).append(q)
+    return found, culprits
+
+
+def _report(found, culprits, skipped=()):
+    """The plain-text report of diagnose and check_implementation."""
+    lines = []
+    for name, verdicts in found.items():
+        agree = [q for q, f in verdicts.items() if f == "agrees"]
+        differ = [f"{q} ({f})" for q, f in verdicts.items() if f != "agrees"]
+        lines.append(f"{name}: " + (f"agrees on {', '.join(agree)}" if agree else "agrees on nothing")
+                     + (f"; DIFFERS on {', '.join(differ)}" if differ else ""))
+    lines += [f"{name}: SKIPPED ({why})" for name, why in skipped]
+    if culprits:
+        lines += ["", "Likely causes, most frequent first:"]
+        for v, where in sorted(culprits.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"- {v} (reproduces {len(where)} mismatches, e.g. {where[0]}): {DIAGNOSIS_VARIANTS[v]}")
+    verdicts = [f for fs in found.values() for f in fs.values()]
+    if any(f.startswith("malformed") for f in verdicts):
+        lines.append("Some arrays are malformed (see above): fix them before comparing numbers.")
+    if "unexplained" in verdicts:
+        lines.append("Some mismatches match none of the known variants: compare Z after the first layer, "
+                     "then the gradient of one layer at a time.")
+    elif verdicts and all(f == "agrees" for f in verdicts):
+        lines.append("Everything agrees within rtol.")
+    return "\n".join(lines)
 
 
 def diagnose(outputs, rtol=1e-6):
@@ -1937,63 +2227,121 @@ def diagnose(outputs, rtol=1e-6):
     outputs: {case name: {quantity: array}} with any of Z_L, y_hat, loss, dP, dQ in the paper's layout,
     computed by the user's code on the inputs of reference_cases() (or the reference vectors' Z, y, P,
     Q). rtol: relative to the largest entry of icl_ref's array (1e-6 suits float64 code; float32 code
-    needs about 1e-4). Returns (report, found): a plain-text report a person can act on, and
-    {case: {quantity: "agrees" | variant name | "unexplained"}}.
+    needs about 1e-4). Empty input (no case, or a case with no array) is a ValueError. An array that
+    is missing (None), of the wrong shape or not finite is named as malformed before any comparison.
+    Returns (report, found): a plain-text report a person can act on, and
+    {case: {quantity: "agrees" | variant name | "malformed: ..." | "unexplained"}}.
     """
     if not isinstance(outputs, dict):
         raise TypeError(f"outputs must be a dict {{case name: {{quantity: array}}}}, got {type(outputs).__name__}")
+    if not outputs:
+        raise ValueError("outputs is empty: give at least one case, {case name: {quantity: array}}")
     rtol = _nonneg("rtol", rtol)
     cases = {c["name"]: c for c in reference_cases()}
     unknown = sorted(set(outputs) - set(cases))
     if unknown:
         raise ValueError(f"outputs names unknown cases {unknown}; the cases are {sorted(cases)}")
-
-    def close(mine, ref):
-        mine = np.asarray(mine, dtype=float)
-        scale = max(np.max(np.abs(ref)), 1e-300)                  # relative to ref's largest entry
-        return mine.shape == np.shape(ref) and bool(np.all(np.abs(mine - ref) <= rtol * scale))
-    lines, found, culprits = [], {}, {}
+    quantities = LAYOUTS["paper"][1]
     for name, given in outputs.items():
-        if not isinstance(given, dict) or not set(given) <= {"Z_L", "y_hat", "loss", "dP", "dQ"}:
-            raise ValueError(f"outputs[{name!r}] must be a dict with keys among Z_L, y_hat, loss, dP, dQ")
-        ref = _case_outputs(cases[name]["P"], cases[name]["Q"], cases[name]["Z"], cases[name]["y"],
-                            cases[name]["activation"])
-        variants = {v: _variant_outputs(cases[name], v) for v in DIAGNOSIS_VARIANTS}
-        found[name] = {}
-        for q, mine in given.items():
-            if close(mine, ref[q]):
-                found[name][q] = "agrees"
-                continue
-            match = [v for v, out in variants.items() if out is not None and q in out and close(mine, out[q])]
-            found[name][q] = match[0] if match else "unexplained"
-            for v in match:
-                culprits.setdefault(v, []).append(f"{name}:{q}")
-        agree = [q for q, f in found[name].items() if f == "agrees"]
-        differ = [f"{q} ({f})" for q, f in found[name].items() if f != "agrees"]
-        lines.append(f"{name}: " + (f"agrees on {', '.join(agree)}" if agree else "agrees on nothing")
-                     + (f"; DIFFERS on {', '.join(differ)}" if differ else ""))
-    if culprits:
-        lines.append("")
-        lines.append("Likely causes, most frequent first:")
-        for v, where in sorted(culprits.items(), key=lambda kv: -len(kv[1])):
-            lines.append(f"- {v} (reproduces {len(where)} mismatches, e.g. {where[0]}): {DIAGNOSIS_VARIANTS[v]}")
-    if any(f == "unexplained" for fs in found.values() for f in fs.values()):
-        lines.append("Some mismatches match none of the known variants: compare Z after the first layer, "
-                     "then the gradient of one layer at a time.")
-    elif not culprits:
-        lines.append("Everything agrees within rtol.")
-    return "\n".join(lines), found
+        if not isinstance(given, dict) or not set(given) <= set(quantities):
+            raise ValueError(f"outputs[{name!r}] must be a dict with keys among {', '.join(quantities)}")
+        if not given:
+            raise ValueError(f"outputs[{name!r}] holds no arrays: give any of {', '.join(quantities)}")
+    found, culprits = {}, {}
+    for name, given in outputs.items():
+        found[name], matches = _judge_case(cases[name], given, "paper", lambda q: rtol)
+        for v, qs in matches.items():
+            culprits.setdefault(v, []).extend(f"{name}:{q}" for q in qs)
+    return _report(found, culprits), found
+
+
+CHECK_TOLERANCES = {"float64": dict(forward=1e-12, loss=1e-12, gradient=1e-10),
+                    "float32": dict(forward=1e-5, loss=1e-4, gradient=1e-4)}
+"""check_implementation's tolerances, relative to the largest entry of icl_ref's array: those of
+VECTOR_TOLERANCES, for the forward pass (Z_L, y_hat), the loss and the gradients."""
+
+
+def check_implementation(fn, layout="paper", dtype=np.float64):
+    """Run another implementation on every reference case it can take and compare (MATH.md §13).
+
+    fn(inputs) receives one case as a dict: the layout's input arrays (LAYOUTS: "paper" Z, y, P, Q;
+    "authors" Z_rows, y, allparam; "von_oswald" Z_rows, y, W_q, W_k, W_v, W_o, as the reference
+    vectors' manifest names them) cast to `dtype`, and activation, n, L, H. It returns a dict with
+    any non-empty subset of the layout's outputs (paper: Z_L, y_hat, loss, dP, dQ; authors: Z_L_rows,
+    y_hat, loss, grad_allparam; von_oswald: Z_L_rows, y_hat, loss, grad_W_q, grad_W_k, grad_W_v,
+    grad_W_o, its loss and gradients being of 0.5 * icl_ref's loss), or raises NotImplementedError
+    for a case it cannot handle (an activation it lacks: reported as skipped, never as passed).
+    Each output is compared within CHECK_TOLERANCES[dtype] of the largest entry of icl_ref's.
+
+    Returns the report, a dict: layout, dtype, cases {name: {"status": "passed" | "skipped" |
+    "failed", "quantities": {quantity: verdict}, "reason": ...}} and text (as diagnose's). Raises
+    AssertionError, its message the diagnosis (which quantities agree, which convention slip
+    reproduces each mismatch, which arrays are malformed), when any case fails or none passes. Works
+    in any test runner: `icl_ref.check_implementation(my_fn)` is the whole test.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, fn(inputs: dict) -> dict of outputs, got {type(fn).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be np.float64 or np.float32, got {dtype!r}") from None
+    if dtype.name not in CHECK_TOLERANCES:
+        raise ValueError(f"dtype must be float64 or float32, got {dtype.name}")
+    tolerances = CHECK_TOLERANCES[dtype.name]
+
+    def rtol_of(q):
+        return tolerances["gradient" if q.startswith(("d", "grad_")) else "loss" if q == "loss" else "forward"]
+    outputs_allowed = LAYOUTS[layout][1]
+    report = dict(layout=layout, dtype=dtype.name, cases={})
+    found, culprits, skipped = {}, {}, []
+    for case in reference_cases():
+        if layout not in _case_layouts(case):
+            continue
+        P = case["P"]
+        inputs = {k: np.array(v, dtype=dtype) for k, v in _layout_inputs(case, layout).items()}
+        inputs.update(activation=case["activation"], n=int(case["Z"].shape[2] - 1), L=int(P.shape[0]), H=int(P.shape[1]))
+        try:
+            given = fn(inputs)
+        except NotImplementedError as e:
+            skipped.append((case["name"], f"NotImplementedError: {e}" if str(e) else "NotImplementedError"))
+            report["cases"][case["name"]] = dict(status="skipped", reason=skipped[-1][1], quantities={})
+            continue
+        if not isinstance(given, dict) or not given or not set(given) <= set(outputs_allowed):
+            found[case["name"]] = {}
+            report["cases"][case["name"]] = dict(
+                status="failed", quantities={},
+                reason=f"fn must return a non-empty dict with keys among {', '.join(outputs_allowed)}, got "
+                       f"{sorted(given) if isinstance(given, dict) else type(given).__name__}")
+            continue
+        found[case["name"]], matches = _judge_case(case, given, layout, rtol_of)
+        for v, qs in matches.items():
+            culprits.setdefault(v, []).extend(f"{case['name']}:{q}" for q in qs)
+        ok = all(f == "agrees" for f in found[case["name"]].values())
+        report["cases"][case["name"]] = dict(status="passed" if ok else "failed", quantities=found[case["name"]])
+    text = _report(found, culprits, skipped)
+    bad = [(name, c.get("reason")) for name, c in report["cases"].items() if c["status"] == "failed"]
+    text += "".join(f"\n{name}: {reason}" for name, reason in bad if reason)
+    report["text"] = text
+    if bad:
+        raise AssertionError(f"the implementation differs from icl_ref ({layout} layout, {dtype.name}):\n{text}")
+    if not any(c["status"] == "passed" for c in report["cases"].values()):
+        raise AssertionError(f"no reference case was checked ({layout} layout): fn skipped every case\n{text}")
+    return report
 
 
 def _main(argv=None):
-    """python3 -m icl_ref vectors --out DIR: write the reference vectors (MATH.md §13)."""
+    """python3 -m icl_ref vectors --out DIR [--overwrite]: write the reference vectors (MATH.md §13)."""
     ap = argparse.ArgumentParser(prog="python3 -m icl_ref", description="icl_ref command line")
     sub = ap.add_subparsers(dest="command", required=True)
     v = sub.add_parser("vectors", help="write the reference vectors (.npz per case and manifest.json)")
-    v.add_argument("--out", required=True, help="directory to write into (created if needed)")
+    v.add_argument("--out", required=True, help="directory to write into (created if needed; must be new or empty)")
+    v.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier set of reference vectors in --out (refused if it holds other files)")
     args = ap.parse_args(argv)
     try:
-        manifest = write_reference_vectors(args.out)
+        manifest = write_reference_vectors(args.out, overwrite=args.overwrite)
     except (TypeError, ValueError, OSError) as e:
         ap.error(str(e))
     print(f"wrote {len(manifest['cases'])} cases and manifest.json to {args.out}")

@@ -127,3 +127,29 @@ def test_every_public_function_is_derived_in_math_md_and_cites_its_section():
         assert 3 in section_of.get(name, set()), f"icl_fast.{name} is not listed under MATH.md §3.2"
         assert "MATH.md §3.2" in (inspect.getdoc(getattr(icl_fast, name)) or ""), \
             f"icl_fast.{name}'s docstring does not cite MATH.md §3.2"
+
+
+def python_blocks(text, after):
+    """The ```python blocks of a Markdown text that follow the heading `after`, up to the next ## heading."""
+    section = text.split(after, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def test_readme_api_examples_run_as_written():
+    # every line of README's API and speed examples runs, on a smaller batch (20000 -> 400 prompts);
+    # the placeholders a user would bring (another implementation's arrays) are made here
+    import numpy as np
+    readme = read("README.md")
+    blocks = python_blocks(readme, "## API, one example each") + python_blocks(readme, "## Speed: icl_fast")
+    assert len(blocks) == 2
+    case = ir.reference_cases()[0]
+    rng = np.random.default_rng(0)
+    W = np.tile(np.eye(6), (3, 1, 1))
+    namespace = dict(allparam=0.1 * rng.standard_normal((3, 1, 2, 5, 5)),
+                     Z_rows=ir.tokens_as_rows(ir.sample_prompts(rng, 8, 20, np.eye(5))[0]),
+                     W_q=W, W_k=W, W_v=0.1 * W, W_o=W, n=20, H=1, L=3,
+                     my_Z_L=ir.forward(case["P"], case["Q"], case["Z"]),
+                     my_loss=ir.in_context_loss(case["P"], case["Q"], case["Z"], case["y"]))
+    for block in blocks:
+        exec(compile(block.replace("20000", "400"), "README.md", "exec"), namespace)
+    assert namespace["found"] == {"small-full": {"Z_L": "agrees", "loss": "agrees"}}

@@ -134,13 +134,36 @@ def test_out_naming_a_file_or_a_non_empty_directory_is_refused(tmp_path):
     assert (d / "noise.csv").read_text() == "stale"
 
 
-def test_overwrite_removes_an_earlier_runs_files_and_duplicates_run_once(tmp_path, monkeypatch):
+def test_overwrite_removes_only_an_earlier_runs_files_and_duplicates_run_once(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: (calls.append(1) or [ex.row("x", "-", "-", ex.INFO)], {}), "t"))
-    (tmp_path / "stale.csv").write_text("from an earlier run")
-    assert ex.main(["count", "count", "--out", str(tmp_path), "--overwrite"]) == 0
-    assert calls == [1] and not (tmp_path / "stale.csv").exists()
-    assert json.loads((tmp_path / "config.json").read_text())["status"] == "complete"
+    assert ex.main(["count", "count", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert calls == [1] and record["status"] == "complete"
+    assert sorted(record["files"]) == ["count.csv", "summary.md"]
+    (tmp_path / "count.csv").write_text("from the earlier run")
+    assert ex.main(["count", "--out", str(tmp_path), "--overwrite"]) == 0
+    assert (tmp_path / "count.csv").read_text() != "from the earlier run"
+    # a file no run wrote: refused (exit 2, nothing touched) unless --keep-others, which leaves it be
+    (tmp_path / "notes.md").write_text("mine")
+    with pytest.raises(SystemExit) as stop:
+        ex.main(["count", "--out", str(tmp_path), "--overwrite"])
+    assert stop.value.code == 2 and (tmp_path / "count.csv").exists()
+    assert ex.main(["count", "--out", str(tmp_path), "--overwrite", "--keep-others"]) == 0
+    assert (tmp_path / "notes.md").read_text() == "mine"
+    assert "notes.md" not in json.loads((tmp_path / "config.json").read_text())["files"]
+
+
+def test_overwrite_never_deletes_files_of_a_directory_that_held_no_run(tmp_path, monkeypatch):
+    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", "-", "-", ex.INFO)], {}), "t"))
+    for name, text in (("notes.md", "a"), ("data.json", "{}"), ("mydata.csv", "1,2")):
+        (tmp_path / name).write_text(text)
+    for extra in ([], ["--keep-others"]):
+        with pytest.raises(SystemExit) as stop:
+            ex.main(["count", "--out", str(tmp_path), "--overwrite", *extra])
+        assert stop.value.code == 2
+    assert sorted(os.listdir(tmp_path)) == ["data.json", "mydata.csv", "notes.md"]
+    assert (tmp_path / "mydata.csv").read_text() == "1,2"
 
 
 SLOW_RUN = """
@@ -167,22 +190,24 @@ sys.exit(ex.main([sys.argv[1], "after", "--out", sys.argv[2]]))
 """
 
 
-@pytest.mark.parametrize("where", ["training", "sleeping"])
-def test_ctrl_c_stops_the_run_marks_it_interrupted_and_exits_130(tmp_path, where):
+@pytest.mark.parametrize("where,signame,code", [("training", "SIGINT", 130), ("sleeping", "SIGINT", 130),
+                                                 ("training", "SIGTERM", 143), ("sleeping", "SIGTERM", 143)])
+def test_a_signal_stops_the_run_marks_it_interrupted_and_exits_128_plus_its_number(tmp_path, where, signame, code):
     import signal
+    import time
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", SLOW_RUN, where, str(out)], cwd=HERE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:                       # wait until the experiment is under way
         if "READY" in line:
             break
-    import time
     time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    assert proc.returncode == code, stdout[-2000:] + stderr[-2000:]
     summary = (out / "summary.md").read_text()
-    assert "INTERRUPTED" in summary and "## after" not in summary
+    assert f"INTERRUPTED** by {signame}" in summary and "no experiment completed" in summary
+    assert "## after" not in summary and "only [" not in summary
     config = json.loads((out / "config.json").read_text())
-    assert config["status"] == "interrupted" and config["completed"] == []
-    assert not (out / "AFTER-RAN").exists()                          # nothing ran after the Ctrl-C
+    assert config["status"] == "interrupted" and config["completed"] == [] and signame in config["stopped_by"]
+    assert not (out / "AFTER-RAN").exists()                          # nothing ran after the signal

@@ -11,6 +11,7 @@ Tolerances, each with its reason:
 Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
 """
 import math
+import re
 import os
 import types
 from fractions import Fraction
@@ -316,7 +317,7 @@ def test_train_lbfgs_accepts_init_dict():
 # ---------------------------------------------------------------------------------------------
 
 _P, _Q = np.zeros((2, 2, 1, 4, 4))
-_Z = np.zeros((3, 4, 6))
+_Z = np.ones((3, 4, 6))
 _y = np.zeros(3)
 _S = np.eye(3)
 _nanZ = _Z.copy()
@@ -999,7 +1000,10 @@ def test_theorem5_training_finds_the_relu_coefficient():
     # (z_i^T Q z_j = 0) by O(1/B) ~ 2e-4, so L-BFGS-B stops where no step decreases the loss, with
     # |grad| of that order rather than below gtol; not a verdict of convergence
     assert res["status"] == 0 and not res["success"] and res["grad_norm"] < 1e-3, res["message"]
-    cov = ir.sandwich_covariance("sparse", res["coords"], Z, y, activation="relu")
+    # the relu loss is piecewise smooth: its gradient jumps by O(1/B) across each of the B n (n+1)
+    # kinks, so at the default step h = 1e-5 single kinks dominate the differenced Hessian (it is
+    # not even positive); h = 1e-3 averages the curvature over many kinks
+    cov = ir.sandwich_covariance("sparse", res["coords"], Z, y, activation="relu", h=1e-3)
     e = np.eye(d).ravel() / d                                   # a = <A, I>/<I, I>
     a_hat, se = ir.fitted_scalar(res["coords"]["A"][0], np.eye(d)), math.sqrt(e @ cov @ e)
     assert abs(a_hat - 2 * n / (n + 2 * d + 3)) <= Z_MC * se
@@ -1458,7 +1462,7 @@ def sloppy_implementation(P, Q, Z, y, activation, slip=None):
     n = Z.shape[2] - 1
     if slip == "drop":
         Z, n = np.delete(Z, n - 1, axis=2), n - 1
-    keys = list(range(n + 1)) if slip == "query-key" else list(range(n))
+    keys = {"query-key": list(range(n + 1)), "mask-last": list(range(n - 1))}.get(slip, list(range(n)))
     norm = {"n+1": n + 1, "none": 1}.get(slip, n)
     if slip == "softmax-keys":
         activation = {"softmax": "softmax_all", "softmax_all": "softmax"}[activation]
@@ -1488,14 +1492,15 @@ def sloppy_implementation(P, Q, Z, y, activation, slip=None):
 SLIPS = {None: None, "QT": "Q transposed", "n+1": "1/(n+1) normalisation", "none": "no normalisation",
          "query-key": "query used as a key and value", "half": "loss with a factor 1/2",
          "sign": "prediction sign flipped", "drop": "last context example dropped",
+         "mask-last": "last context example masked, 1/n kept",
          "softmax-keys": ("softmax over n+1 keys", "softmax over n keys")}
 
 
 @pytest.mark.parametrize("slip", list(SLIPS), ids=[str(s) for s in SLIPS])
 def test_diagnose_names_each_known_slip_of_an_independent_implementation(slip):
     cases = ir.reference_cases()
-    if slip == "query-key":
-        cases = [c for c in cases if c["activation"] == "linear"]
+    if slip == "mask-last":       # the authors' softmax normalises over the masked key too: another slip
+        cases = [c for c in cases if c["activation"] != "softmax_all"]
     if slip == "softmax-keys":
         cases = [c for c in cases if c["activation"] in ("softmax", "softmax_all")]
     outputs = {}
@@ -1524,6 +1529,24 @@ def test_diagnose_uses_gradients_and_refuses_bad_input():
     assert found["small-full"]["dQ"] == "Q transposed", report
     with pytest.raises(ValueError, match="unknown cases"):
         ir.diagnose({"no-such-case": {"loss": 1.0}})
+    with pytest.raises(ValueError, match="outputs is empty"):
+        ir.diagnose({})
+    with pytest.raises(ValueError, match="holds no arrays"):
+        ir.diagnose({"small-full": {}})
+    # malformed arrays are named as such, not as numeric mismatches
+    ref = ir._case_outputs(P, Q, Z, y, "linear")
+    report, found = ir.diagnose({"small-full": {"y_hat": ref["y_hat"][:, None], "dP": ref["dP"] * np.nan,
+                                                "dQ": None, "loss": "high", "Z_L": ref["Z_L"]}})
+    assert found["small-full"]["y_hat"].startswith("malformed: shape (4, 1)")
+    assert found["small-full"]["dP"] == "malformed: holds NaN or Inf"
+    assert found["small-full"]["dQ"] == "malformed: missing (None)"
+    assert found["small-full"]["loss"].startswith("malformed: not a numeric array")
+    assert found["small-full"]["Z_L"] == "agrees" and "malformed" in report and "Everything agrees" not in report
+    # Z_L with tokens as rows is the layout slip, whether or not its shape tells it apart
+    for case in ("small-full", "two-layers-two-heads"):
+        c = next(c for c in ir.reference_cases() if c["name"] == case)
+        rows = ir.tokens_as_rows(ir.forward(c["P"], c["Q"], c["Z"]))
+        assert ir.diagnose({case: {"Z_L": rows}})[1][case]["Z_L"] == "tokens as rows (Z_L transposed)"
     with pytest.raises(ValueError, match="outputs\\['small-full'\\]"):
         ir.diagnose({"small-full": {"logits": 1.0}})
     with pytest.raises(TypeError, match="outputs"):
@@ -1584,12 +1607,96 @@ def test_gamma_star_and_the_single_layer_loss_at_extreme_scales():
 
 
 def test_sandwich_covariance_of_a_single_parameter():
-    # sparse, L = 1, d = 1: one coordinate, a (1, 1) covariance (issue 13: it used to crash)
+    # sparse, L = 1, d = 1: one coordinate, a (1, 1) covariance
     rng = np.random.default_rng(135)
     Z, y = ir.sample_prompts(rng, 2000, 5, np.eye(1), noise_std=0.3)
     res = ir.train_gauss_newton(Z, y, 1, init={"A": np.zeros((1, 1, 1))})
     cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
     assert cov.shape == (1, 1) and cov[0, 0] > 0
+
+
+def test_sandwich_for_full_P_Q_removes_the_symmetries_and_matches_the_spread_over_batches():
+    # MATH.md §11: one full layer (d = 2, one head) fitted on R independent batches from the same start
+    # near Theorem 1's optimum. The fitted (P, Q) wander along the exact symmetries (P -> cP, Q -> Q/c;
+    # coordinates that never reach the loss), so compare what they identify, the predictor's
+    # coefficients W = sym_jk(p_j Q[k, :d]) (p the last row of P; ŷ depends on P, Q only through W),
+    # whose covariance the sandwich gives by the delta method, W's Jacobian being exact (W is bilinear).
+    # Traces within Z_MC combined standard errors, as in the sparse test above.
+    rng = np.random.default_rng(136)
+    d, n, B, R, R_s = 2, 6, 3000, 100, 8
+    Sigma = np.diag([1.0, 0.4])
+    G = ir.gamma_star(Sigma, n, noise_var=0.25)
+    P0, Q0 = ir.sparse_params(G[None])
+    start = {"P": P0 + 0.01 * rng.standard_normal(P0.shape), "Q": Q0 + 0.01 * rng.standard_normal(Q0.shape)}
+
+    def W_of(theta):
+        P, Q = theta[:9].reshape(3, 3), theta[9:].reshape(3, 3)
+        M = np.outer(P[-1], Q[:, :d].ravel()).reshape(3, 3, d)       # p_j Q[k, m]
+        return ((M + M.transpose(1, 0, 2)) / 2).ravel()
+
+    def jac_W(theta):                                                # exact: W is bilinear, so central
+        return np.array([(W_of(theta + e) - W_of(theta - e)) / 2 for e in np.eye(theta.size)]).T  # differences at step 1 are exact
+    fits, traces = [], []
+    for k in range(R):
+        Z, y = ir.sample_prompts(rng, B, n, Sigma, noise_std=0.5)
+        res = ir.train_gauss_newton(Z, y, 1, structure="full", init=start)
+        assert res["grad_norm"] < 1e-7, res["message"]
+        theta = ir.pack([res["coords"]["P"], res["coords"]["Q"]])
+        fits.append(W_of(theta))
+        if k < R_s:
+            cov = ir.sandwich_covariance("full", res["coords"], Z, y)
+            assert np.array_equal(cov, cov.T) and np.min(np.linalg.eigvalsh(cov)) > -1e-12 * np.max(np.abs(cov))
+            for u in ir.symmetry_directions("full", res["coords"]).T:
+                assert abs(u @ cov @ u) <= 1e-12 * np.max(np.abs(cov))   # nothing along a symmetry
+            Jw = jac_W(theta)
+            traces.append(np.trace(Jw @ cov @ Jw.T))
+    empirical = np.trace(np.cov(np.array(fits), rowvar=False))
+    predicted, se_predicted = np.mean(traces), np.std(traces, ddof=1) / math.sqrt(R_s)
+    se = math.hypot(empirical * math.sqrt(2 / (R - 1)), se_predicted)
+    assert abs(empirical - predicted) <= Z_MC * se, (empirical, predicted, se)
+
+
+def test_sandwich_accepts_a_small_linear_batch_and_refuses_a_point_that_is_not_a_minimum():
+    # the linear layer's V is exact (per-prompt gradients, no chunks): B = 300 is fine; a random
+    # point is no minimum, which the sandwich refuses instead of returning a meaningless matrix
+    rng = np.random.default_rng(137)
+    Z, y = ir.sample_prompts(rng, 300, 5, np.eye(2), noise_std=0.3)
+    res = ir.train_gauss_newton(Z, y, 1, init={"A": np.zeros((1, 2, 2))})
+    cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
+    assert cov.shape == (4, 4) and np.min(np.linalg.eigvalsh(cov)) > 0
+    with pytest.raises(ValueError, match="not at a strict local minimum"):
+        ir.sandwich_covariance("full", {"P": 0.3 * rng.standard_normal((1, 1, 3, 3)),
+                                        "Q": 0.3 * rng.standard_normal((1, 1, 3, 3))}, Z, y)
+    with pytest.raises(ValueError, match="2 \\* chunks"):
+        ir.sandwich_covariance("sparse", res["coords"], Z, y, activation="relu")
+    with pytest.raises(ValueError, match="overflow"):
+        ir.sandwich_covariance("sparse", {"A": 1e200 * np.ones((1, 2, 2))}, Z, y)     # r^2 ~ 1e400
+
+
+def test_symmetry_directions_leave_the_loss_unchanged_and_nothing_else_does():
+    # every direction returned leaves the loss exactly unchanged along a finite move (rescaling
+    # and head mixing are exact symmetries, held-fixed coordinates never enter); at a minimum of
+    # one full layer the Hessian in the remaining coordinates is positive definite (MATH.md §11)
+    rng = np.random.default_rng(138)
+    Z, y = ir.sample_prompts(rng, 500, 6, np.diag([1.0, 0.5]))
+    P, Q = 0.5 * rng.standard_normal((2, 2, 2, 3, 3))
+    coords = {"P": P, "Q": Q}
+    dirs = ir.symmetry_directions("full", coords)
+    # fixed: 2 heads x 2 x-rows x 3 of the last P; head mixing: 2 layers x 4 pairs
+    assert dirs.shape == (36 * 2, 12 + 8) and np.allclose(dirs.T @ dirs, np.eye(20), atol=1e-12)
+    f0 = ir.in_context_loss(P, Q, Z, y)
+    for l, h, g in [(0, 0, 0), (1, 0, 1), (0, 1, 0)]:              # a finite group element, not a tangent
+        A = np.eye(2)
+        A[h, g] += 0.3
+        P2, Q2 = P.copy(), Q.copy()
+        P2[l] = np.einsum("hg,gij->hij", A, P[l])
+        Q2[l] = np.einsum("hg,gij->hij", np.linalg.inv(A).T, Q[l])
+        assert ir.in_context_loss(P2, Q2, Z, y) == pytest.approx(f0, rel=EXACT)
+    assert ir.symmetry_directions("sparse", {"A": np.eye(2)[None]}).shape == (4, 0)
+    assert ir.symmetry_directions("blocks", {"A": np.ones((2, 2, 2)), "B": np.ones((2, 2, 2))}).shape == (16, 4)
+    # one layer: the x-rows of P (6), Q's last column (3, it multiplies the query's zero label slot)
+    # and the rescaling (1, outside the span of those 9)
+    assert ir.symmetry_directions("full", {"P": P[:1, :1], "Q": Q[:1, :1]}).shape == (18, 10)
 
 
 @pytest.mark.parametrize("activation", ["relu", "softmax", "softmax_all"])
@@ -1693,3 +1800,151 @@ def test_reference_leaves_no_threads_or_process_state_and_concurrent_calls_equal
     for res in results:
         assert res[0] == serial[0] and np.array_equal(res[1], serial[1]) and np.array_equal(res[2], serial[2])
     assert state() == before
+
+
+def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_their_own(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "v"
+    ir.write_reference_vectors(out)
+    with pytest.raises(ValueError, match="not empty"):
+        ir.write_reference_vectors(out)                               # no silent overwrite
+    first = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    ir.write_reference_vectors(out, overwrite=True)                   # an earlier set: replaced
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == first
+    (out / "notes.md").write_text("mine")
+    with pytest.raises(ValueError, match="notes.md"):
+        ir.write_reference_vectors(out, overwrite=True)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "small-full.npz").write_bytes(b"my own file")
+    for extra in ([], ["--overwrite"]):
+        proc = subprocess.run([sys.executable, "-m", "icl_ref", "vectors", "--out", str(mine), *extra],
+                              capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (mine / "small-full.npz").read_bytes() == b"my own file" and os.listdir(mine) == ["small-full.npz"]
+
+
+# ---------------------------------------------------------------------------------------------
+# check_implementation: the one-call oracle for other projects' tests (MATH.md §13)
+# ---------------------------------------------------------------------------------------------
+
+def independent_fn(layout, slip=None, gradients=True):
+    """An implementation in `layout` written apart from icl_ref's Gram form: the token loop above
+    (or the authors' einsums, or von Oswald et al.'s model) for the forward pass and the loss, and,
+    for linear attention, the explicit attention's own reverse pass for the gradients."""
+    def fn(case):
+        act, y = case["activation"], case["y"]
+        if (slip == "mask-last" and act == "softmax_all") or (slip == "softmax-keys" and not act.startswith("softmax")):
+            raise NotImplementedError                        # another slip there, or none (see SLIPS' test)
+        if layout == "paper":
+            Z_L, y_hat, loss = sloppy_implementation(case["P"], case["Q"], case["Z"], y, act, slip)
+            out = dict(Z_L=Z_L, y_hat=y_hat, loss=loss)
+            if gradients and act == "linear" and slip is None:
+                _, out["dP"], out["dQ"] = ir.loss_and_grad_activation(case["P"], case["Q"], case["Z"], y, "linear")
+            return out
+        if layout == "authors":
+            rows = authors_forward(case["allparam"], case["Z_rows"])
+            out = dict(Z_L_rows=rows, y_hat=-rows[:, -1, -1], loss=np.mean((rows[:, -1, -1] + y) ** 2))
+            if gradients:
+                P, Q = ir.params_from_authors(case["allparam"])
+                _, dP, dQ = ir.loss_and_grad_activation(P, Q, ir.tokens_as_columns(case["Z_rows"]), y, "linear")
+                out["grad_allparam"] = ir.grads_to_authors(dP, dQ)
+            return out
+        E, loss = von_oswald_model(case["W_q"], case["W_k"], case["W_v"], case["W_o"], case["Z_rows"], y,
+                                   case["H"], case["L"], act)
+        return dict(Z_L_rows=E, y_hat=-E[:, -1, -1], loss=loss)
+    return fn
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("layout", ["paper", "authors", "von_oswald"])
+def test_check_implementation_passes_an_independent_implementation(layout, dtype):
+    seen = []
+
+    def fn(case):
+        seen.append(case)
+        return independent_fn(layout)(case)
+    report = ir.check_implementation(fn, layout=layout, dtype=dtype)
+    names = {c["name"] for c in ir.reference_cases() if layout in ir._case_layouts(c)}
+    assert set(report["cases"]) == names and all(c["status"] == "passed" for c in report["cases"].values())
+    assert {"authors": 4, "von_oswald": 9, "paper": 11}[layout] == len(names)
+    for case in seen:                                  # the layout's inputs, in the dtype, and the sizes
+        assert set(case) == set(ir.LAYOUTS[layout][0]) | {"activation", "n", "L", "H"}
+        assert all(case[k].dtype == dtype for k in ir.LAYOUTS[layout][0])
+
+
+def test_check_implementation_reports_what_it_cannot_run_as_skipped_never_passed():
+    def linear_only(case):
+        if case["activation"] != "linear":
+            raise NotImplementedError(f"no {case['activation']} attention")
+        return independent_fn("paper")(case)
+    report = ir.check_implementation(linear_only)
+    statuses = {name: c["status"] for name, c in report["cases"].items()}
+    assert statuses["relu"] == statuses["softmax"] == "skipped" and statuses["small-full"] == "passed"
+    assert "relu: SKIPPED (NotImplementedError: no relu attention)" in report["text"]
+
+    def nothing(case):
+        raise NotImplementedError
+    with pytest.raises(AssertionError, match="no reference case was checked"):
+        ir.check_implementation(nothing)
+    for bad in ({}, {"logits": 1.0}, [1.0]):
+        with pytest.raises(AssertionError, match="non-empty dict with keys among Z_L, y_hat, loss, dP, dQ"):
+            ir.check_implementation(lambda case, bad=bad: bad)
+    for call, error, match in ((lambda: ir.check_implementation(None), TypeError, "fn"),
+                               (lambda: ir.check_implementation(linear_only, layout="rows"), ValueError, "layout"),
+                               (lambda: ir.check_implementation(linear_only, dtype=np.int64), ValueError, "dtype"),
+                               (lambda: ir.check_implementation(linear_only, dtype="float16"), ValueError, "dtype")):
+        with pytest.raises(error, match=match):
+            call()
+
+
+@pytest.mark.parametrize("slip", [s for s in SLIPS if s is not None], ids=[str(s) for s in SLIPS if s is not None])
+def test_check_implementation_fails_with_the_diagnosis_of_each_slip(slip):
+    expected = SLIPS[slip]
+    expected = {expected} if isinstance(expected, str) else set(expected)
+    with pytest.raises(AssertionError) as failure:
+        ir.check_implementation(independent_fn("paper", slip))
+    message = str(failure.value)
+    assert "differs from icl_ref" in message and "unexplained" not in message, message
+    assert any(f"- {v} (reproduces" in message for v in expected), message
+    named = set(re.findall(r"^- (.+?) \(reproduces", message, flags=re.M))
+    assert named <= expected, message                 # no other slip is named
+
+
+def test_check_implementation_in_float32_allows_float32_rounding_and_no_more():
+    # a float32 run passes at float32's tolerances and fails at float64's; a gradient 1e-3 off fails both
+    fn = independent_fn("paper")
+    ir.check_implementation(fn, dtype=np.float32)
+    with pytest.raises(AssertionError):
+        ir.check_implementation(lambda case: fn({**case, **{k: case[k].astype(np.float32)
+                                                            for k in ("Z", "y", "P", "Q")}}), dtype=np.float64)
+
+    def off(case):
+        out = fn(case)
+        if "dP" in out:
+            out["dP"] = out["dP"] * (1 + 1e-3)
+        return out
+    for dtype in (np.float32, np.float64):
+        with pytest.raises(AssertionError, match="dP \\(unexplained\\)"):
+            ir.check_implementation(off, dtype=dtype)
+
+
+def test_trainers_call_success_only_what_converged():
+    # full P, Q with large starts at L = 4: the loss is finite but huge and the gradient ~1e170;
+    # trial points overflow. success is icl_ref's verdict (finite, gradient below gtol), never SciPy's
+    for seed in range(3):
+        Z, y = ir.sample_prompts(np.random.default_rng(seed), 300, 5, np.eye(3))
+        res = ir.train_lbfgs(Z, y, 4, structure="full", init_scale=2.0, rng=np.random.default_rng(seed), maxiter=40)
+        assert math.isfinite(res["loss"]) and math.isfinite(res["grad_norm"])       # no overflow in the norm
+        assert not res["success"] and "> gtol" in res["message"] and "overflowed" in res["message"]
+        assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
+    rng, Z, y = small_problem(seed=139, B=200, n=8)
+    res = ir.train_lbfgs(Z, y, 1, rng=rng, gtol=1e-6)
+    # success: no entry above gtol, so the 2-norm is at most sqrt(p) gtol, p = 9
+    assert res["success"] and res["grad_norm"] <= 1e-6 * 3 and "<= gtol 1.0e-06" in res["message"]
+    res = ir.train_lbfgs(Z, y, 1, rng=rng, gtol=0.0, maxiter=50)      # gtol 0: SciPy may stop, icl_ref says no
+    assert not res["success"]
+    for trainer in (ir.train_lbfgs, ir.train_gauss_newton):
+        with pytest.raises(ValueError, match="below 1e-30"):             # data that underflow: refused
+            trainer(Z * 1e-150, y * 1e-150, 1, rng=rng)

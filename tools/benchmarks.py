@@ -1,0 +1,271 @@
+"""Measure icl_ref and icl_fast and write docs/benchmarks.md (every table in it comes from this script).
+
+    python3 tools/benchmarks.py [--out docs/benchmarks.md] [--repeats 7]
+
+Run it as a user runs the library: a plain `python3` process, no environment variables, an
+otherwise idle machine. It takes about 10 minutes on 2 cores. torch and jax are optional
+measurement tools (`pip install torch==2.13.0 jax jaxlib`): when importable, the first table also
+times a PyTorch and a JAX implementation of the same loss and gradient written here from the
+paper's layer (explicit attention, autodiff), for scale.
+
+Tables:
+1. loss_and_grad at the paper's size, d = 1 .. 20: icl_ref, icl_fast (every core and one thread),
+   and the peers, with the largest relative gradient difference from icl_ref.
+2. icl_fast's formulation choice: lanes against the reference's chunks on the workers, for the loss
+   and the Jacobian, d = 5 .. 14 (where LANES_MAX_D and LANES_MAX_D_JACOBIAN come from).
+3. Training at the paper's size with both modules.
+4. The reference in a plain process against the same run with OPENBLAS_NUM_THREADS=1 (alternating
+   runs in fresh processes): the reference starts no BLAS threads, so the two should match.
+"""
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import scipy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import icl_fast as fast  # noqa: E402  (after the path)
+import icl_ref as ir  # noqa: E402
+
+B, N, L = 20000, 20, 3
+
+
+def problem(d, seed=0, L=L, B=B):
+    """The paper's data at dimension d (eigenvalues 1, 1, 1/4, 1/16, 1 repeated), w* ~ N(0, Sigma^-1),
+    and P, Q ~ 0.1 N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    Sigma, _ = ir.rotated_covariance(rng, np.resize(ir.PAPER_EIGENVALUES, d))
+    Z, y = ir.sample_prompts(rng, B, N, Sigma, np.linalg.inv(Sigma))
+    P, Q = 0.1 * rng.standard_normal((2, L, 1, d + 1, d + 1))
+    return P, Q, Z, y
+
+
+def median_seconds(f, repeats):
+    f()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def torch_peer():
+    """loss_and_grad of the explicit layer Z + (1/n) P Z M Z^T Q Z by torch autograd, or None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+
+    def loss_and_grad(P, Q, Z, y):
+        P_t = torch.tensor(P, requires_grad=True)
+        Q_t = torch.tensor(Q, requires_grad=True)
+        Zt, yt = torch.tensor(Z), torch.tensor(y)
+        n = Z.shape[2] - 1
+        for l in range(P.shape[0]):
+            keys = Zt[:, :, :n]
+            Zt = Zt + sum(P_t[l, h] @ keys @ (keys.transpose(1, 2) @ Q_t[l, h] @ Zt) for h in range(P.shape[1])) / n
+        loss = torch.mean((Zt[:, -1, -1] + yt) ** 2)
+        loss.backward()
+        return loss.item(), P_t.grad.numpy(), Q_t.grad.numpy()
+    return f"torch {torch.__version__}, {torch.get_num_threads()} threads", loss_and_grad
+
+
+def jax_peer():
+    """The same with jax.value_and_grad under jit, float64, or None."""
+    try:
+        import jax
+        jax.config.update("jax_enable_x64", True)
+        import jax.numpy as jnp
+    except ImportError:
+        return None
+
+    def loss(P, Q, Z, y):
+        n = Z.shape[2] - 1
+        for l in range(P.shape[0]):
+            keys = Z[:, :, :n]
+            Z = Z + sum(P[l, h] @ keys @ (jnp.swapaxes(keys, 1, 2) @ Q[l, h] @ Z) for h in range(P.shape[1])) / n
+        return jnp.mean((Z[:, -1, -1] + y) ** 2)
+    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    def loss_and_grad(P, Q, Z, y):
+        value, (dP, dQ) = value_and_grad(P, Q, Z, y)
+        return float(value), np.asarray(dP), np.asarray(dQ)
+    return f"jax {jax.__version__}", loss_and_grad
+
+
+def table_loss_and_grad(repeats):
+    peers = [p for p in (torch_peer(), jax_peer()) if p is not None]
+    head = ["d", "icl_ref s", "icl_fast s", "icl_fast 1 thread s"] + [f"{name.split()[0]} s" for name, _ in peers]
+    head += [f"icl_ref / {name.split()[0]}" for name, _ in peers] + [f"icl_fast / {name.split()[0]}" for name, _ in peers]
+    head += ["max rel grad diff"]
+    rows = []
+    for d in (1, 2, 5, 10, 20):
+        P, Q, Z, y = problem(d)
+        ref = ir.loss_and_grad(P, Q, Z, y)
+        t_ref = median_seconds(lambda: ir.loss_and_grad(P, Q, Z, y), repeats)
+        t_fast = median_seconds(lambda: fast.loss_and_grad(P, Q, Z, y), repeats)
+        t_one = median_seconds(lambda: fast.loss_and_grad(P, Q, Z, y, threads=1), repeats)
+        diffs = [np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(fast.loss_and_grad(P, Q, Z, y)[1:], ref[1:])]
+        t_peers = []
+        for _, f in peers:
+            t_peers.append(median_seconds(lambda f=f: f(P, Q, Z, y), repeats))
+            diffs += [np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(f(P, Q, Z, y)[1:], ref[1:])]
+        rows.append([d, f"{t_ref:.4f}", f"{t_fast:.4f}", f"{t_one:.4f}"] + [f"{t:.4f}" for t in t_peers]
+                    + [f"{t_ref / t:.2f}" for t in t_peers] + [f"{t_fast / t:.2f}" for t in t_peers]
+                    + [f"{max(diffs):.1e}"])
+    note = ("B = 20000, n = 20, L = 3, one head, P, Q ~ 0.1 N(0, 1); median of {} calls after one warm-up; "
+            "icl_fast on every core unless stated. Peers: {}. The gradient difference is the largest "
+            "max|a - b| / max|b| of any implementation against icl_ref.").format(
+                repeats, ", ".join(name for name, _ in peers) or "none importable")
+    return "loss_and_grad", head, rows, note
+
+
+def table_formulations(repeats):
+    """icl_fast's lanes against the reference's batch-first chunks on the same workers, the four
+    timed in turn within each repeat (the machine's drift falls on all of them alike)."""
+    head = ["d", "loss: lanes s", "loss: batch-first s", "Jacobian: lanes s", "Jacobian: batch-first s"]
+    rows = []
+    for d in range(1, 13):
+        P, Q, Z, y = problem(d)
+        n, k = N, 5000                                # the Jacobian on 5000 prompts (B p floats)
+        S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
+        read, read_k = fast._gram_reader(S0, q0), fast._gram_reader(S0[:k], q0[:k])
+        runs = [lambda: fast._lanes_loss_and_grad(P, Q, read, y, n, None),
+                lambda: fast._map_chunks(lambda a, b: ir._loss_and_grad_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B),
+                                         ir._chunks(B, d + 1), None),
+                lambda: fast._lanes_jacobian(P, Q, read_k, y[:k], n, "full", None),
+                lambda: fast._map_chunks(lambda a, b: ir._residuals_and_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b],
+                                                                                       n, "full"),
+                                         ir._chunks(k, d + 1), None)]
+        times = [[] for _ in runs]
+        for run in runs:
+            run()
+        for _ in range(repeats):
+            for run, t in zip(runs, times):
+                start = time.perf_counter()
+                run()
+                t.append(time.perf_counter() - start)
+        rows.append([d] + [f"{statistics.median(t):.4f}" for t in times])
+    note = (f"The loss at B = 20000 and the Jacobian (full P, Q) at B = 5000, n = 20, L = 3, on every core; "
+            f"median of {repeats}. icl_fast takes lanes for the loss up to d = {fast.LANES_MAX_D - 1} and for the "
+            f"Jacobian up to d = {fast.LANES_MAX_D_JACOBIAN - 1} (MATH.md §3.2).")
+    return "icl_fast's formulations", head, rows, note
+
+
+TRAINING_RUNS = [
+    ("sparse, Gauss-Newton", "train_gauss_newton", dict(structure="sparse")),
+    ("sparse, L-BFGS", "train_lbfgs", dict(structure="sparse")),
+    ("blocks, Gauss-Newton", "train_gauss_newton", dict(structure="blocks")),
+    ("blocks, L-BFGS (maxcor 300, maxiter 3000)", "train_lbfgs", dict(structure="blocks", maxcor=300, maxiter=3000)),
+]
+
+
+def table_training():
+    Sigma_rng = np.random.default_rng(0)
+    Sigma, _ = ir.rotated_covariance(Sigma_rng)
+    Z, y = ir.sample_prompts(Sigma_rng, B, N, Sigma, np.linalg.inv(Sigma))
+    head = ["run", "module", "time s", "evaluations", "batch loss", "|grad|", "success"]
+    rows = []
+    for name, trainer, options in TRAINING_RUNS:
+        for module in (fast, ir):
+            res = getattr(module, trainer)(Z, y, L, rng=np.random.default_rng(1), **options)
+            rows.append([name, module.__name__, f"{res['wall_time']:.1f}", res["nfev"], f"{res['loss']:.6g}",
+                         f"{res['grad_norm']:.1e}", res["success"]])
+    note = ("The paper's problem: d = 5, n = 20, B = 20000, L = 3, Sigma as in [A] §4.3 (seed 0), "
+            "w* ~ N(0, Sigma^-1), random start N(0, 0.1^2) (seed 1), default options unless stated.")
+    return "Training at the paper's size", head, rows, note
+
+
+REFERENCE_RUN = """
+import sys, time, numpy as np
+sys.path.insert(0, {root!r})
+import icl_ref as ir
+rng = np.random.default_rng(0)
+Sigma, _ = ir.rotated_covariance(rng)
+Z, y = ir.sample_prompts(rng, 20000, 20, Sigma, np.linalg.inv(Sigma))
+start = time.perf_counter()
+if sys.argv[1] == "lbfgs":
+    ir.train_lbfgs(Z, y, 3, rng=np.random.default_rng(1), maxiter=100)
+else:
+    ir.train_gauss_newton(Z, y, 3, rng=np.random.default_rng(1))
+print(time.perf_counter() - start)
+"""
+
+
+def table_blas_threads(rounds=2):
+    """The reference's training in a plain process and with OPENBLAS_NUM_THREADS=1, alternating."""
+    code = REFERENCE_RUN.format(root=ROOT)
+    plain = {k: [] for k in ("lbfgs", "gauss-newton")}
+    one = {k: [] for k in plain}
+    for _ in range(rounds):
+        for kind in plain:
+            for env, store in ((dict(os.environ), plain), (dict(os.environ, OPENBLAS_NUM_THREADS="1"), one)):
+                out = subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True, env=env,
+                                     check=True).stdout
+                store[kind].append(float(out))
+    head = ["run (icl_ref, sparse, paper size)", "plain python3 s", "OPENBLAS_NUM_THREADS=1 s", "ratio"]
+    rows = [[kind if kind != "lbfgs" else "L-BFGS, 100 iterations",
+             ", ".join(f"{t:.1f}" for t in plain[kind]), ", ".join(f"{t:.1f}" for t in one[kind]),
+             f"{statistics.median(plain[kind]) / statistics.median(one[kind]):.2f}"] for kind in plain]
+    note = (f"{rounds} alternating runs of each in fresh processes; the ratio is of the medians. A ratio near 1 "
+            "means no BLAS threads compete with the computation.")
+    return "The reference and BLAS threads", head, rows, note
+
+
+def machine():
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    lines = [f"- date: {datetime.date.today().isoformat()}",
+             f"- machine: {cpu}, {len(fast._cores())} cores available to the process",
+             f"- Python {platform.python_version()}, numpy {np.__version__}, scipy {scipy.__version__}"]
+    try:
+        from threadpoolctl import threadpool_info
+        for info in threadpool_info():
+            lines.append(f"- {info['user_api']}: {info['internal_api']} {info.get('version')} "
+                         f"({info['num_threads']} threads, {os.path.basename(info['filepath'])})")
+    except ImportError:
+        pass
+    return lines
+
+
+def markdown(title, head, rows, note):
+    out = [f"## {title}", "", note, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    return out + [""]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args(argv)
+    text = ["# Benchmarks", "",
+            "Written by `python3 tools/benchmarks.py` (every table below; nothing here is typed by hand). "
+            "Times are wall-clock seconds on the machine below and move by 10-30% between runs on a shared "
+            "virtual machine: read ratios, not digits.", ""] + machine() + [""]
+    for table in (table_loss_and_grad(args.repeats), table_formulations(args.repeats), table_training(),
+                  table_blas_threads()):
+        text += markdown(*table)
+        print("\n".join(markdown(*table)), flush=True)
+    fast.shutdown()
+    with open(args.out, "w") as f:
+        f.write("\n".join(text))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
