@@ -1840,14 +1840,16 @@ ARRAY_MEANINGS = {
     "Z": "prompts, paper layout (B, d+1, n+1): tokens are columns, the query last with label slot 0",
     "y": "true query labels (B,)",
     "P": "P of eq. (3) per layer and head (L, H, d+1, d+1)",
-    "Q": "Q = W_k^T W_q of eq. (3) per layer and head (L, H, d+1, d+1)",
+    "Q": "Q of eq. (3) per layer and head (L, H, d+1, d+1), scores z_i^T Q z_j; the paper writes Q = W_k^T W_q, "
+         "and von Oswald et al.'s weights in this file give Q_h = W_k,h W_q,h^T (their queries and keys are rows)",
     "Z_L": "output of the L layers (B, d+1, n+1)",
     "y_hat": "prediction -Z_L[:, d, n] (B,)",
     "loss": "mean_b (y_hat_b - y_b)^2, no factor 1/2 (a 0-d array)",
     "dP": "gradient of loss with respect to P",
     "dQ": "gradient of loss with respect to Q",
     "Z_rows": "authors' layout: the prompts with tokens as rows (B, n+1, d+1)",
-    "allparam": "authors' layout: free blocks (L, H, 2, d, d); [..., 0] is P's top-left, [..., 1] Q's, transposed",
+    "allparam": "authors' layout: free blocks (L, H, 2, d, d); allparam[:, :, 0] is P's top-left d x d block, "
+                "allparam[:, :, 1] the transpose of Q's",
     "grad_allparam": "authors' layout: gradient of the same loss with respect to allparam",
     "W_q": "von Oswald et al.'s layout: queries (L, d+1, H k), heads as column blocks (key size k = d+1)",
     "W_k": "von Oswald et al.'s layout: keys (L, d+1, H k)",
@@ -1868,7 +1870,8 @@ VECTOR_TOLERANCES = {
 
 def reference_cases():
     """The inputs of the reference vectors: a list of dicts (name, description, activation, structure,
-    Z, y, P, Q), deterministic (fixed seeds); fresh copies on every call. MATH.md §13."""
+    Z, y, P, Q, and the covariances Sigma, Sigma_w its prompts were drawn with), deterministic (fixed
+    seeds); fresh copies on every call. MATH.md §13."""
     return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()} for c in _reference_cases()]
 
 
@@ -1883,7 +1886,8 @@ def _reference_cases():
         Z, y = sample_prompts(rng, 4, n, np.eye(d) if Sigma is None else Sigma, Sigma_w)
         P, Q = make(rng, d, L, H)
         cases.append(dict(name=name, description=description, activation=activation, structure=structure,
-                          Z=Z, y=y, P=np.asarray(P, float), Q=np.asarray(Q, float)))
+                          Z=Z, y=y, P=np.asarray(P, float), Q=np.asarray(Q, float),
+                          Sigma=np.eye(d) if Sigma is None else Sigma, Sigma_w=np.eye(d) if Sigma_w is None else Sigma_w))
 
     def full(scale):
         return lambda rng, d, L, H: scale * rng.standard_normal((2, L, H, d + 1, d + 1))

@@ -1929,6 +1929,13 @@ def test_check_implementation_in_float32_allows_float32_rounding_and_no_more():
         with pytest.raises(AssertionError, match="dP \\(unexplained\\)"):
             ir.check_implementation(off, dtype=dtype)
 
+    def forward_off(case):                         # 1e-11 of Z_L: outside float64's forward tolerance
+        out = fn(case)                             # (1e-12), inside its gradients' (1e-10)
+        out["Z_L"] = out["Z_L"] + 1e-11 * np.max(np.abs(out["Z_L"]))
+        return out
+    with pytest.raises(AssertionError, match="Z_L \\(unexplained\\)"):
+        ir.check_implementation(forward_off)
+
 
 def test_trainers_call_success_only_what_converged():
     # full P, Q with large starts at L = 4: the loss is finite but huge and the gradient ~1e170;
@@ -1948,3 +1955,161 @@ def test_trainers_call_success_only_what_converged():
     for trainer in (ir.train_lbfgs, ir.train_gauss_newton):
         with pytest.raises(ValueError, match="below 1e-30"):             # data that underflow: refused
             trainer(Z * 1e-150, y * 1e-150, 1, rng=rng)
+
+
+# ---------------------------------------------------------------------------------------------
+# The periphery: diagnosis details, the reference cases' own claims, option wiring, boundaries
+# ---------------------------------------------------------------------------------------------
+
+def test_diagnose_gradient_under_a_normalisation_slip_default_tolerance_and_order_of_causes():
+    # an implementation dividing by n + 1: its gradient (central differences of its own token loop)
+    # is named as that slip; five-point differences are good to ~1e-10 relative, far inside rtol 1e-6
+    c = ir.reference_cases()[0]
+    P, Q, Z, y = c["P"], c["Q"], c["Z"], c["y"]
+    dP = central_diff(lambda X: sloppy_implementation(X, Q, Z, y, "linear", "n+1")[2], P)
+    assert ir.diagnose({"small-full": {"dP": dP}})[1]["small-full"]["dP"] == "1/(n+1) normalisation"
+    # the default rtol is 1e-6 of the largest entry: 1e-7 off agrees, 1e-5 off does not
+    ref = ir._case_outputs(P, Q, Z, y, "linear")
+    for off, verdict in ((1e-7, "agrees"), (1e-5, "unexplained")):
+        bumped = ref["Z_L"] + off * np.max(np.abs(ref["Z_L"]))
+        assert ir.diagnose({"small-full": {"Z_L": bumped}})[1]["small-full"]["Z_L"] == verdict
+    # likely causes, most frequent first: Q transposed (3 mismatches) before the sign (1)
+    c2 = ir.reference_cases()[1]
+    QT = sloppy_implementation(P, Q, Z, y, "linear", "QT")
+    sign = sloppy_implementation(c2["P"], c2["Q"], c2["Z"], c2["y"], "linear", "sign")
+    report, _ = ir.diagnose({"small-full": dict(Z_L=QT[0], y_hat=QT[1], loss=QT[2]), c2["name"]: dict(y_hat=sign[1])})
+    causes = [line for line in report.splitlines() if line.startswith("- ")]
+    assert causes[0].startswith("- Q transposed (reproduces 3") and causes[1].startswith("- prediction sign flipped (reproduces 1")
+
+
+def test_reference_cases_are_what_their_names_claim():
+    cases = {c["name"]: c for c in ir.reference_cases()}
+    c = cases["theorem1-optimum"]                            # Theorem 1's optimum for its own Sigma and n
+    n = c["Z"].shape[2] - 1
+    assert_allclose(-c["Q"][0, 0, :-1, :-1], ir.gamma_star(c["Sigma"], n), rtol=EXACT, atol=0)
+    c = cases["sparse-family-optimum"]                       # Theorem 3's optimum for its own L, n, d
+    L, n, d = c["P"].shape[0], c["Z"].shape[2] - 1, c["Z"].shape[1] - 1
+    a_star = ir.optimal_family_scalars(L, n, d)[0]
+    assert_allclose(c["Sigma_w"], np.linalg.inv(c["Sigma"]), rtol=EXACT, atol=EXACT)
+    A = -c["Q"][:, 0, :-1, :-1]
+    assert_allclose(A, a_star[:, None, None] * np.linalg.inv(c["Sigma"]), rtol=1e-9, atol=0)   # the optimiser's gtol
+    for name, case in cases.items():                          # the data were drawn with the covariances stated
+        assert case["Sigma"].shape == (case["Z"].shape[1] - 1,) * 2
+
+
+def test_reference_vectors_manifest_describes_its_arrays_and_layouts(tmp_path):
+    import json
+    ir.write_reference_vectors(tmp_path)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    for c in manifest["cases"]:
+        data = np.load(tmp_path / c["file"])
+        Z, P = data["Z"], data["P"]
+        assert (c["B"], c["d"], c["n"]) == (Z.shape[0], Z.shape[1] - 1, Z.shape[2] - 1)
+        assert (c["L"], c["H"]) == P.shape[:2]
+        assert ("von_oswald" in c["layouts"]) == (c["activation"] in ("linear", "softmax"))
+        assert ("authors" in c["layouts"]) == (c["activation"] == "linear" and c["structure"] in ("sparse", "blocks"))
+        if "authors" in c["layouts"]:
+            assert_allclose(data["allparam"][:, :, 0], P[:, :, :-1, :-1], rtol=0, atol=0)   # [:, :, 0] is P's block
+            assert_allclose(data["allparam"][:, :, 1], np.swapaxes(data["Q"][:, :, :-1, :-1], -1, -2), rtol=0, atol=0)
+    assert "allparam[:, :, 0] is P's top-left" in ir.ARRAY_MEANINGS["allparam"]
+    assert "W_k,h W_q,h^T" in ir.ARRAY_MEANINGS["Q"]
+
+
+def test_train_lbfgs_options_are_wired_as_documented(capsys):
+    rng, Z, y = small_problem(seed=140, B=60, n=8)
+    seen = {}
+    real = scipy.optimize.minimize
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs["options"])
+        return real(*args, **kwargs)
+    with mock.patch.object(scipy.optimize, "minimize", spy):
+        res = ir.train_lbfgs(Z, y, 1, rng=rng, maxiter=7, ftol=1e-3, gtol=1e-4, maxcor=5, maxls=9)
+    assert seen == dict(maxiter=7, maxfun=35, maxcor=5, ftol=1e-3, gtol=1e-4, maxls=9) == res["options"]
+    A0 = 0.3 * rng.standard_normal((1, 3, 3))
+    res = ir.train_lbfgs(Z, y, 1, init={"A": A0}, maxiter=5, keep_iterates=True, progress=2)
+    assert np.array_equal(res["iterates"][0]["A"], A0) and len(res["iterates"]) == res["nit"] + 1
+    lines = capsys.readouterr().err.splitlines()
+    assert [int(line.split()[1]) for line in lines] == list(range(2, res["nit"] + 1, 2))
+
+
+def test_gauss_newton_holds_the_coordinates_that_never_reach_the_loss():
+    # full, L = 2: the x-rows of the last P stay; full, L = 1: also Q's last column (the query's label
+    # slot is 0); each at its initial value, exactly
+    rng, Z, y = small_problem(seed=141, B=80, n=6)
+    for L, fixed in ((2, 3 * 4), (1, 3 * 4 + 4)):       # d = 3 x-rows of 4; and 4 entries of Q's last column
+        init = {k: 0.3 * rng.standard_normal(s) for k, s in ir.structure_shapes("full", L, 3, 1).items()}
+        res = ir.train_gauss_newton(Z, y, L, structure="full", init=init, max_nfev=5)
+        assert res["fixed"] == fixed
+        assert np.array_equal(res["P"][-1, :, :-1, :], init["P"][-1, :, :-1, :])
+        if L == 1:
+            assert np.array_equal(res["Q"][0, :, :, -1], init["Q"][0, :, :, -1])
+        else:
+            assert not np.array_equal(res["Q"][0, :, :, -1], init["Q"][0, :, :, -1])
+
+
+def test_jacobian_with_an_activation_in_structure_coordinates():
+    rng, Z, y = small_problem(seed=142, B=5)
+    A = 0.4 * rng.standard_normal((1, 3, 3))
+    _, J = ir.residuals_and_jacobian(*ir.sparse_params(A), Z, y, structure="sparse", activation="relu")
+    f = lambda a: ir.forward_activation(*ir.sparse_params(a.reshape(A.shape)), Z, "relu")[:, -1, -1] + y
+    numeric = np.stack([(f(A.ravel() + FD_H2 * e) - f(A.ravel() - FD_H2 * e)) / (2 * FD_H2) for e in np.eye(9)], axis=1)
+    assert J.shape == (5, 9)
+    assert_grad_close(numeric, J)
+
+
+def test_params_to_authors_refuses_parameters_not_of_their_form():
+    P, Q = ir.params_from_authors(0.3 * np.ones((1, 1, 2, 2, 2)))
+    for X, where in ((P, (0, 0, 2, 0)), (P, (0, 0, 0, 2)), (Q, (0, 0, 2, 0)), (Q, (0, 0, 0, 2))):
+        bad = X.copy()
+        bad[where] = 0.5
+        with pytest.raises(ValueError, match="authors' form"):
+            ir.params_to_authors(bad if X is P else P, bad if X is Q else Q)
+
+
+def test_sandwich_chunk_mean_estimate_with_an_activation_matches_the_exact_one():
+    # one full layer fitted with linear attention on positive data; its scores z_i^T Q z_j over the
+    # context keys are all negative, so at (-P, -Q) (the same linear layer: P S Q is bilinear) they are
+    # all positive and relu is the identity near the point. The relu sandwich (V from 200 chunk
+    # means) then estimates the linear one (V exact). A sample covariance of 200 chunk means has
+    # relative standard error sqrt(2 / 199) ~ 0.1 per variance; 0.5 is 5 of them
+    rng = np.random.default_rng(143)
+    B, n, d = 4000, 5, 2
+    X = np.abs(rng.standard_normal((B, d, n + 1))) + 1.0
+    w = np.abs(rng.standard_normal((B, d)))
+    Z = np.concatenate([X, np.einsum("bd,bdi->bi", w, X)[:, None, :]], axis=1)
+    y = Z[:, d, n].copy()
+    Z[:, d, n] = 0.0
+    P0, Q0 = ir.sparse_params(ir.gamma_star(np.eye(d), n)[None])
+    res = ir.train_gauss_newton(Z, y, 1, structure="full", init={"P": P0, "Q": Q0})
+    coords = {"P": -res["P"], "Q": -res["Q"]}
+    assert np.all(np.einsum("bki,kl,blj->bij", Z[:, :, :n], coords["Q"][0, 0], Z) > 0)   # relu never clips
+    exact = np.trace(ir.sandwich_covariance("full", coords, Z, y))
+    chunked = np.trace(ir.sandwich_covariance("full", coords, Z, y, activation="relu"))
+    assert abs(chunked / exact - 1) < 0.5, (chunked, exact)
+
+
+def test_distance_to_diagonal_and_a_haar_rotation():
+    M = np.array([[1.0, 2.0], [0.0, 1.0]])
+    assert ir.distance_to_diagonal(M) == pytest.approx(2 / math.sqrt(6), rel=EXACT)
+    assert ir.distance_to_diagonal(np.diag([3.0, -1.0])) == 0.0
+    # Haar: U[0, 0] is symmetric about 0 (LAPACK's QR alone makes it one-signed); its sign over
+    # 400 draws is Binomial(400, 1/2): within Z_MC standard errors (10) of 200
+    rng = np.random.default_rng(144)
+    positive = sum(ir.rotated_covariance(rng, [1.0, 2.0, 3.0])[1][0, 0] > 0 for _ in range(400))
+    assert abs(positive - 200) <= Z_MC * 10
+
+
+def test_input_checks_at_their_boundaries():
+    assert len(ir.wishart_trace_moments(3, 2, ir.MAX_MOMENT_ORDER)) == ir.MAX_MOMENT_ORDER + 1
+    with pytest.raises(ValueError, match="kmax must be <= 40"):
+        ir.wishart_trace_moments(3, 2, ir.MAX_MOMENT_ORDER + 1)
+    for call in (lambda: ir.mask(True), lambda: ir.sample_prompts(np.random.default_rng(0), True, 3, np.eye(2)),
+                 lambda: ir.structure_shapes("sparse", True, 2)):
+        with pytest.raises(TypeError, match="integer"):
+            call()
+    # symmetry is judged relative to Sigma's scale: 1e-12 of its largest entry
+    for scale in (1e-20, 1.0, 1e20):
+        ir.sample_prompts(np.random.default_rng(0), 2, 3, scale * (np.eye(2) + [[0, 1e-13], [0, 0]]))
+        with pytest.raises(ValueError, match="symmetric"):
+            ir.sample_prompts(np.random.default_rng(0), 2, 3, scale * (np.eye(2) + [[0, 1e-11], [0, 0]]))
