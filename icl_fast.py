@@ -1,8 +1,8 @@
 """icl_fast: icl_ref's loss, gradient, Jacobian and trainers, computed faster: opt-in.
 
 The same functions as icl_ref.py (loss_and_grad, loss_and_grad_gram, residuals_and_jacobian,
-residuals_and_jacobian_gram, loss_and_grad_activation, sandwich_covariance, train_lbfgs,
-train_gauss_newton) with the same arguments and results, plus `threads=`. What makes them faster, and what importing this module
+residuals_and_jacobian_gram, loss_and_grad_activation, identifiable_hessian, sandwich_covariance,
+train_lbfgs, train_gauss_newton) with the same arguments and results, plus `threads=`. What makes them faster, and what importing this module
 therefore accepts on the caller's behalf:
 
 - the lanes formulation (MATH.md §3.2): a chunk of b prompts held as (D, D, b), so each prompt's
@@ -532,6 +532,13 @@ def sandwich_covariance(*args, threads=None, **kwargs):
     fast = engine(threads)
     with _one_blas_thread():
         return ir.sandwich_covariance(*args, engine=fast, **kwargs)
+
+
+def identifiable_hessian(*args, threads=None, **kwargs):
+    """icl_ref.identifiable_hessian (same arguments and result) evaluating on `threads` workers."""
+    fast = engine(threads)
+    with _one_blas_thread():
+        return ir.identifiable_hessian(*args, engine=fast, **kwargs)
 
 
 def train_lbfgs(*args, threads=None, **kwargs):

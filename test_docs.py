@@ -153,3 +153,22 @@ def test_readme_api_examples_run_as_written():
     for block in blocks:
         exec(compile(block.replace("20000", "400"), "README.md", "exec"), namespace)
     assert namespace["found"] == {"small-full": {"Z_L": "agrees", "loss": "agrees"}}
+
+
+def test_docs_figures_come_from_the_current_code():
+    # tools/docs_figures.py records the SHA-256 of the code that computed and drew docs/*.png; when
+    # that code changes, the figures must be drawn again (a stale figure once contradicted the
+    # finding beside it)
+    import hashlib
+    import json
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import docs_figures
+    import experiments
+    record = json.loads(read(docs_figures.RECORD))
+    assert record["sources"]["sha256"] == experiments.sources_digest(), \
+        "icl_ref.py, icl_fast.py or experiments.py changed since docs/*.png were drawn: run python3 tools/docs_figures.py"
+    for name in docs_figures.FIGURES:
+        with open(os.path.join(ROOT, "docs", name), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == record["figures"][name], f"docs/{name} is not the one recorded"
+        assert f"docs/{name}" in read("README.md")

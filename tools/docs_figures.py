@@ -1,10 +1,19 @@
-"""Regenerate the figures the README shows (docs/*.png) from the full-size experiments.
+"""Regenerate the figures the README shows (docs/*.png) from the full-size experiments, and record
+which code drew them (docs/figures.json).
 
-    python3 tools/docs_figures.py          # ~4 minutes on 2 cores; needs matplotlib
+    python3 tools/docs_figures.py             # runs the three experiments (several minutes; matplotlib)
+    python3 tools/docs_figures.py --from DIR  # copies them from a full run of the current code in DIR
 
-Runs three-layer-sparse, three-layer-blocks and depth (seed 0, full size) into a temporary
-directory with experiments.py and copies their PNGs into docs/.
+Runs three-layer-sparse, three-layer-blocks and depth (seed 0, full size) with experiments.py into a
+temporary directory (or takes a complete full run, seed 0, whose record carries the current code's
+digest), copies their PNGs into docs/ and writes docs/figures.json: the SHA-256 of the code that
+computes and draws them (experiments.sources_digest: icl_ref.py, icl_fast.py, experiments.py) and of
+each PNG. test_docs.py fails when that code has changed since, so a stale figure cannot stay.
 """
+import argparse
+import datetime
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -12,25 +21,65 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 FIGURES = ["three-layer-sparse_heatmaps.png", "three-layer-blocks_heatmaps.png", "depth.png"]
+EXPERIMENTS = ["three-layer-sparse", "three-layer-blocks", "depth"]
+RECORD = os.path.join("docs", "figures.json")
 
 
-def main():
-    try:
-        import matplotlib  # noqa: F401  (only checked here; experiments.py draws)
-    except ImportError:
-        print("needs matplotlib: python3 -m pip install matplotlib", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results")
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments.py"), "three-layer-sparse",
-                               "three-layer-blocks", "depth", "--out", out])
-        if proc.returncode not in (0, 1):
-            return proc.returncode
-        os.makedirs(os.path.join(ROOT, "docs"), exist_ok=True)
-        for name in FIGURES:
-            shutil.copy(os.path.join(out, name), os.path.join(ROOT, "docs", name))
-            print(f"docs/{name}")
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def copy_from(out, digest):
+    """Copy the figures of the run in `out` into docs/ after checking that its record is a complete
+    full run, seed 0, of the code with `digest`; returns the record."""
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    problems = [what for what, bad in (("not complete", config.get("status") != "complete"),
+                                       ("a --quick run", config.get("quick")), ("not seed 0", config.get("seed") != 0),
+                                       ("of other code", config.get("sources_sha256") != digest),
+                                       ("missing an experiment", not set(EXPERIMENTS) <= set(config.get("completed", []))))
+                if bad]
+    if problems:
+        raise SystemExit(f"{out}: the run is {', '.join(problems)}: not copying its figures")
+    os.makedirs(os.path.join(ROOT, "docs"), exist_ok=True)
+    for name in FIGURES:
+        shutil.copy(os.path.join(out, name), os.path.join(ROOT, "docs", name))
+        print(f"docs/{name}")
+    return config
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--from", dest="source", help="a complete full run (seed 0) of the current code to copy from")
+    args = ap.parse_args(argv)
+    import experiments
+    digest = experiments.sources_digest()
+    if args.source:
+        config = copy_from(args.source, digest)
+    else:
+        try:
+            import matplotlib  # noqa: F401  (only checked here; experiments.py draws)
+        except ImportError:
+            print("needs matplotlib: python3 -m pip install matplotlib", file=sys.stderr)
+            return 2
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "results")
+            proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments.py"), *EXPERIMENTS, "--out", out])
+            if proc.returncode not in (0, 1):
+                return proc.returncode
+            config = copy_from(out, digest)
+    record = dict(command="python3 tools/docs_figures.py", experiments=EXPERIMENTS, seed=0,
+                  date=datetime.date.today().isoformat(),
+                  versions={k: config.get(k) for k in ("python", "numpy", "scipy")},
+                  sources={"files": list(experiments.SOURCES), "sha256": digest},
+                  figures={name: sha256(os.path.join(ROOT, "docs", name)) for name in FIGURES})
+    with open(os.path.join(ROOT, RECORD), "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    print(RECORD)
     return 0
 
 
