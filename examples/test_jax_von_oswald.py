@@ -67,3 +67,20 @@ def test_jax_von_oswald_model_matches_icl_ref(tied, activation):
     assert float(theirs) == pytest.approx(ir.VON_OSWALD_LOSS_SCALE * loss, rel=LOSS_RTOL)
     for g_jax, g_ours in zip(grads, ir.grads_to_von_oswald(dP, dQ, *W, n, heads=H, activation=activation)):
         assert max_rel(g_jax, g_ours) < GRAD_RTOL
+
+
+def von_oswald_layout_fn(case):
+    """One reference case in von Oswald et al.'s layout (icl_ref.check_implementation): per-layer
+    weights W_q, W_k, W_v, W_o (heads as column blocks), prompts as rows, their loss (0.5 * mean)."""
+    W = [jnp.asarray(case[k]) for k in ("W_q", "W_k", "W_v", "W_o")]
+    E, y = jnp.asarray(case["Z_rows"]), jnp.asarray(case["y"])
+    out = model(W, E, case["H"], case["L"], case["activation"])
+    loss, grads = jax.value_and_grad(loss_fn)(W, E, y, case["H"], case["L"], case["activation"])
+    return dict(Z_L_rows=np.asarray(out), y_hat=-np.asarray(out[:, -1, -1]), loss=float(loss),
+                **{f"grad_{k}": np.asarray(g) for k, g in zip(("W_q", "W_k", "W_v", "W_o"), grads)})
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_one_line_check_against_icl_ref(dtype):
+    # the linear and softmax reference cases in von Oswald et al.'s layout, at the dtype's tolerances
+    ir.check_implementation(von_oswald_layout_fn, layout="von_oswald", dtype=dtype)

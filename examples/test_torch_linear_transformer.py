@@ -68,3 +68,22 @@ def test_torch_model_matches_icl_ref(dtype):
     assert max_rel(out.detach().double().numpy(), ref_out) < tol["forward"]
     assert abs(loss.item() - ref_loss) / ref_loss < tol["loss"]
     assert max_rel(ap.grad.double().numpy(), ir.grads_to_authors(dP, dQ)) < tol["grad"]
+
+
+def authors_layout_fn(case):
+    """One reference case in the authors' layout (icl_ref.check_implementation): the model above on
+    case["Z_rows"], case["allparam"], in the dtype they come in; forward, loss and autograd gradient."""
+    Z = torch.tensor(case["Z_rows"])
+    ap = torch.tensor(case["allparam"], requires_grad=True)
+    out = model(ap, Z)
+    loss = torch.mean((out[:, -1, -1] + torch.tensor(case["y"])) ** 2)
+    loss.backward()
+    return dict(Z_L_rows=out.detach().numpy(), y_hat=-out[:, -1, -1].detach().numpy(), loss=loss.item(),
+                grad_allparam=ap.grad.numpy())
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_one_line_check_against_icl_ref(dtype):
+    # every reference case that has the authors' layout, at the tolerances for the dtype; a mismatch
+    # raises AssertionError with the diagnosis (which convention slip reproduces it)
+    ir.check_implementation(authors_layout_fn, layout="authors", dtype=dtype)
