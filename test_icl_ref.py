@@ -2113,3 +2113,20 @@ def test_input_checks_at_their_boundaries():
         ir.sample_prompts(np.random.default_rng(0), 2, 3, scale * (np.eye(2) + [[0, 1e-13], [0, 0]]))
         with pytest.raises(ValueError, match="symmetric"):
             ir.sample_prompts(np.random.default_rng(0), 2, 3, scale * (np.eye(2) + [[0, 1e-11], [0, 0]]))
+
+
+def test_the_reference_chunks_cover_the_batch_once_and_change_nothing():
+    # _chunks: consecutive, disjoint, covering [0, B); the loss of a batch of several chunks (d = 5:
+    # 910 prompts each, the last one short) equals the token loop's, EXACT
+    for B, D in ((1, 6), (909, 6), (910, 6), (911, 6), (5000, 13), (3, 40)):
+        bounds = ir._chunks(B, D)
+        assert bounds[0][0] == 0 and bounds[-1][1] == B
+        assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
+    rng = np.random.default_rng(145)
+    Z, y = ir.sample_prompts(rng, 2000, 3, np.eye(5))
+    P, Q = random_params(rng, 2, 1, 5, scale=0.3)
+    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    assert loss == pytest.approx(np.mean((ir.forward_literal(P, Q, Z)[:, -1, -1] + y) ** 2), rel=EXACT)
+    r, J = ir.residuals_and_jacobian(P, Q, Z, y)
+    assert r.shape == (2000,) and np.mean(r ** 2) == pytest.approx(loss, rel=EXACT)
+    assert_allclose(2 * J.T @ r / 2000, ir.pack([dP, dQ]), rtol=0, atol=EXACT * np.max(np.abs(dP)))
