@@ -240,9 +240,10 @@ def test_shutdown_ends_the_workers_and_a_forked_child_starts_its_own():
         with multiprocessing.get_context("fork").Pool(1) as child:
             assert child.apply_async(_loss_on_two_workers, ((P, Q, Z, y),)).get(timeout=60) == here
     fast.shutdown()
-    assert not names()
+    assert not names()                                      # no threads of icl_fast's are left
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)  # no threads of icl_fast's: no warning
+        # Python 3.12+ counts the process's OS threads (BLAS's own pool too) when it warns at a fork
+        warnings.simplefilter("ignore", DeprecationWarning)
         with multiprocessing.get_context("fork").Pool(1) as child:
             assert child.apply_async(_loss_on_two_workers, ((P, Q, Z, y),)).get(timeout=60) == here
     assert _loss_on_two_workers((P, Q, Z, y)) == here         # and the pool starts again
