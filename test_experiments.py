@@ -50,6 +50,69 @@ def test_a_failing_claim_makes_the_exit_status_nonzero(tmp_path, monkeypatch):
     assert "broken: x" in (tmp_path / "summary.md").read_text()
 
 
+def run(loss, grad_norm=1e-9, interrupted=False):
+    return dict(loss=loss, grad_norm=grad_norm, interrupted=interrupted)
+
+
+def test_starts_summary_judges_by_the_lowest_converged_start():
+    runs = [run(2.0), run(1.0 + 1e-8), run(0.5, grad_norm=1e-3), run(1.0), run(0.7, interrupted=True)]
+    reached, text = ex.starts_summary(runs)
+    # the unconverged 0.5 and the interrupted 0.7 are not the lowest; 1 + 1e-8 is within rtol = 1e-6
+    assert [r["loss"] for r in reached] == [1.0, 1.0 + 1e-8]
+    assert text == "2 of 5 starts reached the lowest batch loss 1; higher stationary points: 2; 2 did not converge"
+    reached, text = ex.starts_summary(runs, lowest=0.9, rtol=1e-9, what="the sparse loss or below,")
+    assert reached == [] and text.startswith("0 of 5 starts reached the sparse loss or below, 0.9; higher")
+    assert ex.starts_summary([run(1.0, grad_norm=1.0)]) == ([], "none of 1 starts converged")
+
+
+def test_single_layer_never_passes_full_pq_from_a_higher_stationary_point(monkeypatch):
+    # every full (P, Q) start "converges" at P = Q = 0, a genuine stationary point (the prediction is
+    # bilinear in P and Q, so the gradient vanishes there) whose loss E y^2 is far above the optimum,
+    # and whose test loss therefore clears L*: the row must not PASS from it
+    trainer = ex.train_gauss_newton
+
+    def stuck(Z, y, L, structure, **kwargs):
+        if structure != "full":
+            return trainer(Z, y, L, structure, **kwargs)
+        D = Z.shape[1]
+        return trainer(Z, y, L, "full", init={"P": np.zeros((L, 1, D, D)), "Q": np.zeros((L, 1, D, D))})
+    monkeypatch.setattr(ex, "train_gauss_newton", stuck)
+    rows, _ = ex.single_layer(dict(rng=np.random.default_rng(3), seed=3, quick=True, log=print, progress=0))
+    full = [r for r in rows if "cannot beat Gamma*" in r["claim"]]
+    assert len(full) == 3 and all(r["verdict"] == ex.NO_VERDICT for r in full)
+    assert all("0 of 2 starts reached" in r["measured"] for r in full)
+
+
+def stub_run(P, Q, loss, grad_norm):
+    return dict(P=P, Q=Q, loss=loss, grad_norm=grad_norm, interrupted=False, nfev=1, message="stub",
+                coords={"P": P, "Q": Q})
+
+
+def test_softmax_baseline_and_unconstrained_read_the_best_start(monkeypatch):
+    # the first start of every linear full (P, Q) model ends at the stationary point P = Q = 0 (a
+    # higher loss), later ones at the trained sparse model (lower); softmax runs do not converge.
+    # The linear baseline and the blocks read from `unconstrained` must come from the lower start.
+    calls, real = [], ex.train_gauss_newton
+
+    def trainer(Z, y, L, structure, heads=1, activation="linear", **kwargs):
+        D = Z.shape[1]
+        zeros = np.zeros((L, heads, D, D))
+        if activation != "linear":
+            return stub_run(zeros, zeros, 1.0, 1.0)
+        calls.append(L)
+        if calls.count(L) == 1:
+            return stub_run(zeros, zeros, float(np.mean(y ** 2)), 0.0)
+        return real(Z, y, L, "sparse", init={"A": np.zeros((L, D - 1, D - 1))})   # converged; P, Q full shape
+    monkeypatch.setattr(ex, "train_gauss_newton", trainer)
+    ctx = dict(rng=np.random.default_rng(4), seed=4, quick=True, log=lambda msg: None, progress=0)
+    rows, _ = ex.softmax_two_head(ctx)
+    assert "1 of 2 starts reached" in rows[0]["measured"] and rows[0]["verdict"] == ex.INFO
+    assert float(rows[0]["measured"].split(" +- ")[0]) < 3.0          # E y^2 = d = 5 at P = Q = 0
+    rows, _ = ex.unconstrained(ctx)
+    assert "1 of 2 starts reached" in rows[0]["measured"]
+    assert all(float(r["measured"].split("dist(Q_xx, S^-1)=")[1].split()[0]) < 0.2 for r in rows[1:])
+
+
 def test_gd_predict_one_step_is_the_closed_form():
     rng = np.random.default_rng(0)
     Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.5, 2.0])

@@ -1,0 +1,160 @@
+"""How often training at the paper's size reaches each minimum of Theorem 4's blocks family.
+
+    python3 tools/blocks_basins.py [--starts 20] [--seed 0]      # about half an hour on 2 cores
+
+One batch at the paper's size ([A] §4.3: B = 20000, n = 20, d = 5, L = 3, Sigma = U diag(1, 1, 1/4,
+1/16, 1) U^T with U Haar, w* ~ N(0, Sigma^-1)), drawn from `seed`; `starts` random starts (A_l, B_l
+iid N(0, 0.1^2) entries, as experiments.py's three-layer-blocks), each trained by icl_fast's
+Gauss-Newton (max_nfev 400) and L-BFGS (maxcor 300, maxiter 3000) from the same start. A run counts
+when it converged (|grad| <= 1e-6, experiments.py's test); its fitted scalars a_l = fitted_scalar(A_l,
+Sigma^-1), b_l = fitted_scalar(B_l, I) start one descent of the exact family loss
+(family_local_minimum), whose end names the population minimum the run's basin belongs to (MATH.md
+§10 lists the certified ones). Writes docs/blocks_basins.json (every run, the counts, the SHA-256 of
+icl_ref.py, icl_fast.py and this file) and docs/blocks_basins.png. Ctrl-C or SIGTERM stops after
+the current run and writes nothing.
+"""
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import icl_fast as fast  # noqa: E402
+import icl_ref as ir  # noqa: E402
+
+SOURCES = ["icl_ref.py", "icl_fast.py", os.path.join("tools", "blocks_basins.py")]
+RECORD = os.path.join("docs", "blocks_basins.json")
+FIGURE = os.path.join("docs", "blocks_basins.png")
+B, N, D, L = 20000, 20, 5, 3
+GRAD_TOL = 1e-6                 # experiments.GRAD_TOL: a converged run
+OPTIMISERS = ("Gauss-Newton", "L-BFGS")
+
+
+def sources_digest():
+    """One SHA-256 over the code that computes the record, file by file in a fixed order."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        with open(os.path.join(ROOT, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()
+
+
+def basin_key(f):
+    """Population minima are told apart by their exact loss (the certified ones differ by > 1e-6 relative)."""
+    return f"{f:.6e}"
+
+
+def train(optimiser, Z, y, init):
+    if optimiser == "Gauss-Newton":
+        return fast.train_gauss_newton(Z, y, L, "blocks", init=init, max_nfev=400)
+    return fast.train_lbfgs(Z, y, L, "blocks", init=init, maxiter=3000, maxcor=300)
+
+
+def counts(runs, f_star):
+    """{optimiser: {basin loss or "not converged": count}} and the global optimum's key."""
+    out = {name: {} for name in OPTIMISERS}
+    for r in runs:
+        key = basin_key(r["basin_loss"]) if r["converged"] else "not converged"
+        out[r["optimiser"]][key] = out[r["optimiser"]].get(key, 0) + 1
+    return out, basin_key(f_star)
+
+
+def figure(record, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs, f_star = record["runs"], record["optimum"]["loss"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # rows of the left panel: each basin reached, lowest loss first, then the runs that did not converge
+    keys = sorted({basin_key(r["basin_loss"]) for r in runs if r["converged"]}, key=float)
+    labels = [f"f = {k}" + (" (global)" if k == record["global_key"] else "") for k in keys] + ["not converged"]
+    for name, marker, dy in (("Gauss-Newton", "o", -0.12), ("L-BFGS", "s", 0.12)):
+        mine = [r for r in runs if r["optimiser"] == name]
+        rows = [keys.index(basin_key(r["basin_loss"])) if r["converged"] else len(keys) for r in mine]
+        left.scatter([r["start"] for r in mine], [k + dy for k in rows], marker=marker, alpha=0.8,
+                     label=f"{name}: {sum(r['converged'] for r in mine)} of {len(mine)} converged")
+        conv = [r for r in mine if r["converged"]]
+        right.scatter([r["a"][1] for r in conv], [r["b"][1] for r in conv], marker=marker, label=name, alpha=0.8)
+    basins = sorted({(r["basin_loss"], tuple(r["basin_a"]), tuple(r["basin_b"][:2])) for r in runs if r["converged"]})
+    for f, a, b in basins:
+        right.scatter([a[1]], [b[1]], marker="x", color="k", s=80)
+        right.annotate(f"f = {f:.4e}", (a[1], b[1]), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    left.set_yticks(range(len(labels)), labels)
+    left.set_ylim(-0.6, len(labels) - 0.4)
+    left.set(xlabel="start", ylabel="population minimum of the run's basin",
+             title="Basin reached from each start")
+    left.set_xticks(range(0, record["starts"], max(1, record["starts"] // 10)))
+    left.legend(fontsize=8)
+    right.set(xlabel="fitted a_1 (A_1 ~ a_1 Sigma^-1)", ylabel="fitted b_1 (B_1 ~ b_1 I)",
+              title="Layer 1's fitted scalars (x: the basins' minima)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--starts", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.starts < 1:
+        ap.error(f"--starts must be >= 1, got {args.starts}")
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.append(signum))
+    digest = sources_digest()
+    a_star, b_star, f_star = ir.optimal_family_scalars(L, N, D, blocks=True)
+    rng = np.random.default_rng(args.seed)
+    Sigma, _ = ir.rotated_covariance(rng, ir.PAPER_EIGENVALUES)
+    Si = np.linalg.inv(Sigma)
+    Z, y = ir.sample_prompts(rng, B, N, Sigma, Si)
+    runs, t0 = [], time.time()
+    for s in range(args.starts):
+        init = {"A": 0.1 * rng.standard_normal((L, D, D)), "B": 0.1 * rng.standard_normal((L, D, D))}
+        for name in OPTIMISERS:
+            res = train(name, Z, y, init)
+            if stop or res["interrupted"]:
+                print("stopped: nothing written", file=sys.stderr)
+                return 130
+            A, Bm = res["coords"]["A"], res["coords"]["B"]
+            run = dict(start=s, optimiser=name, loss=res["loss"], grad_norm=res["grad_norm"],
+                       converged=bool(res["grad_norm"] <= GRAD_TOL), seconds=res["wall_time"],
+                       a=[ir.fitted_scalar(A[l], Si) for l in range(L)],
+                       b=[ir.fitted_scalar(Bm[l], np.eye(D)) for l in range(L - 1)])
+            if run["converged"]:
+                a_loc, b_loc, f_loc = ir.family_local_minimum(run["a"], N, D, b=run["b"] + [0.0])
+                run.update(basin_loss=f_loc, basin_a=list(a_loc), basin_b=list(b_loc[:-1]))
+            runs.append(run)
+            print(f"start {s:2d} {name:12s} loss {res['loss']:.4e} |grad| {res['grad_norm']:.1e} "
+                  f"{res['wall_time']:6.1f} s  basin f = {run.get('basin_loss', float('nan')):.4e}  "
+                  f"({time.time() - t0:.0f} s so far)", flush=True)
+    table, global_key = counts(runs, f_star)
+    record = dict(command=f"python3 tools/blocks_basins.py --starts {args.starts} --seed {args.seed}",
+                  starts=args.starts, seed=args.seed, date=datetime.date.today().isoformat(),
+                  B=B, n=N, d=D, L=L, optimum=dict(a=list(a_star), b=list(b_star[:-1]), loss=f_star),
+                  counts=table, global_key=global_key, runs=runs,
+                  sources={"files": SOURCES, "sha256": digest},
+                  versions={"python": sys.version.split()[0], "numpy": np.__version__})
+    figure(record, os.path.join(ROOT, FIGURE))
+    with open(os.path.join(ROOT, FIGURE), "rb") as f:
+        record["figure_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(ROOT, RECORD), "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    for name in OPTIMISERS:
+        print(name, json.dumps(table[name]))
+    print(RECORD, FIGURE)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
