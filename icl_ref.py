@@ -1252,6 +1252,52 @@ def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, q
     return float(_finite_result("the loss", loss, Gamma=Gamma, Sigma=Sigma))
 
 
+MAX_FULL_LAYER_D = 8     # the exact rule over w* below has 4^d nodes
+
+
+def full_layer_population_loss(P, Q, Sigma, n, Sigma_w=None):
+    """Exact E (y_hat - y_q)^2 of one layer with any (P, Q), noiseless labels (MATH.md §8):
+
+        L(P, Q) = E_w [ a^T Sigma a + (1/n) sum_hk b_kh^T Sigma b_hk
+                        + (1/n) sum_hk tr(K_h Sigma K_k^T Sigma) u_h^T Sigma u_k + 2 w^T Sigma a + w^T Sigma w ],
+        u_h = p_h,x + p_h,y w,  K_h = G_h,x + w g_h,y^T,  b_kh = K_k^T Sigma u_h,  a = sum_h b_hh,
+
+    with p_h = P_h[d, :] = [p_h,x; p_h,y] (the value row), G_h = Q_h[:, :d] = [G_h,x; g_h,y^T] (the
+    query label is 0), x ~ N(0, Sigma) and w = w* ~ N(0, Sigma_w). The integrand is a polynomial of
+    degree 6 in w, so a product Gauss-Hermite rule of 4 nodes per coordinate (exact to degree 7 in
+    each) gives E_w exactly: 4^d nodes, hence d <= MAX_FULL_LAYER_D.
+    P, Q: (1, H, D, D); Sigma, Sigma_w: (d, d) SPD; n >= 1. Returns a float. At sparse (P, Q) it is
+    single_layer_population_loss; P's other rows and Q's last column do not enter.
+    """
+    P, Q = _params(P, Q)
+    n = _int("n", n, 1)
+    Sigma = _spd("Sigma", Sigma, P.shape[-1] - 1)[0]
+    d = Sigma.shape[0]
+    F_w = np.eye(d) if Sigma_w is None else _spd("Sigma_w", Sigma_w, d)[1]
+    if P.shape[0] != 1:
+        raise ValueError(f"P, Q must have one layer (shape (1, H, d+1, d+1)), got {P.shape}")
+    if d > MAX_FULL_LAYER_D:
+        raise ValueError(f"d must be <= {MAX_FULL_LAYER_D}: the exact rule over w* has 4^d nodes, got d = {d}")
+    t, c = np.polynomial.hermite_e.hermegauss(4)                  # nodes of N(0, 1), weights c / sqrt(2 pi)
+    xi = np.array(list(itertools.product(t, repeat=d)))           # (4^d, d)
+    weight = np.prod(np.array(list(itertools.product(c, repeat=d))), axis=1) / (2 * np.pi) ** (d / 2)
+    w = xi @ F_w.T                                                # w = F_w xi ~ N(0, Sigma_w)
+    p, G = P[0, :, d, :], Q[0, :, :, :d]                          # (H, D), (H, D, d)
+    u = p[None, :, :d] + w[:, None, :] * p[None, :, d, None]      # (N, H, d)
+    K = G[None, :, :d, :] + w[:, None, :, None] * G[None, :, d, None, :]    # (N, H, d, d)
+    Su = u @ Sigma
+    b = np.einsum("nkij,nhi->nkhj", K, Su)                       # b[k, h] = K_k^T Sigma u_h
+    a = np.einsum("nhhj->nj", b)
+    trace = np.einsum("nhij,nkij->nhk", K @ Sigma, Sigma @ K)    # tr(K_h Sigma K_k^T Sigma)
+    Sw = w @ Sigma
+    with np.errstate(over="ignore", invalid="ignore"):
+        integrand = (np.einsum("ni,ij,nj->n", a, Sigma, a) + np.einsum("nkhi,ij,nhkj->n", b, Sigma, b) / n
+                     + np.einsum("nhk,nhi,nki->n", trace, Su, u) / n + 2 * np.sum(Sw * a, axis=1)
+                     + np.sum(Sw * w, axis=1))
+        loss = weight @ integrand
+    return float(_finite_result("the loss", loss, P=P, Q=Q, Sigma=Sigma))
+
+
 def gd_step_size(n, d, noise_var=0.0):
     """Mahankali et al. (2023): the optimal single layer is one GD step from 0 with the
     per-example step eta = 1 / (n + 1 + d + noise_var) (MATH.md §8, translated to [A]'s form):

@@ -178,3 +178,32 @@ def test_docs_figures_come_from_the_current_code():
         with open(os.path.join(ROOT, "docs", name), "rb") as f:
             assert hashlib.sha256(f.read()).hexdigest() == record["figures"][name], f"docs/{name} is not the one recorded"
         assert f"docs/{name}" in read("README.md")
+
+
+def test_blocks_basins_come_from_the_current_code_and_readme_quotes_them():
+    # tools/blocks_basins.py records its runs with the SHA-256 of the code that trained them; README
+    # finding 9's table must quote the recorded counts (a stale count would claim what no run showed)
+    import hashlib
+    import json
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import blocks_basins
+    record = json.loads(read(blocks_basins.RECORD))
+    assert record["sources"]["sha256"] == blocks_basins.sources_digest(), \
+        "icl_ref.py, icl_fast.py or tools/blocks_basins.py changed since docs/blocks_basins.json: run the tool again"
+    with open(os.path.join(ROOT, blocks_basins.FIGURE), "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == record["figure_sha256"]
+    assert record["starts"] >= 20
+    table, global_key = blocks_basins.counts(record["runs"], record["optimum"]["loss"])
+    assert table == record["counts"] and global_key == record["global_key"]
+    finding = read("README.md").split("\n9. ", 1)[1].split("\n10. ", 1)[0]
+    assert blocks_basins.FIGURE in finding
+    # the table's columns: every basin reached (lowest loss first), then the runs that did not converge
+    keys = sorted({k for name in table for k in table[name] if k != "not converged"}, key=float) + ["not converged"]
+    header = next(line for line in finding.splitlines() if line.strip().startswith("| optimiser |"))
+    assert [c.strip() for c in header.strip().strip("|").split("|")][1:] == \
+        [("f = " + k + (" (global)" if k == global_key else "")) if k != "not converged" else k for k in keys]
+    for name in blocks_basins.OPTIMISERS:
+        line = next(line for line in finding.splitlines() if line.strip().startswith(f"| {name} |"))
+        cells = [c.strip() for c in line.strip().strip("|").split("|")][1:]
+        assert cells == [str(table[name].get(k, 0)) for k in keys], (name, cells)

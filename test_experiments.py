@@ -113,6 +113,30 @@ def test_softmax_baseline_and_unconstrained_read_the_best_start(monkeypatch):
     assert all(float(r["measured"].split("dist(Q_xx, S^-1)=")[1].split()[0]) < 0.2 for r in rows[1:])
 
 
+def test_population_minimum_from_near_theorem1_is_its_optimum_and_strict_modulo_the_rescaling():
+    rng = np.random.default_rng(5)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.3])
+    P, Q = ir.sparse_params(ir.gamma_star(Sigma, 6)[None])
+    P, Q = 1.7 * P + 0.05 * rng.standard_normal(P.shape), Q / 1.7 + 0.05 * rng.standard_normal(Q.shape)
+    loss, grad, eig, theta = ex.population_minimum(P, Q, Sigma, 6)
+    # 1e-9: the descent's gtol 1e-12 and three Newton steps leave the loss at rounding above L*
+    assert abs(loss - ir.single_layer_population_loss(ir.gamma_star(Sigma, 6), Sigma, 6)) <= 1e-9 * loss
+    # finite-difference gradient (h = 1e-6: truncation and rounding ~1e-9); the rescaling removed,
+    # no eigenvalue is left near 0 (second differences err by ~1e-6)
+    assert grad < 1e-7 and len(eig) == 3 + 3 * 2 - 1 and eig[0] > 1e-3
+    # the rescaling direction (p, -G) is an exact null vector of the Hessian, so the spectrum in its
+    # complement is the full Hessian's without that 0 (both by second differences, errors ~1e-6)
+    def f(v):
+        P_v, Q_v = np.zeros((1, 1, 3, 3)), np.zeros((1, 1, 3, 3))
+        P_v[0, 0, 2], Q_v[0, 0, :, :2] = v[:3], v[3:].reshape(3, 2)
+        return ir.full_layer_population_loss(P_v, Q_v, Sigma, 6)
+    E, h = np.eye(9), 1e-4
+    H = np.array([[(f(theta + h * (a + b)) - f(theta + h * (a - b)) - f(theta - h * (a - b)) + f(theta - h * (a + b)))
+                   / (4 * h * h) for b in E] for a in E])
+    full = np.linalg.eigvalsh((H + H.T) / 2)
+    assert abs(full[0]) < 1e-5 and np.allclose(full[1:], eig, rtol=1e-5, atol=1e-5)
+
+
 def test_gd_predict_one_step_is_the_closed_form():
     rng = np.random.default_rng(0)
     Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.5, 2.0])

@@ -516,6 +516,45 @@ def test_theorem1_population_loss_matches_monte_carlo():
     assert abs(mean - exact) <= Z_MC * se
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+def test_full_layer_population_loss_matches_monte_carlo(heads):
+    # the exact rule over w* against the transformer itself on sampled prompts (no shared algebra)
+    rng = np.random.default_rng(30 + heads)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.5, 2.0])
+    Sigma_w, _ = ir.rotated_covariance(rng, [0.4, 1.0, 3.0])
+    P, Q = random_params(rng, 1, heads, 3, scale=0.3)
+    Z, y = ir.sample_prompts(rng, 400_000, 6, Sigma, Sigma_w)
+    mean, se = mc_loss(P, Q, Z, y)
+    assert abs(mean - ir.full_layer_population_loss(P, Q, Sigma, 6, Sigma_w)) <= Z_MC * se
+
+
+def test_full_layer_population_loss_is_theorem1_at_sparse_params_and_ignores_what_cannot_act():
+    rng = np.random.default_rng(32)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.5, 2.0, 0.3])
+    Sigma_w, _ = ir.rotated_covariance(rng, [0.4, 1.0, 3.0, 2.0])
+    Gamma = rng.standard_normal((4, 4))
+    P, Q = ir.sparse_params(Gamma[None])
+    for S_w in (None, Sigma_w):
+        # 1e-12: the same quadratic form summed over 256 nodes instead of in closed form
+        assert_allclose(ir.full_layer_population_loss(P, Q, Sigma, 7, S_w),
+                        ir.single_layer_population_loss(Gamma, Sigma, 7, S_w), rtol=EXACT)
+    # P's rows above the last and Q's last column never reach the prediction (the query label is 0);
+    # the rescaling (c P, Q / c) is exact
+    P2, Q2 = random_params(rng, 1, 1, 4)
+    moved_P, moved_Q = P2.copy(), Q2.copy()
+    moved_P[0, 0, :-1] += rng.standard_normal((4, 5))
+    moved_Q[0, 0, :, -1] += rng.standard_normal(5)
+    f = ir.full_layer_population_loss(P2, Q2, Sigma, 7)
+    assert_allclose(ir.full_layer_population_loss(moved_P, moved_Q, Sigma, 7), f, rtol=EXACT)
+    assert_allclose(ir.full_layer_population_loss(2.5 * P2, Q2 / 2.5, Sigma, 7), f, rtol=EXACT)
+    with pytest.raises(ValueError, match="one layer"):
+        ir.full_layer_population_loss(*random_params(rng, 2, 1, 4), Sigma, 7)
+    with pytest.raises(ValueError, match="d must be <= 8"):
+        ir.full_layer_population_loss(*random_params(rng, 1, 1, 9), np.eye(9), 7)
+    with pytest.raises(ValueError, match=r"Sigma must have shape \(4, 4\)"):
+        ir.full_layer_population_loss(P2, Q2, np.eye(3), 7)
+
+
 def ols_excess_bound(Phi, resid, H_pop):
     """Mean and sd of B * (excess population loss) of least squares on features Phi (B, p):
     asymptotically theta_hat - theta* ~ N(0, H^-1 V H^-1 / B) with V = E[phi phi^T resid^2], and
