@@ -174,10 +174,37 @@ def test_docs_figures_come_from_the_current_code():
     record = json.loads(read(docs_figures.RECORD))
     assert record["sources"]["sha256"] == experiments.sources_digest(), \
         "icl_ref.py, icl_fast.py or experiments.py changed since docs/*.png were drawn: run python3 tools/docs_figures.py"
-    for name in docs_figures.FIGURES:
+    for name in docs_figures.FIGURES + docs_figures.TABLES:
         with open(os.path.join(ROOT, "docs", name), "rb") as f:
             assert hashlib.sha256(f.read()).hexdigest() == record["figures"][name], f"docs/{name} is not the one recorded"
         assert f"docs/{name}" in read("README.md")
+
+
+def test_readme_finding_15_quotes_the_recorded_run():
+    # the basin table and the certificate's numbers in README finding 15 against the recorded run's
+    # CSVs (docs/single-layer-landscape*.csv, from the code the digest test above pins)
+    import csv
+    with open(os.path.join(ROOT, "docs", "single-layer-landscape_basins.csv")) as f:
+        basins = list(csv.DictReader(f))
+    with open(os.path.join(ROOT, "docs", "single-layer-landscape.csv")) as f:
+        rows = list(csv.DictReader(f))
+    finding = read("README.md").split("\n15. ", 1)[1]
+    settings = list(dict.fromkeys(b["setting"] for b in basins))
+    header = next(line for line in finding.splitlines() if line.strip().startswith("| setting |"))
+    assert [c.strip() for c in header.strip().strip("|").split("|")][1:] == settings
+    for trainer in ("Gauss-Newton", "L-BFGS"):
+        line = next(line for line in finding.splitlines() if line.strip().startswith(f"| {trainer} |"))
+        cells = [c.strip() for c in line.strip().strip("|").split("|")][1:]
+        expected = [next(f"{b['optimum']}/{b['higher']}/{b['not_converged']}" for b in basins
+                         if b["setting"] == s and b["trainer"] == trainer) for s in settings]
+        assert cells == expected, trainer
+    batch = next(r for r in rows if r["claim"].startswith("base: the lowest spurious point"))
+    population = next(r for r in rows if r["claim"].startswith("base: the exact population loss"))
+    high, low = float(batch["loss"]), float(population["population_spurious"])
+    for quoted in (f"{high:.4f}", f"{float(batch['hessian_min']):.2g}", f"{low:.4f}",
+                   f"{float(population['population_hessian_min']):.2g}"):
+        assert quoted in finding, quoted
+    assert population["verdict"] == "PASS"
 
 
 def test_blocks_basins_come_from_the_current_code_and_readme_quotes_them():

@@ -253,6 +253,22 @@ def test_overwrite_never_deletes_files_of_a_directory_that_held_no_run(tmp_path,
     assert (tmp_path / "mydata.csv").read_text() == "1,2"
 
 
+def test_a_signal_while_the_results_are_written_is_answered_after_them(tmp_path, monkeypatch):
+    import signal
+    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", "-", "-", ex.INFO)], {}), "t"))
+    dump = json.dump
+
+    def dump_then_signal(obj, f, **kwargs):        # SIGTERM just as the final record is written
+        dump(obj, f, **kwargs)
+        if obj.get("status") == "complete":
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(ex.json, "dump", dump_then_signal)
+    assert ex.main(["count", "--out", str(tmp_path)]) == 128 + signal.SIGTERM
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "config.json").read_text())["status"] == "complete"
+    assert "INTERRUPTED" not in (tmp_path / "summary.md").read_text()
+
+
 SLOW_RUN = """
 import signal, sys, time, numpy as np
 import experiments as ex, icl_ref as ir

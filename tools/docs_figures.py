@@ -1,14 +1,15 @@
-"""Regenerate the figures the README shows (docs/*.png) from the full-size experiments, and record
-which code drew them (docs/figures.json).
+"""Regenerate the figures the README shows (docs/*.png) and the tables its findings quote (docs/*.csv)
+from the full-size experiments, and record which code made them (docs/figures.json).
 
     python3 tools/docs_figures.py             # runs the three experiments (several minutes; matplotlib)
     python3 tools/docs_figures.py --from DIR  # copies them from a full run of the current code in DIR
 
-Runs three-layer-sparse, three-layer-blocks and depth (seed 0, full size) with experiments.py into a
-temporary directory (or takes a complete full run, seed 0, whose record carries the current code's
-digest), copies their PNGs into docs/ and writes docs/figures.json: the SHA-256 of the code that
-computes and draws them (experiments.sources_digest: icl_ref.py, icl_fast.py, experiments.py) and of
-each PNG. test_docs.py fails when that code has changed since, so a stale figure cannot stay.
+Runs three-layer-sparse, three-layer-blocks, depth and single-layer-landscape (seed 0, full size)
+with experiments.py into a temporary directory (or takes a complete full run, seed 0, whose record
+carries the current code's digest), copies their PNGs and the quoted CSVs into docs/ and writes
+docs/figures.json: the SHA-256 of the code that computes and draws them (experiments.sources_digest:
+icl_ref.py, icl_fast.py, experiments.py) and of each file. test_docs.py fails when that code has
+changed since, so a stale figure or number cannot stay.
 """
 import argparse
 import datetime
@@ -22,8 +23,10 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-FIGURES = ["three-layer-sparse_heatmaps.png", "three-layer-blocks_heatmaps.png", "depth.png"]
-EXPERIMENTS = ["three-layer-sparse", "three-layer-blocks", "depth"]
+FIGURES = ["three-layer-sparse_heatmaps.png", "three-layer-blocks_heatmaps.png", "depth.png", "single-layer-landscape.png"]
+# the tables README's findings quote (test_docs.py checks the quotes against them)
+TABLES = ["single-layer-landscape.csv", "single-layer-landscape_basins.csv"]
+EXPERIMENTS = ["three-layer-sparse", "three-layer-blocks", "depth", "single-layer-landscape"]
 RECORD = os.path.join("docs", "figures.json")
 
 
@@ -45,7 +48,7 @@ def copy_from(out, digest):
     if problems:
         raise SystemExit(f"{out}: the run is {', '.join(problems)}: not copying its figures")
     os.makedirs(os.path.join(ROOT, "docs"), exist_ok=True)
-    for name in FIGURES:
+    for name in FIGURES + TABLES:
         shutil.copy(os.path.join(out, name), os.path.join(ROOT, "docs", name))
         print(f"docs/{name}")
     return config
@@ -75,7 +78,7 @@ def main(argv=None):
                   date=datetime.date.today().isoformat(),
                   versions={k: config.get(k) for k in ("python", "numpy", "scipy")},
                   sources={"files": list(experiments.SOURCES), "sha256": digest},
-                  figures={name: sha256(os.path.join(ROOT, "docs", name)) for name in FIGURES})
+                  figures={name: sha256(os.path.join(ROOT, "docs", name)) for name in FIGURES + TABLES})
     with open(os.path.join(ROOT, RECORD), "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")

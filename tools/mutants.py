@@ -276,6 +276,8 @@ MUTANTS = [
      '    w = xi', 'w* drawn from N(0, I) whatever Sigma_w'),
     ('population-minimum-wrong-symmetry', 'experiments.py', 'V = scipy.linalg.null_space(np.r_[theta[:D], -theta[D:]][None])',
      'V = scipy.linalg.null_space(np.r_[theta[:D], theta[D:]][None])', 'the direction removed is not the rescaling'),
+    ('experiments-late-signal-ignored', 'experiments.py', '    if late:\n', '    if False:\n',
+     'a signal during the final writes is dropped: the run exits 0 as if none came'),
     ('experiments-single-layer-any-start', 'experiments.py', 'reached, starts_said = starts_summary(fulls, lowest=res["loss"], rtol=1e-9,',
      'reached, starts_said = starts_summary(fulls, rtol=1e-9,', "a start stuck above the sparse optimum carries the PASS"),
     ('experiments-starts-any-converged', 'experiments.py', '    reached = [r for r in done if r["loss"] <= lowest * (1 + rtol)]',
