@@ -1725,7 +1725,11 @@ def test_symmetry_directions_leave_the_loss_unchanged_and_nothing_else_does():
     dirs = ir.symmetry_directions("full", coords)
     # fixed: 2 heads x 2 x-rows x 3 of the last P; head mixing: 2 layers x 4 pairs
     assert dirs.shape == (36 * 2, 12 + 8) and np.allclose(dirs.T @ dirs, np.eye(20), atol=1e-12)
-    f0 = ir.in_context_loss(P, Q, Z, y)
+    # first order: the gradient has no component along any returned direction (1e-12 of its norm:
+    # rounding in the reverse pass; a direction that is not a symmetry has an O(1) component)
+    f0, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    g = ir.pack([dP, dQ])
+    assert np.max(np.abs(g @ dirs)) <= 1e-12 * np.linalg.norm(g)
     for l, h, g in [(0, 0, 0), (1, 0, 1), (0, 1, 0)]:              # a finite group element, not a tangent
         A = np.eye(2)
         A[h, g] += 0.3
