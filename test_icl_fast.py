@@ -80,6 +80,24 @@ def test_engine_jacobian_in_structure_coordinates_and_with_an_activation(structu
         assert_close(a, b)
     for a, b in zip(fast.loss_and_grad_activation(P, Q, Z, y, "relu"), ir.loss_and_grad_activation(P, Q, Z, y, "relu")):
         assert_close(a, b)
+    # a batch of several explicit-attention chunks (910 prompts each at n = 5): each chunk's share
+    # is divided by the whole batch
+    Z2, y2 = ir.sample_prompts(rng, 2000, 5, np.eye(3))
+    for a, b in zip(fast.loss_and_grad_activation(P, Q, Z2, y2, "softmax"), ir.loss_and_grad_activation(P, Q, Z2, y2, "softmax")):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("engine", [fast.engine(), ir.REFERENCE], ids=["icl_fast", "icl_ref"])
+def test_reduced_least_squares_keeps_the_normal_equations_and_the_residual_norm(engine):
+    # the contract Gauss-Newton relies on (MATH.md §6): R^T R = J^T J, R^T f = J^T r, |f| = |r|;
+    # 4500 rows make icl_fast's tall-skinny QR stack three blocks (relative 1e-12: QR is backward stable)
+    rng = np.random.default_rng(11)
+    J, r = rng.standard_normal((4500, 7)), rng.standard_normal(4500)
+    f, R = engine.reduced_least_squares(r, J)
+    assert f.shape == (8,) and R.shape == (8, 7)
+    assert_allclose(R.T @ R, J.T @ J, rtol=0, atol=1e-12 * np.max(np.abs(J.T @ J)))
+    assert_allclose(R.T @ f, J.T @ r, rtol=0, atol=1e-12 * np.max(np.abs(J.T @ J)))
+    assert f @ f == pytest.approx(r @ r, rel=1e-12)
 
 
 def test_engine_uses_icl_refs_input_checks():
