@@ -778,11 +778,11 @@ def single_layer_landscape(ctx):
         # not an artefact of the batch: on an independent batch ten times larger, L-BFGS from both points
         # stays near them, the spurious one is again a strict minimum, and the gap between their losses
         # on fresh prompts is many standard errors of the paired difference
-        s = settings[0][1]
-        Z2, y2 = ir.sample_prompts(rng, 10 * B, s["n"], Sigma)
+        n_base = base["n"]
+        Z2, y2 = ir.sample_prompts(rng, 10 * B, n_base, Sigma)
         again = {k: train_lbfgs(Z2, y2, 1, "full", init=r["coords"], maxiter=3000) for k, r in (("high", high), ("low", low))}
         curv2 = fast.identifiable_hessian("full", again["high"]["coords"], Z2, y2, **THREADS)
-        Zt, yt = ir.sample_prompts(rng, 20 * B, s["n"], Sigma)
+        Zt, yt = ir.sample_prompts(rng, 20 * B, n_base, Sigma)
         errs = {k: (ir.predict(r["P"], r["Q"], Zt) - yt) ** 2 for k, r in again.items()}
         (f_high, se_high), (f_low, se_low) = mean_se(errs["high"]), mean_se(errs["low"])
         gap, gap_se = mean_se(errs["high"] - errs["low"])
@@ -798,7 +798,6 @@ def single_layer_landscape(ctx):
                         checked(curv2["eigenvalues"][0] > 0 and gap > Z_MC * gap_se, again["high"], again["low"]),
                         test_high=f_high, test_low=f_low, hessian_min_independent=curv2["eigenvalues"][0]))
         # the population loss itself, exactly: from both batch points, descend it and certify the end
-        n_base = settings[0][1]["n"]
         L_star = ir.single_layer_population_loss(ir.gamma_star(Sigma, n_base), Sigma, n_base)
         f_hi, g_hi, eig_hi, _ = population_minimum(high["P"], high["Q"], Sigma, n_base)
         f_lo, g_lo, _, _ = population_minimum(low["P"], low["Q"], Sigma, n_base)
@@ -1201,7 +1200,7 @@ def figures(out, name, rows, tables):
         ax.set(xticks=np.arange(len(labels)), xticklabels=labels, ylim=(0, 1.05), ylabel="fraction of random starts",
                xlabel="setting (base: d = 3, n = 10, kappa = 4, init scale 0.3)",
                title="One full layer: where training from random starts ends")
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))      # beside the bars, not on them
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))      # outside the axes: hides no bar
         fig.tight_layout()
         made.append((save(fig, path("")), "One full (P, Q) layer: the fraction of random starts that reach the batch "
                      "optimum (solid) or stop at a higher local minimum (hatched), per setting and optimiser; the "

@@ -162,9 +162,9 @@ def test_readme_api_examples_run_as_written():
 
 
 def test_docs_figures_come_from_the_current_code():
-    # tools/docs_figures.py records the SHA-256 of the code that computed and drew docs/*.png; when
-    # that code changes, the figures must be drawn again (a stale figure once contradicted the
-    # finding beside it)
+    # tools/docs_figures.py records the SHA-256 of the code that computed and drew docs/*.png and the
+    # quoted tables; when that code changes they must be made again, or a figure could contradict
+    # the finding beside it
     import hashlib
     import json
     import sys
