@@ -19,6 +19,7 @@ chunk order) and agree with icl_ref's to rounding (test_icl_fast.py). The input 
 icl_ref's. Measurements: docs/benchmarks.md.
 """
 import contextlib
+import ctypes
 import functools
 import itertools
 import os
@@ -36,7 +37,7 @@ import icl_ref as ir
 # formulation; above it the reference's batch-first layers (icl_ref.layer_forward) run on the
 # workers, as their D^3 BLAS products beat D^3 vector loops there (docs/benchmarks.md).
 LANES_MAX_D = 11
-LANES_MAX_D_JACOBIAN = 6
+LANES_MAX_D_JACOBIAN = 9
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,7 +56,27 @@ def _thread_count(threads):
     return cores if threads is None else min(ir._int("threads", threads, 1), cores)
 
 
-_BLAS = dict(lock=threading.Lock(), users=0, saved=None, controller=None)
+_BLAS = dict(lock=threading.Lock(), users=0, saved=None, libraries=None)
+
+
+def _blas_libraries():
+    """(get, set) of the thread count of every OpenBLAS in this process (numpy's and scipy's may be
+    two), as their C functions, and a limiter of threadpoolctl's for any other BLAS. OpenBLAS is
+    called directly: from threadpoolctl 3.8 on, only one Python thread at a time may change its
+    limit through threadpoolctl, and an evaluation may start in any thread."""
+    controller, openblas = ThreadpoolController(), []
+    for info in controller.info():
+        if info["internal_api"] != "openblas":
+            continue
+        library = ctypes.CDLL(info["filepath"])
+        for prefix, suffix in itertools.product(("", "scipy_"), ("", "64_", "_64")):
+            get = getattr(library, f"{prefix}openblas_get_num_threads{suffix}", None)
+            put = getattr(library, f"{prefix}openblas_set_num_threads{suffix}", None)
+            if get is not None and put is not None:
+                openblas.append((get, put))
+                break
+    others = [c for c in controller.select(user_api="blas").lib_controllers if c.internal_api != "openblas"]
+    return openblas, others
 
 
 @contextlib.contextmanager
@@ -65,9 +86,14 @@ def _one_blas_thread():
     several Python threads never restore a limit that another set (the setting is process-wide)."""
     with _BLAS["lock"]:
         if _BLAS["users"] == 0:
-            if _BLAS["controller"] is None:
-                _BLAS["controller"] = ThreadpoolController()
-            _BLAS["saved"] = _BLAS["controller"].limit(limits=1, user_api="blas")
+            if _BLAS["libraries"] is None:
+                _BLAS["libraries"] = _blas_libraries()
+            openblas, others = _BLAS["libraries"]
+            _BLAS["saved"] = ([get() for get, _ in openblas], [c.get_num_threads() for c in others])
+            for _, put in openblas:
+                put(1)
+            for c in others:
+                c.set_num_threads(1)
         _BLAS["users"] += 1
     try:
         yield
@@ -75,7 +101,11 @@ def _one_blas_thread():
         with _BLAS["lock"]:
             _BLAS["users"] -= 1
             if _BLAS["users"] == 0:
-                _BLAS["saved"].restore_original_limits()
+                openblas, others = _BLAS["libraries"]
+                for (_, put), count in zip(openblas, _BLAS["saved"][0]):
+                    put(count)
+                for c, count in zip(others, _BLAS["saved"][1]):
+                    c.set_num_threads(count)
                 _BLAS["saved"] = None
 
 
@@ -389,14 +419,22 @@ def _lanes_jacobian(P, Q, read, y, n, structure, threads):
 # What the trainers evaluate with (icl_ref's engine protocol), unchecked
 # ---------------------------------------------------------------------------------------------
 
+def _batch_first_bounds(B, D):
+    """(start, stop) of the chunks of 2^15 / D^2 prompts in which the workers run the reference's
+    batch-first layers: larger than icl_ref's own (2^18 / D^3, kept small so that OpenBLAS never
+    starts threads), as BLAS is held at one thread here and fewer chunks cost less Python."""
+    size = max(1, 2 ** 15 // D ** 2)
+    return [(c, min(c + size, B)) for c in range(0, B, size)]
+
+
 def _loss_and_grad_gram(P, Q, S0, q0, y, n, threads=None):
     """icl_ref._loss_and_grad_gram on the workers: lanes for D <= LANES_MAX_D, else the
-    reference's chunks."""
+    reference's batch-first layers in chunks of _batch_first_bounds."""
     B, D = y.shape[0], P.shape[-1]
     if D <= LANES_MAX_D:
         return _lanes_loss_and_grad(P, Q, _gram_reader(S0, q0), y, n, threads)
     parts = _map_chunks(lambda a, b: ir._loss_and_grad_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B),
-                        ir._chunks(B, D), threads)
+                        _batch_first_bounds(B, D), threads)
     return _sum_parts(parts, 3)
 
 
@@ -406,7 +444,7 @@ def _residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure, threads=None):
         return _lanes_jacobian(P, Q, _gram_reader(S0, q0), y, n, structure, threads)
     parts = _map_chunks(lambda a, b: ir._residuals_and_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n,
                                                                       structure),
-                        ir._chunks(y.shape[0], P.shape[-1]), threads)
+                        _batch_first_bounds(y.shape[0], P.shape[-1]), threads)
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 

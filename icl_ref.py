@@ -238,7 +238,8 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 # Every column moves by the same T_l, so S_{l+1} = T_l S_l T_l^T and q_{l+1} = T_l q_l for the
 # query column q. The forward pass needs a prompt only through (S_0, q_0): O(B L H D^3), not n.
 # Every product below is a stack of the prompts' own D x D products (np.matmul over the first
-# axis), so no call is one large GEMM: BLAS never starts its threads (MATH.md §3).
+# axis) or, where one factor is shared by every prompt, one GEMM of the stacked rows; a chunk's
+# GEMMs stay at most 2^18 multiply-adds, so BLAS never starts its threads (MATH.md §3).
 # ---------------------------------------------------------------------------------------------
 
 def mask(n):
@@ -274,8 +275,26 @@ def forward_literal(P, Q, Z):
 def gram(Z):
     """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (MATH.md §2)."""
     Z = _prompts(Z)
-    context = np.ascontiguousarray(Z[:, :, :-1])               # Z M drops the query column
-    return context @ np.ascontiguousarray(context.transpose(0, 2, 1))
+    context = Z[:, :, :-1]                                     # Z M drops the query column
+    return context @ context.transpose(0, 2, 1)
+
+
+def _times(X, A):
+    """X_b A for every prompt b: the stack X (b, D, D) read as its b D rows, times the shared A (D, D).
+    One matrix product of b D^3 multiply-adds (MATH.md §3)."""
+    return (X.reshape(-1, X.shape[-1]) @ A).reshape(X.shape)
+
+
+def _transposed(X):
+    """X_b^T for every prompt b, a contiguous (b, D, D) stack."""
+    return np.ascontiguousarray(X.transpose(0, 2, 1))
+
+
+def _sum_over_prompts(X, Y):
+    """sum_b X_b^T Y_b for stacks X, Y (b, D, D): one matrix product of their stacked rows,
+    (b D, D)^T (b D, D) (MATH.md §3)."""
+    D = X.shape[-1]
+    return X.reshape(-1, D).T @ Y.reshape(-1, D)
 
 
 def layer_forward(P_l, Q_l, S, q, n, need_S=True):
@@ -287,14 +306,15 @@ def layer_forward(P_l, Q_l, S, q, n, need_S=True):
     An unchecked building block (forward, predict and loss_and_grad check their inputs): it assumes
     float64 arrays, S symmetric and the same B in S and q. MATH.md §2.
     """
-    T = np.eye(S.shape[-1]) + (P_l[0] / n) @ S @ Q_l[0]
-    for P_h, Q_h in zip(P_l[1:], Q_l[1:]):
-        T += (P_h / n) @ S @ Q_h
-    Tt = np.ascontiguousarray(T.transpose(0, 2, 1))              # T^T, a copy: contiguous stacks
+    PS = [_transposed(_times(S, P_h.T)) for P_h in P_l]         # P_h S = (S P_h^T)^T since S^T = S
+    T = np.eye(S.shape[-1]) + _times(PS[0], Q_l[0] / n)
+    for PS_h, Q_h in zip(PS[1:], Q_l[1:]):
+        T += _times(PS_h, Q_h / n)
+    Tt = _transposed(T)
     TS = T @ S if need_S else None
     S_next = TS @ Tt if need_S else None
     q_next = np.einsum("bij,bj->bi", T, q)
-    return S_next, q_next, T, (P_l, Q_l, n, S, q, T, Tt, TS)
+    return S_next, q_next, T, (P_l, Q_l, n, S, q, T, Tt, TS, PS)
 
 
 def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
@@ -305,7 +325,7 @@ def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
     dP_l, dQ_l (H, D, D) summed over the batch; with per_prompt, each prompt's own (B, H, D, D)
     (the rows of the Jacobian, MATH.md §3.1). MATH.md §3.
     """
-    P_l, Q_l, n, S, q, T, Tt, TS = cache
+    P_l, Q_l, n, S, q, T, Tt, TS, PS = cache
     # q' = T q                      (product rule: T and q)
     dT = np.einsum("bi,bj->bij", dq_next, q)
     dq = np.einsum("bij,bj->bi", Tt, dq_next)
@@ -313,18 +333,22 @@ def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
     if dS_next is not None:
         dT += (dS_next + dS_next.transpose(0, 2, 1)) @ TS
     # T = I + (1/n) sum_h P_h S Q_h (product rule in P_h, S and Q_h; S^T = S):
-    #   dP_h = (1/n) dT Q_h^T S,   dQ_h = (1/n) S P_h^T dT,   dS = (1/n) sum_h P_h^T dT Q_h^T
+    #   dP_h = (1/n) dT Q_h^T S,   dQ_h = (1/n) S P_h^T dT = (1/n) (P_h S)^T dT,
+    #   dS = (1/n) sum_h P_h^T dT Q_h^T;   W = ((1/n) dT Q_h^T)^T serves dP_h and dS
     dP, dQ = [], []
     dS = Tt @ dS_next @ T if need_dS and dS_next is not None else 0.0   # S' = T S T^T, the middle S
-    for P_h, Q_h in zip(P_l, Q_l):
-        Pt, Qt = np.ascontiguousarray(P_h.T), np.ascontiguousarray(Q_h.T)   # contiguous: BLAS
-        dT_Qt = dT @ (Qt / n)                                  # (1/n) dT Q_h^T
-        Pt_dT = (Pt / n) @ dT                                  # (1/n) P_h^T dT
-        dP.append(dT_Qt @ S)
-        dQ.append(S @ Pt_dT)
+    for P_h, Q_h, PS_h in zip(P_l, Q_l, PS):
+        dT_Qt = _times(dT, Q_h.T / n)                          # (1/n) dT Q_h^T
+        W = _transposed(dT_Qt)
+        if per_prompt:
+            dP.append(dT_Qt @ S)
+            dQ.append(PS_h.transpose(0, 2, 1) @ dT / n)
+        else:
+            dP.append(_sum_over_prompts(S, W).T)              # (sum_b S_b W_b)^T = sum_b W_b^T S_b
+            dQ.append(_sum_over_prompts(PS_h, dT) / n)
         if need_dS:
-            dS += Pt_dT @ Qt
-    dP, dQ = (np.stack(g, axis=1) if per_prompt else np.array([x.sum(axis=0) for x in g]) for g in (dP, dQ))
+            dS += _transposed(_times(W, P_h))                 # (W P_h)^T = P_h^T W^T
+    dP, dQ = (np.stack(g, axis=1 if per_prompt else 0) for g in (dP, dQ))
     return (dS if need_dS else None), dq, dP, dQ
 
 
@@ -395,9 +419,10 @@ def in_context_loss(P, Q, Z, y):
 
 
 def _chunks(B, D):
-    """(start, stop) of the batch in chunks of 2^15 / D^2 prompts: a chunk's (b, D, D) stacks stay
-    about 256 KB, in cache. The chunks only reorder the sums over prompts (MATH.md §3)."""
-    size = max(1, 2 ** 15 // D ** 2)
+    """(start, stop) of the batch in chunks of 2^18 / D^3 prompts: a chunk's GEMMs (b D^3
+    multiply-adds) stay within the size that OpenBLAS runs on the calling thread, and its (b, D, D)
+    stacks in cache. The chunks only reorder the sums over prompts (MATH.md §3)."""
+    size = max(1, 2 ** 18 // D ** 3)
     return [(c, min(c + size, B)) for c in range(0, B, size)]
 
 

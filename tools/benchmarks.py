@@ -12,7 +12,7 @@ Tables:
 1. loss_and_grad at the paper's size, d = 1 .. 20: icl_ref, icl_fast (every core and one thread),
    and the peers, with the largest relative gradient difference from icl_ref.
 2. icl_fast's formulation choice: lanes against the reference's chunks on the workers, for the loss
-   and the Jacobian, d = 5 .. 14 (where LANES_MAX_D and LANES_MAX_D_JACOBIAN come from).
+   and the Jacobian, d = 1 .. 16 (where LANES_MAX_D and LANES_MAX_D_JACOBIAN come from).
 3. Training at the paper's size with both modules.
 4. The reference in a plain process against the same run with OPENBLAS_NUM_THREADS=1 (alternating
    runs in fresh processes): the reference starts no BLAS threads, so the two should match.
@@ -134,18 +134,18 @@ def table_formulations(repeats):
     timed in turn within each repeat (the machine's drift falls on all of them alike)."""
     head = ["d", "loss: lanes s", "loss: batch-first s", "Jacobian: lanes s", "Jacobian: batch-first s"]
     rows = []
-    for d in range(1, 13):
+    for d in range(1, 17):
         P, Q, Z, y = problem(d)
         n, k = N, 5000                                # the Jacobian on 5000 prompts (B p floats)
         S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
         read, read_k = fast._gram_reader(S0, q0), fast._gram_reader(S0[:k], q0[:k])
         runs = [lambda: fast._lanes_loss_and_grad(P, Q, read, y, n, None),
                 lambda: fast._map_chunks(lambda a, b: ir._loss_and_grad_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B),
-                                         ir._chunks(B, d + 1), None),
+                                         fast._batch_first_bounds(B, d + 1), None),
                 lambda: fast._lanes_jacobian(P, Q, read_k, y[:k], n, "full", None),
                 lambda: fast._map_chunks(lambda a, b: ir._residuals_and_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b],
                                                                                        n, "full"),
-                                         ir._chunks(k, d + 1), None)]
+                                         fast._batch_first_bounds(k, d + 1), None)]
         times = [[] for _ in runs]
         for run in runs:
             run()
