@@ -234,3 +234,24 @@ def test_blocks_basins_come_from_the_current_code_and_readme_quotes_them():
         line = next(line for line in finding.splitlines() if line.strip().startswith(f"| {name} |"))
         cells = [c.strip() for c in line.strip().strip("|").split("|")][1:]
         assert cells == [str(table[name].get(k, 0)) for k in keys], (name, cells)
+
+
+def test_benchmarks_come_from_the_current_code_and_readme_quotes_them():
+    # tools/benchmarks.py records the SHA-256 of the code it measured; README's speed figures must be
+    # those of the recorded d = 5 row (a figure of other code would claim what no run showed)
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import benchmarks
+    import experiments
+    text = read(os.path.join("docs", "benchmarks.md"))
+    assert f"SHA-256 of icl_ref.py and icl_fast.py: {experiments.sources_digest(benchmarks.SOURCES)}" in text, \
+        "icl_ref.py or icl_fast.py changed since docs/benchmarks.md was measured: run python3 tools/benchmarks.py"
+    table = text.split("## loss_and_grad", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+    row = dict(zip(rows[0], next(r for r in rows[1:] if r[0] == "5")))
+    readme = read("README.md")
+    assert (f"takes {row['icl_ref / torch']} of a PyTorch implementation's time and {row['icl_ref / jax']} of "
+            f"JAX's with icl_ref, {row['icl_fast / torch']} and {row['icl_fast / jax']} with icl_fast") \
+        in " ".join(readme.split())
+    assert f"about {float(row['icl_ref s']) / float(row['icl_fast s']):.0f}x faster" in readme

@@ -32,8 +32,11 @@ import scipy
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import icl_fast as fast  # noqa: E402  (after the path)
+import experiments  # noqa: E402  (after the path)
+import icl_fast as fast  # noqa: E402
 import icl_ref as ir  # noqa: E402
+
+SOURCES = ("icl_ref.py", "icl_fast.py")   # the code measured: test_docs.py checks the recorded digest
 
 B, N, L = 20000, 20, 3
 
@@ -229,6 +232,7 @@ def machine():
     except (OSError, StopIteration):
         pass
     lines = [f"- date: {datetime.date.today().isoformat()}",
+             f"- code: SHA-256 of {' and '.join(SOURCES)}: {experiments.sources_digest(SOURCES)}",
              f"- machine: {cpu}, {len(fast._cores())} cores available to the process",
              f"- Python {platform.python_version()}, numpy {np.__version__}, scipy {scipy.__version__}"]
     try:

@@ -27,6 +27,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import experiments  # noqa: E402
 import icl_fast as fast  # noqa: E402
 import icl_ref as ir  # noqa: E402
 
@@ -39,12 +40,8 @@ OPTIMISERS = ("Gauss-Newton", "L-BFGS")
 
 
 def sources_digest():
-    """One SHA-256 over the code that computes the record, file by file in a fixed order."""
-    h = hashlib.sha256()
-    for name in SOURCES:
-        with open(os.path.join(ROOT, name), "rb") as f:
-            h.update(name.encode() + b"\0" + f.read() + b"\0")
-    return h.hexdigest()
+    """One SHA-256 over the code that computes the record (experiments.sources_digest of SOURCES)."""
+    return experiments.sources_digest(SOURCES)
 
 
 def basin_key(f):
