@@ -5,8 +5,8 @@
 Run it as a user runs the library: a plain `python3` process, no environment variables, an
 otherwise idle machine. It takes about 10 minutes on 2 cores. torch and jax are optional
 measurement tools (`pip install torch==2.13.0 jax jaxlib`): when importable, the first table also
-times a PyTorch and a JAX implementation of the same loss and gradient written here from the
-paper's layer (explicit attention, autodiff), for scale.
+times a PyTorch and a JAX implementation of the same loss and gradient written here in the layer's
+Gram form (MATH.md §2; autodiff), the fastest form a user of those libraries would write.
 
 Tables:
 1. loss_and_grad at the paper's size, d = 1 .. 20: icl_ref, icl_fast (every core and one thread),
@@ -62,7 +62,8 @@ def median_seconds(f, repeats):
 
 
 def torch_peer():
-    """loss_and_grad of the explicit layer Z + (1/n) P Z M Z^T Q Z by torch autograd, or None."""
+    """loss_and_grad by torch autograd, or None: the layer in its Gram form Z + (1/n) sum_h P_h S Q_h Z,
+    S = Z M Z^T (MATH.md §2), the fastest form to write in a tensor library (no (n+1) x (n+1) scores)."""
     try:
         import torch
     except ImportError:
@@ -75,7 +76,8 @@ def torch_peer():
         n = Z.shape[2] - 1
         for l in range(P.shape[0]):
             keys = Zt[:, :, :n]
-            Zt = Zt + sum(P_t[l, h] @ keys @ (keys.transpose(1, 2) @ Q_t[l, h] @ Zt) for h in range(P.shape[1])) / n
+            S = keys @ keys.transpose(1, 2)
+            Zt = Zt + sum(P_t[l, h] @ S @ Q_t[l, h] for h in range(P.shape[1])) @ Zt / n
         loss = torch.mean((Zt[:, -1, -1] + yt) ** 2)
         loss.backward()
         return loss.item(), P_t.grad.numpy(), Q_t.grad.numpy()
@@ -95,7 +97,8 @@ def jax_peer():
         n = Z.shape[2] - 1
         for l in range(P.shape[0]):
             keys = Z[:, :, :n]
-            Z = Z + sum(P[l, h] @ keys @ (jnp.swapaxes(keys, 1, 2) @ Q[l, h] @ Z) for h in range(P.shape[1])) / n
+            S = keys @ jnp.swapaxes(keys, 1, 2)
+            Z = Z + sum(P[l, h] @ S @ Q[l, h] for h in range(P.shape[1])) @ Z / n
         return jnp.mean((Z[:, -1, -1] + y) ** 2)
     value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
