@@ -327,3 +327,32 @@ def test_a_signal_stops_the_run_marks_it_interrupted_and_exits_128_plus_its_numb
     config = json.loads((out / "config.json").read_text())
     assert config["status"] == "interrupted" and config["completed"] == [] and signame in config["stopped_by"]
     assert not (out / "AFTER-RAN").exists()                          # nothing ran after the signal
+
+
+def test_train_full_hands_max_nfev_to_gauss_newton_only_when_lbfgs_did_not_converge(monkeypatch):
+    # multi-head's quick run bounds the Gauss-Newton stage by max_nfev: a slip that drops it (or
+    # hands it to L-BFGS) would leave the default 500 evaluations, or refine a converged run
+    seen = []
+    monkeypatch.setattr(ex, "train_lbfgs", lambda *a, **k: dict(stub_run(None, None, 1.0, k["maxiter"] * 1.0)))
+    monkeypatch.setattr(ex, "train_gauss_newton", lambda *a, **k: seen.append(k) or stub_run(None, None, 0.5, 0.0))
+    Z, y = ir.sample_prompts(np.random.default_rng(0), 8, 4, np.eye(2))
+    res = ex.train_full(Z, y, 1, np.random.default_rng(1), maxiter=7, max_nfev=13)
+    assert res["loss"] == 0.5 and [k["max_nfev"] for k in seen] == [13]
+    seen.clear()
+    monkeypatch.setattr(ex, "train_lbfgs", lambda *a, **k: stub_run(None, None, 1.0, 0.0))   # converged
+    assert ex.train_full(Z, y, 1, np.random.default_rng(1), maxiter=7, max_nfev=13)["loss"] == 1.0 and not seen
+
+
+def test_family_optimum_computes_each_setting_once_and_returns_the_library_s_answer(monkeypatch):
+    calls = []
+    real = ir.optimal_family_scalars
+    monkeypatch.setattr(ir, "optimal_family_scalars", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    ex.family_optimum.cache_clear()
+    try:
+        first = ex.family_optimum(2, 7, 3)
+        again = ex.family_optimum(2, 7, 3)
+        other = ex.family_optimum(2, 8, 3)
+        assert calls == [((2, 7, 3), {}), ((2, 8, 3), {})]
+        assert again is first and first[2] == real(2, 7, 3)[2] and other[2] != first[2]
+    finally:
+        ex.family_optimum.cache_clear()          # later tests see the real function's results only

@@ -300,6 +300,11 @@ MUTANTS = [
      '    linear = linears[0]', "the softmax heads compared with the linear layer's first start, not its best"),
     ('experiments-unconstrained-first-start', 'experiments.py', '    res = reached[0] if reached else min(runs, key=lambda r: r["grad_norm"])',
      '    res = runs[0]', "the blocks that appear read from the first start, not the best"),
+    ('experiments-train-full-max-nfev-dropped', 'experiments.py',
+     'init={"P": res["P"], "Q": res["Q"]}, max_nfev=max_nfev)', 'init={"P": res["P"], "Q": res["Q"]})',
+     "train_full's Gauss-Newton stage ignores max_nfev (the default 500 evaluations)"),
+    ('experiments-family-optimum-uncached', 'experiments.py', '@functools.lru_cache(maxsize=16)',
+     '@functools.lru_cache(maxsize=0)', 'the family optimum searched again at every call'),
     # §3.2 the engine: lanes, workers, BLAS (icl_fast.py)
     ('kernel-no-transpose', 'icl_fast.py', 'return sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n',
      'return sum(np.kron(P_h, Q_h) for P_h, Q_h in zip(P_l, Q_l)) / n', 'column-major vec identity'),
