@@ -13,6 +13,7 @@ when matplotlib is importable, PNG figures. Setups: [A] §4.3, §5.1 and App. D;
 import os
 
 import argparse
+import ast
 import csv
 import functools
 import hashlib
@@ -1265,14 +1266,31 @@ RECORD = "config.json"              # the run's record: options, versions, statu
 SOURCES = ("icl_ref.py", "icl_fast.py", "experiments.py")   # the code whose results a run records
 
 
+def code_text(source):
+    """What Python runs of a module's `source` text, as one canonical string: its syntax tree with
+    every bare string statement (docstrings) dropped, node by node with its non-empty fields, so
+    comments, docstrings and layout do not count, and the same text on every supported Python."""
+    def canon(node):
+        if isinstance(node, list):
+            return "[" + ",".join(canon(x) for x in node if not (
+                isinstance(x, ast.Expr) and isinstance(x.value, ast.Constant) and isinstance(x.value.value, str)
+            )) + "]"
+        if not isinstance(node, ast.AST):
+            return repr(node)
+        fields = ",".join(f"{k}={canon(v)}" for k, v in ast.iter_fields(node) if v is not None and v != [])
+        return f"{type(node).__name__}({fields})"
+    return canon(ast.parse(source))
+
+
 def sources_digest(names=SOURCES):
-    """One SHA-256 over the files `names` (paths from this directory), file by file in the given
-    order: by default the code that computes and draws the results (tools/docs_figures.py compares it
-    with the figures' record; the other tools pass the files their records depend on)."""
+    """One SHA-256 over the code of the files `names` (paths from this directory; code_text of
+    each, file by file in the given order): by default the code that computes and draws the
+    results (tools/docs_figures.py compares it with the figures' record; the other tools pass the
+    files their records depend on). An edit of a comment or a docstring leaves it as it was."""
     h = hashlib.sha256()
     for name in names:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), "rb") as f:
-            h.update(name.encode() + b"\0" + f.read() + b"\0")
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), encoding="utf-8") as f:
+            h.update(name.encode() + b"\0" + code_text(f.read()).encode() + b"\0")
     return h.hexdigest()
 
 

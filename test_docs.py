@@ -161,6 +161,19 @@ def test_readme_api_examples_run_as_written():
     assert namespace["found"] == {"small-full": {"Z_L": "agrees", "loss": "agrees"}}
 
 
+def test_the_code_digest_ignores_comments_docstrings_and_layout_only():
+    # the records in docs/ pin the code by experiments.sources_digest: an edit of a comment, a
+    # docstring or the line breaks leaves what runs as it was, any other edit must count
+    import experiments
+    base = 'def f(x, n):\n    """Doc."""\n    return x / n   # why\n\n\nLAYOUT = {"a": 1}\n"""Its doc."""\n'
+    same = ('def f(x, n):\n    """Other words,\n    two lines."""\n    # a comment\n    return (x\n'
+            '            / n)\nLAYOUT = {"a": 1}\n')
+    assert experiments.code_text(base) == experiments.code_text(same)
+    for slip in (base.replace("/ n", "/ (n + 1)"), base.replace('"a"', '"b"'), base.replace("x, n", "n, x"),
+                 base.replace("return x / n", "return x / n\n    print('x')")):
+        assert experiments.code_text(slip) != experiments.code_text(base), slip
+
+
 def test_docs_figures_come_from_the_current_code():
     # tools/docs_figures.py records the SHA-256 of the code that computed and drew docs/*.png and the
     # quoted tables; when that code changes they must be made again, or a figure could contradict
