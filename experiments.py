@@ -695,6 +695,19 @@ def basin_label(loss, best):
     return "optimum" if loss <= best * (1 + 1e-6) else f"{loss:.4f}"
 
 
+def balanced(P, Q):
+    """The point of a single layer's rescaling orbits (c P_h, Q_h / c) with |c p_h| = |G_h / c| in every
+    head, p_h = P_h[d, :] and G_h = Q_h[:, :d] being what acts (MATH.md §8). The loss, its gradient's
+    vanishing and the sign of its Hessian are the same all along an orbit, the Hessian's eigenvalues
+    are not (they scale with c^2 and 1/c^2), so a certificate reports them at this point, the same
+    wherever on the orbit a run stopped. P, Q: (1, H, D, D); returns rescaled copies."""
+    P, Q = P.copy(), Q.copy()
+    for h in range(P.shape[1]):
+        c = math.sqrt(np.linalg.norm(Q[0, h, :, :-1]) / np.linalg.norm(P[0, h, -1]))
+        P[0, h], Q[0, h] = c * P[0, h], Q[0, h] / c
+    return P, Q
+
+
 def population_minimum(P, Q, Sigma, n):
     """The local minimum of the exact population loss of one full layer (icl_ref.full_layer_population_loss,
     MATH.md §8) whose basin holds the trained (P, Q), certified. Only the value row p = P[d, :] and
@@ -702,7 +715,8 @@ def population_minimum(P, Q, Sigma, n):
     three-point differences of the exact loss (a cheap polynomial; ftol 1e-15, gtol 1e-12, as the
     family optimiser) and three Newton steps; then the gradient by central differences (h = 1e-6) and
     the Hessian by second differences (h = 1e-4) of the exact loss, restricted to the complement of
-    the one exact symmetry direction (p, -G) of the rescaling (c p, G / c).
+    the one exact symmetry direction (p, -G) of the rescaling (c p, G / c), at the balanced point of
+    that orbit (|p| = |G|, `balanced`; the Newton steps, orthogonal to (p, -G), keep |p|^2 - |G|^2).
     Returns (loss, max |gradient|, Hessian eigenvalues, theta)."""
     D = P.shape[-1]
 
@@ -713,6 +727,8 @@ def population_minimum(P, Q, Sigma, n):
     f = lambda theta: ir.full_layer_population_loss(*unpack(theta), Sigma, n)
     theta = scipy.optimize.minimize(f, np.r_[P[0, 0, -1], Q[0, 0, :, :-1].ravel()], jac="3-point",
                                     method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12, maxiter=5000)).x
+    c = math.sqrt(np.linalg.norm(theta[D:]) / np.linalg.norm(theta[:D]))
+    theta = np.r_[c * theta[:D], theta[D:] / c]                       # the balanced point of its orbit
     E, h = np.eye(theta.size), 1e-4
 
     def derivatives(theta):
@@ -772,7 +788,7 @@ def single_layer_landscape(ctx):
             certified = (Sigma, Z, y, min(spurious, key=lambda r: r["loss"]), min(done, key=lambda r: r["loss"]))
     if certified:
         Sigma, Z, y, high, low = certified
-        curv = fast.identifiable_hessian("full", high["coords"], Z, y, **THREADS)
+        curv = fast.identifiable_hessian("full", dict(zip("PQ", balanced(high["P"], high["Q"]))), Z, y, **THREADS)
         # perturbation test: L-BFGS from the point moved by 1e-2 in a random direction returns to it
         back = [train_lbfgs(Z, y, 1, "full", init={k: v + 1e-2 * rng.standard_normal(v.shape)
                                                    for k, v in high["coords"].items()}, maxiter=3000)["loss"]
@@ -782,7 +798,7 @@ def single_layer_landscape(ctx):
                         f"loss {high['loss']:.5f} vs optimum {low['loss']:.5f} ({high['loss'] / low['loss']:.2f}x); "
                         f"|gradient| {np.linalg.norm(curv['gradient']):.1e}; Hessian eigenvalues "
                         f"{curv['eigenvalues'][0]:.2e} .. {curv['eigenvalues'][-1]:.2e} ({curv['symmetries']} symmetry "
-                        f"directions removed); L-BFGS from 3 perturbations (1e-2) returns to {fmt(back, 5)}",
+                        f"directions removed; at the balanced point of the rescaling); L-BFGS from 3 perturbations (1e-2) returns to {fmt(back, 5)}",
                         INFO, hessian_min=curv["eigenvalues"][0], loss=high["loss"]))
         # not an artefact of the batch: on an independent batch ten times larger, L-BFGS from both points
         # stays near them, the spurious one is again a strict minimum, and the gap between their losses
@@ -790,7 +806,8 @@ def single_layer_landscape(ctx):
         n_base = base["n"]
         Z2, y2 = ir.sample_prompts(rng, 10 * B, n_base, Sigma)
         again = {k: train_lbfgs(Z2, y2, 1, "full", init=r["coords"], maxiter=3000) for k, r in (("high", high), ("low", low))}
-        curv2 = fast.identifiable_hessian("full", again["high"]["coords"], Z2, y2, **THREADS)
+        curv2 = fast.identifiable_hessian("full", dict(zip("PQ", balanced(again["high"]["P"], again["high"]["Q"]))),
+                                          Z2, y2, **THREADS)
         Zt, yt = ir.sample_prompts(rng, 20 * B, n_base, Sigma)
         errs = {k: (ir.predict(r["P"], r["Q"], Zt) - yt) ** 2 for k, r in again.items()}
         (f_high, se_high), (f_low, se_low) = mean_se(errs["high"]), mean_se(errs["low"])
@@ -816,7 +833,7 @@ def single_layer_landscape(ctx):
         rows.append(row("base: the exact population loss (MATH.md §8) has a spurious strict local minimum where the "
                         "batch one is", f"Theorem 1's optimum L* = {L_star:.6f}",
                         f"from the spurious point: {f_hi:.6f} ({f_hi / L_star:.2f} L*), max |gradient| {g_hi:.1e}, "
-                        f"Hessian eigenvalues {eig_hi[0]:.2e} .. {eig_hi[-1]:.2e} (the rescaling removed); from the "
+                        f"Hessian eigenvalues {eig_hi[0]:.2e} .. {eig_hi[-1]:.2e} (the rescaling removed, at its balanced point); from the "
                         f"optimum: {f_lo:.6f} (|gradient| {g_lo:.1e})", verdict(ok),
                         population_spurious=f_hi, population_optimum=f_lo, population_hessian_min=eig_hi[0]))
         rows.append(row("base: what the spurious minimum computes (the value row p = P[d, :], its x-part and label part)",

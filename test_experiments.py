@@ -150,6 +150,25 @@ def test_population_minimum_from_near_theorem1_is_its_optimum_and_strict_modulo_
     assert abs(full[0]) < 1e-5 and np.allclose(full[1:], eig, rtol=1e-5, atol=1e-5)
 
 
+def test_certificates_are_taken_at_the_balanced_point_of_the_rescaling():
+    # the Hessian's eigenvalues change along the rescaling orbit (c P, Q / c) while the loss does
+    # not: from two points of one orbit the population certificate must report the same spectrum
+    # (second differences err by ~1e-6, the descent's end by less), and `balanced` moves a point
+    # along its orbit only (predictions unchanged to rounding) to |c p_h| = |G_h / c|
+    rng = np.random.default_rng(6)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.3])
+    P, Q = ir.sparse_params(ir.gamma_star(Sigma, 6)[None])
+    P, Q = P + 0.05 * rng.standard_normal(P.shape), Q + 0.05 * rng.standard_normal(Q.shape)
+    spectra = [ex.population_minimum(c * P, Q / c, Sigma, 6)[2] for c in (0.5, 2.0)]
+    assert_allclose(spectra[0], spectra[1], rtol=1e-4, atol=1e-5)
+    P2, Q2 = 0.1 * rng.standard_normal((2, 1, 2, 3, 3))
+    Pb, Qb = ex.balanced(P2, Q2)
+    Z, _ = ir.sample_prompts(rng, 50, 6, Sigma)
+    assert_allclose(ir.predict(Pb, Qb, Z), ir.predict(P2, Q2, Z), rtol=1e-12, atol=1e-15)
+    for h in range(2):
+        assert np.linalg.norm(Pb[0, h, -1]) == pytest.approx(np.linalg.norm(Qb[0, h, :, :-1]), rel=1e-12)
+
+
 def test_gd_predict_one_step_is_the_closed_form():
     rng = np.random.default_rng(0)
     Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.5, 2.0])

@@ -48,7 +48,7 @@ def blas_threads():
 @pytest.mark.parametrize("H", [1, 2])
 @pytest.mark.parametrize("d", [1, 2, 5, 9, 12, 20])
 def test_engine_equals_the_reference(d, H):
-    # lanes below the thresholds (d <= 10 for the loss, d <= 8 for the Jacobian), the reference's
+    # lanes below the thresholds (d <= 16 for the loss, d <= 6 for the Jacobian), the reference's
     # chunks on the workers above; B = 700 makes several chunks in either (lanes 4, reference >= 4)
     P, Q, Z, y = problem(100 + d + H, 700, d, H=H)
     n = Z.shape[2] - 1
@@ -367,9 +367,9 @@ def test_lanes_pair_against_the_reference_layers(L, H):
 
 
 def test_lanes_thresholds():
-    # lanes for the loss up to D = 11 and for the Jacobian up to D = 9 (MATH.md §3.2, rule i)
-    assert (fast.LANES_MAX_D, fast.LANES_MAX_D_JACOBIAN) == (11, 9)
-    for d, loss_lanes, jacobian_lanes in ((8, True, True), (9, True, False), (10, True, False), (11, False, False)):
+    # lanes for the loss up to D = 17 and for the Jacobian up to D = 7 (MATH.md §3.2, rule i)
+    assert (fast.LANES_MAX_D, fast.LANES_MAX_D_JACOBIAN) == (17, 7)
+    for d, loss_lanes, jacobian_lanes in ((6, True, True), (7, True, False), (16, True, False), (17, False, False)):
         P, Q, Z, y = problem(128 + d, 5, d, scale=0.1)
         n = Z.shape[2] - 1
         args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
@@ -397,7 +397,7 @@ def test_engine_refuses_a_non_finite_Z_in_any_chunk():
     # each worker checks its own chunk of Z before reading it: a NaN or Inf in the last prompt of
     # the last of four chunks, on one worker and on two, is the ValueError naming Z
     rng = np.random.default_rng(131)
-    for d, B in ((5, 4000), (16, 40)):
+    for d, B in ((5, 4000), (17, 40)):
         P, Q = 0.1 * rng.standard_normal((2, 2, 1, d + 1, d + 1))
         Z, y = rng.standard_normal((B, d + 1, 4)), rng.standard_normal(B)
         fast.loss_and_grad(P, Q, Z, y)

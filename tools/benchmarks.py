@@ -12,7 +12,7 @@ Tables:
 1. loss_and_grad at the paper's size, d = 1 .. 20: icl_ref, icl_fast (every core and one thread),
    and the peers, with the largest relative gradient difference from icl_ref.
 2. icl_fast's formulation choice: lanes against the reference's chunks on the workers, for the loss
-   and the Jacobian, d = 1 .. 16 (where LANES_MAX_D and LANES_MAX_D_JACOBIAN come from).
+   and the Jacobian, d = 1 .. 20 (where LANES_MAX_D and LANES_MAX_D_JACOBIAN come from).
 3. Training at the paper's size with both modules.
 4. The reference in a plain process against the same run with OPENBLAS_NUM_THREADS=1 (alternating
    runs in fresh processes): the reference starts no BLAS threads, so the two should match.
@@ -140,7 +140,7 @@ def table_formulations(repeats):
     timed in turn within each repeat (the machine's drift falls on all of them alike)."""
     head = ["d", "loss: lanes s", "loss: batch-first s", "Jacobian: lanes s", "Jacobian: batch-first s"]
     rows = []
-    for d in range(1, 17):
+    for d in range(1, 21):
         P, Q, Z, y = problem(d)
         n, k = N, 5000                                # the Jacobian on 5000 prompts (B p floats)
         S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
@@ -235,7 +235,8 @@ def machine():
     except (OSError, StopIteration):
         pass
     lines = [f"- date: {datetime.date.today().isoformat()}",
-             f"- code: SHA-256 of {' and '.join(SOURCES)}: {experiments.sources_digest(SOURCES)}",
+             f"- code: SHA-256 of the code of {' and '.join(SOURCES)} (experiments.sources_digest): "
+             f"{experiments.sources_digest(SOURCES)}",
              f"- machine: {cpu}, {len(fast._cores())} cores available to the process",
              f"- Python {platform.python_version()}, numpy {np.__version__}, scipy {scipy.__version__}"]
     try:

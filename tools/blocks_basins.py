@@ -10,7 +10,7 @@ when it converged (|grad| <= 1e-6, experiments.py's test); its fitted scalars a_
 Sigma^-1), b_l = fitted_scalar(B_l, I) start one descent of the exact family loss
 (family_local_minimum), whose end names the population minimum the run's basin belongs to (MATH.md
 §10 lists the certified ones). Writes docs/blocks_basins.json (every run, the counts, the SHA-256 of
-icl_ref.py, icl_fast.py and this file) and docs/blocks_basins.png. Ctrl-C or SIGTERM stops after
+the code of icl_ref.py, icl_fast.py and this file: experiments.sources_digest) and docs/blocks_basins.png. Ctrl-C or SIGTERM stops after
 the current run and writes nothing.
 """
 import argparse
