@@ -788,7 +788,8 @@ def single_layer_landscape(ctx):
             certified = (Sigma, Z, y, min(spurious, key=lambda r: r["loss"]), min(done, key=lambda r: r["loss"]))
     if certified:
         Sigma, Z, y, high, low = certified
-        curv = fast.identifiable_hessian("full", dict(zip("PQ", balanced(high["P"], high["Q"]))), Z, y, **THREADS)
+        curv = fast.identifiable_hessian("full", dict(zip("PQ", balanced(high["P"], high["Q"]))), Z, y,
+                                         **THREADS)
         # perturbation test: L-BFGS from the point moved by 1e-2 in a random direction returns to it
         back = [train_lbfgs(Z, y, 1, "full", init={k: v + 1e-2 * rng.standard_normal(v.shape)
                                                    for k, v in high["coords"].items()}, maxiter=3000)["loss"]
@@ -798,7 +799,8 @@ def single_layer_landscape(ctx):
                         f"loss {high['loss']:.5f} vs optimum {low['loss']:.5f} ({high['loss'] / low['loss']:.2f}x); "
                         f"|gradient| {np.linalg.norm(curv['gradient']):.1e}; Hessian eigenvalues "
                         f"{curv['eigenvalues'][0]:.2e} .. {curv['eigenvalues'][-1]:.2e} ({curv['symmetries']} symmetry "
-                        f"directions removed; at the balanced point of the rescaling); L-BFGS from 3 perturbations (1e-2) returns to {fmt(back, 5)}",
+                        f"directions removed; at the balanced point of the rescaling); L-BFGS from 3 perturbations "
+                        f"(1e-2) returns to {fmt(back, 5)}",
                         INFO, hessian_min=curv["eigenvalues"][0], loss=high["loss"]))
         # not an artefact of the batch: on an independent batch ten times larger, L-BFGS from both points
         # stays near them, the spurious one is again a strict minimum, and the gap between their losses
@@ -833,7 +835,8 @@ def single_layer_landscape(ctx):
         rows.append(row("base: the exact population loss (MATH.md §8) has a spurious strict local minimum where the "
                         "batch one is", f"Theorem 1's optimum L* = {L_star:.6f}",
                         f"from the spurious point: {f_hi:.6f} ({f_hi / L_star:.2f} L*), max |gradient| {g_hi:.1e}, "
-                        f"Hessian eigenvalues {eig_hi[0]:.2e} .. {eig_hi[-1]:.2e} (the rescaling removed, at its balanced point); from the "
+                        f"Hessian eigenvalues {eig_hi[0]:.2e} .. {eig_hi[-1]:.2e} (the rescaling removed, at its "
+                        f"balanced point); from the "
                         f"optimum: {f_lo:.6f} (|gradient| {g_lo:.1e})", verdict(ok),
                         population_spurious=f_hi, population_optimum=f_lo, population_hessian_min=eig_hi[0]))
         rows.append(row("base: what the spurious minimum computes (the value row p = P[d, :], its x-part and label part)",
