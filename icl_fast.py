@@ -41,6 +41,14 @@ import icl_ref as ir
 LANES_MAX_D = 17
 LANES_MAX_D_JACOBIAN = 7
 
+# The smallest evaluation, in multiply-adds B L H D^3 of the layers' products, that the workers
+# share, for the loss and apart from it the Jacobian; a smaller one runs its chunks on the calling
+# thread, as handing chunks to the workers and collecting them costs about a millisecond, more than
+# they save there (the same chunks either way; docs/benchmarks.md records both sides, test_docs.py
+# checks that the choice is not clearly the slower).
+PARALLEL_MIN_WORK = 2 ** 21
+PARALLEL_MIN_WORK_JACOBIAN = 2 ** 19
+
 
 # ---------------------------------------------------------------------------------------------
 # Workers: chunks of prompts on the machine's cores, BLAS at one thread meanwhile
@@ -56,6 +64,14 @@ def _thread_count(threads):
     default (None), every core this process may use."""
     cores = len(_cores())
     return cores if threads is None else min(ir._int("threads", threads, 1), cores)
+
+
+def _workers(threads, P, B, min_work):
+    """The thread count for an evaluation of B prompts with parameters P (L, H, D, D): one when its
+    B L H D^3 multiply-adds are below min_work, else `threads` (MATH.md §3.2)."""
+    count = _thread_count(threads)
+    L, H, D = P.shape[0], P.shape[1], P.shape[-1]
+    return 1 if B * L * H * D ** 3 < min_work else count
 
 
 _BLAS = dict(lock=threading.Lock(), users=0, saved=None, libraries=None)
@@ -430,9 +446,11 @@ def _batch_first_bounds(B, D):
 
 
 def _loss_and_grad_gram(P, Q, S0, q0, y, n, threads=None):
-    """icl_ref._loss_and_grad_gram on the workers: lanes for D <= LANES_MAX_D, else the
-    reference's batch-first layers in chunks of _batch_first_bounds."""
+    """icl_ref._loss_and_grad_gram on the workers (on the calling thread below PARALLEL_MIN_WORK):
+    lanes for D <= LANES_MAX_D, else the reference's batch-first layers in chunks of
+    _batch_first_bounds."""
     B, D = y.shape[0], P.shape[-1]
+    threads = _workers(threads, P, B, PARALLEL_MIN_WORK)
     if D <= LANES_MAX_D:
         return _lanes_loss_and_grad(P, Q, _gram_reader(S0, q0), y, n, threads)
     parts = _map_chunks(lambda a, b: ir._loss_and_grad_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B),
@@ -441,7 +459,9 @@ def _loss_and_grad_gram(P, Q, S0, q0, y, n, threads=None):
 
 
 def _residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure, threads=None):
-    """icl_ref._residuals_and_jacobian_gram on the workers: lanes for D <= LANES_MAX_D_JACOBIAN."""
+    """icl_ref._residuals_and_jacobian_gram on the workers (on the calling thread below
+    PARALLEL_MIN_WORK_JACOBIAN): lanes for D <= LANES_MAX_D_JACOBIAN."""
+    threads = _workers(threads, P, y.shape[0], PARALLEL_MIN_WORK_JACOBIAN)
     if P.shape[-1] <= LANES_MAX_D_JACOBIAN:
         return _lanes_jacobian(P, Q, _gram_reader(S0, q0), y, n, structure, threads)
     parts = _map_chunks(lambda a, b: ir._residuals_and_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n,
@@ -510,7 +530,8 @@ def loss_and_grad(P, Q, Z, y, threads=None):
     n = Z.shape[2] - 1
     with np.errstate(over="ignore", invalid="ignore"):
         if lanes:
-            loss, dP, dQ = _lanes_loss_and_grad(P, Q, _prompt_reader(Z), y, n, threads)
+            loss, dP, dQ = _lanes_loss_and_grad(P, Q, _prompt_reader(Z), y, n,
+                                                _workers(threads, P, Z.shape[0], PARALLEL_MIN_WORK))
         else:
             loss, dP, dQ = _loss_and_grad_gram(P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n, threads)
     for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):

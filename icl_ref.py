@@ -1508,21 +1508,43 @@ def wishart_quadrature(n, d, K):
 
 
 def _family_loss_at_nodes(theta, L, blocks, nodes, weights, n, noise_var):
-    """family_population_loss by the Gauss rule (float64, all terms >= 0): for optimisation."""
-    a = theta[:L]
-    gam = a * np.r_[theta[L:], 0.0] if blocks else np.zeros(L)
+    """family_population_loss by the Gauss rule (float64, all terms >= 0) and its gradient in
+    theta = (a (L,), b (L-1,) with blocks) by reverse mode through the recursion of
+    family_polynomials, for optimisation (MATH.md §10). Returns (f, df/dtheta)."""
+    a, b = theta[:L], np.r_[theta[L:], 0.0] if blocks else np.zeros(L)
+    gam = a * b
     p, r, phi, s = np.ones_like(nodes), np.zeros_like(nodes), np.ones_like(nodes), nodes
+    tape = []
     for a_l, g_l in zip(a, gam):
+        tape.append((p, phi, s))
         r = r + a_l * p * phi ** 2
         p = p * (1 - a_l * s)
         phi, s = phi * (1 - g_l * s), s * (1 - g_l * s) ** 2
-    return float(weights @ p ** 2 + noise_var / n * (weights @ (nodes * r ** 2)))
+    f = float(weights @ p ** 2 + noise_var / n * (weights @ (nodes * r ** 2)))
+    # reverse mode: dp, dr, dphi, ds are the adjoints of p_l, r_l, phi_l, s_l at each node
+    dp, dr, dphi, ds = 2 * weights * p, 2 * noise_var / n * weights * nodes * r, 0.0, 0.0
+    da, dg = np.zeros(L), np.zeros(L)
+    for l in reversed(range(L)):
+        p, phi, s = tape[l]
+        u = 1 - gam[l] * s
+        # phi' = phi u, s' = s u^2 with u = 1 - g_l s   (product rule in phi, s and g_l)
+        dg[l] = -np.sum(dphi * phi * s) - 2 * np.sum(ds * s ** 2 * u)
+        ds, dphi = ds * u * (1 - 3 * gam[l] * s) - dphi * phi * gam[l], dphi * u
+        # p' = p (1 - a_l s)                            (product rule in p, a_l and s)
+        da[l] = -np.sum(dp * p * s)
+        ds = ds - dp * p * a[l]
+        # r' = r + a_l p phi^2                          (product rule in a_l, p and phi; dr passes)
+        da[l] += np.sum(dr * p * phi ** 2)
+        dphi = dphi + 2 * dr * a[l] * p * phi
+        dp = dp * (1 - a[l] * s) + dr * a[l] * phi ** 2
+    # gamma_l = a_l b_l                               (product rule in a_l and b_l)
+    return f, np.r_[da + dg * b, dg[:-1] * a[:-1]] if blocks else da
 
 
 def _family_descent(L, n, d, blocks, noise_var):
     """theta0 -> scipy's L-BFGS-B result on the family loss at the exact Gauss nodes (MATH.md §10),
-    theta = (a (L,), b (L-1,) with blocks). Refuses families whose exact loss needs moments beyond
-    MAX_MOMENT_ORDER."""
+    theta = (a (L,), b (L-1,) with blocks), with the gradient of _family_loss_at_nodes. Refuses
+    families whose exact loss needs moments beyond MAX_MOMENT_ORDER."""
     degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, MATH.md §10
     if 2 * degree > MAX_MOMENT_ORDER:
         raise ValueError(f"L must be <= {3 if blocks else MAX_MOMENT_ORDER // 2} for the "
@@ -1530,7 +1552,7 @@ def _family_descent(L, n, d, blocks, noise_var):
                          f"up to order 2 deg p = {2 * degree} > {MAX_MOMENT_ORDER}, got L = {L}")
     nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
     args = (L, blocks, nodes, weights, n, noise_var)
-    return lambda theta0: scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=args, jac="3-point",
+    return lambda theta0: scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=args, jac=True,
                                                   method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12))
 
 

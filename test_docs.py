@@ -269,6 +269,28 @@ def test_engine_thresholds_agree_with_the_recorded_timings():
             assert taken <= 1.25 * other, (what, r["d"], taken, other)
 
 
+def test_engine_workers_agree_with_the_recorded_timings():
+    # where icl_fast runs a small evaluation on the calling thread or hands it to the workers
+    # (MATH.md §3.2, rule v), the recorded table of both must not show the choice clearly the slower:
+    # at most 1.25x the other, as in the formulations' test above; the table must reach both sides of
+    # both thresholds
+    import icl_fast
+    table = read(os.path.join("docs", "benchmarks.md")).split("## icl_fast's workers for small evaluations", 1)[1]
+    table = table.split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+    head, rows = rows[0], [dict(zip(rows[0], r)) for r in rows[1:]]
+    assert head[4:] == ["B L H D^3", "loss: 1 thread s", "loss: every core s", "Jacobian: 1 thread s",
+                        "Jacobian: every core s"]
+    for what, threshold in (("loss", icl_fast.PARALLEL_MIN_WORK), ("Jacobian", icl_fast.PARALLEL_MIN_WORK_JACOBIAN)):
+        work = [int(r["B"]) * int(r["L"]) * int(r["H"]) * (int(r["d"]) + 1) ** 3 for r in rows]
+        assert min(work) < threshold <= max(work)
+        for r, w in zip(rows, work):
+            one, every = float(r[f"{what}: 1 thread s"]), float(r[f"{what}: every core s"])
+            taken, other = (every, one) if w >= threshold else (one, every)
+            assert taken <= 1.25 * other, (what, r, taken, other)
+
+
 def test_benchmarks_come_from_the_current_code_and_readme_quotes_them():
     # tools/benchmarks.py records the SHA-256 of the code it measured; README's speed figures must be
     # those of the recorded d = 5 row (a figure of other code would claim what no run showed)

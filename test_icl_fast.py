@@ -141,11 +141,12 @@ def test_trainers_are_icl_refs_trainers_with_the_engines_evaluations():
 # ---------------------------------------------------------------------------------------------
 
 def test_thread_count_does_not_change_results():
-    # chunks depend on B and D only and are summed in chunk order: bit-identical results
-    for d in (3, 16):                                        # lanes; the reference's chunks
-        P, Q, Z, y = problem(114 + d, 900, d, H=2)
-        runs = [fast.loss_and_grad(P, Q, Z, y, threads=k) for k in (1, 2, 3)]
-        jac = [fast.residuals_and_jacobian(P, Q, Z[:300], y[:300], threads=k) for k in (1, 2)]
+    # chunks depend on B and D only and are summed in chunk order: bit-identical results; the sizes
+    # reach PARALLEL_MIN_WORK and PARALLEL_MIN_WORK_JACOBIAN, so that the workers share the chunks
+    for d, B, k in ((3, 9000, 2100), (16, 900, 300)):         # lanes; the reference's chunks
+        P, Q, Z, y = problem(114 + d, B, d, H=2)
+        runs = [fast.loss_and_grad(P, Q, Z, y, threads=t) for t in (1, 2, 3)]
+        jac = [fast.residuals_and_jacobian(P, Q, Z[:k], y[:k], threads=t) for t in (1, 2)]
         for other in runs[1:]:
             assert other[0] == runs[0][0]
             assert np.array_equal(other[1], runs[0][1]) and np.array_equal(other[2], runs[0][2])
@@ -154,8 +155,9 @@ def test_thread_count_does_not_change_results():
 
 def test_concurrent_calls_equal_serial_and_leave_blas_limits_as_found():
     # four Python threads evaluate at once while a fifth polls the BLAS setting; every result equals
-    # the serial one bit for bit and the limit found (2 threads) is back afterwards
-    P, Q, Z, y = problem(5, 4000, 5)
+    # the serial one bit for bit and the limit found (2 threads) is back afterwards; B L H D^3 above
+    # PARALLEL_MIN_WORK, so that each call hands its chunks to the workers
+    P, Q, Z, y = problem(5, 6000, 5)
     serial = fast.loss_and_grad(P, Q, Z, y)
     with threadpool_limits(limits=2, user_api="blas"):
         before, results, errors, done = blas_threads(), [], [], threading.Event()
@@ -245,7 +247,7 @@ def _loss_on_two_workers(args):
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_shutdown_ends_the_workers_and_a_forked_child_starts_its_own():
     import multiprocessing
-    P, Q, Z, y = problem(117, 400, 3)
+    P, Q, Z, y = problem(117, 6000, 5)                     # above PARALLEL_MIN_WORK: on the workers
     # the child receives its arguments pickled, as C-ordered arrays; NumPy's loops may sum in
     # another order over another memory layout, so the parent's Z has that layout too
     Z = np.ascontiguousarray(Z)
@@ -382,6 +384,31 @@ def test_lanes_thresholds():
         assert taken == ["loss"] * 2 * loss_lanes + ["jac"] * jacobian_lanes, (d, taken)
 
 
+def test_small_evaluations_run_on_the_calling_thread():
+    # MATH.md §3.2 rule (v): the workers share an evaluation from B L H D^3 = 2^21 multiply-adds on
+    # for the loss and 2^19 for the Jacobian; one prompt fewer runs on the calling thread. D = 6 (lanes)
+    # with L = 2 or H = 2 (432 per prompt), and D = 18 (the reference's chunks, 5832 per prompt)
+    assert (fast.PARALLEL_MIN_WORK, fast.PARALLEL_MIN_WORK_JACOBIAN) == (2 ** 21, 2 ** 19)
+    every = fast._thread_count(None)
+    for d, L, H, B_loss, B_jac in ((5, 2, 1, 4855, 1214), (5, 1, 2, 4855, 1214), (17, 1, 1, 360, 90)):
+        P, Q, Z, y = problem(132 + d + H, B_loss, d, L=L, H=H, scale=0.1)
+        n = Z.shape[2] - 1
+        S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
+        for b, want in ((B_loss, every), (B_loss - 1, 1)):
+            seen = []
+            with mock.patch.object(fast, "_map_chunks", lambda fn, bounds, threads: seen.append(threads) or
+                                   [fn(*c) for c in bounds]):
+                fast.loss_and_grad(P, Q, Z[:b], y[:b])
+                fast.loss_and_grad_gram(P, Q, S0[:b], q0[:b], y[:b], n)
+            assert seen == [want, want], (d, L, H, b, seen)
+        for b, want in ((B_jac, every), (B_jac - 1, 1)):
+            seen = []
+            with mock.patch.object(fast, "_map_chunks", lambda fn, bounds, threads: seen.append(threads) or
+                                   [fn(*c) for c in bounds]):
+                fast.residuals_and_jacobian_gram(P, Q, S0[:b], q0[:b], y[:b], n)
+            assert seen == [want], (d, L, H, b, seen)
+
+
 def test_lanes_chunks_are_equal_a_multiple_of_four_and_cover_the_batch():
     for B, D in ((4000, 6), (7, 6), (20001, 3), (1, 13)):
         bounds = fast._lanes_bounds(B, D)
@@ -395,9 +422,10 @@ def test_lanes_chunks_are_equal_a_multiple_of_four_and_cover_the_batch():
 
 def test_engine_refuses_a_non_finite_Z_in_any_chunk():
     # each worker checks its own chunk of Z before reading it: a NaN or Inf in the last prompt of
-    # the last of four chunks, on one worker and on two, is the ValueError naming Z
+    # the last of four chunks, on one worker and on two (B L H D^3 above PARALLEL_MIN_WORK), is the
+    # ValueError naming Z
     rng = np.random.default_rng(131)
-    for d, B in ((5, 4000), (17, 40)):
+    for d, B in ((5, 6000), (17, 200)):
         P, Q = 0.1 * rng.standard_normal((2, 2, 1, d + 1, d + 1))
         Z, y = rng.standard_normal((B, d + 1, 4)), rng.standard_normal(B)
         fast.loss_and_grad(P, Q, Z, y)

@@ -1217,6 +1217,27 @@ def test_family_loss_with_noise_against_the_gauss_rule_and_the_sum_form(L, block
     # difference of two 1e-10-accurate losses, the term itself ~10% of them, so 1e-9
 
 
+@pytest.mark.parametrize("L,blocks", [(1, False), (3, False), (2, True), (3, True)])
+def test_family_optimiser_gradient_is_the_derivative_of_the_exact_loss(L, blocks):
+    # MATH.md §10: the gradient the family optimiser descends with (reverse mode through the
+    # recursion at the Gauss nodes) against central differences of family_population_loss, the
+    # exact rational loss (another code path: polynomial coefficients times exact moments)
+    rng = np.random.default_rng(140 + L + 10 * blocks)
+    n, d, s2 = 20, 5, 0.6
+    theta = np.r_[rng.uniform(0.2, 1.5, L), rng.uniform(0.3, 1.0, L - 1) if blocks else []]
+    nodes, weights = ir.wishart_quadrature(n, d, ((3 ** L - 1) // 2 if blocks else L) + 1)
+    f, grad = ir._family_loss_at_nodes(theta, L, blocks, nodes, weights, n, s2)
+
+    def exact(x):
+        return ir.family_population_loss(x[:L], n, d, np.r_[x[L:], np.nan] if blocks else None, noise_var=s2)
+    assert f + s2 == pytest.approx(exact(theta), rel=1e-10)   # as the test above: no cancellation
+    h = 1e-5
+    differences = np.array([(exact(theta + h * e) - exact(theta - h * e)) / (2 * h) for e in np.eye(theta.size)])
+    # 1e-6 of the largest entry: truncation ~h^2 |f'''| / 6 ~ 1e-8 relative here and rounding of the
+    # once-rounded exact losses ~1e-16 |f| / h ~ 1e-11; a wrong product rule is off by O(1)
+    assert_allclose(grad, differences, rtol=0, atol=1e-6 * np.max(np.abs(differences)))
+
+
 def test_optimal_family_scalars_with_noise():
     # MATH.md §10: L = 1 has the closed form a* = n/(n+d+1+s2) (§8's Mahankali step); at L = 2 the
     # returned point is stationary for the noisy loss and differs from the noiseless optimum

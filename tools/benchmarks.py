@@ -13,8 +13,10 @@ Tables:
    and the peers, with the largest relative gradient difference from icl_ref.
 2. icl_fast's formulation choice: lanes against the reference's chunks on the workers, for the loss
    and the Jacobian, d = 1 .. 20 (where LANES_MAX_D and LANES_MAX_D_JACOBIAN come from).
-3. Training at the paper's size with both modules.
-4. The reference in a plain process against the same run with OPENBLAS_NUM_THREADS=1 (alternating
+3. icl_fast's workers against the calling thread alone for small evaluations, on both sides of
+   PARALLEL_MIN_WORK and PARALLEL_MIN_WORK_JACOBIAN.
+4. Training at the paper's size with both modules.
+5. The reference in a plain process against the same run with OPENBLAS_NUM_THREADS=1 (alternating
    runs in fresh processes): the reference starts no BLAS threads, so the two should match.
 """
 import argparse
@@ -167,6 +169,41 @@ def table_formulations(repeats):
     return "icl_fast's formulations", head, rows, note
 
 
+WORKER_CASES = [(3, 1, 1, 2000), (3, 1, 1, 20000), (5, 1, 2, 1000), (5, 1, 2, 2000), (5, 1, 2, 5000),
+                (5, 3, 1, 250), (5, 3, 1, 500), (5, 3, 1, 1000), (5, 3, 1, 2000), (5, 3, 1, 5000)]   # d, L, H, B
+
+
+def table_workers(repeats, calls=20):
+    """icl_fast's lanes loss and Jacobian (full P, Q) on one thread and on every core, for the small
+    evaluations of WORKER_CASES (n = 20); each time is the median over `repeats` of the mean of
+    `calls` calls, the four runs of a case timed in turn."""
+    head = ["d", "L", "H", "B", "B L H D^3", "loss: 1 thread s", "loss: every core s", "Jacobian: 1 thread s",
+            "Jacobian: every core s"]
+    rows = []
+    for d, L_c, H_c, B_c in WORKER_CASES:
+        rng = np.random.default_rng(d + 10 * L_c + 100 * H_c)
+        Z, y = ir.sample_prompts(rng, B_c, N, np.eye(d))
+        P, Q = 0.1 * rng.standard_normal((2, L_c, H_c, d + 1, d + 1))
+        read = fast._gram_reader(ir.gram(Z), np.ascontiguousarray(Z[:, :, N]))
+        runs = [lambda k=k: fast._lanes_loss_and_grad(P, Q, read, y, N, k) for k in (1, None)]
+        runs += [lambda k=k: fast._lanes_jacobian(P, Q, read, y, N, "full", k) for k in (1, None)]
+        times = [[] for _ in runs]
+        for run in runs:
+            run()
+        for _ in range(repeats):
+            for run, t in zip(runs, times):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    run()
+                t.append((time.perf_counter() - start) / calls)
+        rows.append([d, L_c, H_c, B_c, B_c * L_c * H_c * (d + 1) ** 3] + [f"{statistics.median(t):.5f}" for t in times])
+    note = (f"The lanes formulation, n = 20; median of {repeats} means of {calls} calls. icl_fast hands an evaluation "
+            f"to the workers from B L H D^3 = {fast.PARALLEL_MIN_WORK} multiply-adds on for the loss and "
+            f"{fast.PARALLEL_MIN_WORK_JACOBIAN} for the Jacobian, and runs smaller ones on the calling thread "
+            "(MATH.md §3.2).")
+    return "icl_fast's workers for small evaluations", head, rows, note
+
+
 TRAINING_RUNS = [
     ("sparse, Gauss-Newton", "train_gauss_newton", dict(structure="sparse")),
     ("sparse, L-BFGS", "train_lbfgs", dict(structure="sparse")),
@@ -264,7 +301,8 @@ def main(argv=None):
             "Written by `python3 tools/benchmarks.py` (every table below; nothing here is typed by hand). "
             "Times are wall-clock seconds on the machine below and move by 10-30% between runs on a shared "
             "virtual machine: read ratios, not digits.", ""] + machine() + [""]
-    for table in (table_loss_and_grad(args.repeats), table_formulations(args.repeats), table_training(),
+    for table in (table_loss_and_grad(args.repeats), table_formulations(args.repeats), table_workers(args.repeats),
+                  table_training(),
                   table_blas_threads()):
         text += markdown(*table)
         print("\n".join(markdown(*table)), flush=True)
