@@ -249,6 +249,34 @@ def test_blocks_basins_come_from_the_current_code_and_readme_quotes_them():
         assert cells == [str(table[name].get(k, 0)) for k in keys], (name, cells)
 
 
+def test_blocks_landscape_comes_from_the_current_code_and_the_documents_quote_it():
+    # tools/blocks_landscape.py records the certified minima of Theorem 4's family loss with the
+    # SHA-256 of the code that found them; MATH.md §10's table and the counts in MATH.md and README
+    # finding 9 must be the recorded ones
+    import json
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import blocks_landscape
+    import experiments
+    record = json.loads(read(blocks_landscape.RECORD))
+    assert record["sources"]["sha256"] == experiments.sources_digest(blocks_landscape.SOURCES), \
+        "icl_ref.py or tools/blocks_landscape.py changed since docs/blocks_landscape.json: run the tool again"
+    minima, starts = record["minima"], record["starts"]
+    assert minima and [m["loss"] for m in minima] == sorted(m["loss"] for m in minima)
+    math_md = " ".join(read("MATH.md").split())
+    for i, m in enumerate(minima):
+        row = (f"| {m['loss']:.6e}{' (global)' if i == 0 else ''} | ({', '.join(f'{v:.4f}' for v in m['a'])}) | "
+               f"({', '.join(f'{v:.4f}' for v in m['b'])}) | {', '.join(f'{v:.1e}' for v in m['hessian_eigenvalues'])} |")
+        assert row in math_md, row
+    first = max(m["first_start"] for m in minima) + 1
+    assert f"from {starts} starts" in math_md and f"{len(minima)} strict local minima (gradient below $10^{{-12}}$" in math_md
+    assert all(m["max_gradient"] < 1e-12 and m["hessian_eigenvalues"][0] > 0 for m in minima)
+    assert (f"all {len(minima)} were found within the first {first} starts and none in the remaining "
+            f"{starts - first}; the other {record['failed_certificate']} endpoints") in math_md
+    assert (f"{len(minima) - 1} more certified strict local minima, all found within the first {first} of "
+            f"{starts} starts") in " ".join(read("README.md").split())
+
+
 def test_engine_thresholds_agree_with_the_recorded_timings():
     # where icl_fast takes a formulation (MATH.md §3.2, rule i), the recorded table of both must not
     # show it clearly the slower: at most 1.25x the other, as timings on the shared machine move by
@@ -311,3 +339,6 @@ def test_benchmarks_come_from_the_current_code_and_readme_quotes_them():
             f"JAX's with icl_ref, {row['icl_fast / torch']} and {row['icl_fast / jax']} with icl_fast") \
         in " ".join(readme.split())
     assert f"about {float(row['icl_ref s']) / float(row['icl_fast s']):.0f}x faster" in readme
+    ratios = [float(r[1]) / float(r[2]) for r in rows[1:]]                 # icl_ref s / icl_fast s, every d
+    assert rows[0][1:3] == ["icl_ref s", "icl_fast s"]
+    assert f"{min(ratios):.1f}-{max(ratios):.0f}x faster" in readme
