@@ -137,6 +137,22 @@ def table_loss_and_grad(repeats):
     return "loss_and_grad", head, rows, note
 
 
+def interleaved_medians(runs, repeats, calls=1):
+    """Each run's median seconds per call over `repeats` rounds, the runs timed in turn within a
+    round (the machine's drift falls on all of them alike), each time the mean of `calls` calls;
+    one warm-up call each first."""
+    times = [[] for _ in runs]
+    for run in runs:
+        run()
+    for _ in range(repeats):
+        for run, t in zip(runs, times):
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            t.append((time.perf_counter() - start) / calls)
+    return [statistics.median(t) for t in times]
+
+
 def table_formulations(repeats):
     """icl_fast's lanes against the reference's batch-first chunks on the same workers, the four
     timed in turn within each repeat (the machine's drift falls on all of them alike)."""
@@ -154,15 +170,7 @@ def table_formulations(repeats):
                 lambda: fast._map_chunks(lambda a, b: ir._residuals_and_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b],
                                                                                        n, "full"),
                                          fast._batch_first_bounds(k, d + 1), None)]
-        times = [[] for _ in runs]
-        for run in runs:
-            run()
-        for _ in range(repeats):
-            for run, t in zip(runs, times):
-                start = time.perf_counter()
-                run()
-                t.append(time.perf_counter() - start)
-        rows.append([d] + [f"{statistics.median(t):.4f}" for t in times])
+        rows.append([d] + [f"{t:.4f}" for t in interleaved_medians(runs, repeats)])
     note = (f"The loss at B = 20000 and the Jacobian (full P, Q) at B = 5000, n = 20, L = 3, on every core; "
             f"median of {repeats}. icl_fast takes lanes for the loss up to d = {fast.LANES_MAX_D - 1} and for the "
             f"Jacobian up to d = {fast.LANES_MAX_D_JACOBIAN - 1} (MATH.md §3.2).")
@@ -187,16 +195,8 @@ def table_workers(repeats, calls=20):
         read = fast._gram_reader(ir.gram(Z), np.ascontiguousarray(Z[:, :, N]))
         runs = [lambda k=k: fast._lanes_loss_and_grad(P, Q, read, y, N, k) for k in (1, None)]
         runs += [lambda k=k: fast._lanes_jacobian(P, Q, read, y, N, "full", k) for k in (1, None)]
-        times = [[] for _ in runs]
-        for run in runs:
-            run()
-        for _ in range(repeats):
-            for run, t in zip(runs, times):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    run()
-                t.append((time.perf_counter() - start) / calls)
-        rows.append([d, L_c, H_c, B_c, B_c * L_c * H_c * (d + 1) ** 3] + [f"{statistics.median(t):.5f}" for t in times])
+        rows.append([d, L_c, H_c, B_c, B_c * L_c * H_c * (d + 1) ** 3]
+                    + [f"{t:.5f}" for t in interleaved_medians(runs, repeats, calls)])
     note = (f"The lanes formulation, n = 20; median of {repeats} means of {calls} calls. icl_fast hands an evaluation "
             f"to the workers from B L H D^3 = {fast.PARALLEL_MIN_WORK} multiply-adds on for the loss and "
             f"{fast.PARALLEL_MIN_WORK_JACOBIAN} for the Jacobian, and runs smaller ones on the calling thread "
