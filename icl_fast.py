@@ -43,7 +43,7 @@ LANES_MAX_D_JACOBIAN = 7
 
 # The smallest evaluation, in multiply-adds B L H D^3 of the layers' products, that the workers
 # share, for the loss and apart from it the Jacobian; a smaller one runs its chunks on the calling
-# thread, as handing chunks to the workers and collecting them costs about a millisecond, more than
+# thread, as handing chunks to the workers and collecting them has a fixed cost that exceeds what
 # they save there (the same chunks either way; docs/benchmarks.md records both sides, test_docs.py
 # checks that the choice is not clearly the slower).
 PARALLEL_MIN_WORK = 2 ** 21
