@@ -266,10 +266,12 @@ def test_blocks_landscape_comes_from_the_current_code_and_the_documents_quote_it
     math_md = " ".join(read("MATH.md").split())
     for i, m in enumerate(minima):
         row = (f"| {m['loss']:.6e}{' (global)' if i == 0 else ''} | ({', '.join(f'{v:.4f}' for v in m['a'])}) | "
-               f"({', '.join(f'{v:.4f}' for v in m['b'])}) | {', '.join(f'{v:.1e}' for v in m['hessian_eigenvalues'])} |")
+               f"({', '.join(f'{v:.4f}' for v in m['b'])}) | "
+               f"{', '.join(f'{v:.1e}' for v in m['hessian_eigenvalues'])} |")
         assert row in math_md, row
     first = max(m["first_start"] for m in minima) + 1
-    assert f"from {starts} starts" in math_md and f"{len(minima)} strict local minima (gradient below $10^{{-12}}$" in math_md
+    assert f"from {starts} starts" in math_md
+    assert f"{len(minima)} strict local minima (gradient below $10^{{-12}}$" in math_md
     assert all(m["max_gradient"] < 1e-12 and m["hessian_eigenvalues"][0] > 0 for m in minima)
     assert (f"all {len(minima)} were found within the first {first} starts and none in the remaining "
             f"{starts - first}; the other {record['failed_certificate']} endpoints") in math_md

@@ -384,29 +384,33 @@ def test_lanes_thresholds():
         assert taken == ["loss"] * 2 * loss_lanes + ["jac"] * jacobian_lanes, (d, taken)
 
 
+@pytest.mark.skipif(len(fast._cores()) < 2, reason="with one core every evaluation runs on one thread")
 def test_small_evaluations_run_on_the_calling_thread():
     # MATH.md §3.2 rule (v): the workers share an evaluation from B L H D^3 = 2^21 multiply-adds on
     # for the loss and 2^19 for the Jacobian; one prompt fewer runs on the calling thread. D = 6 (lanes)
     # with L = 2 or H = 2 (432 per prompt), and D = 18 (the reference's chunks, 5832 per prompt)
     assert (fast.PARALLEL_MIN_WORK, fast.PARALLEL_MIN_WORK_JACOBIAN) == (2 ** 21, 2 ** 19)
     every = fast._thread_count(None)
+
+    def thread_counts(*calls):
+        """The thread count each call hands to _map_chunks (the chunks then run in place)."""
+        seen = []
+        with mock.patch.object(fast, "_map_chunks",
+                               lambda fn, bounds, threads: seen.append(threads) or [fn(*c) for c in bounds]):
+            for call in calls:
+                call()
+        return seen
     for d, L, H, B_loss, B_jac in ((5, 2, 1, 4855, 1214), (5, 1, 2, 4855, 1214), (17, 1, 1, 360, 90)):
         P, Q, Z, y = problem(132 + d + H, B_loss, d, L=L, H=H, scale=0.1)
         n = Z.shape[2] - 1
         S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
         for b, want in ((B_loss, every), (B_loss - 1, 1)):
-            seen = []
-            with mock.patch.object(fast, "_map_chunks", lambda fn, bounds, threads: seen.append(threads) or
-                                   [fn(*c) for c in bounds]):
-                fast.loss_and_grad(P, Q, Z[:b], y[:b])
-                fast.loss_and_grad_gram(P, Q, S0[:b], q0[:b], y[:b], n)
-            assert seen == [want, want], (d, L, H, b, seen)
+            assert thread_counts(lambda: fast.loss_and_grad(P, Q, Z[:b], y[:b]),
+                                 lambda: fast.loss_and_grad_gram(P, Q, S0[:b], q0[:b], y[:b], n)) == [want, want], \
+                (d, L, H, b)
         for b, want in ((B_jac, every), (B_jac - 1, 1)):
-            seen = []
-            with mock.patch.object(fast, "_map_chunks", lambda fn, bounds, threads: seen.append(threads) or
-                                   [fn(*c) for c in bounds]):
-                fast.residuals_and_jacobian_gram(P, Q, S0[:b], q0[:b], y[:b], n)
-            assert seen == [want], (d, L, H, b, seen)
+            assert thread_counts(lambda: fast.residuals_and_jacobian_gram(P, Q, S0[:b], q0[:b], y[:b], n)) == [want], \
+                (d, L, H, b)
 
 
 def test_lanes_chunks_are_equal_a_multiple_of_four_and_cover_the_batch():
