@@ -1,12 +1,11 @@
 """Regenerate the figures the README shows (docs/*.png) and the tables its findings quote (docs/*.csv)
 from the full-size experiments, and record which code made them (docs/figures.json).
 
-    python3 tools/docs_figures.py             # runs the three experiments (several minutes; matplotlib)
+    python3 tools/docs_figures.py             # runs the eight experiments (most of a full run; matplotlib)
     python3 tools/docs_figures.py --from DIR  # copies them from a full run of the current code in DIR
 
-Runs three-layer-sparse, three-layer-blocks, depth and single-layer-landscape (seed 0, full size)
-with experiments.py into a temporary directory (or takes a complete full run, seed 0, whose record
-carries the current code's digest), copies their PNGs and the quoted CSVs into docs/ and writes
+Runs the experiments in EXPERIMENTS (seed 0, full size) with experiments.py into a temporary
+directory (or takes a complete full run, seed 0, whose record carries the current code's digest), copies their PNGs and the quoted CSVs into docs/ and writes
 docs/figures.json: the SHA-256 of the code that computes and draws them (experiments.sources_digest of
 icl_ref.py, icl_fast.py, experiments.py: their syntax, so an edit of a comment or a docstring keeps
 it) and of each file. test_docs.py fails when that code has changed since, so a stale figure or
@@ -26,8 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 FIGURES = ["three-layer-sparse_heatmaps.png", "three-layer-blocks_heatmaps.png", "depth.png", "single-layer-landscape.png"]
 # the tables README's findings quote (test_docs.py checks the quotes against them)
-TABLES = ["single-layer-landscape.csv", "single-layer-landscape_basins.csv"]
-EXPERIMENTS = ["three-layer-sparse", "three-layer-blocks", "depth", "single-layer-landscape"]
+TABLES = ["single-layer-landscape.csv", "single-layer-landscape_basins.csv", "three-layer-sparse.csv",
+          "three-layer-blocks.csv", "two-layer-isotropic.csv", "softmax-two-head.csv", "unconstrained.csv",
+          "optimizers.csv"]
+EXPERIMENTS = ["three-layer-sparse", "three-layer-blocks", "two-layer-isotropic", "depth", "optimizers",
+               "unconstrained", "single-layer-landscape", "softmax-two-head"]
 RECORD = os.path.join("docs", "figures.json")
 
 
