@@ -308,6 +308,36 @@ def test_readme_findings_quote_the_recorded_run():
         assert all(abs(g - a) <= w for g, a, w in zip(a_gn, a_star, band)), (a_gn, a_star, band)
 
 
+def test_float32_tolerances_come_from_the_current_code_and_readme_quotes_them():
+    # examples/float32_tolerances.py --record measures a float32 PyTorch model against icl_ref and
+    # records the worst errors with the SHA-256 of the code that measured them; README's numbers,
+    # CHECK_TOLERANCES and the example's float32 tolerances must be the recorded suggestion
+    import json
+    import math
+    import experiments
+    record = json.loads(read(os.path.join("docs", "float32_tolerances.json")))
+    assert record["sources"]["sha256"] == experiments.sources_digest(record["sources"]["files"]), \
+        "icl_ref.py or the example changed since docs/float32_tolerances.json: run the example with --record"
+    assert "examples/float32_tolerances.py" in record["sources"]["files"]
+    kinds = ("forward", "loss", "gradient")
+    worst = [max(record["worst"][L][k] for L in record["worst"]) for k in kinds]
+    assert worst == [record["overall"][k] for k in kinds]
+    rtol = [10.0 ** math.ceil(math.log10(5 * w)) for w in worst]          # 5x, rounded up to a power of 10
+    assert rtol == [record["suggested"][k] for k in kinds]
+    assert [ir.CHECK_TOLERANCES["float32"][k] for k in kinds] == rtol
+    example = read(os.path.join("examples", "test_torch_linear_transformer.py"))
+    assert f"torch.float32: dict(forward={rtol[0]:.0e}, loss={rtol[1]:.0e}, grad={rtol[2]:.0e})".replace("e-0", "e-") \
+        in example
+    section = " ".join(read("README.md").split("### Tolerances for float32 callers", 1)[1].split("\n## ", 1)[0].split())
+    grid = record["grid"]
+    assert (f"(d in {{{', '.join(map(str, grid['d']))}}}, n in {{{', '.join(map(str, grid['n']))}}}, "
+            f"L = {grid['L'][0]}..{grid['L'][-1]}; torch {record['versions']['torch'].split('+')[0]})") in section
+    assert (f"erred at worst by {short(worst[0])} (Z_L), {short(worst[1])} (loss) and {short(worst[2])} "
+            f"(gradient), relative") in section
+    assert f"Suggested `rtol` (5x, rounded up): {', '.join(short(r).replace('1.0e', '1e') for r in rtol)}" in section
+    assert "float32: " + ", ".join(f"$10^{{{round(math.log10(r))}}}$" for r in rtol) in " ".join(MATH.split())
+
+
 def test_blocks_basins_come_from_the_current_code_and_readme_quotes_them():
     # tools/blocks_basins.py records its runs with the SHA-256 of the code that trained them; README
     # finding 9's table must quote the recorded counts (a stale count would claim what no run showed)

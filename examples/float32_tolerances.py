@@ -1,15 +1,21 @@
 """Measure float32 errors of a PyTorch linear transformer against icl_ref's float64, over a grid.
 
-    python examples/float32_tolerances.py        (needs torch: pip install torch==2.13.0)
+    python examples/float32_tolerances.py            (needs torch: pip install torch==2.13.0)
+    python examples/float32_tolerances.py --record   (also writes docs/float32_tolerances.json)
 
 Model: the authors' layout (examples/test_torch_linear_transformer.py), evaluated in float32 on
 float32-rounded inputs, against icl_ref in float64 on the same rounded inputs (so only the
 arithmetic differs). Parameters: the exact sparse-family optimum a_l I (x ~ N(0, I), w* ~ N(0, I))
 plus a random perturbation of every trainable block of size 0.1/sqrt(d), so the gradient is
 generic and O(loss). Errors are max|a - b| / max|b| per array; the table gives the worst over
-d in {2, 5, 10, 20} and n in {5, 20, 50, 200} for each L, and suggested tolerances.
+d in {2, 5, 10, 20} and n in {5, 20, 50, 200} for each L, and suggested tolerances. The record
+carries the SHA-256 of the code that measured them (experiments.sources_digest of SOURCES), so
+test_docs.py fails when README quotes numbers this code no longer gives.
 """
+import argparse
+import datetime
 import itertools
+import json
 import math
 import os
 import sys
@@ -21,6 +27,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import icl_ref as ir                                        # noqa: E402
 from test_torch_linear_transformer import model           # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD = os.path.join("docs", "float32_tolerances.json")
+SOURCES = ("icl_ref.py", "examples/float32_tolerances.py", "examples/test_torch_linear_transformer.py")
+GRID = dict(d=(2, 5, 10, 20), n=(5, 20, 50, 200), L=(1, 2, 3, 4))
+
+
+def suggested(worst):
+    """5x the worst relative error, rounded up to a power of 10."""
+    return 10.0 ** math.ceil(math.log10(5 * worst))
 
 
 def errors(d, n, L, B=64, seed=0):
@@ -44,9 +60,12 @@ def errors(d, n, L, B=64, seed=0):
             rel(ap.grad.numpy().astype(np.float64), ir.grads_to_authors(dP, dQ)))
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--record", action="store_true", help=f"also write {RECORD}")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    ds, ns, Ls = (2, 5, 10, 20), (5, 20, 50, 200), (1, 2, 3, 4)
+    ds, ns, Ls = GRID["d"], GRID["n"], GRID["L"]
     worst = {L: np.zeros(3) for L in Ls}
     for d, n, L in itertools.product(ds, ns, Ls):
         worst[L] = np.maximum(worst[L], errors(d, n, L))
@@ -55,9 +74,21 @@ def main():
     for L in Ls:
         print(f"| {L} | " + " | ".join(f"{e:.1e}" for e in worst[L]) + " |")
     overall = np.max(list(worst.values()), axis=0)
-    suggest = [10 ** math.ceil(math.log10(5 * e)) for e in overall]
+    suggest = [suggested(e) for e in overall]
     print(f"\nsuggested rtol (5x the worst, rounded up to a power of 10): forward {suggest[0]:.0e}, "
           f"loss {suggest[1]:.0e}, gradient {suggest[2]:.0e}")
+    if args.record:
+        import experiments                                   # the project root is on the path (above)
+        record = dict(command="python3 examples/float32_tolerances.py --record", date=datetime.date.today().isoformat(),
+                      versions=dict(torch=torch.__version__, numpy=np.__version__, python=sys.version.split()[0]),
+                      sources={"files": list(SOURCES), "sha256": experiments.sources_digest(SOURCES)}, grid=GRID,
+                      worst={str(L): dict(zip(("forward", "loss", "gradient"), map(float, worst[L]))) for L in Ls},
+                      overall=dict(zip(("forward", "loss", "gradient"), map(float, overall))),
+                      suggested=dict(zip(("forward", "loss", "gradient"), suggest)))
+        with open(os.path.join(ROOT, RECORD), "w") as f:
+            json.dump(record, f, indent=1)
+            f.write("\n")
+        print(RECORD)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,8 @@ import icl_ref as ir
 torch = pytest.importorskip("torch")
 
 # float64: both sides are exact computations in the same precision (rounding only).
-# float32: the worst relative errors measured by examples/float32_tolerances.py over d <= 20,
-# n <= 200, L <= 4 were 1.2e-6 (forward), 4.1e-6 (loss), 7.8e-6 (gradient); the suggested
-# tolerances are 5x those, rounded up to a power of ten.
+# float32: 5x the worst relative errors that examples/float32_tolerances.py measured over d <= 20,
+# n <= 200, L <= 4 (docs/float32_tolerances.json), rounded up to a power of ten.
 TOLERANCES = {torch.float64: dict(forward=1e-12, loss=1e-12, grad=1e-10),
               torch.float32: dict(forward=1e-5, loss=1e-4, grad=1e-4)}
 
