@@ -23,15 +23,17 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+import experiments                                          # noqa: E402  (the records' code digest)
 import icl_ref as ir                                        # noqa: E402
 from test_torch_linear_transformer import model           # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join("docs", "float32_tolerances.json")
 SOURCES = ("icl_ref.py", "examples/float32_tolerances.py", "examples/test_torch_linear_transformer.py")
 GRID = dict(d=(2, 5, 10, 20), n=(5, 20, 50, 200), L=(1, 2, 3, 4))
+KINDS = ("forward", "loss", "gradient")                    # Z_L, the loss, the gradient
 
 
 def suggested(worst):
@@ -78,13 +80,11 @@ def main(argv=None):
     print(f"\nsuggested rtol (5x the worst, rounded up to a power of 10): forward {suggest[0]:.0e}, "
           f"loss {suggest[1]:.0e}, gradient {suggest[2]:.0e}")
     if args.record:
-        import experiments                                   # the project root is on the path (above)
         record = dict(command="python3 examples/float32_tolerances.py --record", date=datetime.date.today().isoformat(),
                       versions=dict(torch=torch.__version__, numpy=np.__version__, python=sys.version.split()[0]),
                       sources={"files": list(SOURCES), "sha256": experiments.sources_digest(SOURCES)}, grid=GRID,
-                      worst={str(L): dict(zip(("forward", "loss", "gradient"), map(float, worst[L]))) for L in Ls},
-                      overall=dict(zip(("forward", "loss", "gradient"), map(float, overall))),
-                      suggested=dict(zip(("forward", "loss", "gradient"), suggest)))
+                      worst={str(L): dict(zip(KINDS, map(float, worst[L]))) for L in Ls},
+                      overall=dict(zip(KINDS, map(float, overall))), suggested=dict(zip(KINDS, suggest)))
         with open(os.path.join(ROOT, RECORD), "w") as f:
             json.dump(record, f, indent=1)
             f.write("\n")

@@ -5,10 +5,10 @@ from the full-size experiments, and record which code made them (docs/figures.js
     python3 tools/docs_figures.py --from DIR  # copies them from a full run of the current code in DIR
 
 Runs the experiments in EXPERIMENTS (seed 0, full size) with experiments.py into a temporary
-directory (or takes a complete full run, seed 0, whose record carries the current code's digest), copies their PNGs and the quoted CSVs into docs/ and writes
-docs/figures.json: the SHA-256 of the code that computes and draws them (experiments.sources_digest of
-icl_ref.py, icl_fast.py, experiments.py: their syntax, so an edit of a comment or a docstring keeps
-it) and of each file. test_docs.py fails when that code has changed since, so a stale figure or
+directory (or takes a complete full run, seed 0, whose record carries the current code's digest),
+copies their PNGs and the quoted CSVs into docs/ and writes docs/figures.json: the SHA-256 of the
+code that computes and draws them (experiments.sources_digest of icl_ref.py, icl_fast.py,
+experiments.py: their syntax, so an edit of a comment or a docstring keeps it) and of each file. test_docs.py fails when that code has changed since, so a stale figure or
 number cannot stay.
 """
 import argparse
