@@ -234,11 +234,12 @@ def finding(k):
 
 
 def numbers(text):
+    """Every decimal number in text, in order."""
     return [float(x) for x in re.findall(r"[-+]?\d+\.?\d*(?:e[-+]?\d+)?", text)]
 
 
 def short(x):
-    """x as README writes one significant-digit-and-a-half quantities: 9.6e-4, 3.9e-2."""
+    """x to two significant digits as README writes it: 9.6e-4, 3.9e-2."""
     return re.sub(r"e([-+])0*(\d)", r"e\1\2", f"{x:.1e}").replace("e+", "e")
 
 
@@ -325,17 +326,17 @@ def test_float32_tolerances_come_from_the_current_code_and_readme_quotes_them():
     rtol = [10.0 ** math.ceil(math.log10(5 * w)) for w in worst]          # 5x, rounded up to a power of 10
     assert rtol == [record["suggested"][k] for k in kinds]
     assert [ir.CHECK_TOLERANCES["float32"][k] for k in kinds] == rtol
+    exponents = [round(math.log10(r)) for r in rtol]
     example = read(os.path.join("examples", "test_torch_linear_transformer.py"))
-    assert f"torch.float32: dict(forward={rtol[0]:.0e}, loss={rtol[1]:.0e}, grad={rtol[2]:.0e})".replace("e-0", "e-") \
-        in example
+    assert "torch.float32: dict(forward=1e{}, loss=1e{}, grad=1e{})".format(*exponents) in example
     section = " ".join(read("README.md").split("### Tolerances for float32 callers", 1)[1].split("\n## ", 1)[0].split())
     grid = record["grid"]
     assert (f"(d in {{{', '.join(map(str, grid['d']))}}}, n in {{{', '.join(map(str, grid['n']))}}}, "
             f"L = {grid['L'][0]}..{grid['L'][-1]}; torch {record['versions']['torch'].split('+')[0]})") in section
     assert (f"erred at worst by {short(worst[0])} (Z_L), {short(worst[1])} (loss) and {short(worst[2])} "
             f"(gradient), relative") in section
-    assert f"Suggested `rtol` (5x, rounded up): {', '.join(short(r).replace('1.0e', '1e') for r in rtol)}" in section
-    assert "float32: " + ", ".join(f"$10^{{{round(math.log10(r))}}}$" for r in rtol) in " ".join(MATH.split())
+    assert f"Suggested `rtol` (5x, rounded up): {', '.join(f'1e{e}' for e in exponents)}" in section
+    assert "float32: " + ", ".join(f"$10^{{{e}}}$" for e in exponents) in " ".join(MATH.split())
 
 
 def test_blocks_basins_come_from_the_current_code_and_readme_quotes_them():
