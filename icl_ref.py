@@ -13,7 +13,7 @@ Symbols (the paper's names; 0-based indices in code)
     Z        prompts, (B, D, n+1); column i < n is z_i = [x_i; y_i], column n is [x_q; 0]
     M        mask diag(1, ..., 1, 0), (n+1, n+1): the query is never a key or a value
     P, Q     parameters, (L, H, D, D); P = W_v and Q = W_k^T W_q of eq. (3)
-    S        Gram matrix Z M Z^T, (B, D, D)
+    S        Gram matrix Z M Z^T, (B, D, D); q the query column Z[:, :, n], (B, D)
     T        the layer's token map I + (1/n) sum_h P_h S Q_h, (B, D, D)
     A, Bm    free d x d blocks of the structures (8) and (11), (L, d, d)
     Sigma    covariance of x, (d, d); Sigma_w covariance of w_star, (d, d)
@@ -29,11 +29,14 @@ Conventions (MATH.md §1-§3, §5)
 Sections follow the paper: data, model, loss and gradient (with the per-prompt Jacobian, and
 attention with an activation, [A] §6), parametrisations, training (L-BFGS and Gauss-Newton), closed
 forms, metrics; then adapters to other code's layouts and the conformance kit (reference vectors,
-diagnose). One formulation of each quantity, serial, with no process-wide state: icl_fast.py beside
-it computes the same functions faster, on every core.
+diagnose, check_implementation). One formulation of each quantity, serial, with no process-wide
+state; every public function computes under numpy's default floating-point rules whatever the
+caller set with np.seterr. The functions that evaluate the loss take `engine=`: another object with
+the methods of REFERENCE computes the same numbers its own way (icl_fast.py, on every core).
 Command line: python3 -m icl_ref vectors --out DIR.
 """
 import argparse
+import functools
 import io
 import itertools
 import json
@@ -44,7 +47,6 @@ import time
 import types
 import zipfile
 from fractions import Fraction
-from functools import lru_cache
 
 import numpy as np
 import scipy
@@ -59,10 +61,20 @@ PAPER_EIGENVALUES = (1.0, 1.0, 0.25, 0.0625, 1.0)   # spectrum of Sigma in [A] �
 # Input checks: every public function validates before it computes.
 # ---------------------------------------------------------------------------------------------
 
+def _numpy_rules(fn):
+    """fn run under numpy's default floating-point rules (underflow ignored; overflow, division by
+    zero and invalid operations warned), whatever np.seterr the caller set: a caller that raises on
+    underflow gets the same results; its own settings are restored on return."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with np.errstate(all="warn", under="ignore"):
+            return fn(*args, **kwargs)
+    return run
+
+
 def _array(name, a, ndim, allow_nan=False, finite=True):
     """a as a float64 array with `ndim` dimensions (an int or a tuple of allowed ones) and, unless
-    finite=False (the caller checks them itself, _finite_entries), finite entries (NaN allowed where
-    allow_nan), or a TypeError/ValueError naming `name`."""
+    finite=False, finite entries (NaN allowed where allow_nan), or a TypeError/ValueError naming `name`."""
     try:
         arr = np.asarray(a)
     except Exception as e:                     # ragged lists and the like
@@ -75,19 +87,12 @@ def _array(name, a, ndim, allow_nan=False, finite=True):
         raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, got shape {arr.shape}")
     arr = arr.astype(np.float64, copy=False)
     if finite:
-        _finite_entries(name, arr, allow_nan)
-    return arr
-
-
-def _finite_entries(name, arr, allow_nan=False):
-    """A ValueError naming `name` if the float64 array arr holds an Inf, or a NaN (unless
-    allow_nan). One pass, a sum, when it is clean: NaN and Inf poison the sum."""
-    with np.errstate(over="ignore", invalid="ignore"):       # a sum near the float64 limit
-        total = np.sum(arr)
-    if not np.isfinite(total):
+        with np.errstate(over="ignore", invalid="ignore"):   # NaN and Inf poison the sum: one pass
+            clean = np.isfinite(np.sum(arr))
         bad = np.isinf(arr) if allow_nan else ~np.isfinite(arr)
-        if np.any(bad):
+        if not clean and np.any(bad):
             raise ValueError(f"{name} must be finite, found {'Inf' if allow_nan else 'NaN or Inf'}")
+    return arr
 
 
 def _int(name, v, minimum):
@@ -106,6 +111,14 @@ def _nonneg(name, v):
     return float(v)
 
 
+def _rng(rng, optional=False):
+    """rng itself, a numpy Generator (None allowed where optional), or a TypeError."""
+    if not (isinstance(rng, np.random.Generator) or (optional and rng is None)):
+        raise TypeError(f"rng must be a numpy.random.Generator{' or None' if optional else ''}, "
+                        f"got {type(rng).__name__}")
+    return rng
+
+
 def _params(P, Q, names=("P", "Q")):
     """P, Q as float64 (L, H, D, D) arrays of equal shape with L, H >= 1 and D >= 2; errors name
     the caller's arguments (`names`, e.g. dP, dQ)."""
@@ -121,20 +134,20 @@ def _params(P, Q, names=("P", "Q")):
     return P, Q
 
 
-def _finite_result(what, value, **sizes):
-    """value, or a ValueError saying that float64 overflowed, and at what size of the inputs."""
-    if not np.all(np.isfinite(value)):
-        size = ", ".join(f"max |{k}| = {np.max(np.abs(v)):.3g}" for k, v in sizes.items())
-        raise ValueError(f"{what} is not finite: float64 overflowed ({size}); the output of L layers "
-                         "grows like (|P| |Q| |Z|^2)^((3^L - 1)/2) |Z|, so use smaller parameters or "
-                         "rescale Z")
-    return value
+def _finite(results, **sizes):
+    """A ValueError saying that float64 overflowed, and at what size of the inputs, unless every
+    array of results {what: value} is finite."""
+    for what, value in results.items():
+        if not np.all(np.isfinite(value)):
+            size = ", ".join(f"max |{k}| = {np.max(np.abs(v)):.3g}" for k, v in sizes.items())
+            raise ValueError(f"{what} is not finite: float64 overflowed ({size}); the output of L layers "
+                             "grows like (|P| |Q| |Z|^2)^((3^L - 1)/2) |Z|, so use smaller parameters or "
+                             "rescale Z")
 
 
-def _prompts(Z, D=None, name="Z", finite=True):
-    """Z as a float64 (B, D, n+1) array with B >= 1, n >= 1 (and D matching the parameters); with
-    finite=False the caller checks the entries itself (_finite_entries)."""
-    Z = _array(name, Z, 3, finite=finite)
+def _prompts(Z, D=None, name="Z"):
+    """Z as a float64 (B, D, n+1) array with B >= 1, n >= 1 (and D matching the parameters)."""
+    Z = _array(name, Z, 3)
     B, D_Z, N = Z.shape
     if B < 1 or D_Z < 2 or N < 2:
         raise ValueError(f"{name} must have shape (B, d+1, n+1) with B >= 1, d >= 1, n >= 1, got {Z.shape}")
@@ -149,6 +162,13 @@ def _labels(y, B):
     if y.shape != (B,):
         raise ValueError(f"y must have shape (B,) = ({B},) to match Z, got {y.shape}")
     return y
+
+
+def _model_inputs(P, Q, Z, *y):
+    """P, Q (L, H, D, D), Z (B, D, n+1) and, when given, y (B,), checked as one call's inputs."""
+    P, Q = _params(P, Q)
+    Z = _prompts(Z, P.shape[2])
+    return (P, Q, Z, *(_labels(labels, Z.shape[0]) for labels in y))
 
 
 def _spd(name, Sigma, d=None):
@@ -169,6 +189,11 @@ def _spd(name, Sigma, d=None):
     return Sigma, F
 
 
+def _task_covariance(Sigma_w, d):
+    """(Sigma_w, its lower factor): the identity when Sigma_w is None, else checked as _spd."""
+    return (np.eye(d), np.eye(d)) if Sigma_w is None else _spd("Sigma_w", Sigma_w, d)
+
+
 def _check_structure(structure):
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
@@ -178,6 +203,7 @@ def _check_structure(structure):
 # 1. Data ([A] §2; MATH.md §1)
 # ---------------------------------------------------------------------------------------------
 
+@_numpy_rules
 def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_star=False):
     """Draw B prompts of linear regression, [A] §2 with the data model of [A] Table 1.
 
@@ -191,12 +217,11 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
     (noise included when noise_std > 0); with return_w_star also w_star (B, d).
     MATH.md §1.
     """
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    _rng(rng)
     batch, n = _int("batch", batch, 1), _int("n", n, 1)
     Sigma, F = _spd("Sigma", Sigma)
     d = Sigma.shape[0]
-    F_w = np.eye(d) if Sigma_w is None else _spd("Sigma_w", Sigma_w, d)[1]
+    F_w = _task_covariance(Sigma_w, d)[1]
     noise_std = _nonneg("noise_std", noise_std)
     X = rng.standard_normal((batch, n + 1, d)) @ F.T                 # rows x_i ~ N(0, F F^T)
     w_star = rng.standard_normal((batch, d)) @ F_w.T
@@ -212,6 +237,7 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
     return (Z, y, w_star) if return_w_star else (Z, y)
 
 
+@_numpy_rules
 def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
     """Sigma = U diag(eigenvalues) U^T with U Haar-random orthogonal ([A] §4.3, MATH.md §1).
 
@@ -219,8 +245,7 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
     exactly Haar (the authors' code uses SVD of a uniform matrix, not Haar: MATH.md §1).
     Returns Sigma (d, d) and U (d, d).
     """
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    _rng(rng)
     lam = _array("eigenvalues", eigenvalues, 1)
     if lam.size < 1 or np.any(lam <= 0):
         raise ValueError(f"eigenvalues must be a non-empty vector of positive numbers, got {lam}")
@@ -236,10 +261,15 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 #     Z_{l+1} = Z_l + (1/n) sum_h P_h (Z_l M Z_l^T) Q_h Z_l = T_l Z_l,
 #     T_l = I + (1/n) sum_h P_h S_l Q_h,   S_l = Z_l M Z_l^T   (D x D, never (n+1) x (n+1)).
 # Every column moves by the same T_l, so S_{l+1} = T_l S_l T_l^T and q_{l+1} = T_l q_l for the
-# query column q. The forward pass needs a prompt only through (S_0, q_0): O(B L H D^3), not n.
-# Every product below is a stack of the prompts' own D x D products (np.matmul over the first
-# axis) or, where one factor is shared by every prompt, one GEMM of the stacked rows; a chunk's
-# GEMMs stay at most 2^18 multiply-adds, so BLAS never starts its threads (MATH.md §3).
+# query column q. The prediction reads only row d of the last T: (T q)_d = q_d + (1/n) sum_h
+# p_h^T S Q_h q with p_h = P_h[d, :], the value row. A prompt enters only through (S_0, q_0).
+#
+# Stacks of the prompts' D x D matrices are multiplied with np.matmul, prompt by prompt, except
+# where one factor is shared by every prompt: _times and _summed turn those into one matrix
+# product of the stacked rows, as np.matmul would run the B small products one at a time. The
+# batch is walked in chunks of at most 2^18 / D^3 prompts (_chunks), so that no matrix product
+# exceeds 2^18 multiply-adds: OpenBLAS runs such products on the calling thread, and the
+# reference never starts BLAS threads (MATH.md §3).
 # ---------------------------------------------------------------------------------------------
 
 def mask(n):
@@ -249,6 +279,7 @@ def mask(n):
     return np.diag(np.r_[np.ones(n), 0.0])
 
 
+@_numpy_rules
 def forward_literal(P, Q, Z):
     """The paper's column form of eq. (4), token by token; the twin that tests the Gram form.
 
@@ -257,8 +288,8 @@ def forward_literal(P, Q, Z):
     P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1). Cost O(B L H n^2 D^2).
     MATH.md §2.
     """
-    P, Q = _params(P, Q)
-    Z = _prompts(Z, P.shape[2]).copy()
+    P, Q, Z = _model_inputs(P, Q, Z)
+    Z = Z.copy()
     L, H = P.shape[:2]
     n = Z.shape[2] - 1
     for l in range(L):
@@ -272,248 +303,271 @@ def forward_literal(P, Q, Z):
     return Z
 
 
+@_numpy_rules
 def gram(Z):
     """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (MATH.md §2)."""
-    Z = _prompts(Z)
-    context = Z[:, :, :-1]                                     # Z M drops the query column
+    context = _prompts(Z)[:, :, :-1]                           # Z M drops the query column
     return context @ context.transpose(0, 2, 1)
 
 
+def _chunks(B, D):
+    """(start, stop) of the batch in chunks of 2^18 / D^3 prompts: every matrix product over a chunk
+    (b D^3 multiply-adds) stays within the size that OpenBLAS runs on the calling thread, and the
+    chunk's (b, D, D) stacks in cache. The chunks only reorder the sums over prompts (MATH.md §3)."""
+    size = max(1, 2 ** 18 // D ** 3)
+    return [(c, min(c + size, B)) for c in range(0, B, size)]
+
+
 def _times(X, A):
-    """X_b A for every prompt b: the stack X (b, D, D) read as its b D rows, times the shared A (D, D).
-    One matrix product of b D^3 multiply-adds (MATH.md §3)."""
+    """X_b A for every prompt b of the stack X (b, D, D) and one shared A (D, D)."""
     return (X.reshape(-1, X.shape[-1]) @ A).reshape(X.shape)
 
 
-def _transposed(X):
-    """X_b^T for every prompt b, a contiguous (b, D, D) stack."""
-    return np.ascontiguousarray(X.transpose(0, 2, 1))
+def _summed(X, Y):
+    """sum_b X_b Y_b over the prompts of two stacks (b, D, D)."""
+    return np.tensordot(X, Y, axes=([0, 2], [0, 1]))
 
 
-def _sum_over_prompts(X, Y):
-    """sum_b X_b^T Y_b for stacks X, Y (b, D, D): one matrix product of their stacked rows,
-    (b D, D)^T (b D, D) (MATH.md §3)."""
-    D = X.shape[-1]
-    return X.reshape(-1, D).T @ Y.reshape(-1, D)
+def layer_forward(P_l, Q_l, S, q, n):
+    """One layer in Gram form (MATH.md §2): T = I + (1/n) sum_h P_h S Q_h, S' = T S T^T, q' = T q.
 
-
-def layer_forward(P_l, Q_l, S, q, n, need_S=True):
-    """One layer in Gram form: T = I + (1/n) sum_h P_h S Q_h, S' = T S T^T, q' = T q.
-
-    P_l, Q_l: (H, D, D); S: (B, D, D) = Z_l M Z_l^T (symmetric); q: (B, D) the query column of
-    Z_l; n context size. Returns S' (B, D, D) (None unless need_S: the last layer's S' does not
-    reach the loss), q' (B, D), T (B, D, D) and the cache for layer_backward.
+    P_l, Q_l: (H, D, D); S: (B, D, D) = Z_l M Z_l^T (symmetric); q: (B, D) the query column of Z_l;
+    n context size. Returns S' (B, D, D), q' (B, D), T (B, D, D) and the cache for layer_backward.
     An unchecked building block (forward, predict and loss_and_grad check their inputs): it assumes
-    float64 arrays, S symmetric and the same B in S and q. MATH.md §2.
+    float64 arrays, S symmetric and the same B in S and q.
     """
-    PS = [_transposed(_times(S, P_h.T)) for P_h in P_l]         # P_h S = (S P_h^T)^T since S^T = S
-    T = np.eye(S.shape[-1]) + _times(PS[0], Q_l[0] / n)
-    for PS_h, Q_h in zip(PS[1:], Q_l[1:]):
-        T += _times(PS_h, Q_h / n)
-    Tt = _transposed(T)
-    TS = T @ S if need_S else None
-    S_next = TS @ Tt if need_S else None
-    q_next = np.einsum("bij,bj->bi", T, q)
-    return S_next, q_next, T, (P_l, Q_l, n, S, q, T, Tt, TS, PS)
+    PS = [P_h @ S for P_h in P_l]                                        # P_h S
+    T = np.eye(S.shape[-1]) + sum(_times(PS_h, Q_h) for PS_h, Q_h in zip(PS, Q_l)) / n
+    TS = T @ S
+    S_next = TS @ T.transpose(0, 2, 1)                                   # T S T^T
+    q_next = np.einsum("bij,bj->bi", T, q)                               # T q
+    return S_next, q_next, T, (P_l, Q_l, n, S, q, T, TS, PS)
 
 
 def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
-    """Adjoint of layer_forward: (dS', dq') -> (dS, dq, dP_l, dQ_l).
+    """Adjoint of layer_forward (MATH.md §3): (dS', dq') -> (dS, dq, dP_l, dQ_l).
 
-    dS_next: (B, D, D) or None (the last layer's S' does not reach the loss); dq_next: (B, D).
-    Returns dS (B, D, D) (None unless need_dS: the first layer's S_0 is data), dq (B, D) and
-    dP_l, dQ_l (H, D, D) summed over the batch; with per_prompt, each prompt's own (B, H, D, D)
-    (the rows of the Jacobian, MATH.md §3.1). MATH.md §3.
+    dS_next: (B, D, D); dq_next: (B, D). Returns dS (B, D, D) (None unless need_dS: the first
+    layer's S_0 is data), dq (B, D) and dP_l, dQ_l (H, D, D) summed over the prompts, or with
+    per_prompt each prompt's own (B, H, D, D) (the rows of the Jacobian, MATH.md §3.1).
     """
-    P_l, Q_l, n, S, q, T, Tt, TS, PS = cache
-    # q' = T q                      (product rule: T and q)
-    dT = np.einsum("bi,bj->bij", dq_next, q)
+    P_l, Q_l, n, S, q, T, TS, PS = cache
+    over_prompts = np.matmul if per_prompt else _summed         # X_b Y_b for each prompt, or their sum
+    Tt = T.transpose(0, 2, 1)
+    # q' = T q                          (product rule: T and q)
+    dT = dq_next[:, :, None] * q[:, None, :]
     dq = np.einsum("bij,bj->bi", Tt, dq_next)
-    # S' = T S T^T                  (T twice; S is a Gram matrix, so S^T = S)
-    if dS_next is not None:
-        dT += (dS_next + dS_next.transpose(0, 2, 1)) @ TS
-    # T = I + (1/n) sum_h P_h S Q_h (product rule in P_h, S and Q_h; S^T = S):
-    #   dP_h = (1/n) dT Q_h^T S,   dQ_h = (1/n) S P_h^T dT = (1/n) (P_h S)^T dT,
-    #   dS = (1/n) sum_h P_h^T dT Q_h^T;   W = ((1/n) dT Q_h^T)^T serves dP_h and dS
+    # S' = T S T^T                      (T twice, S^T = S: dS' T S + dS'^T T S)
+    dT += (dS_next + dS_next.transpose(0, 2, 1)) @ TS
+    dS = Tt @ dS_next @ T if need_dS else None
+    # T = I + (1/n) sum_h P_h S Q_h     (product rule: P_h, S and Q_h; S^T = S)
     dP, dQ = [], []
-    dS = Tt @ dS_next @ T if need_dS and dS_next is not None else 0.0   # S' = T S T^T, the middle S
     for P_h, Q_h, PS_h in zip(P_l, Q_l, PS):
-        dT_Qt = _times(dT, Q_h.T / n)                          # (1/n) dT Q_h^T
-        W = _transposed(dT_Qt)
-        if per_prompt:
-            dP.append(dT_Qt @ S)
-            dQ.append(PS_h.transpose(0, 2, 1) @ dT / n)
-        else:
-            dP.append(_sum_over_prompts(S, W).T)              # (sum_b S_b W_b)^T = sum_b W_b^T S_b
-            dQ.append(_sum_over_prompts(PS_h, dT) / n)
+        dT_Qt = _times(dT, Q_h.T / n)                                    # (1/n) dT Q_h^T
+        dP.append(over_prompts(dT_Qt, S))                                # dP_h = (1/n) dT Q_h^T S
+        dQ.append(over_prompts(PS_h.transpose(0, 2, 1), dT) / n)        # dQ_h = (1/n) (P_h S)^T dT
         if need_dS:
-            dS += _transposed(_times(W, P_h))                 # (W P_h)^T = P_h^T W^T
-    dP, dQ = (np.stack(g, axis=1 if per_prompt else 0) for g in (dP, dQ))
-    return (dS if need_dS else None), dq, dP, dQ
+            dS += P_h.T @ dT_Qt                                          # dS += (1/n) P_h^T dT Q_h^T
+    axis = 1 if per_prompt else 0
+    return dS, dq, np.stack(dP, axis), np.stack(dQ, axis)
+
+
+def readout_forward(P_l, Q_l, S, q, n):
+    """The last layer's entry that the prediction reads (MATH.md §2): row d of T times q,
+
+        (T q)_d = q_d + (1/n) sum_h p_h^T S Q_h q,   p_h = P_h[d, :] (the value row),
+
+    so y_hat = -(T q)_d. Arguments as layer_forward. Returns (T q)_d (B,) and the cache.
+    """
+    Sp = [np.einsum("bij,j->bi", S, P_h[-1]) for P_h in P_l]             # S p_h = (p_h^T S)^T
+    Qq = [np.einsum("ij,bj->bi", Q_h, q) for Q_h in Q_l]                # Q_h q
+    out = q[:, -1] + sum(np.einsum("bi,bi->b", Sp_h, Qq_h) for Sp_h, Qq_h in zip(Sp, Qq)) / n
+    return out, (P_l, Q_l, n, S, q, Sp, Qq)
+
+
+def readout_backward(dout, cache, per_prompt=False):
+    """Adjoint of readout_forward (MATH.md §3): dout (B,) -> (dS, dq, dP_l, dQ_l).
+
+    Returns dS (B, D, D), dq (B, D) and dP_l, dQ_l (H, D, D) summed over the prompts (dP_l is zero
+    outside row d), or with per_prompt each prompt's own (B, H, D, D).
+    """
+    P_l, Q_l, n, S, q, Sp, Qq = cache
+    g = (dout / n)[:, None]
+    dq, dS = np.zeros_like(q), np.zeros_like(S)
+    dq[:, -1] = dout                                                     # q_d
+    dP, dQ = np.zeros((2, len(q)) + P_l.shape)
+    for h, (P_h, Q_h, Sp_h, Qq_h) in enumerate(zip(P_l, Q_l, Sp, Qq)):
+        # (1/n) p_h^T S Q_h q              (product rule: p_h, S, Q_h and q)
+        dP[:, h, -1] = g * np.einsum("bij,bj->bi", S, Qq_h)              # (1/n) S Q_h q
+        dQ[:, h] = (g * Sp_h)[:, :, None] * q[:, None, :]               # (1/n) S p_h q^T
+        dS += (g * P_h[-1])[:, :, None] * Qq_h[:, None, :]              # (1/n) p_h (Q_h q)^T
+        dq += g * (Sp_h @ Q_h)                                           # (1/n) Q_h^T S p_h
+    return (dS, dq, dP, dQ) if per_prompt else (dS, dq, dP.sum(axis=0), dQ.sum(axis=0))
 
 
 def _propagate(P, Q, S, q, n):
-    """layer_forward through the layers from (S_0, q_0); returns q_L (B, D) and the caches."""
+    """From (S_0, q_0) to the prediction's entry (T_{L-1} q_{L-1})_d (B,): layer_forward through the
+    first L - 1 layers, readout_forward in the last. Returns it and the caches."""
     caches = []
-    for l, (P_l, Q_l) in enumerate(zip(P, Q)):
-        S, q, _, cache = layer_forward(P_l, Q_l, S, q, n, need_S=l < len(P) - 1)
+    for P_l, Q_l in zip(P[:-1], Q[:-1]):
+        S, q, _, cache = layer_forward(P_l, Q_l, S, q, n)
         caches.append(cache)
-    return q, caches
+    out, cache = readout_forward(P[-1], Q[-1], S, q, n)
+    return out, caches + [cache]
 
 
-def _backpropagate(dq, caches, per_prompt=False):
-    """layer_backward through the layers in reverse from the seed dq = dq_L (B, D); returns dP, dQ
-    (L, H, D, D), or with per_prompt (B, L, H, D, D)."""
-    dS, grads = None, [None] * len(caches)
-    for l in reversed(range(len(caches))):
+def _backpropagate(dout, caches, per_prompt=False):
+    """The adjoints of _propagate in reverse from the seed dout (B,); returns dP, dQ (L, H, D, D),
+    or with per_prompt (B, L, H, D, D)."""
+    dS, dq, dP_l, dQ_l = readout_backward(dout, caches[-1], per_prompt)
+    grads = [(dP_l, dQ_l)]
+    for l in reversed(range(len(caches) - 1)):
         dS, dq, dP_l, dQ_l = layer_backward(dS, dq, caches[l], need_dS=l > 0, per_prompt=per_prompt)
-        grads[l] = dP_l, dQ_l
+        grads.insert(0, (dP_l, dQ_l))
     axis = 1 if per_prompt else 0
-    return np.stack([g[0] for g in grads], axis=axis), np.stack([g[1] for g in grads], axis=axis)
+    return tuple(np.stack(g, axis) for g in zip(*grads))
 
 
+@_numpy_rules
 def forward(P, Q, Z, all_layers=False):
     """Z_L of the L-layer linear transformer, [A] eq. (4): Z_{l+1} = Z_l + (1/n) Attn(Z_l).
 
     P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1), or with all_layers the stack
-    (Z_0, ..., Z_L) of shape (L+1, B, D, n+1). Computed as Z_{l+1} = T_l Z_l (Gram form above).
-    MATH.md §2.
+    (Z_0, ..., Z_L) of shape (L+1, B, D, n+1). Computed as Z_{l+1} = T_l Z_l (Gram form above),
+    chunk by chunk. MATH.md §2.
     """
-    P, Q = _params(P, Q)
-    Z = _prompts(Z, P.shape[2])
+    P, Q, Z = _model_inputs(P, Q, Z)
     n = Z.shape[2] - 1
-    S, q, Zs = gram(Z), Z[:, :, n], [Z]
-    with np.errstate(over="ignore", invalid="ignore"):
+
+    def layers(Zc):                                    # (Z_0, ..., Z_L) of a chunk of prompts
+        S, q, Zs = gram(Zc), Zc[:, :, n], [Zc]
         for P_l, Q_l in zip(P, Q):
             S, q, T, _ = layer_forward(P_l, Q_l, S, q, n)
             Zs.append(T @ Zs[-1])
-    _finite_result("Z_L", Zs[-1], P=P, Q=Q, Z=Z)
-    return np.stack(Zs) if all_layers else Zs[-1]
+        return np.stack(Zs)
+    with np.errstate(over="ignore", invalid="ignore"):
+        Zs = np.concatenate([layers(Z[a:b]) for a, b in _chunks(*Z.shape[:2])], axis=1)
+    _finite({"Z_L": Zs[-1]}, P=P, Q=Q, Z=Z)
+    return Zs if all_layers else Zs[-1]
 
 
+@_numpy_rules
 def predict(P, Q, Z):
-    """TF_L(Z_0) = y_hat = -Z_L[d, n] per prompt ([A] §2), shape (B,). Only (S_0, q_0) are used.
-    MATH.md §2."""
-    P, Q = _params(P, Q)
-    Z = _prompts(Z, P.shape[2])
+    """TF_L(Z_0) = y_hat = -Z_L[d, n] per prompt ([A] §2), shape (B,), from (S_0, q_0) through the
+    last layer's readout, chunk by chunk. MATH.md §2."""
+    P, Q, Z = _model_inputs(P, Q, Z)
     n = Z.shape[2] - 1
     with np.errstate(over="ignore", invalid="ignore"):
-        q_L, _ = _propagate(P, Q, gram(Z), Z[:, :, n], n)
-    return _finite_result("the prediction", -q_L[:, -1], P=P, Q=Q, Z=Z)
+        y_hat = -np.concatenate([_propagate(P, Q, gram(Z[a:b]), Z[a:b, :, n], n)[0]
+                                 for a, b in _chunks(*Z.shape[:2])])
+    _finite({"the prediction": y_hat}, P=P, Q=Q, Z=Z)
+    return y_hat
 
 
 # ---------------------------------------------------------------------------------------------
 # 3. Loss and gradient ([A] eq. (5) as in its App. A.1 and the authors' code; MATH.md §3)
 # ---------------------------------------------------------------------------------------------
 
+@_numpy_rules
 def in_context_loss(P, Q, Z, y):
     """f = mean_b (Z_L[b, d, n] + y_b)^2 = mean_b (y_hat_b - y_b)^2 (no factor 1/2).
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,) true query labels. Returns a float.
     MATH.md §3.
     """
-    P, Q = _params(P, Q)
-    Z = _prompts(Z, P.shape[2])
-    y = _labels(y, Z.shape[0])
+    P, Q, Z, y = _model_inputs(P, Q, Z, y)
     return float(np.mean((predict(P, Q, Z) - y) ** 2))
 
 
-def _chunks(B, D):
-    """(start, stop) of the batch in chunks of 2^18 / D^3 prompts: a chunk's GEMMs (b D^3
-    multiply-adds) stay within the size that OpenBLAS runs on the calling thread, and its (b, D, D)
-    stacks in cache. The chunks only reorder the sums over prompts (MATH.md §3)."""
-    size = max(1, 2 ** 18 // D ** 3)
-    return [(c, min(c + size, B)) for c in range(0, B, size)]
+def _loss_and_grad_chunk(P, Q, S0, q0, y, n, B):
+    """One chunk of prompts forward and back: its part of the loss, (1/B) sum_b r_b^2, and of dP,
+    dQ, each divided by the whole batch size B (MATH.md §3)."""
+    out, caches = _propagate(P, Q, S0, q0, n)
+    r = out + y                                          # residual Z_L[d, n] + y = y - y_hat
+    return (float(r @ r) / B, *_backpropagate(2.0 * r / B, caches))
 
 
-def _gram_args(caller, P, Q, S0, q0, y, n):
-    """Checks of the Gram-form functions: P, Q as _params; S0 (B, D, D) finite and symmetric
-    (the adjoint relies on S^T = S, MATH.md §3); q0 (B, D) and y (B,) finite; n an integer >= 1.
-    Returns the float64 arrays and n."""
+def _jacobian_chunk(P, Q, S0, q0, y, n):
+    """One chunk of prompts: residuals r (b,) and each prompt's own gradient of r_b, JP and JQ
+    (b, L, H, D, D): the reverse pass seeded with 1 for every prompt and not summed (MATH.md §3.1)."""
+    out, caches = _propagate(P, Q, S0, q0, n)
+    return (out + y, *_backpropagate(np.ones_like(out), caches, per_prompt=True))
+
+
+def _loss_and_grad_gram(P, Q, S0, q0, y, n):
+    """REFERENCE.loss_and_grad_gram: the chunks' parts added in chunk order (MATH.md §3)."""
+    B = y.shape[0]
+    parts = [_loss_and_grad_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B) for a, b in _chunks(B, P.shape[-1])]
+    return tuple(sum(part) for part in zip(*parts))
+
+
+def _jacobian_gram(P, Q, S0, q0, y, n):
+    """REFERENCE.jacobian_gram: the chunks' rows in order (MATH.md §3.1)."""
+    parts = [_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n) for a, b in _chunks(y.shape[0], P.shape[-1])]
+    return tuple(np.concatenate(part) for part in zip(*parts))
+
+
+def _engine(engine):
+    return REFERENCE if engine is None else engine
+
+
+def _evaluator(engine, Z, y, activation, jacobian=False):
+    """(P, Q) -> (loss, dP, dQ), or with jacobian (r, JP, JQ) with each prompt's own gradient of its
+    residual (B, L, H, D, D), on the checked batch (Z, y) by `engine` (None: REFERENCE); for the
+    linear layer S_0 = Z M Z^T is formed once."""
+    engine = _engine(engine)
+    if activation == "linear":
+        n = Z.shape[2] - 1
+        S0, q0 = engine.gram(Z), np.ascontiguousarray(Z[:, :, n])
+        method = engine.jacobian_gram if jacobian else engine.loss_and_grad_gram
+        return lambda P, Q: method(P, Q, S0, q0, y, n)
+    return lambda P, Q: engine.activation_pass(P, Q, Z, y, activation, jacobian)[:3]
+
+
+def _gram_args(P, Q, S0, q0, y, n):
+    """The Gram-form functions' checks: P, Q as _params; S0 (B, D, D) finite and symmetric (the
+    adjoint relies on S^T = S, MATH.md §3); q0 (B, D) and y (B,) finite; n an integer >= 1."""
     P, Q = _params(P, Q)
     S0, q0, y = _array("S0", S0, 3), _array("q0", q0, 2), _array("y", y, 1)
     B, D = y.shape[0], P.shape[-1]
     if S0.shape != (B, D, D) or q0.shape != (B, D) or B < 1:
-        raise ValueError(f"{caller} needs S0 (B, D, D), q0 (B, D), y (B,) with B >= 1 and D = {D} from P, Q; "
+        raise ValueError(f"S0 must have shape (B, D, D), q0 (B, D) and y (B,) with B >= 1 and D = {D} from P, Q; "
                          f"got {S0.shape}, {q0.shape}, {y.shape}")
     if np.any(S0 != S0.transpose(0, 2, 1)):
         raise ValueError("S0 must be symmetric (S0 = Z M Z^T): the reverse pass relies on S^T = S")
     return P, Q, S0, q0, y, _int("n", n, 1)
 
 
-def _loss_and_grad_chunk(P, Q, S0, q0, y, n, B):
-    """One chunk of prompts (S0 (b, D, D), q0 (b, D), y (b,)) forward and back: its part of the
-    loss, (1/B) sum_b r_b^2, and of dP, dQ, each divided by the whole batch size B."""
-    q_L, caches = _propagate(P, Q, S0, q0, n)
-    r = q_L[:, -1] + y                                    # residual Z_L[d, n] + y = y - y_hat
-    dq = np.zeros_like(q_L)
-    dq[:, -1] = 2.0 * r / B
-    return (float(r @ r) / B, *_backpropagate(dq, caches))
-
-
-def _loss_and_grad_gram(P, Q, S0, q0, y, n):
-    """loss_and_grad_gram without the checks (the trainers call it at every evaluation): the chunks'
-    parts added in chunk order (MATH.md §3)."""
-    B = y.shape[0]
-    parts = [_loss_and_grad_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B) for a, b in _chunks(B, P.shape[-1])]
-    return tuple(sum(part[i] for part in parts) for i in range(3))
-
-
-def loss_and_grad_gram(P, Q, S0, q0, y, n):
+@_numpy_rules
+def loss_and_grad_gram(P, Q, S0, q0, y, n, engine=None):
     """f and (df/dP, df/dQ) from the Gram form (S_0, q_0): what training evaluates (MATH.md §3).
 
     P, Q: (L, H, D, D); S0: (B, D, D) = Z M Z^T (symmetric); q0: (B, D) = Z[:, :, n]; y: (B,);
     n context size. The batch is walked in chunks of prompts (_chunks); each chunk's loss and
     gradient are divided by the whole B and added in chunk order. A non-finite result is a
-    ValueError saying that float64 overflowed. Returns (loss, dP, dQ).
+    ValueError saying that float64 overflowed. engine: None (REFERENCE) or another evaluator
+    with its methods (icl_fast.engine()). Returns (loss, dP, dQ).
     """
-    P, Q, S0, q0, y, n = _gram_args("loss_and_grad_gram", P, Q, S0, q0, y, n)
+    P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
     with np.errstate(over="ignore", invalid="ignore"):
-        loss, dP, dQ = _loss_and_grad_gram(P, Q, S0, q0, y, n)
-    for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
-        _finite_result(what, value, P=P, Q=Q, S0=S0)
+        loss, dP, dQ = _engine(engine).loss_and_grad_gram(P, Q, S0, q0, y, n)
+    _finite({"the loss": loss, "dP": dP, "dQ": dQ}, P=P, Q=Q, S0=S0)
     return loss, dP, dQ
 
 
-def loss_and_grad(P, Q, Z, y):
+@_numpy_rules
+def loss_and_grad(P, Q, Z, y, engine=None):
     """In-context loss f (see in_context_loss) and its gradient by hand-written reverse mode.
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). Returns (loss, dP, dQ), dP and dQ shaped like
-    P, Q. Computed from the Gram form (S_0, q_0) (loss_and_grad_gram). A result that is not
-    finite is a ValueError saying that float64 overflowed. MATH.md §3.
+    P, Q. Computed from the Gram form (S_0, q_0) as loss_and_grad_gram; engine as there. A result
+    that is not finite is a ValueError saying that float64 overflowed. MATH.md §3.
     """
-    P, Q = _params(P, Q)
-    Z = _prompts(Z, P.shape[2])
-    y = _labels(y, Z.shape[0])
-    n = Z.shape[2] - 1
+    P, Q, Z, y = _model_inputs(P, Q, Z, y)
     with np.errstate(over="ignore", invalid="ignore"):
-        loss, dP, dQ = _loss_and_grad_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
-    for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
-        _finite_result(what, value, P=P, Q=Q, Z=Z)
+        loss, dP, dQ = _evaluator(engine, Z, y, "linear")(P, Q)
+    _finite({"the loss": loss, "dP": dP, "dQ": dQ}, P=P, Q=Q, Z=Z)
     return loss, dP, dQ
-
-
-def _jacobian_rows(structure, JP, JQ):
-    """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
-    coordinates: the chain rules of structure_grad applied to every row at once (MATH.md §5)."""
-    B = JP.shape[0]
-    return np.concatenate([g.reshape(B, -1) for g in _structure_grad(structure, JP, JQ).values()], axis=1)
-
-
-def _residuals_and_jacobian_chunk(P, Q, S0, q0, y, n, structure):
-    """One chunk of prompts: its residuals r (b,) and Jacobian rows (b, p), the reverse pass seeded
-    with dr_b / dq_L[b] = e_d for each prompt and not summed (MATH.md §3.1)."""
-    q_L, caches = _propagate(P, Q, S0, q0, n)
-    dq = np.zeros_like(q_L)
-    dq[:, -1] = 1.0
-    return q_L[:, -1] + y, _jacobian_rows(structure, *_backpropagate(dq, caches, per_prompt=True))
-
-
-def _residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure):
-    """residuals_and_jacobian_gram without the checks (Gauss-Newton calls it at every evaluation)."""
-    parts = [_residuals_and_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, structure)
-             for a, b in _chunks(y.shape[0], P.shape[-1])]
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def _check_structure_of(structure, P, Q):
@@ -532,26 +586,35 @@ def _check_structure_of(structure, P, Q):
                          "use structure='full' for other parameters")
 
 
-def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full"):
+def _jacobian_rows(structure, JP, JQ):
+    """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
+    coordinates: the chain rules of structure_grad applied to every row at once (MATH.md §5)."""
+    B = JP.shape[0]
+    return np.concatenate([g.reshape(B, -1) for g in _structure_grad(structure, JP, JQ).values()], axis=1)
+
+
+@_numpy_rules
+def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=None):
     """Residuals r_b = Z_L[b, d, n] + y_b and their Jacobian from the Gram form (MATH.md §3.1).
 
-    Arguments as loss_and_grad_gram. Each prompt's row is the reverse pass seeded with e_d for that
-    prompt alone: dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb, dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
+    Arguments as loss_and_grad_gram. Each prompt's row is the reverse pass seeded with 1 for that
+    prompt alone, e.g. dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb and dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
     structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
     or "blocks" (P, Q of that form, H = 1) maps each row through the structure's chain rule (pack
     order of structure_shapes). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
     """
     _check_structure(structure)
-    P, Q, S0, q0, y, n = _gram_args("residuals_and_jacobian_gram", P, Q, S0, q0, y, n)
+    P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
     _check_structure_of(structure, P, Q)
     with np.errstate(over="ignore", invalid="ignore"):
-        r, J = _residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure)
-    _finite_result("the residuals", r, P=P, Q=Q, S0=S0)
-    _finite_result("the Jacobian", J, P=P, Q=Q, S0=S0)
+        r, JP, JQ = _engine(engine).jacobian_gram(P, Q, S0, q0, y, n)
+        J = _jacobian_rows(structure, JP, JQ)
+    _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, S0=S0)
     return r, J
 
 
-def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear"):
+@_numpy_rules
+def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", engine=None):
     """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p), MATH.md §3.1.
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). structure "full" gives J in (P, Q) coordinates
@@ -559,24 +622,17 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear"):
     structure's own coordinates (pack order of structure_shapes). The loss is mean(r^2) and its
     gradient 2 J^T r / B. J holds B p floats (B = 200000, p = 150: 240 MB). activation: one of
     ACTIVATIONS; other than "linear" the rows come from the explicit attention (MATH.md §4).
-    A result that is not finite is a ValueError saying that float64 overflowed.
+    engine as loss_and_grad_gram. A result that is not finite is a ValueError saying that float64
+    overflowed.
     """
     _check_structure(structure)
     _check_activation(activation)
-    P, Q = _params(P, Q)
+    P, Q, Z, y = _model_inputs(P, Q, Z, y)
     _check_structure_of(structure, P, Q)
-    Z = _prompts(Z, P.shape[2])
-    y = _labels(y, Z.shape[0])
-    n = Z.shape[2] - 1
     with np.errstate(over="ignore", invalid="ignore"):
-        if activation == "linear":
-            r, J = _residuals_and_jacobian_gram(P, Q, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
-                                                structure)
-        else:
-            r, JP, JQ = _activation_pass(P, Q, Z, y, activation, jacobian=True)[:3]
-            J = _jacobian_rows(structure, JP, JQ)
-    _finite_result("the residuals", r, P=P, Q=Q, Z=Z)
-    _finite_result("the Jacobian", J, P=P, Q=Q, Z=Z)
+        r, JP, JQ = _evaluator(engine, Z, y, activation, jacobian=True)(P, Q)
+        J = _jacobian_rows(structure, JP, JQ)
+    _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, Z=Z)
     return r, J
 
 # ---------------------------------------------------------------------------------------------
@@ -595,6 +651,11 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear"):
 # ---------------------------------------------------------------------------------------------
 
 ACTIVATIONS = ("linear", "relu", "softmax", "softmax_all")
+
+
+def _check_activation(activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 def attention_forward(P_h, Q_h, Z, activation):
@@ -636,24 +697,14 @@ def attention_backward(dout, cache, per_prompt=False):
         dE = A * (dA - np.sum(A * dA, axis=1, keepdims=True))
     # V = P Z M                     (M removes the query column)
     dV[:, :, n] = 0.0
-    if per_prompt:
-        dP_h = dV @ Z.transpose(0, 2, 1)                       # dV_b Z_b^T
-    else:
-        dP_h = np.tensordot(dV, Z, axes=([0, 2], [0, 2]))     # sum_b dV_b Z_b^T, one GEMM
     dZ = P_h.T @ dV
     # E = Z^T Q Z                   (Z appears twice: as keys and as queries)
     dZ += Q_h @ Z @ dE.transpose(0, 2, 1) + Q_h.T @ Z @ dE
-    ZdE = Z @ dE
-    if per_prompt:
-        dQ_h = ZdE @ Z.transpose(0, 2, 1)                      # Z_b dE_b Z_b^T
+    if per_prompt:                                             # X_b Y_b^T for each prompt, or their sum
+        outer = lambda X, Y: X @ Y.transpose(0, 2, 1)          # noqa: E731
     else:
-        dQ_h = np.tensordot(ZdE, Z, axes=([0, 2], [0, 2]))    # sum_b Z_b dE_b Z_b^T
-    return dZ, dP_h, dQ_h
-
-
-def _check_activation(activation):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        outer = lambda X, Y: np.tensordot(X, Y, axes=([0, 2], [0, 2]))    # noqa: E731
+    return dZ, outer(dV, Z), outer(Z @ dE, Z)                  # dP_h = dV Z^T, dQ_h = Z dE Z^T
 
 
 def _activation_chunk(P, Q, Zc, yc, B, activation, jacobian=False):
@@ -669,54 +720,39 @@ def _activation_chunk(P, Q, Zc, yc, B, activation, jacobian=False):
     r = Zc[:, -1, -1] + yc
     dZ = np.zeros_like(Zc)
     dZ[:, -1, -1] = 1.0 if jacobian else 2.0 * r / B
-    shape = (len(r),) + P.shape if jacobian else P.shape
-    dP, dQ = np.zeros(shape), np.zeros(shape)
+    dP, dQ = np.zeros((2, len(r)) + P.shape if jacobian else (2,) + P.shape)
+    at = (slice(None),) if jacobian else ()                    # the prompts' axis, where kept
     for l in reversed(range(len(caches))):
         dZ_in = dZ.copy()                                      # the residual path
         for h, cache in enumerate(caches[l]):
-            dZ_h, dP_h, dQ_h = attention_backward(dZ, cache, per_prompt=jacobian)
-            if jacobian:
-                dP[:, l, h], dQ[:, l, h] = dP_h, dQ_h
-            else:
-                dP[l, h], dQ[l, h] = dP_h, dQ_h
+            dZ_h, dP[at + (l, h)], dQ[at + (l, h)] = attention_backward(dZ, cache, per_prompt=jacobian)
             dZ_in += dZ_h
         dZ = dZ_in
     return (r if jacobian else float(r @ r) / B), dP, dQ, Zc
 
 
-def _activation_bounds(B, N):
-    """(start, stop) of the chunks for the explicit attention: 2^15 / (n+1)^2 prompts each, so the
-    (b, n+1, n+1) score matrices stay in cache."""
-    size = max(1, 2 ** 15 // N ** 2)
-    return [(c, min(c + size, B)) for c in range(0, B, size)]
-
-
-def _combine_activation_parts(parts, jacobian):
-    """The chunks' results of _activation_chunk as one: (loss, dP, dQ, Z_L) summed in chunk order,
-    or with jacobian (r, JP, JQ, Z_L) concatenated."""
-    if jacobian:
-        return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
-    return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts),
-            np.concatenate([p[3] for p in parts]))
-
-
 def _activation_pass(P, Q, Z, y, activation, jacobian=False):
-    """The batch through _activation_chunk, chunk by chunk (unchecked; the callers check)."""
-    B = Z.shape[0]
-    parts = [_activation_chunk(P, Q, Z[a:b], y[a:b], B, activation, jacobian)
-             for a, b in _activation_bounds(B, Z.shape[2])]
-    return _combine_activation_parts(parts, jacobian)
+    """REFERENCE.activation_pass: the batch through _activation_chunk in chunks of 2^15 / (n+1)^2
+    prompts (their (b, n+1, n+1) score matrices stay in cache); (loss, dP, dQ, Z_L) summed in chunk
+    order, or with jacobian (r, JP, JQ, Z_L) concatenated. Unchecked: the callers check."""
+    B, size = Z.shape[0], max(1, 2 ** 15 // Z.shape[2] ** 2)
+    parts = list(zip(*[_activation_chunk(P, Q, Z[a:a + size], y[a:a + size], B, activation, jacobian)
+                       for a in range(0, B, size)]))
+    if jacobian:
+        return tuple(np.concatenate(part) for part in parts)
+    return sum(parts[0]), sum(parts[1]), sum(parts[2]), np.concatenate(parts[3])
 
 
+@_numpy_rules
 def forward_activation(P, Q, Z, activation="relu"):
     """Z_L of L layers Z <- Z + sum_h P_h Z M sigma(Z^T Q_h Z) / n ([A] §6). Shapes as forward.
     MATH.md §4."""
     _check_activation(activation)
-    P, Q = _params(P, Q)
-    Z = _prompts(Z, P.shape[2])
+    P, Q, Z = _model_inputs(P, Q, Z)
     with np.errstate(over="ignore", invalid="ignore"):
         Z_L = _activation_pass(P, Q, Z, np.zeros(Z.shape[0]), activation)[3]
-    return _finite_result("Z_L", Z_L, P=P, Q=Q, Z=Z)
+    _finite({"Z_L": Z_L}, P=P, Q=Q, Z=Z)
+    return Z_L
 
 
 def predict_activation(P, Q, Z, activation="relu"):
@@ -724,17 +760,15 @@ def predict_activation(P, Q, Z, activation="relu"):
     return -forward_activation(P, Q, Z, activation)[:, -1, -1]
 
 
-def loss_and_grad_activation(P, Q, Z, y, activation="relu"):
-    """(loss, dP, dQ) for the attention of forward_activation, by hand-written reverse mode.
-    MATH.md §4."""
+@_numpy_rules
+def loss_and_grad_activation(P, Q, Z, y, activation="relu", engine=None):
+    """(loss, dP, dQ) for the attention of forward_activation, by hand-written reverse mode; engine
+    as loss_and_grad_gram. MATH.md §4."""
     _check_activation(activation)
-    P, Q = _params(P, Q)
-    Z = _prompts(Z, P.shape[2])
-    y = _labels(y, Z.shape[0])
+    P, Q, Z, y = _model_inputs(P, Q, Z, y)
     with np.errstate(over="ignore", invalid="ignore"):
-        loss, dP, dQ, _ = _activation_pass(P, Q, Z, y, activation)
-    for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
-        _finite_result(what, value, P=P, Q=Q, Z=Z)
+        loss, dP, dQ, _ = _engine(engine).activation_pass(P, Q, Z, y, activation)
+    _finite({"the loss": loss, "dP": dP, "dQ": dQ}, P=P, Q=Q, Z=Z)
     return loss, dP, dQ
 
 
@@ -869,27 +903,47 @@ def _structure_grad(structure, dP, dQ):
 
 # ---------------------------------------------------------------------------------------------
 # 5. Training on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook; MATH.md §6)
+#
+# Both trainers work on the batch divided by c, a power of two near its size (_data_scale): the
+# token maps T_l are unchanged when S -> S / c^2 and Q -> c^2 Q, so the parameters map exactly and
+# gtol means the same at any scale of the data; data drawn as in the paper have c = 1.
 # ---------------------------------------------------------------------------------------------
 
-def _evaluator(engine, Z, y, activation):
-    """(P, Q) -> (loss, dP, dQ) on the fixed batch (Z, y) by `engine` (None: icl_ref's own
-    functions); the linear layer precomputes S_0 once."""
-    engine = REFERENCE if engine is None else engine
-    if activation == "linear":
-        n = Z.shape[2] - 1
-        S0, q0 = gram(Z), np.ascontiguousarray(Z[:, :, n])
-        return lambda P, Q: engine.loss_and_grad_gram(P, Q, S0, q0, y, n)
-    return lambda P, Q: engine.activation_pass(P, Q, Z, y, activation)[:3]
+def _data_scale(Z):
+    """c = 2^floor(log2 rms(Z)): Z / c has entries of root mean square in [1, 2), and dividing by a
+    power of two is exact (MATH.md §6). A Z with no normal float64 entry has no scale."""
+    m = float(np.max(np.abs(Z)))
+    if m < np.finfo(np.float64).tiny:
+        raise ValueError(f"Z's entries are all zero or subnormal (largest {m:.1e}): there is nothing to train "
+                         "on at float64 precision; rescale Z and y")
+    return 2.0 ** math.floor(math.log2(m * math.sqrt(float(np.mean((Z / m) ** 2)))))
 
 
-def _interrupted_at_start(structure, coords, options, start, **extra):
-    """The result of a training run stopped by Ctrl-C before its first evaluation completed: the
-    start's coordinates, no loss (NaN), interrupted=True."""
-    return dict(structure=structure, coords=coords, P=None, Q=None, loss=math.nan, grad_norm=math.nan,
-                success=False, wall_time=time.perf_counter() - start, scipy_version=scipy.__version__,
-                history=np.array([]), options=options, nit=0, nfev=0, status=None, interrupted=True,
-                message="interrupted by KeyboardInterrupt before the first evaluation completed: nothing was "
-                "computed", **extra)
+def _rescaled(coords, s):
+    """coords with the arrays that enter Q (A, Q) times s: the same token maps for Gram matrices
+    divided by s (MATH.md §6)."""
+    return {k: v * s if k in ("A", "Q") else v for k, v in coords.items()}
+
+
+def _start(structure, shapes, init, init_scale, rng, c):
+    """The initial coordinates in the units of Z / c (a dict): iid N(0, init_scale^2) from rng (so a
+    random start is the same at any scale of the data), or an init dict's arrays, given in the
+    caller's units. Everything is checked before rng is touched."""
+    if isinstance(init, str) and init == "random":
+        if not isinstance(rng, np.random.Generator):
+            raise TypeError("rng must be a numpy.random.Generator when init='random'")
+        init_scale = _nonneg("init_scale", init_scale)
+        return {k: init_scale * rng.standard_normal(s) for k, s in shapes.items()}
+    if isinstance(init, dict):
+        if set(init) != set(shapes):
+            raise ValueError(f"init must have the keys {sorted(shapes)} for structure {structure!r}, "
+                             f"got {sorted(init)}")
+        coords = {k: _array(f"init[{k!r}]", init[k], len(s)) for k, s in shapes.items()}
+        for k, s in shapes.items():
+            if coords[k].shape != s:
+                raise ValueError(f"init[{k!r}] must have shape {s}, got {coords[k].shape}")
+        return _rescaled(coords, c ** 2)
+    raise TypeError(f"init must be 'random' or a dict of arrays keyed {sorted(shapes)}")
 
 
 def _norm(g):
@@ -898,112 +952,109 @@ def _norm(g):
     return m * float(np.linalg.norm(g / m)) if 0 < m < math.inf else m
 
 
-def _trainable_scale(Z):
-    """gtol is absolute, so data whose entries are all tiny would "converge" at any start (the loss
-    and its gradient scale with powers of |Z|): Z with no entry above 1e-30 in size is refused
-    (MATH.md §6)."""
-    if np.max(np.abs(Z)) < 1e-30:
-        raise ValueError(f"Z's entries are all below 1e-30 in size (largest {np.max(np.abs(Z)):.1e}): at that scale "
-                         "the loss's gradient is below any gradient tolerance, so convergence cannot be judged; "
-                         "rescale Z and y")
+class _Run:
+    """What both trainers share: the checks (before any work or draw from rng), the batch divided by
+    its scale c, the start in those units, the coordinates <-> flat vector, progress lines and the
+    result (MATH.md §6)."""
+
+    def __init__(self, Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine):
+        _check_structure(structure)
+        _check_activation(activation)
+        layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
+        Z = _prompts(Z)
+        y = _labels(y, Z.shape[0])
+        self.structure, self.activation, self.engine = structure, activation, engine
+        self.progress = _int("progress", progress, 0)
+        self.shapes = structure_shapes(structure, layers, Z.shape[1] - 1, heads)
+        self.c = _data_scale(Z)
+        self.Z, self.y = Z / self.c, y / self.c
+        self.theta0 = pack(_start(structure, self.shapes, init, init_scale, rng, self.c).values())
+        self.start = time.perf_counter()
+
+    def coords(self, theta, user_units=False):
+        """The structure's arrays of a flat theta (normalised units; with user_units, the caller's)."""
+        coords = dict(zip(self.shapes, unpack(theta, list(self.shapes.values()))))
+        return _rescaled(coords, self.c ** -2) if user_units else coords
+
+    def PQ(self, theta):
+        return structure_to_PQ(self.structure, self.coords(theta))
+
+    def say(self, what, k, loss, grad):
+        if self.progress and k % self.progress == 0:
+            print(f"{what} {k:6d}  loss {self.c ** 2 * loss:.6e}  |grad| {_norm(grad):.3e}"
+                  f"  {time.perf_counter() - self.start:8.2f} s", file=sys.stderr, flush=True)
+
+    def result(self, theta, loss, grad, history, options, outcome, success, **extra):
+        coords = self.coords(theta, user_units=True)
+        P, Q = structure_to_PQ(self.structure, coords)
+        return dict(structure=self.structure, coords=coords, P=P, Q=Q, loss=self.c ** 2 * float(loss),
+                    grad_norm=_norm(grad), scale=self.c, success=bool(success),
+                    wall_time=time.perf_counter() - self.start, scipy_version=scipy.__version__,
+                    history=self.c ** 2 * np.array(history), options=options, **outcome, **extra)
 
 
-def _start(structure, shapes, init, init_scale, rng):
-    """The initial flat vector: iid N(0, init_scale^2) from rng, or the arrays of an init dict.
-    Everything is checked before rng is touched."""
-    if isinstance(init, str) and init == "random":
-        if not isinstance(rng, np.random.Generator):
-            raise TypeError("rng must be a numpy.random.Generator when init='random'")
-        init_scale = _nonneg("init_scale", init_scale)
-        return init_scale * rng.standard_normal(sum(math.prod(s) for s in shapes.values()))
-    if isinstance(init, dict):
-        if set(init) != set(shapes):
-            raise ValueError(f"init must have the keys {sorted(shapes)} for structure {structure!r}, "
-                             f"got {sorted(init)}")
-        arrays = [_array(f"init[{k!r}]", init[k], len(s)) for k, s in shapes.items()]
-        for (k, s), a in zip(shapes.items(), arrays):
-            if a.shape != s:
-                raise ValueError(f"init[{k!r}] must have shape {s}, got {a.shape}")
-        return pack(arrays)
-    raise TypeError(f"init must be 'random' or a dict of arrays keyed {sorted(shapes)}")
+_INTERRUPTED = dict(nfev=None, status=None, interrupted=True)
 
-
+@_numpy_rules
 def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
                 rng=None, maxiter=2000, maxfun=None, maxcor=20, ftol=0.0, gtol=1e-8,
                 maxls=50, progress=0, keep_iterates=False, activation="linear", engine=None):
-    """Minimise the in-context loss on the fixed batch (Z, y) with scipy's L-BFGS-B.
+    """Minimise the in-context loss on the fixed batch (Z, y) with scipy's L-BFGS-B (MATH.md §6).
 
     Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in {"sparse", "blocks", "full"},
     heads = H >= 1 (only for "full"). init: "random" (iid N(0, init_scale^2) entries drawn
-    from rng, a numpy Generator) or a dict of arrays in the structure's coordinates (shapes as
+    from rng, a numpy Generator, in the units of Z / c below: the same start at any scale) or a dict of arrays in the structure's coordinates (shapes as
     structure_shapes). The options maxiter, maxfun (default 5 * maxiter), maxcor, ftol, gtol and
     maxls go to scipy.optimize.minimize(method="L-BFGS-B") as they are; ftol = 0 (the default)
-    stops only on the projected gradient (gtol) or when the loss no longer decreases at all, so a
-    stop is at a small gradient, not at a slow stretch. maxcor = 20 pairs suffice for the sparse
-    structure; the blocks structure wants about twice its coordinates (MATH.md §6).
-    progress = k > 0 prints "iteration, loss, |grad|, elapsed" to stderr every k iterations. keep_iterates stores the
-    coordinates after every iteration (result["iterates"], a list of dicts, initial point first).
-    activation: "linear" (the paper's layer; the Gram matrices S_0 = Z M Z^T are computed once and
-    each evaluation costs O(B L H D^3)) or one of ACTIVATIONS (explicit attention, O(B L H n^2 D)).
-    engine: None evaluates with this module's functions; icl_fast's trainers pass their own
-    (the same numbers, on several cores).
+    stops only on the projected gradient (gtol: its largest entry, L-BFGS-B's own test) or when the
+    loss no longer decreases at all, so a stop is at a small gradient, not at a slow stretch.
+    maxcor = 20 pairs suffice for the sparse structure; the blocks structure wants about twice its
+    coordinates (MATH.md §6). progress = k > 0 prints "iteration, loss, |grad|, elapsed" to stderr
+    every k iterations. keep_iterates stores the coordinates after every iteration (result
+    ["iterates"], a list of dicts, initial point first). activation: "linear" (the paper's layer;
+    S_0 = Z M Z^T is formed once and each evaluation costs O(B L H D^3)) or one of ACTIVATIONS
+    (explicit attention, O(B L H n^2 D)). engine as loss_and_grad_gram (icl_fast's trainers pass
+    theirs: the same numbers, on several cores).
 
     Returns a dict: structure, coords (the structure's own arrays), P, Q, loss, grad_norm (the
-    gradient's 2-norm), nit, nfev, success, status, message, interrupted, wall_time,
-    scipy_version, history (loss after each iteration, starting with the initial loss) and
-    options. success is icl_ref's own verdict on the returned point: its loss and gradient are
-    finite and no gradient entry exceeds gtol in size (the projected-gradient test of L-BFGS-B;
-    gtol is absolute, in the loss's units). scipy's status and message are kept beside it, with
-    the reason whenever the two disagree. A trial point where the model overflows is a failed
-    trial (the line search backs off); the message counts such trials. A Ctrl-C returns the last
-    completed iterate with interrupted=True and success=False. MATH.md §6.
+    gradient's Euclidean norm; gtol bounds its largest entry), scale (c, MATH.md §6), nit, nfev, success, status, message,
+    interrupted, wall_time, scipy_version, history (the loss after each iteration, the initial loss
+    first) and options. success is icl_ref's own verdict: the returned point's loss and gradient are
+    finite and its gradient is within gtol, measured on the batch divided by c = 2^floor(log2 rms(Z))
+    (exact; c = 1 for data of root mean square in [1, 2), as sample_prompts draws), so the test
+    reads the same at any scale of the data; scipy's status and message are kept beside it. A
+    trial point where the model overflows is a failed trial. Ctrl-C before the first evaluation
+    completes raises KeyboardInterrupt (there is nothing to return); after it, the trainer returns
+    the last completed iterate with interrupted=True and success=False.
     """
-    _check_structure(structure)
-    _check_activation(activation)
-    layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
-    Z = _prompts(Z)
-    y = _labels(y, Z.shape[0])
-    d, n = Z.shape[1] - 1, Z.shape[2] - 1
-    shapes = structure_shapes(structure, layers, d, heads)
     options = dict(maxiter=_int("maxiter", maxiter, 1),
                    maxfun=5 * maxiter if maxfun is None else _int("maxfun", maxfun, 1),
                    maxcor=_int("maxcor", maxcor, 1), ftol=_nonneg("ftol", ftol),
                    gtol=_nonneg("gtol", gtol), maxls=_int("maxls", maxls, 1))
-    progress = _int("progress", progress, 0)
-    _trainable_scale(Z)
-    x0 = _start(structure, shapes, init, init_scale, rng)
-
-    evaluate = _evaluator(engine, Z, y, activation)
-
-    def coords_of(theta):
-        return dict(zip(shapes, unpack(theta, list(shapes.values()))))
+    run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine)
+    evaluate = _evaluator(engine, run.Z, run.y, activation)
+    last, history, failed = {}, [], [0]
 
     def fun(theta):
         # a trial point where the model overflows is a failed trial (an infinite loss), so the
         # line search backs off instead of the run ending; `last` keeps only finite evaluations
         if np.all(np.isfinite(theta)):
             with np.errstate(over="ignore", invalid="ignore"):
-                loss, dP, dQ = evaluate(*structure_to_PQ(structure, coords_of(theta)))
-        if not (np.all(np.isfinite(theta)) and math.isfinite(loss) and np.all(np.isfinite(dP))
-                and np.all(np.isfinite(dQ))):
-            failed[0] += 1
-            return math.inf, np.zeros_like(theta)
-        grad = pack(structure_grad(structure, dP, dQ).values())
-        last.update(theta=theta.copy(), loss=loss, grad=grad)
-        return loss, grad
+                loss, dP, dQ = evaluate(*run.PQ(theta))
+            grad = np.concatenate([g.ravel() for g in _structure_grad(structure, dP, dQ).values()])
+            if math.isfinite(loss) and np.all(np.isfinite(grad)):
+                last.update(theta=theta.copy(), loss=loss, grad=grad)
+                return loss, grad
+        failed[0] += 1
+        return math.inf, np.zeros_like(theta)
 
-    last, history, failed = {}, [], [0]
-    iterates = [coords_of(x0)] if keep_iterates else None
-    start = time.perf_counter()
-    try:
-        fun(x0)
-    except KeyboardInterrupt:
-        return _interrupted_at_start(structure, coords_of(x0), options, start, iterates=iterates)
+    fun(run.theta0)
     if not last:
         raise ValueError("the loss or its gradient at the initial point is not finite (float64 overflow): "
                          "use a smaller init_scale or init, or rescale Z")
     best = dict(last)                                        # the last completed iterate
     history.append(best["loss"])
+    iterates = [run.coords(run.theta0, user_units=True)] if keep_iterates else None
 
     def callback(theta):
         if not np.array_equal(theta, last["theta"]):          # L-BFGS-B's last call is the iterate
@@ -1011,14 +1062,11 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
         best.update(last)
         history.append(last["loss"])
         if keep_iterates:
-            iterates.append(coords_of(last["theta"]))
-        k = len(history) - 1
-        if progress and k % progress == 0:
-            print(f"iter {k:6d}  loss {last['loss']:.6e}  |grad| {_norm(last['grad']):.3e}"
-                  f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
+            iterates.append(run.coords(last["theta"], user_units=True))
+        run.say("iter", len(history) - 1, last["loss"], last["grad"])
 
     try:
-        res = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B", callback=callback,
+        res = scipy.optimize.minimize(fun, run.theta0, jac=True, method="L-BFGS-B", callback=callback,
                                       options=options)
         outcome = dict(nit=int(res.nit), nfev=int(res.nfev), status=int(res.status),
                        message=str(res.message), interrupted=False)
@@ -1030,25 +1078,18 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                 best.update(last)
             else:
                 outcome["message"] += "; returning the last iterate with a finite loss"
-        theta, loss, grad = best["theta"], best["loss"], best["grad"]
     except KeyboardInterrupt:
-        theta, loss, grad = best["theta"], best["loss"], best["grad"]
-        outcome = dict(nit=len(history) - 1, nfev=None, success=False, status=None,
-                       message=f"interrupted by KeyboardInterrupt after {len(history) - 1} iterations",
-                       interrupted=True)
-    grad_max = float(np.max(np.abs(grad)))
-    outcome["success"] = not outcome["interrupted"] and grad_max <= options["gtol"]
+        outcome = dict(_INTERRUPTED, nit=len(history) - 1,
+                       message=f"interrupted by KeyboardInterrupt after {len(history) - 1} iterations")
+    grad_max = float(np.max(np.abs(best["grad"])))
+    success = not outcome["interrupted"] and grad_max <= options["gtol"]
     if not outcome["interrupted"]:
-        outcome["message"] += (f"; largest gradient entry {grad_max:.2e} {'<=' if outcome['success'] else '>'} "
+        outcome["message"] += (f"; largest gradient entry {grad_max:.2e} {'<=' if success else '>'} "
                                f"gtol {options['gtol']:.1e}")
         if failed[0]:
             outcome["message"] += f"; {failed[0]} trial points overflowed float64 and were rejected"
-    coords = coords_of(theta)
-    P, Q = structure_to_PQ(structure, coords)
-    return dict(structure=structure, coords=coords, P=P, Q=Q, loss=float(loss),
-                grad_norm=_norm(grad), wall_time=time.perf_counter() - start,
-                scipy_version=scipy.__version__, history=np.array(history), options=options,
-                iterates=iterates, **outcome)
+    return run.result(best["theta"], best["loss"], best["grad"], history, options, outcome, success,
+                      **({"iterates": iterates} if keep_iterates else {}))
 
 
 def _fixed_coordinates(structure, shapes, query_label_zero=True):
@@ -1079,50 +1120,35 @@ def _reduced_least_squares(r, J):
     return R_aug[:, p], R_aug[:, :p]
 
 
+@_numpy_rules
 def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
                        rng=None, max_nfev=500, gtol=1e-8, progress=0, activation="linear", engine=None):
     """Minimise the in-context loss on (Z, y) by Gauss-Newton with a trust region (MATH.md §6).
 
     scipy.optimize.least_squares on the residuals r / sqrt(B) (method "dogbox" for the sparse and
-    blocks structures, "trf" for full P, Q, MATH.md §6) with the hand-derived
-    Jacobian of residuals_and_jacobian_gram, so its objective is half the loss; the solver sees the
-    equivalent (p+1)-dimensional system of _reduced_least_squares (the same steps, a small SVD).
-    Arguments as train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates
-    that do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) are held at their
-    initial values (result["fixed"] counts them). Converged means a small gradient: success is
-    grad_norm <= gtol, where grad_norm = |2 J^T r / B| over the free coordinates; scipy's own
-    reason for stopping is in message. Ctrl-C returns the best point evaluated so far with
-    interrupted=True. history holds the loss after each accepted decrease. activation as in
-    train_lbfgs (the explicit attention's Jacobian, MATH.md §4).
-
-    Returns the dict of train_lbfgs (structure, coords, P, Q, loss, grad_norm, nit, nfev, success,
-    status, message, interrupted, wall_time, scipy_version, history, options) plus fixed.
+    blocks structures, "trf" for full P, Q, MATH.md §6) with the hand-derived Jacobian of
+    residuals_and_jacobian_gram, so its objective is half the loss; the solver sees the equivalent
+    (p+1)-dimensional system of _reduced_least_squares (the same steps, a small SVD). Arguments as
+    train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates that
+    do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) are held at their initial
+    values (result["fixed"] counts them). Converged means a small gradient: grad_norm =
+    |2 J^T r / B| over the free coordinates <= gtol. history holds the loss after each accepted
+    decrease; nit counts evaluations. Returns train_lbfgs's dict (success, scale and Ctrl-C as
+    there) plus fixed.
     """
-    _check_structure(structure)
-    _check_activation(activation)
-    layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
-    Z = _prompts(Z)
-    y = _labels(y, Z.shape[0])
-    B, d, n = Z.shape[0], Z.shape[1] - 1, Z.shape[2] - 1
-    shapes = structure_shapes(structure, layers, d, heads)
     options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
-    progress = _int("progress", progress, 0)
-    engine = REFERENCE if engine is None else engine
-    _trainable_scale(Z)
-    theta0 = _start(structure, shapes, init, init_scale, rng)
-    free = ~_fixed_coordinates(structure, shapes, query_label_zero=not np.any(Z[:, -1, -1]))
-    S0, q0 = gram(Z), np.ascontiguousarray(Z[:, :, n])
+    run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine)
+    B = run.Z.shape[0]
+    jacobian = _evaluator(engine, run.Z, run.y, activation, jacobian=True)
+    free = ~_fixed_coordinates(structure, run.shapes, query_label_zero=not np.any(run.Z[:, -1, -1]))
     root_B = math.sqrt(B)
 
-    def coords_of(theta):
-        return dict(zip(shapes, unpack(theta, list(shapes.values()))))
-
     def full(x):
-        theta = theta0.copy()
+        theta = run.theta0.copy()
         theta[free] = x
         return theta
 
-    cache = {}
+    cache, best, history = {}, dict(loss=math.inf), []
 
     def evaluate(x):
         # a trial point where the model overflows gets an infinite loss: the trust region shrinks
@@ -1131,34 +1157,21 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         cache.update(x=x.copy(), f=np.full(x.size + 1, np.inf), R=np.zeros((x.size + 1, x.size)))
         if not np.all(np.isfinite(x)):
             return cache
-        P, Q = structure_to_PQ(structure, coords_of(full(x)))
         with np.errstate(over="ignore", invalid="ignore"):
-            if activation == "linear":
-                r, J = engine.residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure)
-            else:
-                r, JP, JQ, _ = engine.activation_pass(P, Q, Z, y, activation, jacobian=True)
-                J = _jacobian_rows(structure, JP, JQ)
+            r, JP, JQ = jacobian(*run.PQ(full(x)))
+            J = _jacobian_rows(structure, JP, JQ)[:, free]
         if not (np.all(np.isfinite(r)) and np.all(np.isfinite(J))):
             return cache
-        J = J[:, free]
-        cache["f"], cache["R"] = engine.reduced_least_squares(r / root_B, J / root_B)
+        cache["f"], cache["R"] = _engine(engine).reduced_least_squares(r / root_B, J / root_B)
         loss = float(r @ r) / B
         if loss < best["loss"]:
-            best.update(x=x.copy(), loss=loss, r=r, J=J)
+            best.update(x=x.copy(), loss=loss, grad=2 * J.T @ r / B)
             history.append(loss)
-            if progress and (len(history) - 1) % progress == 0:
-                g = _norm(2 * J.T @ r / B)
-                print(f"eval {len(history) - 1:6d}  loss {loss:.6e}  |grad| {g:.3e}"
-                      f"  {time.perf_counter() - start:8.2f} s", file=sys.stderr, flush=True)
+            run.say("eval", len(history) - 1, loss, best["grad"])
         return cache
 
-    start = time.perf_counter()
-    best, history = dict(loss=math.inf), []
-    x0 = theta0[free]
-    try:
-        evaluate(x0)
-    except KeyboardInterrupt:
-        return _interrupted_at_start(structure, coords_of(theta0), options, start, fixed=int(np.sum(~free)))
+    x0 = run.theta0[free]
+    evaluate(x0)
     if not math.isfinite(best["loss"]):
         raise ValueError("the loss or its Jacobian at the initial point is not finite (float64 overflow): "
                          "use a smaller init_scale or init, or rescale Z")
@@ -1172,34 +1185,35 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         outcome = dict(nit=int(res.nfev), nfev=int(res.nfev), status=int(res.status),
                        message=str(res.message), interrupted=False)
     except KeyboardInterrupt:
-        outcome = dict(nit=len(history), nfev=None, status=None, interrupted=True,
+        outcome = dict(_INTERRUPTED, nit=len(history),
                        message=f"interrupted by KeyboardInterrupt after {len(history)} decreases")
-    x, loss = best["x"], best["loss"]
-    grad_norm = _norm(2 * best["J"].T @ best["r"] / B)
-    coords = coords_of(full(x))
-    P, Q = structure_to_PQ(structure, coords)
+    grad_norm = _norm(best["grad"])
     success = not outcome["interrupted"] and grad_norm <= options["gtol"]
     if not outcome["interrupted"]:
-        outcome["message"] += (f"; gradient norm {grad_norm:.2e} {'<=' if success else '>'} "
-                               f"gtol {options['gtol']:.1e}")
-    return dict(structure=structure, coords=coords, P=P, Q=Q, loss=loss, grad_norm=grad_norm,
-                success=success, wall_time=time.perf_counter() - start, scipy_version=scipy.__version__,
-                history=np.array(history), options=options, fixed=int(np.sum(~free)), **outcome)
+        outcome["message"] += f"; gradient norm {grad_norm:.2e} {'<=' if success else '>'} gtol {options['gtol']:.1e}"
+    return run.result(full(best["x"]), best["loss"], best["grad"], history, options, outcome, success,
+                      fixed=int(np.sum(~free)))
 
 
-# What the trainers evaluate with, unchecked (they check their inputs once): icl_ref's own
-# functions. An engine is any object with these four attributes (icl_fast makes one per thread
-# count); it must return the same numbers.
-REFERENCE = types.SimpleNamespace(loss_and_grad_gram=_loss_and_grad_gram,
-                                  residuals_and_jacobian_gram=_residuals_and_jacobian_gram,
-                                  activation_pass=_activation_pass,
-                                  reduced_least_squares=_reduced_least_squares)
+REFERENCE = types.SimpleNamespace(gram=gram, loss_and_grad_gram=_loss_and_grad_gram, jacobian_gram=_jacobian_gram,
+                                  activation_pass=_activation_pass, reduced_least_squares=_reduced_least_squares)
+"""The evaluator that the `engine=` arguments default to: icl_ref's own computations, unchecked (the
+public functions check their inputs once). Another engine (icl_fast.engine()) is any object with
+these five methods, returning the same numbers:
+    gram(Z)                                   S_0 = Z M Z^T (B, D, D)
+    loss_and_grad_gram(P, Q, S0, q0, y, n)    (loss, dP, dQ) as loss_and_grad_gram
+    jacobian_gram(P, Q, S0, q0, y, n)         (r (B,), JP, JQ (B, L, H, D, D)): each prompt's gradient of r_b
+    activation_pass(P, Q, Z, y, activation, jacobian=False)
+                                              (loss, dP, dQ, Z_L), or (r, JP, JQ, Z_L), explicit attention
+    reduced_least_squares(r, J)               (f, R) of _reduced_least_squares
+MATH.md §3, §3.1, §4 and §6 derive what each computes."""
 
 
 # ---------------------------------------------------------------------------------------------
 # 6. Closed forms (MATH.md §7-§10)
 # ---------------------------------------------------------------------------------------------
 
+@_numpy_rules
 def preconditioned_gd(X, y, A):
     """Lemma 1 of [A]: the iterates the sparse transformer (8) implements, w_0 = 0 and
 
@@ -1230,12 +1244,13 @@ def _single_layer_moments(Sigma, n, Sigma_w, noise_var):
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
     d = Sigma.shape[0]
-    Sigma_w = np.eye(d) if Sigma_w is None else _spd("Sigma_w", Sigma_w, d)[0]
+    Sigma_w = _task_covariance(Sigma_w, d)[0]
     noise_var = _nonneg("noise_var", noise_var)
     K = ((n + 1) / n) * Sigma @ Sigma_w @ Sigma + ((np.trace(Sigma_w @ Sigma) + noise_var) / n) * Sigma
     return Sigma, Sigma_w, K, Sigma @ Sigma_w
 
 
+@_numpy_rules
 def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0):
     """Optimal single-layer preconditioner, Theorem 1 of [A] generalised (MATH.md §8):
 
@@ -1248,15 +1263,18 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0):
     """
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
-    Sigma_w = np.eye(Sigma.shape[0]) if Sigma_w is None else _spd("Sigma_w", Sigma_w, Sigma.shape[0])[0]
+    Sigma_w = _task_covariance(Sigma_w, Sigma.shape[0])[0]
     noise_var = _nonneg("noise_var", noise_var)
     # scale-free: with Sigma = c S and Sigma_w = w W (max entries 1), Gamma* = K'^-1 S W / c, where K'
     # is K of (S, W) with the noise noise_var / (c w); no under- or overflow at any scale of Sigma
     c, w = np.max(np.abs(Sigma)), np.max(np.abs(Sigma_w))
     _, _, K, E_hw = _single_layer_moments(Sigma / c, n, Sigma_w / w, noise_var / (c * w))
-    return _finite_result("Gamma*", np.linalg.solve(K, E_hw) / c, Sigma=Sigma)
+    G = np.linalg.solve(K, E_hw) / c
+    _finite({"Gamma*": G}, Sigma=Sigma)
+    return G
 
 
+@_numpy_rules
 def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, query_noise=True):
     """Exact E (y_hat - y_q)^2 of the one-layer sparse model with A_0 = Gamma (MATH.md §8):
 
@@ -1274,12 +1292,14 @@ def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, q
     with np.errstate(over="ignore", invalid="ignore"):
         loss = (np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
                 + np.trace(Sigma @ Sigma_w) + (noise_var if query_noise else 0.0))
-    return float(_finite_result("the loss", loss, Gamma=Gamma, Sigma=Sigma))
+    _finite({"the loss": loss}, Gamma=Gamma, Sigma=Sigma)
+    return float(loss)
 
 
 MAX_FULL_LAYER_D = 8     # the exact rule over w* below has 4^d nodes
 
 
+@_numpy_rules
 def full_layer_population_loss(P, Q, Sigma, n, Sigma_w=None):
     """Exact E (y_hat - y_q)^2 of one layer with any (P, Q), noiseless labels (MATH.md §8):
 
@@ -1298,7 +1318,7 @@ def full_layer_population_loss(P, Q, Sigma, n, Sigma_w=None):
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma, P.shape[-1] - 1)[0]
     d = Sigma.shape[0]
-    F_w = np.eye(d) if Sigma_w is None else _spd("Sigma_w", Sigma_w, d)[1]
+    F_w = _task_covariance(Sigma_w, d)[1]
     if P.shape[0] != 1:
         raise ValueError(f"P, Q must have one layer (shape (1, H, d+1, d+1)), got {P.shape}")
     if d > MAX_FULL_LAYER_D:
@@ -1320,7 +1340,8 @@ def full_layer_population_loss(P, Q, Sigma, n, Sigma_w=None):
                      + np.einsum("nhk,nhi,nki->n", trace, Su, u) / n + 2 * np.sum(Sw * a, axis=1)
                      + np.sum(Sw * w, axis=1))
         loss = weight @ integrand
-    return float(_finite_result("the loss", loss, P=P, Q=Q, Sigma=Sigma))
+    _finite({"the loss": loss}, P=P, Q=Q, Sigma=Sigma)
+    return float(loss)
 
 
 def gd_step_size(n, d, noise_var=0.0):
@@ -1368,7 +1389,7 @@ def wishart_trace_moments(n, d, kmax):
     return list(_trace_moments(n, d, kmax))
 
 
-@lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def _trace_moments(n, d, kmax):
     """wishart_trace_moments as a tuple, kept for the 64 most recent (n, d, kmax): the exact loss
     and the quadrature ask for the same moments at every evaluation."""
@@ -1478,6 +1499,7 @@ def family_population_loss(a, n, d, b=None, noise_var=0.0, query_noise=True):
     return float(f)
 
 
+@_numpy_rules
 def wishart_quadrature(n, d, K):
     """K-node Gauss rule for the mean spectral measure mu of S = W/n (mu has mass d, moments m_k):
 
@@ -1563,6 +1585,7 @@ def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
     return a, b, family_population_loss(a, n, d, b, noise_var=noise_var)
 
 
+@_numpy_rules
 def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=None):
     """Best member of the family of Theorem 3 (A_l = a_l Sigma^-1) or, with blocks, of
     Theorem 4 (also B_l = b_l I), by multi-start L-BFGS-B on the exact population loss.
@@ -1577,8 +1600,7 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
     starts = _int("starts", starts, 1)
-    if rng is not None and not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
+    _rng(rng, optional=True)
     rng = np.random.default_rng(0) if rng is None else rng
     descend = _family_descent(L, n, d, blocks, noise_var)
     best = min((descend(np.r_[rng.uniform(0, 2, L), rng.uniform(0, 1.5, L - 1) if blocks else []])
@@ -1586,6 +1608,7 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     return _family_result(best.x, L, n, d, blocks, noise_var, sort=not blocks)
 
 
+@_numpy_rules
 def family_local_minimum(a, n, d, b=None, noise_var=0.0):
     """The local minimum of the exact family loss (family_population_loss) whose basin holds the start
     (a, b): one L-BFGS-B descent on the exact Gauss rule, as in optimal_family_scalars (MATH.md §10).
@@ -1604,6 +1627,7 @@ def family_local_minimum(a, n, d, b=None, noise_var=0.0):
 # 7. Metrics (MATH.md §11)
 # ---------------------------------------------------------------------------------------------
 
+@_numpy_rules
 def distance_to_multiple(M, T=None):
     """dist(M, T) = min_alpha ||M - alpha T||_F / ||M||_F, alpha = <M, T>_F / <T, T>_F.
 
@@ -1621,6 +1645,7 @@ def distance_to_multiple(M, T=None):
     return float(np.linalg.norm(M - alpha * T) / np.linalg.norm(M))
 
 
+@_numpy_rules
 def distance_to_diagonal(M):
     """||offdiag(M)||_F / ||M||_F for a square M != 0: 0 exactly when M is diagonal (Theorem 2).
     MATH.md §11."""
@@ -1631,6 +1656,7 @@ def distance_to_diagonal(M):
     return float(np.linalg.norm(M - np.diag(np.diag(M))) / np.linalg.norm(M))
 
 
+@_numpy_rules
 def fitted_scalar(M, T):
     """alpha = <M, T>_F / <T, T>_F, the least-squares scalar with M ~ alpha T (a_l, b_l).
     MATH.md §11."""
@@ -1643,6 +1669,7 @@ def fitted_scalar(M, T):
     return float(np.sum((M / m) * (T / t)) / np.sum((T / t) ** 2) * (m / t))
 
 
+@_numpy_rules
 def symmetry_directions(structure, coords, query_label_zero=True):
     """An orthonormal basis (p, k) of the directions in which the loss is exactly constant at
     coords, in the structure's pack order (MATH.md §11):
@@ -1698,11 +1725,12 @@ def _gradient_at(structure, names, shapes, evaluate):
         P, Q = structure_to_PQ(structure, dict(zip(names, unpack(theta, shapes))))
         with np.errstate(over="ignore", invalid="ignore"):
             _, dP, dQ = evaluate(P, Q)
-        _finite_result("the gradient", np.r_[dP.ravel(), dQ.ravel()], P=P, Q=Q)
+        _finite({"the gradient": np.r_[dP.ravel(), dQ.ravel()]}, P=P, Q=Q)
         return np.concatenate([g.ravel() for g in _structure_grad(structure, dP, dQ).values()])
     return grad
 
 
+@_numpy_rules
 def identifiable_hessian(structure, coords, Z, y, h=1e-5, activation="linear", engine=None):
     """The batch loss's gradient and Hessian at coords in the identifiable coordinates: an
     orthonormal basis U of the complement of the exact symmetry directions (symmetry_directions),
@@ -1731,6 +1759,7 @@ def identifiable_hessian(structure, coords, Z, y, h=1e-5, activation="linear", e
                 symmetries=U.shape[0] - U.shape[1])
 
 
+@_numpy_rules
 def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation="linear", engine=None):
     """Sampling covariance of parameters trained on the batch (Z, y), in the structure's coordinates:
 
@@ -1764,12 +1793,11 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
                          f"{high:.3g}): coords are not at a strict local minimum of the batch loss, where the "
                          "sandwich covariance is defined")
     if activation == "linear":
-        n = Z.shape[2] - 1
         P_c, Q_c = structure_to_PQ(structure, coords)
         with np.errstate(over="ignore", invalid="ignore"):
-            r, J = (REFERENCE if engine is None else engine).residuals_and_jacobian_gram(
-                P_c, Q_c, gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n, structure)
-        _finite_result("the Jacobian", J, P=P_c, Q=Q_c, Z=Z)
+            r, JP, JQ = _evaluator(engine, Z, y, "linear", jacobian=True)(P_c, Q_c)
+            J = _jacobian_rows(structure, JP, JQ)
+        _finite({"the Jacobian": J}, P=P_c, Q=Q_c, Z=Z)
         V_U = np.atleast_2d(np.cov(2 * r[:, None] * (J @ U), rowvar=False))
     else:
         size = Z.shape[0] // chunks
@@ -1869,6 +1897,7 @@ def _von_oswald_heads(W, heads, activation):
     return Wq, Wk, Wv, Wo, 1.0 if activation == "linear" else 1.0 / math.sqrt(Wq.shape[-1])
 
 
+@_numpy_rules
 def params_from_von_oswald(W_q, W_k, W_v, W_o, n, heads=1, layers=None, activation="linear"):
     """von Oswald et al.'s projections as icl_ref's (P, Q), each (L, H, d+1, d+1) (MATH.md §12).
 
@@ -1899,6 +1928,7 @@ def params_from_von_oswald(W_q, W_k, W_v, W_o, n, heads=1, layers=None, activati
     return P, Q
 
 
+@_numpy_rules
 def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="linear"):
     """The gradient of von Oswald et al.'s loss (VON_OSWALD_LOSS_SCALE times icl_ref's) with respect to
     W_q, W_k, W_v, W_o, from icl_ref's (dP, dQ): the chain rule through params_from_von_oswald
@@ -1968,7 +1998,7 @@ def reference_cases():
     return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()} for c in _reference_cases()]
 
 
-@lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def _reference_cases():
     """reference_cases, built once (the family optimum takes a second)."""
     cases = []

@@ -1449,15 +1449,27 @@ def test_train_lbfgs_validates_before_drawing_from_rng():
 
 
 @pytest.mark.parametrize("trainer", ["lbfgs", "gauss_newton"])
-def test_ctrl_c_in_the_first_evaluation_returns_an_interrupted_result(trainer):
+@pytest.mark.parametrize("at_call", [1, 3])
+def test_ctrl_c_raises_before_the_first_evaluation_and_returns_a_whole_result_after(trainer, at_call):
     rng, Z, y = small_problem(seed=133, B=40, n=8)
+    name = "loss_and_grad_gram" if trainer == "lbfgs" else "jacobian_gram"
+    calls = []
 
     def interrupt(*args):
-        raise KeyboardInterrupt
-    name = "loss_and_grad_gram" if trainer == "lbfgs" else "residuals_and_jacobian_gram"
-    res = getattr(ir, f"train_{trainer}")(Z, y, 2, rng=rng, engine=reference_engine(**{name: interrupt}))
-    assert res["interrupted"] and not res["success"] and math.isnan(res["loss"])
-    assert "before the first evaluation" in res["message"]
+        calls.append(1)
+        if len(calls) == at_call:
+            raise KeyboardInterrupt
+        return getattr(ir.REFERENCE, name)(*args)
+    train = getattr(ir, f"train_{trainer}")
+    if at_call == 1:                    # nothing completed: nothing to return
+        with pytest.raises(KeyboardInterrupt):
+            train(Z, y, 2, rng=rng, engine=reference_engine(**{name: interrupt}))
+        return
+    res = train(Z, y, 2, rng=rng, engine=reference_engine(**{name: interrupt}))
+    assert res["interrupted"] and not res["success"] and "interrupted" in res["message"]
+    assert res["P"] is not None and math.isfinite(res["loss"])
+    # the returned loss is the loss of the returned point (exact up to the data scale's rounding)
+    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1704,7 +1716,9 @@ def test_sandwich_for_full_P_Q_removes_the_symmetries_and_matches_the_spread_ove
     for k in range(R):
         Z, y = ir.sample_prompts(rng, B, n, Sigma, noise_std=0.5)
         res = ir.train_gauss_newton(Z, y, 1, structure="full", init=start)
-        assert res["grad_norm"] < 1e-7, res["message"]
+        # a stationary point to far below the sampling spread (1/sqrt(B) ~ 2e-2) the fits are compared
+        # with: trf's float64 floor on this rank-deficient problem is ~1e-7 in the data's own units
+        assert res["grad_norm"] < 1e-6, res["message"]
         theta = ir.pack([res["coords"]["P"], res["coords"]["Q"]])
         fits.append(W_of(theta))
         if k < R_s:
@@ -2040,8 +2054,29 @@ def test_trainers_call_success_only_what_converged():
     res = ir.train_lbfgs(Z, y, 1, rng=rng, gtol=0.0, maxiter=50)      # gtol 0: SciPy may stop, icl_ref says no
     assert not res["success"]
     for trainer in (ir.train_lbfgs, ir.train_gauss_newton):
-        with pytest.raises(ValueError, match="below 1e-30"):             # data that underflow: refused
-            trainer(Z * 1e-150, y * 1e-150, 1, rng=rng)
+        with pytest.raises(ValueError, match="all zero or subnormal"):    # nothing at float64 precision
+            trainer(Z * 1e-320, y * 1e-320, 1, rng=rng)
+
+
+@pytest.mark.parametrize("trainer", ["lbfgs", "gauss_newton"])
+def test_trainers_read_the_same_at_any_scale_of_the_data(trainer):
+    # units are the caller's choice: data times 2^-300 (exact) give the same run bit for bit, with
+    # the loss times 2^-600 and A times 2^600; data in milli-units (1e-3, not a power of two)
+    # converge to the rescaled loss (only rounding differs) or say they did not
+    rng, Z, y = small_problem(seed=140, B=300, n=10)
+    train = getattr(ir, f"train_{trainer}")
+    kw = dict(structure="sparse", init_scale=0.1)
+    ref = train(Z, y, 2, rng=np.random.default_rng(1), **kw)
+    assert ref["success"]
+    tiny = train(Z * 2.0 ** -300, y * 2.0 ** -300, 2, rng=np.random.default_rng(1), **kw)
+    assert tiny["nit"] == ref["nit"] and tiny["success"]
+    assert tiny["loss"] == ref["loss"] * 2.0 ** -600
+    np.testing.assert_array_equal(tiny["coords"]["A"], ref["coords"]["A"] * 2.0 ** 600)
+    milli = train(Z * 1e-3, y * 1e-3, 2, rng=np.random.default_rng(1), **kw)
+    assert milli["nit"] > 0
+    if milli["success"]:
+        # the acceptance bound: within 5% of the converged loss in the caller's units
+        assert milli["loss"] == pytest.approx(ref["loss"] * 1e-6, rel=0.05)
 
 
 # ---------------------------------------------------------------------------------------------
