@@ -328,6 +328,7 @@ def _summed(X, Y):
     return np.tensordot(X, Y, axes=([0, 2], [0, 1]))
 
 
+@_numpy_rules
 def layer_forward(P_l, Q_l, S, q, n):
     """One layer in Gram form (MATH.md §2): T = I + (1/n) sum_h P_h S Q_h, S' = T S T^T, q' = T q.
 
@@ -344,6 +345,7 @@ def layer_forward(P_l, Q_l, S, q, n):
     return S_next, q_next, T, (P_l, Q_l, n, S, q, T, TS, PS)
 
 
+@_numpy_rules
 def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
     """Adjoint of layer_forward (MATH.md §3): (dS', dq') -> (dS, dq, dP_l, dQ_l).
 
@@ -372,6 +374,7 @@ def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
     return dS, dq, np.stack(dP, axis), np.stack(dQ, axis)
 
 
+@_numpy_rules
 def readout_forward(P_l, Q_l, S, q, n):
     """The last layer's entry that the prediction reads (MATH.md §2): row d of T times q,
 
@@ -385,6 +388,7 @@ def readout_forward(P_l, Q_l, S, q, n):
     return out, (P_l, Q_l, n, S, q, Sp, Qq)
 
 
+@_numpy_rules
 def readout_backward(dout, cache, per_prompt=False):
     """Adjoint of readout_forward (MATH.md §3): dout (B,) -> (dS, dq, dP_l, dQ_l).
 
@@ -658,6 +662,7 @@ def _check_activation(activation):
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
+@_numpy_rules
 def attention_forward(P_h, Q_h, Z, activation):
     """One head: out = (1/n) P Z M sigma(Z^T Q Z). P_h, Q_h: (D, D); Z: (B, D, n+1).
     Returns out (B, D, n+1) and the cache for attention_backward. The activation is checked; the
@@ -681,6 +686,7 @@ def attention_forward(P_h, Q_h, Z, activation):
     return V @ A / n, (P_h, Q_h, Z, E, A, V, activation, n)
 
 
+@_numpy_rules
 def attention_backward(dout, cache, per_prompt=False):
     """Adjoint of attention_forward: dout (B, D, n+1) -> dZ (B, D, n+1), dP_h, dQ_h (D, D) summed
     over the batch, or with per_prompt each prompt's own (B, D, D) (Jacobian rows). MATH.md §4."""

@@ -10,6 +10,7 @@ Tolerances, each with its reason:
     Z_MC   = 4      Monte Carlo: |estimate - exact| <= 4 standard errors computed from the samples
 Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
 """
+import inspect
 import math
 import re
 import os
@@ -2238,3 +2239,115 @@ def test_the_reference_chunks_cover_the_batch_once_and_change_nothing():
     r, J = ir.residuals_and_jacobian(P, Q, Z, y)
     assert r.shape == (2000,) and np.mean(r ** 2) == pytest.approx(loss, rel=EXACT)
     assert_allclose(2 * J.T @ r / 2000, ir.pack([dP, dQ]), rtol=0, atol=EXACT * np.max(np.abs(dP)))
+
+
+def _strict_calls():
+    """One call of every public function of sections 1-8 (name -> thunk), on inputs where NumPy
+    underflows inside: prompts of scale 1e-120 (products of four entries fall below 1e-308) and
+    softmax scores far below exp's range."""
+    rng, Z, y = small_problem(seed=190, B=30, n=6, d=2)
+    tiny = 1e-120
+    P, Q = random_params(rng, 2, 1, 2)
+    Ps, Qs = ir.sparse_params(np.stack([np.eye(2)] * 2))
+    S0, q0 = ir.gram(Z), Z[:, :, -1]
+    Zx = Z * 30.0                                          # softmax scores ~ -1e3: exp underflows
+    coords = {"A": np.stack([np.eye(2)] * 2)}
+    S, q, _, cache = ir.layer_forward(P[0], Q[0], S0, q0, 6)
+    out, rcache = ir.readout_forward(P[1], Q[1], S, q, 6)
+    _, acache = ir.attention_forward(P[0, 0], Q[0, 0], Zx, "softmax")
+    G = ir.gamma_star(np.eye(2), 6)
+    allparam = rng.standard_normal((2, 1, 2, 2, 2))
+    return {
+        "sample_prompts": lambda: ir.sample_prompts(rng, 4, 3, np.eye(2) * tiny),
+        "rotated_covariance": lambda: ir.rotated_covariance(rng, [1.0, tiny]),
+        "mask": lambda: ir.mask(3),
+        "forward_literal": lambda: ir.forward_literal(P, Q, Z * tiny),
+        "gram": lambda: ir.gram(Z * tiny),
+        "layer_forward": lambda: ir.layer_forward(P[0], Q[0], S0 * tiny ** 2, q0 * tiny, 6),
+        "layer_backward": lambda: ir.layer_backward(S * tiny, q * tiny, cache),
+        "readout_forward": lambda: ir.readout_forward(P[1], Q[1], S * tiny, q * tiny, 6),
+        "readout_backward": lambda: ir.readout_backward(out * tiny, rcache),
+        "forward": lambda: ir.forward(P, Q, Z * tiny),
+        "predict": lambda: ir.predict(P, Q, Z * tiny),
+        "in_context_loss": lambda: ir.in_context_loss(P, Q, Z * tiny, y * tiny),
+        "loss_and_grad_gram": lambda: ir.loss_and_grad_gram(P, Q, S0 * tiny ** 2, q0 * tiny, y * tiny, 6),
+        "loss_and_grad": lambda: ir.loss_and_grad(P, Q, Z * tiny, y * tiny),
+        "residuals_and_jacobian_gram": lambda: ir.residuals_and_jacobian_gram(P, Q, S0 * tiny ** 2, q0 * tiny, y, 6),
+        "residuals_and_jacobian": lambda: ir.residuals_and_jacobian(P, Q, Zx, y, activation="softmax"),
+        "attention_forward": lambda: ir.attention_forward(P[0, 0], Q[0, 0], Zx, "softmax"),
+        "attention_backward": lambda: ir.attention_backward(Zx * tiny, acache),
+        "forward_activation": lambda: ir.forward_activation(P, Q, Zx, "softmax"),
+        "predict_activation": lambda: ir.predict_activation(P, Q, Zx, "softmax"),
+        "loss_and_grad_activation": lambda: ir.loss_and_grad_activation(P, Q, Zx, y, "softmax"),
+        "block_params": lambda: ir.block_params(coords["A"] * tiny, coords["A"] * tiny),
+        "block_grad": lambda: ir.block_grad(P * tiny, Q * tiny),
+        "sparse_params": lambda: ir.sparse_params(coords["A"] * tiny),
+        "sparse_grad": lambda: ir.sparse_grad(P * tiny, Q * tiny),
+        "pack": lambda: ir.pack([P * tiny]),
+        "unpack": lambda: ir.unpack(np.full(4, tiny), [(2, 2)]),
+        "structure_shapes": lambda: ir.structure_shapes("sparse", 2, 2),
+        "structure_to_PQ": lambda: ir.structure_to_PQ("sparse", {"A": coords["A"] * tiny}),
+        "structure_grad": lambda: ir.structure_grad("sparse", P * tiny, Q * tiny),
+        "train_lbfgs": lambda: ir.train_lbfgs(Zx[:20] / 30, y[:20], 1, rng=rng, maxiter=5, activation="softmax"),
+        "train_gauss_newton": lambda: ir.train_gauss_newton(Z * tiny, y * tiny, 2, rng=rng, max_nfev=5),
+        "preconditioned_gd": lambda: ir.preconditioned_gd(Z[:, :2, :-1].transpose(0, 2, 1) * tiny, Z[:, 2, :-1], coords["A"]),
+        "gamma_star": lambda: ir.gamma_star(np.diag([1.0, 1e-160]), 6),
+        "single_layer_population_loss": lambda: ir.single_layer_population_loss(G * tiny, np.eye(2), 6),
+        "full_layer_population_loss": lambda: ir.full_layer_population_loss(Ps[:1] * tiny, Qs[:1], np.eye(2), 6),
+        "gd_step_size": lambda: ir.gd_step_size(6, 2),
+        "wishart_trace_moments": lambda: ir.wishart_trace_moments(6, 2, 3),
+        "family_polynomials": lambda: ir.family_polynomials([tiny, 1.0]),
+        "family_population_loss": lambda: ir.family_population_loss([tiny, 0.5], 6, 2),
+        "wishart_quadrature": lambda: ir.wishart_quadrature(6, 2, 4),
+        "optimal_family_scalars": lambda: ir.optimal_family_scalars(1, 6, 2, starts=2, rng=rng),
+        "family_local_minimum": lambda: ir.family_local_minimum([0.5], 6, 2),
+        "distance_to_multiple": lambda: ir.distance_to_multiple(np.eye(2) * tiny),
+        "distance_to_diagonal": lambda: ir.distance_to_diagonal(np.eye(2) * tiny),
+        "fitted_scalar": lambda: ir.fitted_scalar(np.eye(2) * tiny, np.eye(2)),
+        "symmetry_directions": lambda: ir.symmetry_directions("sparse", coords),
+        "identifiable_hessian": lambda: ir.identifiable_hessian("sparse", coords, Z, y),
+        "sandwich_covariance": lambda: ir.sandwich_covariance(
+            "sparse", ir.train_lbfgs(Z, y, 1, rng=rng)["coords"], Z, y),
+        "tokens_as_columns": lambda: ir.tokens_as_columns(Z.transpose(0, 2, 1) * tiny),
+        "tokens_as_rows": lambda: ir.tokens_as_rows(Z * tiny),
+        "params_from_authors": lambda: ir.params_from_authors(allparam * tiny),
+        "params_to_authors": lambda: ir.params_to_authors(*ir.params_from_authors(allparam * tiny)),
+        "grads_to_authors": lambda: ir.grads_to_authors(P * tiny, Q),
+        "params_from_von_oswald": lambda: ir.params_from_von_oswald(
+            *(np.eye(3)[None] * tiny for _ in range(4)), 6),
+        "grads_to_von_oswald": lambda: ir.grads_to_von_oswald(
+            P[:1] * tiny, Q[:1], *(np.eye(3)[None] for _ in range(4)), 6),
+    }
+
+
+def _same(a, b):
+    """a and b equal bit for bit, through tuples, lists and dicts of arrays and numbers."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, np.ndarray) or isinstance(a, float):
+        return np.array_equal(a, b, equal_nan=True)
+    return a == b
+
+
+def test_every_public_function_works_under_a_strict_caller_and_leaves_its_settings():
+    # a caller's np.seterr(all="raise") (strict suites set it) must not turn the library's own
+    # underflows into errors, nor be changed by a call: the result equals the default-settings one
+    calls = _strict_calls()
+    kit = {"reference_cases", "write_reference_vectors", "diagnose", "check_implementation"}   # test_conformance
+    public = {k for k, v in vars(ir).items() if not k.startswith("_") and inspect.isfunction(v)
+              and v.__module__ == ir.__name__}
+    assert public - kit == set(calls)                      # a new public function gets a line here
+    with np.errstate(under="ignore"):                      # the default rules: what each call returns
+        expected = {name: call() for name, call in _strict_calls().items()}
+    old = np.seterr(all="raise")
+    try:
+        for name, call in calls.items():
+            got = call()
+            assert np.geterr() == dict(divide="raise", over="raise", under="raise", invalid="raise"), name
+            if name not in ("sample_prompts", "rotated_covariance", "train_lbfgs", "train_gauss_newton",
+                            "optimal_family_scalars", "sandwich_covariance"):      # draw from rng: differ
+                assert _same(got, expected[name]), name
+    finally:
+        np.seterr(**old)
