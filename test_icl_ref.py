@@ -2351,3 +2351,104 @@ def test_every_public_function_works_under_a_strict_caller_and_leaves_its_settin
                 assert _same(got, expected[name]), name
     finally:
         np.seterr(**old)
+
+
+def _stub_engine(grad_entry, calls=None, interrupt_at=None):
+    """icl_ref's engine whose loss is 1 and whose gradient (sparse, L = 1) has the single entry
+    dA[0, 0, 0] = grad_entry; with interrupt_at, that call raises KeyboardInterrupt."""
+    def loss_and_grad_gram(P, Q, S0, q0, y, n):
+        if calls is not None:
+            calls.append(1)
+            if len(calls) == interrupt_at:
+                raise KeyboardInterrupt
+        dP, dQ = np.zeros_like(P), np.zeros_like(Q)
+        dQ[0, 0, 0, 0] = -grad_entry                       # sparse: A enters as Q = -[[A, 0], [0, 0]]
+        return 1.0, dP, dQ
+    return reference_engine(loss_and_grad_gram=loss_and_grad_gram)
+
+
+def test_lbfgs_success_at_the_boundary_of_gtol():
+    # success is "largest entry <= gtol": at equality yes, a hair below no; gtol = 0 with an exactly
+    # zero gradient yes (a stationary start), and the message states the comparison
+    rng, Z, y = small_problem(seed=191, B=20, n=5)
+    g = 3.0e-6
+    res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, gtol=g, engine=_stub_engine(g))
+    assert res["success"] and res["nit"] == 0 and "<= gtol" in res["message"]
+    res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, gtol=g * (1 - 1e-12), maxiter=3,
+                         engine=_stub_engine(g))
+    assert not res["success"] and "> gtol" in res["message"]
+    res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, gtol=0.0, engine=_stub_engine(0.0))
+    assert res["success"] and res["grad_norm"] == 0.0
+
+
+def test_gauss_newton_interrupted_at_a_converged_point_is_not_a_success():
+    # the first evaluation is 1e-10 from the least-squares solution (gradient ~1e-10 <= gtol 1e-8),
+    # the solver (its own tolerances 1e-15) asks again and Ctrl-C lands there: interrupted, no verdict
+    rng, Z, y = small_problem(seed=192, B=200, n=8)
+    opt = ir.train_gauss_newton(Z, y, 1, rng=rng)
+    assert opt["success"]
+    calls = []
+
+    def jacobian_gram(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return ir.REFERENCE.jacobian_gram(*args)
+    near = {"A": opt["coords"]["A"] * (1 + 1e-10)}
+    res = ir.train_gauss_newton(Z, y, 1, init=near, engine=reference_engine(jacobian_gram=jacobian_gram))
+    assert len(calls) == 2 and res["interrupted"] and res["grad_norm"] <= 1e-8 and not res["success"]
+
+
+def test_gauss_newton_reads_the_query_label_slot_for_the_coordinates_it_holds():
+    # one full layer: Q's last column meets the query only through its label slot, so it is held
+    # fixed when every slot is 0 and trained when one is not (d x-rows of P held in both)
+    rng, Z, y = small_problem(seed=193, B=60, n=6)
+    init = {k: 0.3 * rng.standard_normal(s) for k, s in ir.structure_shapes("full", 1, 3, 1).items()}
+    assert ir.train_gauss_newton(Z, y, 1, structure="full", init=init, max_nfev=3)["fixed"] == 3 * 4 + 4
+    Z = Z.copy()
+    Z[0, -1, -1] = 0.5
+    assert ir.train_gauss_newton(Z, y, 1, structure="full", init=init, max_nfev=3)["fixed"] == 3 * 4
+
+
+def test_the_statistics_use_the_engine_given_and_a_symmetric_hessian():
+    # identifiable_hessian and sandwich_covariance evaluate through engine= (the gradient and the
+    # per-prompt Jacobian both); the Hessian is exactly symmetric
+    rng, Z, y = small_problem(seed=194, B=300, n=8)
+    coords = ir.train_gauss_newton(Z, y, 1, rng=rng)["coords"]
+    seen = []
+
+    def spy(name):
+        def method(*args):
+            seen.append(name)
+            return getattr(ir.REFERENCE, name)(*args)
+        return method
+    engine = reference_engine(loss_and_grad_gram=spy("loss_and_grad_gram"), jacobian_gram=spy("jacobian_gram"))
+    curvature = ir.identifiable_hessian("sparse", coords, Z, y, engine=engine)
+    assert np.array_equal(curvature["hessian"], curvature["hessian"].T) and "loss_and_grad_gram" in seen
+    seen.clear()
+    ir.sandwich_covariance("sparse", coords, Z, y, engine=engine)
+    assert {"loss_and_grad_gram", "jacobian_gram"} <= set(seen)
+
+
+def test_sandwich_refuses_a_flat_direction():
+    # a covariate that is always 0: the entries of A that multiply it never reach the loss, so the
+    # Hessian has exactly zero eigenvalues there and the sandwich (H^-1) is not defined
+    rng, Z, y = small_problem(seed=195, B=300, n=8)
+    Z = Z.copy()
+    Z[:, 1, :] = 0.0
+    coords = ir.train_gauss_newton(Z, y, 1, rng=rng)["coords"]
+    with pytest.raises(ValueError, match="not at a strict local minimum"):
+        ir.sandwich_covariance("sparse", coords, Z, y)
+
+
+def test_full_layer_population_loss_at_its_documented_limit():
+    # d = MAX_FULL_LAYER_D is computed (and equals the sparse closed form at sparse (P, Q)); one
+    # more is refused before any work. EXACT: the same expectation by two exact routes
+    d = ir.MAX_FULL_LAYER_D
+    G = ir.gamma_star(np.eye(d), 10)
+    P, Q = ir.sparse_params(G[None])
+    assert ir.full_layer_population_loss(P, Q, np.eye(d), 10) == pytest.approx(
+        ir.single_layer_population_loss(G, np.eye(d), 10, query_noise=False), rel=1e-10)
+    P, Q = ir.sparse_params(np.eye(d + 1)[None])
+    with pytest.raises(ValueError, match=f"d must be <= {d}"):
+        ir.full_layer_population_loss(P, Q, np.eye(d + 1), 10)
