@@ -2150,6 +2150,12 @@ def _layout_outputs(case, layout, out):
 
 
 @lru_cache(maxsize=None)
+def _cases_of(layout):
+    """The names of the reference cases a layout can be given (_case_layouts)."""
+    return tuple(c["name"] for c in _reference_cases() if layout in _case_layouts(c))
+
+
+@lru_cache(maxsize=None)
 def _expected(name, layout):
     """A case's inputs and icl_ref's outputs in a layout, computed once per process, read-only."""
     case = next(c for c in _reference_cases() if c["name"] == name)
@@ -2486,7 +2492,7 @@ def diagnose(outputs, rtol=1e-6, layout="paper"):
         raise ValueError("outputs is empty: give at least one case, {case name: {output: array}}")
     rtol = _nonneg("rtol", rtol)
     layout = _layout_name(layout)
-    _names(tuple(outputs), "outputs' cases", [c["name"] for c in _reference_cases() if layout in _case_layouts(c)])
+    _names(tuple(outputs), "outputs' cases", _cases_of(layout))
     allowed = LAYOUTS[layout][1]
     for name, given in outputs.items():
         if not isinstance(given, dict) or not set(given) <= set(allowed):
@@ -2551,7 +2557,7 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
         dt = None
     if dt is None or dt.name not in CHECK_TOLERANCES:
         raise (TypeError if dt is None else ValueError)(f"dtype must be np.float64 or np.float32, got {dtype!r}")
-    available = [c["name"] for c in _reference_cases() if layout in _case_layouts(c)]
+    available = _cases_of(layout)
     names = available if cases is None else _names(cases, "cases", available)
     skip = _names(skip, "skip", available) if skip else ()
     allowed = LAYOUTS[layout][1]
