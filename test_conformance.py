@@ -458,6 +458,15 @@ def test_one_pytest_test_per_case_with_ids_xfail_and_short_failures(tmp_path, ca
     assert "icl_ref.py:" not in out and "_judge" not in out, out          # icl_ref's frames hidden
 
 
+def test_readme_oracle_example_runs_as_written():
+    section = read("README.md").split("## Using icl_ref as an oracle", 1)[1].split("\n## ", 1)[0]
+    block, = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    namespace = dict(my_fn=lambda c: ir._case_outputs(c["P"], c["Q"], c["Z"], c["y"], c["activation"]))
+    exec(compile(block, "README.md", "exec"), namespace)
+    namespace["test_matches_icl_ref"]("two-layers-two-heads")           # the decorated test, called as pytest would
+    assert [p.values[0] for p in namespace["CASES"] if not isinstance(p, str)] == ["relu"]
+
+
 def test_help_and_layouts_document_what_an_implementer_needs():
     doc = ir.check_implementation.__doc__
     for layout, (inputs, outputs, activations, scores) in ir.LAYOUTS.items():
