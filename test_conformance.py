@@ -232,7 +232,7 @@ PAPER_SLIPS = {"QT": "Q transposed", "n+1": "1/(n+1) normalisation", "none": "no
 
 
 @pytest.mark.parametrize("slip", list(PAPER_SLIPS))
-def test_check_implementation_names_each_paper_slip(slip):
+def test_check_implementation_fails_with_the_diagnosis_of_each_slip(slip):
     # dropping an example changes Z_L's shape: compared on y_hat and the loss; the slips that do not
     # apply to a case (the authors' softmax also sees the masked key; softmax keys without softmax)
     # are declined with NotImplementedError and named in skip=
@@ -267,7 +267,7 @@ def test_check_implementation_names_each_authors_slip_in_their_terms(slip):
 def test_every_slip_of_every_layout_is_tested():
     tested = {"paper": {v for s in PAPER_SLIPS.values() for v in ((s,) if isinstance(s, str) else s)},
               "authors": set(AUTHORS_SLIPS.values()), "von_oswald": set(VON_OSWALD_SLIPS.values())}
-    untested = {"paper": {"tokens as rows (Z_L transposed)"},               # test_diagnose_names_malformed_arrays
+    untested = {"paper": {"tokens as rows (Z_L transposed)"},               # test_diagnose_uses_gradients_and_refuses_bad_input
                 "authors": {"no normalisation", "prediction sign flipped", "last context example masked, 1/N kept",
                             "Z_L_rows with tokens as columns"},             # the paper layout's slips, renamed
                 "von_oswald": {"last context example dropped", "Z_L_rows with tokens as columns"}}
@@ -327,7 +327,7 @@ def test_check_implementation_names_non_finite_outputs_as_a_failure():
         ir.check_implementation(replaced(dQ=lambda x: x * np.nan), cases="small-full", rtol=fd_rtol("paper"))
 
 
-def test_check_implementation_fails_a_skipped_case_unless_skip_names_it():
+def test_check_implementation_reports_what_it_cannot_run_as_skipped_never_passed():
     def linear_only(case):
         if case["activation"] != "linear":
             raise NotImplementedError(f"no {case['activation']}")
@@ -515,7 +515,7 @@ def test_diagnose_in_the_von_oswald_layout():
         ir.diagnose({name: {"Z_L_rows": E}}, layout=("von_oswald",))
 
 
-def test_diagnose_uses_gradients_and_names_malformed_arrays():
+def test_diagnose_uses_gradients_and_refuses_bad_input():
     c = CASES["small-full"]                                      # 18 parameters
     P, Q, Z, y = c["P"], c["Q"], c["Z"], c["y"]
     dQ = numeric_grad(lambda X: paper_model(P, X, Z, y, "linear", "QT")[2], Q)
@@ -635,7 +635,7 @@ def test_reference_vectors_are_reproducible_documented_and_right(tmp_path):
             assert vo_loss == pytest.approx(0.5 * loss, rel=EXACT)
 
 
-def test_vectors_overwrite_replaces_only_its_own_files_and_never_follows_links(tmp_path):
+def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_their_own(tmp_path):
     # the refusals through the command line (exit 2, a message, no traceback), each leaving every byte
     # under tmp_path as it was: the user's file a link points to included
     out = tmp_path / "v"
