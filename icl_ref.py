@@ -1952,10 +1952,8 @@ ARRAY_MEANINGS = {
     "W_k": "von Oswald et al.'s layout: keys (L, d+1, H k)",
     "W_v": "von Oswald et al.'s layout: values (L, d+1, H v)",
     "W_o": "von Oswald et al.'s layout: output projection (L, H v, d+1), heads as row blocks",
-    "grad_W_q": "von Oswald et al.'s layout: gradient of THEIR loss (0.5 * loss) with respect to W_q",
-    "grad_W_k": "von Oswald et al.'s layout: gradient of their loss (0.5 * loss) with respect to W_k",
-    "grad_W_v": "von Oswald et al.'s layout: gradient of their loss (0.5 * loss) with respect to W_v",
-    "grad_W_o": "von Oswald et al.'s layout: gradient of their loss (0.5 * loss) with respect to W_o",
+    **{f"grad_{w}": f"von Oswald et al.'s layout: gradient of THEIR loss (0.5 * loss) with respect to {w}"
+       for w in ("W_q", "W_k", "W_v", "W_o")},
 }
 VECTOR_TOLERANCES = {
     "float64": "relative to the largest entry of each array: 1e-12 for Z_L, y_hat and loss (rounding of a few "
@@ -2166,9 +2164,9 @@ def _expected(name, layout):
     return pair
 
 
-def _earlier_vectors(dfd):
-    """The files an earlier write_reference_vectors left unchanged in the directory dfd (manifest.json
-    and the files it lists with their SHA-256), or the empty set when it holds no manifest of ours."""
+def _earlier_vectors(dfd, present):
+    """The files of `present` an earlier write_reference_vectors left unchanged in the directory dfd
+    (manifest.json and the files it lists with their SHA-256), or none without a manifest of ours."""
     def read(name):
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
         with os.fdopen(fd, "rb") as f:
@@ -2177,7 +2175,8 @@ def _earlier_vectors(dfd):
         manifest = json.loads(read("manifest.json"))
         if manifest["format"] != "icl_ref reference vectors":
             return set()
-        ours = {c["file"] for c in manifest["cases"] if hashlib.sha256(read(c["file"])).hexdigest() == c["sha256"]}
+        ours = {c["file"] for c in manifest["cases"]
+                if c["file"] in present and hashlib.sha256(read(c["file"])).hexdigest() == c["sha256"]}
     except (OSError, ValueError, KeyError, TypeError):
         return set()
     return ours | {"manifest.json"}
@@ -2212,7 +2211,7 @@ def write_reference_vectors(out, overwrite=False):
         if present and not overwrite:
             raise ValueError(f"out {str(out)!r} is not empty: name a new directory (or pass overwrite=True, "
                              "--overwrite, to replace an earlier set of reference vectors there)")
-        foreign = sorted(present - _earlier_vectors(dfd))
+        foreign = sorted(present - _earlier_vectors(dfd, present))
         if foreign:
             raise ValueError(f"out {str(out)!r} holds files this program did not write or that changed since "
                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): not touching them; "
@@ -2296,64 +2295,62 @@ _SLIPS = dict(QT=dict(QT=True), Pn=dict(P=lambda n: n), Pn1=dict(P=lambda n: n /
 
 DIAGNOSIS_VARIANTS = {
     "paper": {
-        "Q transposed": ("QT", "your Q is the transpose of the paper's (tokens as rows compute Z^T Q^T Z): "
-                               "transpose it, or map the authors' layout with params_from_authors"),
-        "1/(n+1) normalisation": ("Pn1", "you divide the attention by n + 1 (all tokens); the paper divides by "
-                                         "the n context tokens"),
-        "no normalisation": ("Pn", "you do not divide the attention by n (von Oswald et al.'s layout folds n "
-                                   "into P: use params_from_von_oswald)"),
-        "query used as a key and value": ("query", "the query token is a key and a value in your attention; the "
-                                                   "mask M must drop it (only the n context tokens are keys and values)"),
+        "Q transposed": ("QT", "your Q is the transpose of the paper's (tokens as rows compute Z^T Q^T Z): transpose "
+            "it, or map the authors' layout with params_from_authors"),
+        "1/(n+1) normalisation": ("Pn1", "you divide the attention by n + 1 (all tokens); the paper divides by the n "
+            "context tokens"),
+        "no normalisation": ("Pn", "you do not divide the attention by n (von Oswald et al.'s layout folds n into P: "
+            "use params_from_von_oswald)"),
+        "query used as a key and value": ("query", "the query token is a key and a value in your attention; the mask "
+            "M must drop it (only the n context tokens are keys and values)"),
         "loss with a factor 1/2": ("half", "your loss is 0.5 * mean (von Oswald et al.'s); icl_ref's has no 1/2: "
-                                           "multiply icl_ref's by VON_OSWALD_LOSS_SCALE to compare"),
+            "multiply icl_ref's by VON_OSWALD_LOSS_SCALE to compare"),
         "prediction sign flipped": ("sign", "your prediction is +Z_L[d, n]; the paper's is -Z_L[d, n]"),
         "softmax over n+1 keys": ("all_keys", "your softmax normalises over all n+1 keys (the authors' code, "
-                                              "icl_ref's 'softmax_all'); this case normalises over the n context "
-                                              "keys ('softmax')"),
+            "icl_ref's 'softmax_all'); this case normalises over the n context keys ('softmax')"),
         "softmax over n keys": ("n_keys", "your softmax normalises over the n context keys (icl_ref's 'softmax'); "
-                                          "this case normalises over all n+1 keys ('softmax_all', the authors' code)"),
-        "last context example dropped": ("drop", "you use only n - 1 context examples (the authors' GD baselines "
-                                                 "do this); use all n"),
+            "this case normalises over all n+1 keys ('softmax_all', the authors' code)"),
+        "last context example dropped": ("drop", "you use only n - 1 context examples (the authors' GD baselines do "
+            "this); use all n"),
         "last context example masked, 1/n kept": ("mask", "your mask drops the last context example as well as the "
-                                                          "query while you still divide by n: M = diag(1, ..., 1, 0) "
-                                                          "masks the query only"),
+            "query while you still divide by n: M = diag(1, ..., 1, 0) masks the query only"),
         "tokens as rows (Z_L transposed)": ("rows", "your Z_L has tokens as rows, (B, n+1, d+1); the paper's has "
-                                                    "them as columns: compare tokens_as_columns(your Z_L)"),
+            "them as columns: compare tokens_as_columns(your Z_L)"),
     },
     "authors": {
         "Q_code used as Q (not transposed)": ("QT", "allparam[l, h, 1] is Q_code and their layer scores Z_rows "
-                                                    "Q_code Z_rows^T, i.e. z_i^T Q_code^T z_j: with tokens as "
-                                                    "columns use Q_code^T (params_from_authors does)"),
-        "1/(N+1) normalisation": ("Pn1", "you divide the attention by N + 1; their layer divides by N, the "
-                                         "number of context examples (Z_rows has N + 1 rows)"),
+            "Q_code Z_rows^T, i.e. z_i^T Q_code^T z_j: with tokens as columns use Q_code^T (params_from_authors "
+            "does)"),
+        "1/(N+1) normalisation": ("Pn1", "you divide the attention by N + 1; their layer divides by N, the number of "
+            "context examples (Z_rows has N + 1 rows)"),
         "no normalisation": ("Pn", "you do not divide the attention by N (their layer does)"),
         "query used as a key and value": ("query", "the query row N is a key and a value in your attention; their "
-                                                   "mask M zeroes its column (only the N context rows are keys)"),
+            "mask M zeroes its column (only the N context rows are keys)"),
         "loss with a factor 1/2": ("half", "your loss is 0.5 * mean; theirs is mean (y_hat - y)^2, as icl_ref's"),
         "prediction sign flipped": ("sign", "y_hat is -Z_L_rows[:, N, d] (their code returns -output[:, -1, -1])"),
         "last context example dropped": ("drop", "you use N - 1 context examples (as their GD baselines do): the "
-                                                 "transformer uses all N"),
+            "transformer uses all N"),
         "last context example masked, 1/N kept": ("mask", "your mask drops the last context row as well as the "
-                                                          "query: M masks the query only"),
+            "query: M masks the query only"),
         "Z_L_rows with tokens as columns": ("rows", "return Z_L_rows with tokens as rows, (B, N+1, d+1)"),
     },
     "von_oswald": {
-        "W_q and W_k swapped": ("QT", "the scores are q k^T with q = e W_q,h from the querying token and k = "
-                                      "e W_k,h from the keys; yours use them the other way round (Q_h^T)"),
-        "an extra 1/n": ("P_n", "their layer does not divide the attention by n (params_from_von_oswald puts n "
-                                "into P): drop the 1/n"),
+        "W_q and W_k swapped": ("QT", "the scores are q k^T with q = e W_q,h from the querying token and k = e W_k,h "
+            "from the keys; yours use them the other way round (Q_h^T)"),
+        "an extra 1/n": ("P_n", "their layer does not divide the attention by n (params_from_von_oswald puts n into "
+            "P): drop the 1/n"),
         "1/(n+1) normalisation": ("P_n1", "you divide the attention by n + 1; their layer divides by nothing"),
-        "loss without their 0.5": ("double", "their loss is 0.5 * mean (y_hat - y)^2 (VON_OSWALD_LOSS_SCALE); "
-                                             "yours is the plain mean, so loss and every grad_W_* are 2x"),
+        "loss without their 0.5": ("double", "their loss is 0.5 * mean (y_hat - y)^2 (VON_OSWALD_LOSS_SCALE); yours "
+            "is the plain mean, so loss and every grad_W_* are 2x"),
         "loss with 0.5 twice": ("half", "your loss is 0.25 * mean: their 0.5 applied twice"),
         "softmax without 1/sqrt(key size)": ("Qk", "their softmax scores are q k^T / sqrt(k), k the per-head key "
-                                                   "size (W_q.shape[-1] / H, d+1 in these cases)"),
+            "size (W_q.shape[-1] / H, d+1 in these cases)"),
         "linear attention divided by sqrt(key size)": ("Q_k", "their linear attention is q k^T, unscaled: the "
-                                                              "1/sqrt(k) belongs to softmax only"),
-        "softmax over n+1 keys": ("all_keys", "their softmax runs over the n context rows only: mask the query "
-                                              "row's key before normalising"),
-        "query used as a key and value": ("query", "only rows 0..n-1 of Z_rows are keys and values; the query row "
-                                                   "n attends but is not attended to"),
+            "1/sqrt(k) belongs to softmax only"),
+        "softmax over n+1 keys": ("all_keys", "their softmax runs over the n context rows only: mask the query row's "
+            "key before normalising"),
+        "query used as a key and value": ("query", "only rows 0..n-1 of Z_rows are keys and values; the query row n "
+            "attends but is not attended to"),
         "prediction sign flipped": ("sign", "y_hat is -Z_L_rows[:, n, d] (the query row's label entry, negated)"),
         "last context example dropped": ("drop", "you use n - 1 context rows: use all n"),
         "Z_L_rows with tokens as columns": ("rows", "return Z_L_rows with tokens as rows, (B, n+1, d+1)"),
