@@ -1930,6 +1930,7 @@ def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="line
 
 import hashlib
 import stat
+import textwrap
 
 __version__ = "0.3.0"
 VECTORS_FORMAT = 1
@@ -2080,11 +2081,13 @@ and compares the outputs (MATH.md §12-§13)."""
 
 def _layouts_text():
     """LAYOUTS as the text help(check_implementation) ends with."""
+    def item(indent, text):
+        return textwrap.fill(text, 108, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4))
     lines = []
     for layout, (inputs, outputs, activations, scores) in LAYOUTS.items():
-        lines += [f"    {layout!r}: activations {', '.join(activations)}; {scores}.", "      inputs:"]
-        lines += [f"        {k}: {v}" for k, v in inputs.items()] + ["      outputs:"]
-        lines += [f"        {k}: {v}" for k, v in outputs.items()]
+        lines += [item(6, f"{layout!r}: activations {', '.join(activations)}; {scores}."), "        inputs:"]
+        lines += [item(10, f"{k}: {v}") for k, v in inputs.items()] + ["        outputs:"]
+        lines += [item(10, f"{k}: {v}") for k, v in outputs.items()]
     return "\n".join(lines)
 
 
@@ -2608,7 +2611,7 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
     return report
 
 
-check_implementation.__doc__ += _layouts_text().lstrip() + "\n"
+check_implementation.__doc__ = check_implementation.__doc__.rstrip(" ") + _layouts_text() + "\n"
 
 
 def _main(argv=None):
