@@ -650,6 +650,8 @@ def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_
     changes = {
         "a foreign file": lambda: (out / "notes.md").write_text("mine"),
         "a listed file changed": lambda: (out / "small-full.npz").write_bytes(b"my own file"),
+        "another program's manifest": lambda: (out / "manifest.json").write_text(json.dumps(
+            dict(json.loads((out / "manifest.json").read_text()), format="my vectors"))),
         "a listed file a link": lambda: ((out / "relu.npz").unlink(), (out / "relu.npz").symlink_to(elsewhere)),
         "the manifest a link": lambda: ((out / "manifest.json").unlink(), (out / "manifest.json").symlink_to(elsewhere)),
     }
