@@ -29,9 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import scipy.linalg
-from threadpoolctl import ThreadpoolController
+try:
+    from threadpoolctl import ThreadpoolController
+except ImportError as e:    # the optional dependency of the "fast" extra
+    raise ImportError("icl_fast needs threadpoolctl: pip install icl_ref[fast]") from e
 
 import icl_ref as ir
+
+__version__ = "0.3.0"
 
 # The largest D = d + 1 at which the loss, and apart from it the Jacobian, take the lanes
 # formulation; above it the reference's batch-first layers (icl_ref.layer_forward) run on the

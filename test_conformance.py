@@ -1,0 +1,736 @@
+"""Tests for icl_ref's conformance kit (MATH.md §13): check_implementation, diagnose, the reference
+vectors and their command line, the package's version and licence.
+
+Every implementation checked here is written in this file from the papers' descriptions, apart from
+icl_ref's code: a token-by-token paper layer, the authors' einsums, von Oswald et al.'s model; each
+can make one named convention slip. Their gradients are central differences of their own loss.
+
+Tolerances, each with its reason:
+    EXACT   = 1e-12  relative: two float64 computations of the same exact quantity (rounding only)
+    FD_RTOL = 1e-7   for gradients by five-point central differences at h = FD_H = 1e-4, relative to
+                     the largest entry: truncation (h^4/30) f^(5) ~ 3e-18 f^(5) is negligible, rounding
+                     is ~1.5 eps |f| / h ~ 3e-12 |f| with |f| / |grad| <= 3 on these cases (measured
+                     worst 1.5e-10); an error in a term of the gradient is O(1) relative
+"""
+import fcntl
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose
+
+import icl_ref as ir
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+EXACT = 1e-12
+FD_RTOL = 1e-7
+FD_H = 1e-4
+CASES = {c["name"]: c for c in ir.reference_cases()}          # built once for the module
+GRADS = {"paper": ("dP", "dQ"), "authors": ("grad_allparam",),
+         "von_oswald": ("grad_W_q", "grad_W_k", "grad_W_v", "grad_W_o")}
+
+
+def fd_rtol(layout):
+    """FD_RTOL for the gradients of `layout` (theirs come from central differences), the defaults else."""
+    return {g: FD_RTOL for g in GRADS[layout]}
+
+
+def numeric_grad(f, X, h=FD_H):
+    """Five-point central differences of the scalar f at every entry of X."""
+    G = np.zeros_like(X)
+    for i in np.ndindex(X.shape):
+        vals = []
+        for k in (-2, -1, 1, 2):
+            Xk = X.copy()
+            Xk[i] += k * h
+            vals.append(f(Xk))
+        G[i] = (vals[0] - 8 * vals[1] + 8 * vals[2] - vals[3]) / (12 * h)
+    return G
+
+
+def softmax(s, axis=-1):
+    e = np.exp(s - s.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Three implementations, each in its own layout, each able to make one named slip
+# ---------------------------------------------------------------------------------------------
+
+def paper_model(P, Q, Z, y, activation, slip=None):
+    """[A] eq. (3)-(4) with the attention matrix written out: token j gets (1/n) sum_h P_h sum_i z_i
+    sigma(z_i^T Q_h z_j) over the context tokens i < n; y_hat = -Z_L[d, n], loss mean (y_hat - y)^2.
+    Returns Z_L, y_hat, loss."""
+    n = Z.shape[2] - 1
+    if slip == "drop":
+        Z, n = np.delete(Z, n - 1, axis=2), n - 1
+    keys = {"query-key": list(range(n + 1)), "mask-last": list(range(n - 1))}.get(slip, list(range(n)))
+    norm = {"n+1": n + 1, "none": 1}.get(slip, n)
+    if slip == "softmax-keys":
+        activation = {"softmax": "softmax_all", "softmax_all": "softmax"}[activation]
+    pool = list(range(n + 1)) if activation == "softmax_all" else keys      # keys the weights run over
+    in_keys = np.array([i in keys for i in pool])[:, None]                 # the mask on values
+    for P_l, Q_l in zip(P, Q):
+        new = Z.copy()
+        for P_h, Q_h in zip(P_l, Q_l):
+            s = np.einsum("bki,kl,blj->bij", Z[:, :, pool], Q_h.T if slip == "QT" else Q_h, Z)  # key i, token j
+            w = {"relu": lambda: np.maximum(s, 0), "linear": lambda: s}.get(activation, lambda: softmax(s, 1))()
+            new += P_h @ np.einsum("bki,bij->bkj", Z[:, :, pool], w * in_keys) / norm
+        Z = new
+    y_hat = Z[:, -1, -1] if slip == "sign" else -Z[:, -1, -1]
+    return Z, y_hat, np.mean((y_hat - y) ** 2) * (0.5 if slip == "half" else 1.0)
+
+
+def authors_model(allparam, Z_rows, y, slip=None):
+    """The authors' layer with tokens as rows (their linear_transformer.py, as published): per head
+    Z_rows + (Z_rows Q_full Z_rows^T) M (Z_rows P_full^T) / N, P_full = [[P_blk, 0], [0, 1]],
+    Q_full = [[Q_blk, 0], [0, 0]], M dropping the query; y_hat = -Z_L_rows[:, N, d], loss mean."""
+    L, H, _, d, _ = allparam.shape
+    if slip == "drop":
+        Z_rows = np.delete(Z_rows, -2, axis=1)
+    N = Z_rows.shape[1] - 1
+    M = np.diag([1.0] * N + [1.0 if slip == "query-key" else 0.0])
+    for l in range(L):
+        out = 0
+        for h in range(H):
+            P_full, Q_full = np.zeros((2, d + 1, d + 1))
+            P_full[:d, :d], P_full[d, d] = allparam[l, h, 0], 1
+            Q_full[:d, :d] = allparam[l, h, 1].T if slip == "QT" else allparam[l, h, 1]
+            out = out + (Z_rows @ Q_full @ np.swapaxes(Z_rows, 1, 2)) @ M @ (Z_rows @ P_full.T)
+        Z_rows = Z_rows + out / {"n+1": N + 1}.get(slip, N)
+    y_hat = -Z_rows[:, -1, -1]
+    return Z_rows, y_hat, np.mean((y_hat - y) ** 2) * (0.5 if slip == "half" else 1.0)
+
+
+def von_oswald_model(W, E, y, H, activation, slip=None):
+    """von Oswald et al.'s model, tokens as rows E (B, n+1, D), per-layer weights W = (W_q, W_k, W_v,
+    W_o): per head q = E W_q,h, k = E W_k,h, v = E W_v,h; A = q k^T over the n context rows (softmax:
+    softmax(q k^T / sqrt(key size)) over them); E <- E + concat_h(A v) W_o, no 1/n. y_hat =
+    -E[:, n, d]; loss 0.5 * mean (y_hat - y)^2."""
+    B, N, D = E.shape
+    n = N - 1
+    keys = N if slip in ("query-key", "all-keys") else n
+    for Wq, Wk, Wv, Wo in zip(*W):
+        if slip == "swap":
+            Wq, Wk = Wk, Wq
+        q, k, v = (np.reshape(E @ w, (B, N, H, -1)) for w in (Wq, Wk, Wv))
+        s = np.einsum("bthk,bshk->bhts", q, k[:, :keys])
+        scale = {"no-sqrt": 1.0}.get(slip, 1.0 / np.sqrt(q.shape[-1])) if activation == "softmax" else \
+            {"linear-sqrt": 1.0 / np.sqrt(q.shape[-1])}.get(slip, 1.0)
+        A = softmax(scale * s) if activation == "softmax" else scale * s
+        if slip == "all-keys":                       # normalised over n+1 keys, the query's value dropped
+            A = A[..., :n]
+        E = E + np.einsum("bhts,bshv->bthv", A, v[:, :A.shape[-1]]).reshape(B, N, -1) @ Wo \
+            / {"1/n": n, "n+1": n + 1}.get(slip, 1)
+    y_hat = E[:, n, D - 1] if slip == "sign" else -E[:, n, D - 1]
+    return E, y_hat, {"no-half": 1.0, "half-twice": 0.25}.get(slip, 0.5) * np.mean((y_hat - y) ** 2)
+
+
+def implementation(layout, slip=None, grads=True, raises=()):
+    """fn for check_implementation: the layout's model above with `slip`, its gradients by central
+    differences of its own loss (when grads), NotImplementedError for the activations in `raises`."""
+    def fn(case):
+        if case["activation"] in raises:
+            raise NotImplementedError(f"no {case['activation']} attention")
+        c = {k: np.asarray(v, dtype=float) if isinstance(v, np.ndarray) else v for k, v in case.items()}
+        if layout == "paper":
+            names, run = ("P", "Q"), lambda P, Q: paper_model(P, Q, c["Z"], c["y"], c["activation"], slip)
+        elif layout == "authors":
+            names, run = ("allparam",), lambda A: authors_model(A, c["Z_rows"], c["y"], slip)
+        else:
+            names = ("W_q", "W_k", "W_v", "W_o")
+            run = lambda *W: von_oswald_model(W, c["Z_rows"], c["y"], c["H"], c["activation"], slip)
+        Z_L, y_hat, loss = run(*(c[k] for k in names))
+        out = {"Z_L" if layout == "paper" else "Z_L_rows": Z_L, "y_hat": y_hat, "loss": loss}
+        for g, k in zip(GRADS[layout] if grads else (), names):
+            out[g] = numeric_grad(lambda X, k=k: run(*(X if j == k else c[j] for j in names))[2], c[k])
+        return out
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def correct_outputs(layout, name):
+    """The correct implementation's outputs on one case, float64 (computed once: the differences are slow)."""
+    inputs = dict(ir._expected(name, layout)[0], activation=CASES[name]["activation"],
+                  n=CASES[name]["Z"].shape[2] - 1, L=CASES[name]["P"].shape[0], H=CASES[name]["P"].shape[1])
+    return implementation(layout)(inputs)
+
+
+def named_slips(message):
+    """The slips a failure message names as likely causes."""
+    return set(re.findall(r"^- (.+?) \(reproduces", message, flags=re.M))
+
+
+# ---------------------------------------------------------------------------------------------
+# check_implementation passes correct implementations and names each slip in their own layout
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["paper", "authors", "von_oswald"])
+def test_check_implementation_passes_an_independent_implementation(layout):
+    seen = []
+
+    def fn(case):
+        seen.append(case)
+        name = next(k for k, c in CASES.items() if np.array_equal(c["y"], case["y"]))
+        return correct_outputs(layout, name)
+    report = ir.check_implementation(fn, layout=layout, rtol=fd_rtol(layout))
+    names = {n for n, c in CASES.items() if layout in ir._case_layouts(c)}
+    assert set(report["cases"]) == names and all(c["status"] == "passed" for c in report["cases"].values())
+    assert {"authors": 4, "von_oswald": 9, "paper": 11}[layout] == len(names)
+    assert report["outputs"] == tuple(ir.LAYOUTS[layout][1]) and report["icl_ref_version"] == ir.__version__
+    for case in seen:                                  # the layout's inputs, in the dtype, and the sizes
+        assert set(case) == set(ir.LAYOUTS[layout][0]) | {"activation", "n", "L", "H"}
+        assert all(case[k].dtype == np.float64 for k in ir.LAYOUTS[layout][0])
+    # the activations LAYOUTS documents for the layout are those of its cases
+    assert set(ir.LAYOUTS[layout][2]) == {CASES[n]["activation"] for n in names}
+
+
+VON_OSWALD_SLIPS = {"swap": "W_q and W_k swapped", "1/n": "an extra 1/n", "n+1": "1/(n+1) normalisation",
+                    "no-half": "loss without their 0.5", "no-sqrt": "softmax without 1/sqrt(key size)",
+                    "half-twice": "loss with 0.5 twice", "linear-sqrt": "linear attention divided by sqrt(key size)",
+                    "all-keys": "softmax over n+1 keys", "query-key": "query used as a key and value",
+                    "sign": "prediction sign flipped"}
+
+
+@pytest.mark.parametrize("slip", list(VON_OSWALD_SLIPS))
+def test_check_implementation_names_each_von_oswald_slip_in_their_terms(slip):
+    # each slip fails the check and is the only cause named, with the advice of their layout (their
+    # arrays' names, never the paper's Q or the authors' adapter); the forward outputs and the loss
+    # show every one of these slips, so the gradients' differences are left out (outputs=)
+    with pytest.raises(AssertionError) as failure:
+        ir.check_implementation(implementation("von_oswald", slip, grads=False), layout="von_oswald",
+                                outputs=("Z_L_rows", "y_hat", "loss"))
+    message = str(failure.value)
+    expected = VON_OSWALD_SLIPS[slip]
+    assert "unexplained" not in message and named_slips(message) == {expected}, message
+    advice = ir.DIAGNOSIS_VARIANTS["von_oswald"][expected][1]
+    assert advice in message and "params_from_authors" not in message and "the paper's" not in message
+
+
+def test_von_oswald_loss_slip_is_named_on_the_gradients_too():
+    # the loss without their 0.5 doubles every grad_W_*: named there as well, not "compare Z"
+    fn = implementation("von_oswald", "no-half")
+    with pytest.raises(AssertionError) as failure:
+        ir.check_implementation(fn, layout="von_oswald", cases="small-full", rtol=fd_rtol("von_oswald"))
+    found = set(re.findall(r"(grad_W_\w) \(loss without their 0\.5\)", str(failure.value)))
+    assert found == {"grad_W_q", "grad_W_k", "grad_W_v", "grad_W_o"} and "Z_L_rows" not in named_slips(str(failure.value))
+    assert "agrees on Z_L_rows, y_hat" in str(failure.value)
+
+
+PAPER_SLIPS = {"QT": "Q transposed", "n+1": "1/(n+1) normalisation", "none": "no normalisation",
+               "query-key": "query used as a key and value", "half": "loss with a factor 1/2",
+               "sign": "prediction sign flipped", "drop": "last context example dropped",
+               "mask-last": "last context example masked, 1/n kept",
+               "softmax-keys": ("softmax over n+1 keys", "softmax over n keys")}
+
+
+@pytest.mark.parametrize("slip", list(PAPER_SLIPS))
+def test_check_implementation_fails_with_the_diagnosis_of_each_slip(slip):
+    # dropping an example changes Z_L's shape: compared on y_hat and the loss; the slips that do not
+    # apply to a case (the authors' softmax also sees the masked key; softmax keys without softmax)
+    # are declined with NotImplementedError and named in skip=
+    raises = {"mask-last": ("softmax_all",), "softmax-keys": ("linear", "relu")}.get(slip, ())
+    skip = [n for n, c in CASES.items() if c["activation"] in raises] or ()
+    expected = PAPER_SLIPS[slip]
+    expected = {expected} if isinstance(expected, str) else set(expected)
+    with pytest.raises(AssertionError) as failure:
+        ir.check_implementation(implementation("paper", slip, grads=False, raises=raises), skip=skip,
+                                outputs=("y_hat", "loss") if slip == "drop" else ("Z_L", "y_hat", "loss"))
+    message = str(failure.value)
+    assert "differs from icl_ref" in message and "unexplained" not in message, message
+    assert named_slips(message) and named_slips(message) <= expected, message
+    assert any(ir.DIAGNOSIS_VARIANTS["paper"][v][1] in message for v in named_slips(message))
+
+
+AUTHORS_SLIPS = {"QT": "Q_code used as Q (not transposed)", "n+1": "1/(N+1) normalisation",
+                 "half": "loss with a factor 1/2", "query-key": "query used as a key and value",
+                 "drop": "last context example dropped"}
+
+
+@pytest.mark.parametrize("slip", list(AUTHORS_SLIPS))
+def test_check_implementation_names_each_authors_slip_in_their_terms(slip):
+    with pytest.raises(AssertionError) as failure:
+        ir.check_implementation(implementation("authors", slip, grads=False), layout="authors",
+                                outputs=("y_hat", "loss") if slip == "drop" else ("Z_L_rows", "y_hat", "loss"))
+    message = str(failure.value)
+    assert "unexplained" not in message and named_slips(message) == {AUTHORS_SLIPS[slip]}, message
+    assert ir.DIAGNOSIS_VARIANTS["authors"][AUTHORS_SLIPS[slip]][1] in message
+
+
+def test_every_slip_of_every_layout_is_tested():
+    tested = {"paper": {v for s in PAPER_SLIPS.values() for v in ((s,) if isinstance(s, str) else s)},
+              "authors": set(AUTHORS_SLIPS.values()), "von_oswald": set(VON_OSWALD_SLIPS.values())}
+    untested = {"paper": {"tokens as rows (Z_L transposed)"},               # test_diagnose_uses_gradients_and_refuses_bad_input
+                "authors": {"no normalisation", "prediction sign flipped", "last context example masked, 1/N kept",
+                            "Z_L_rows with tokens as columns"},             # the paper layout's slips, renamed
+                "von_oswald": {"last context example dropped", "Z_L_rows with tokens as columns"}}
+    for layout, slips in ir.DIAGNOSIS_VARIANTS.items():
+        assert set(slips) == tested[layout] | untested[layout], layout
+        assert all(s in ir._SLIPS for s, _ in slips.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Strict outputs, arguments, cases=, rtol=, skip=
+# ---------------------------------------------------------------------------------------------
+
+def replaced(**outputs):
+    """fn returning the correct paper-layout outputs of each case with some replaced (a value, or a
+    function of the correct output)."""
+    def fn(case):
+        name = next(k for k in CASES if np.array_equal(CASES[k]["y"], case["y"]))
+        out = dict(correct_outputs("paper", name))
+        for k, v in outputs.items():
+            if v is None:
+                out.pop(k)
+            else:
+                out[k] = v(out[k]) if callable(v) else v
+        return out
+    return fn
+
+
+def test_check_implementation_requires_every_output_unless_outputs_names_a_subset():
+    y_hat_only = lambda case: {"y_hat": correct_outputs("paper", "small-full")["y_hat"]}
+    with pytest.raises(ValueError, match="case 'small-full': missing Z_L, loss, dP, dQ \\(outputs= names"):
+        ir.check_implementation(y_hat_only, cases="small-full")
+    report = ir.check_implementation(y_hat_only, cases="small-full", outputs="y_hat")
+    assert report["cases"]["small-full"]["quantities"] == {"y_hat": "agrees"}
+    with pytest.raises(ValueError, match="unknown logits"):
+        ir.check_implementation(replaced(logits=1.0), cases="small-full", rtol=fd_rtol("paper"))
+    for bad in ([1.0], None, "Z_L"):
+        with pytest.raises(TypeError, match="fn must return a dict"):
+            ir.check_implementation(lambda case, bad=bad: bad, cases="small-full")
+
+
+@pytest.mark.parametrize("output, value, error, words", [
+    ("loss", lambda x: str(float(x)), TypeError, "'loss' for case 'small-full' is not a numeric array \\(str: a string"),
+    ("y_hat", lambda x: x + 1e-3j, TypeError, "'y_hat' .* complex"),
+    ("dP", lambda x: x.astype(object), TypeError, "'dP' .* Python objects"),
+    ("y_hat", lambda x: x[:, None], ValueError, "y_hat has shape \\(4, 1\\), expected \\(4,\\)"),
+    ("Z_L", lambda x: x[:, :, :-1], ValueError, "Z_L has shape \\(4, 3, 3\\), expected \\(4, 3, 4\\)"),
+])
+def test_check_implementation_refuses_malformed_outputs_by_name(output, value, error, words):
+    # a complex output with a tiny imaginary part, a loss as a numeric string, objects, wrong shapes:
+    # errors naming the case and the output, not numbers compared after a silent conversion
+    with pytest.raises(error, match=words):
+        ir.check_implementation(replaced(**{output: value}), cases="small-full", rtol=fd_rtol("paper"))
+
+
+def test_check_implementation_names_non_finite_outputs_as_a_failure():
+    with pytest.raises(AssertionError, match="dQ \\(malformed: holds NaN or Inf\\)"):
+        ir.check_implementation(replaced(dQ=lambda x: x * np.nan), cases="small-full", rtol=fd_rtol("paper"))
+
+
+def test_check_implementation_reports_what_it_cannot_run_as_skipped_never_passed():
+    def linear_only(case):
+        if case["activation"] != "linear":
+            raise NotImplementedError(f"no {case['activation']}")
+        return replaced()(case)
+    with pytest.raises(AssertionError) as failure:
+        ir.check_implementation(linear_only, cases=["small-full", "relu"], rtol=fd_rtol("paper"))
+    assert "relu: FAILED (fn raised NotImplementedError: no relu; skip= does not name it)" in str(failure.value)
+    report = ir.check_implementation(linear_only, cases=["small-full", "relu"], skip="relu", rtol=fd_rtol("paper"))
+    assert {n: c["status"] for n, c in report["cases"].items()} == {"small-full": "passed", "relu": "skipped"}
+    assert "relu: SKIPPED (NotImplementedError: no relu)" in report["text"]
+    with pytest.raises(AssertionError, match="no reference case was checked"):
+        ir.check_implementation(linear_only, cases="relu", skip="relu")
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(layout=["paper"]), TypeError, "layout must be one of the strings 'paper'"),
+    (dict(layout="rows"), ValueError, "layout must be one of"),
+    (dict(dtype=None), TypeError, "dtype must be np.float64 or np.float32, got None"),
+    (dict(dtype=np.int64), ValueError, "dtype"), (dict(dtype="float16"), ValueError, "dtype"),
+    (dict(dtype=[1]), TypeError, "dtype"),
+    (dict(cases="no-such-case"), ValueError, "cases must name one or more of small-full"),
+    (dict(cases=3), TypeError, "cases must be a name or a list of names"),
+    (dict(cases=[]), ValueError, "cases must name"),
+    (dict(layout="authors", cases="relu"), ValueError, "cases must name one or more of"),
+    (dict(outputs=("y_hat", "W_q")), ValueError, "outputs must name"),
+    (dict(skip=["nope"]), ValueError, "skip must name"),
+    (dict(rtol=-1.0), ValueError, "rtol must be finite and >= 0"), (dict(rtol="1e-6"), TypeError, "rtol"),
+    (dict(rtol={"Z_L": "big"}), TypeError, "rtol\\['Z_L'\\]"), (dict(rtol={"grad_W_q": 1.0}), ValueError, "rtol's keys"),
+])
+def test_check_implementation_refuses_bad_arguments_by_name(kwargs, error, words):
+    called = []
+    with pytest.raises(error, match=words):
+        ir.check_implementation(lambda case: called.append(case), **kwargs)
+    assert not called                                 # refused before any work
+    with pytest.raises(TypeError, match="fn must be callable"):
+        ir.check_implementation(None)
+
+
+def test_check_implementation_checks_the_named_cases_at_the_given_rtol():
+    calls = []
+    fn = replaced(Z_L=lambda x: x + 1e-11 * np.max(np.abs(x)))   # outside float64's forward rtol (1e-12)
+
+    def counted(case):
+        calls.append(case["n"])
+        return fn(case)
+    with pytest.raises(AssertionError, match="Z_L \\(unexplained\\)"):
+        ir.check_implementation(counted, cases="small-full", rtol=fd_rtol("paper"))
+    assert calls == [3]                                          # that case only (n = 3)
+    report = ir.check_implementation(fn, cases=["small-full", "two-layers-two-heads"],
+                                     rtol={"Z_L": 1e-10, **fd_rtol("paper")})
+    assert list(report["cases"]) == ["small-full", "two-layers-two-heads"]
+    assert report["rtol"] == {"Z_L": 1e-10, "y_hat": 1e-12, "loss": 1e-12, "dP": FD_RTOL, "dQ": FD_RTOL}
+    # the documented defaults per output name, one number for all
+    defaults = ir.check_implementation(fn, cases="small-full", outputs=("y_hat", "loss"))["rtol"]
+    assert defaults == {"y_hat": ir.CHECK_TOLERANCES["float64"]["forward"], "loss": ir.CHECK_TOLERANCES["float64"]["loss"]}
+    vo = ir.check_implementation(lambda c: dict(Z_L_rows=correct_outputs("von_oswald", "small-full")["Z_L_rows"]),
+                                 layout="von_oswald", dtype=np.float32, cases="small-full", outputs="Z_L_rows")
+    assert vo["rtol"] == {"Z_L_rows": ir.CHECK_TOLERANCES["float32"]["forward"]}
+    assert ir.check_implementation(fn, cases="small-full", rtol=1e-6)["rtol"] == dict.fromkeys(ir.LAYOUTS["paper"][1], 1e-6)
+
+
+def test_check_implementation_in_float32_allows_float32_rounding_and_no_more():
+    # the model computing in float64 on the float32 inputs: at float32's tolerances it passes, at
+    # float64's it fails (the inputs' rounding, ~6e-8 relative, moves the outputs by about as much)
+    fn = implementation("paper")
+    cases = ["small-full", "softmax"]
+    ir.check_implementation(fn, dtype=np.float32, cases=cases)
+    with pytest.raises(AssertionError, match="unexplained"):
+        ir.check_implementation(lambda case: fn({k: v.astype(np.float32) if isinstance(v, np.ndarray) else v
+                                                 for k, v in case.items()}), cases=cases, rtol=fd_rtol("paper"))
+    with pytest.raises(AssertionError, match="dP \\(unexplained\\)"):          # 1e-3 off fails float32's 1e-4
+        ir.check_implementation(lambda case: dict(fn(case), dP=fn(case)["dP"] * (1 + 1e-3)), dtype=np.float32,
+                                cases="small-full")
+
+
+def test_reference_data_are_computed_once_and_cannot_be_changed_by_fn():
+    # fn may scribble over its inputs: they are copies; reference_cases() hands out copies too. A
+    # second check takes only the comparison's time: the acceptance bound 0.2 s (measured ~0.02 s)
+    def vandal(case):
+        out = replaced()(case)
+        for v in case.values():
+            if isinstance(v, np.ndarray):
+                v[...] = 7.0
+        return out
+    ir.check_implementation(vandal, rtol=fd_rtol("paper"))
+    ir.reference_cases()[0]["Z"][...] = 7.0
+    outputs = {n: correct_outputs("paper", n) for n in CASES}
+    fast = lambda case: outputs[next(k for k in CASES if np.array_equal(CASES[k]["y"], case["y"]))]
+    ir.check_implementation(fast, rtol=fd_rtol("paper"))
+    timings = []
+    for _ in range(3):
+        start = time.perf_counter()
+        ir.check_implementation(fast, rtol=fd_rtol("paper"))
+        timings.append(time.perf_counter() - start)
+    assert min(timings) < 0.2, timings
+    assert np.array_equal(ir.reference_cases()[0]["Z"], CASES["small-full"]["Z"])
+
+
+PYTEST_FILE = '''
+import pytest, numpy as np, icl_ref as ir
+import test_conformance as tc
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c["name"], marks=pytest.mark.xfail(reason="softmax over n keys only", strict=True))
+    if c["activation"] == "softmax_all" else c["name"] for c in ir.reference_cases()])
+def test_one_case(case):
+    fn = tc.implementation("paper", "softmax-keys" if case == "softmax_all" else "{slip}", grads=False)
+    ir.check_implementation(fn, cases=case, outputs=("Z_L", "y_hat", "loss"))
+'''
+
+
+def test_one_pytest_test_per_case_with_ids_xfail_and_short_failures(tmp_path, capsys, monkeypatch):
+    # the use README shows: one test per case (ids the case names), an expected failure with its
+    # reason; a failure shows the diagnosis, not icl_ref's frames. pytest runs in this process (its
+    # reference data already built): once with a correct implementation, once with a slip
+    monkeypatch.chdir(tmp_path)
+    for slip, code in (("None", 0), ('"n+1"', 1)):
+        (tmp_path / "test_user.py").write_text(PYTEST_FILE.replace('"{slip}"', slip))
+        sys.modules.pop("test_user", None)
+        assert pytest.main(["-q", "-p", "no:cacheprovider", "-rA", "--rootdir", str(tmp_path), "-o", "addopts=",
+                            "test_user.py"]) == code
+        out = capsys.readouterr().out
+        if code == 0:
+            assert "10 passed, 1 xfailed" in out and \
+                "XFAIL test_user.py::test_one_case[softmax_all] - softmax over n keys only" in out, out
+    assert "FAILED test_user.py::test_one_case[small-full]" in out and "PASSED test_user.py::test_one_case[relu]" not in out
+    assert "- 1/(n+1) normalisation (reproduces" in out, out
+    assert "icl_ref.py:" not in out and "_judge" not in out, out          # icl_ref's frames hidden
+
+
+def test_readme_oracle_example_runs_as_written():
+    section = read("README.md").split("## Using icl_ref as an oracle", 1)[1].split("\n## ", 1)[0]
+    block, = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    namespace = dict(my_fn=lambda c: ir._case_outputs(c["P"], c["Q"], c["Z"], c["y"], c["activation"]))
+    exec(compile(block, "README.md", "exec"), namespace)
+    namespace["test_matches_icl_ref"]("two-layers-two-heads")           # the decorated test, called as pytest would
+    assert [p.values[0] for p in namespace["CASES"] if not isinstance(p, str)] == ["relu"]
+
+
+def test_help_and_layouts_document_what_an_implementer_needs():
+    doc = " ".join(ir.check_implementation.__doc__.split())      # the text, whatever its line breaks
+    for layout, (inputs, outputs, activations, scores) in ir.LAYOUTS.items():
+        assert f"'{layout}': activations {', '.join(activations)}; {scores}" in doc
+        for k, v in {**inputs, **outputs}.items():
+            assert f"{k}: {v}" in doc
+    assert "-Z_L_rows[:, n, d]" in ir.LAYOUTS["von_oswald"][1]["y_hat"]
+    assert "key size k = value size v = d+1" in ir.LAYOUTS["von_oswald"][3] and "sqrt(k)" in ir.LAYOUTS["von_oswald"][3]
+    assert "0.5 * mean" in ir.LAYOUTS["von_oswald"][1]["loss"] and "no factor 1/2" in ir.LAYOUTS["paper"][1]["loss"]
+
+
+# ---------------------------------------------------------------------------------------------
+# diagnose: user-supplied arrays
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("slip", [None, *PAPER_SLIPS], ids=str)
+def test_diagnose_names_each_known_slip_of_an_independent_implementation(slip):
+    cases = [c for c in CASES.values() if not (slip == "mask-last" and c["activation"] == "softmax_all")
+             and not (slip == "softmax-keys" and not c["activation"].startswith("softmax"))]
+    outputs = {}
+    for c in cases:
+        Z_L, y_hat, loss = paper_model(c["P"], c["Q"], c["Z"], c["y"], c["activation"], slip)
+        outputs[c["name"]] = dict(y_hat=y_hat, loss=loss, **({} if slip == "drop" else {"Z_L": Z_L}))
+    report, found = ir.diagnose(outputs)
+    verdicts = {v for fs in found.values() for v in fs.values()}
+    if slip is None:
+        assert verdicts == {"agrees"} and "Everything agrees" in report
+        return
+    expected = PAPER_SLIPS[slip]
+    expected = {expected} if isinstance(expected, str) else set(expected)
+    assert verdicts - {"agrees"} <= expected, report            # every mismatch is explained by the slip
+    assert verdicts & expected, report                          # and the slip shows somewhere
+    assert any(ir.DIAGNOSIS_VARIANTS["paper"][v][1] in report for v in expected)
+
+
+def test_diagnose_in_the_von_oswald_layout():
+    name = "two-layers-two-heads"
+    inputs = ir._expected(name, "von_oswald")[0]
+    W = [inputs[k] for k in ("W_q", "W_k", "W_v", "W_o")]
+    E, y_hat, loss = von_oswald_model(W, inputs["Z_rows"], inputs["y"], 2, "linear", "1/n")
+    report, found = ir.diagnose({name: {"Z_L_rows": E, "loss": loss}}, layout="von_oswald")
+    assert found[name] == {"Z_L_rows": "an extra 1/n", "loss": "an extra 1/n"}, report
+    with pytest.raises(ValueError, match="outputs\\['two-layers-two-heads'\\]"):
+        ir.diagnose({name: {"Z_L": E}}, layout="von_oswald")
+    with pytest.raises(TypeError, match="layout"):
+        ir.diagnose({name: {"Z_L_rows": E}}, layout=("von_oswald",))
+
+
+def test_diagnose_uses_gradients_and_refuses_bad_input():
+    c = CASES["small-full"]                                      # 18 parameters
+    P, Q, Z, y = c["P"], c["Q"], c["Z"], c["y"]
+    dQ = numeric_grad(lambda X: paper_model(P, X, Z, y, "linear", "QT")[2], Q)
+    report, found = ir.diagnose({"small-full": {"dQ": dQ}})
+    assert found["small-full"]["dQ"] == "Q transposed", report
+    dP = numeric_grad(lambda X: paper_model(X, Q, Z, y, "linear", "n+1")[2], P)
+    assert ir.diagnose({"small-full": {"dP": dP}})[1]["small-full"]["dP"] == "1/(n+1) normalisation"
+    ref = correct_outputs("paper", "small-full")
+    report, found = ir.diagnose({"small-full": {"y_hat": ref["y_hat"][:, None], "dP": ref["dP"] * np.nan,
+                                                "dQ": None, "loss": "0.5", "Z_L": ref["Z_L"] + 0j}})
+    assert found["small-full"] == {"y_hat": "malformed: shape (4, 1), expected (4,)",
+                                   "dP": "malformed: holds NaN or Inf", "dQ": "malformed: missing (None)",
+                                   "loss": "malformed: not a numeric array (str: a string is not a number)",
+                                   "Z_L": "malformed: not a numeric array (dtype complex128: complex; give real numbers)"}
+    assert "fix them before comparing" in report and "Everything agrees" not in report
+    # Z_L with tokens as rows is the layout slip, whether or not its shape tells it apart
+    for case in ("small-full", "two-layers-two-heads"):
+        c = CASES[case]
+        rows = np.swapaxes(paper_model(c["P"], c["Q"], c["Z"], c["y"], "linear")[0], 1, 2)
+        assert ir.diagnose({case: {"Z_L": rows}})[1][case]["Z_L"] == "tokens as rows (Z_L transposed)"
+    for bad, error, words in (({"no-such-case": {"loss": 1.0}}, ValueError, "outputs' cases must name"),
+                              ({}, ValueError, "outputs is empty"), ({"small-full": {}}, ValueError, "holds no arrays"),
+                              ({"small-full": {"logits": 1.0}}, ValueError, "outputs\\['small-full'\\]"),
+                              ([1, 2], TypeError, "outputs")):
+        with pytest.raises(error, match=words):
+            ir.diagnose(bad)
+
+
+def test_diagnose_default_tolerance_and_order_of_causes():
+    ref = correct_outputs("paper", "small-full")
+    # the default rtol is 1e-6 of the largest entry: 1e-7 off agrees, 1e-5 off does not
+    for off, verdict in ((1e-7, "agrees"), (1e-5, "unexplained")):
+        bumped = ref["Z_L"] + off * np.max(np.abs(ref["Z_L"]))
+        assert ir.diagnose({"small-full": {"Z_L": bumped}})[1]["small-full"]["Z_L"] == verdict
+    # likely causes, most frequent first: Q transposed (3 mismatches) before the sign (1)
+    c, c2 = CASES["small-full"], CASES["two-layers-two-heads"]
+    QT = paper_model(c["P"], c["Q"], c["Z"], c["y"], "linear", "QT")
+    sign = paper_model(c2["P"], c2["Q"], c2["Z"], c2["y"], "linear", "sign")
+    report, _ = ir.diagnose({"small-full": dict(Z_L=QT[0], y_hat=QT[1], loss=QT[2]), c2["name"]: dict(y_hat=sign[1])})
+    causes = [line for line in report.splitlines() if line.startswith("- ")]
+    assert causes[0].startswith("- Q transposed (reproduces 3") and causes[1].startswith("- prediction sign flipped (reproduces 1")
+
+
+@pytest.mark.slow            # the family optimum computed again: seconds on a loaded machine
+def test_reference_cases_are_what_their_names_claim():
+    c = CASES["theorem1-optimum"]                            # Theorem 1's optimum for its own Sigma and n
+    n = c["Z"].shape[2] - 1
+    assert_allclose(-c["Q"][0, 0, :-1, :-1], ir.gamma_star(c["Sigma"], n), rtol=EXACT, atol=0)
+    c = CASES["sparse-family-optimum"]                       # Theorem 3's optimum for its own L, n, d
+    L, n, d = c["P"].shape[0], c["Z"].shape[2] - 1, c["Z"].shape[1] - 1
+    a_star = ir.optimal_family_scalars(L, n, d)[0]
+    assert_allclose(c["Sigma_w"], np.linalg.inv(c["Sigma"]), rtol=EXACT, atol=EXACT)
+    A = -c["Q"][:, 0, :-1, :-1]
+    assert_allclose(A, a_star[:, None, None] * np.linalg.inv(c["Sigma"]), rtol=1e-9, atol=0)   # the optimiser's gtol
+    for case in CASES.values():                              # the data were drawn with the covariances stated
+        assert case["Sigma"].shape == (case["Z"].shape[1] - 1,) * 2
+    # the query-as-key case: using the query as a key changes the answer by O(1)
+    c = CASES["query-as-key"]
+    wrong = paper_model(c["P"], c["Q"], c["Z"], c["y"], "linear", "query-key")[1]
+    right = paper_model(c["P"], c["Q"], c["Z"], c["y"], "linear")[1]
+    assert np.max(np.abs(wrong - right)) > 0.1 * np.max(np.abs(right))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference vectors and the command line
+# ---------------------------------------------------------------------------------------------
+
+def cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "icl_ref", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def snapshot(path):
+    """{name: bytes} of every file under path, links as ("link", target)."""
+    out = {}
+    for dirpath, dirs, files in os.walk(path):
+        for f in dirs + files:
+            p = os.path.join(dirpath, f)
+            if os.path.islink(p):
+                out[os.path.relpath(p, path)] = ("link", os.readlink(p))
+            elif os.path.isfile(p):
+                with open(p, "rb") as fh:
+                    out[os.path.relpath(p, path)] = fh.read()
+    return out
+
+
+def test_reference_vectors_are_reproducible_documented_and_right(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    ir.write_reference_vectors(a)
+    proc = cli("vectors", "--out", str(b))
+    assert proc.returncode == 0, proc.stderr
+    assert snapshot(a) == snapshot(b)                                  # the same bytes on every run
+    manifest = json.loads((a / "manifest.json").read_text())
+    assert manifest["format_version"] == ir.VECTORS_FORMAT and manifest["tolerances"]
+    assert manifest["icl_ref_version"] == ir.__version__ and manifest["format"] == "icl_ref reference vectors"
+    assert {c["name"] for c in manifest["cases"]} == set(CASES)
+    for c in manifest["cases"]:
+        data = np.load(a / c["file"])
+        assert set(data.files) == set(c["arrays"])
+        for k, meta in c["arrays"].items():
+            assert list(data[k].shape) == meta["shape"] and meta["meaning"]
+        Z, y, P = data["Z"], data["y"], data["P"]
+        assert (c["B"], c["d"], c["n"], c["L"], c["H"]) == (Z.shape[0], Z.shape[1] - 1, Z.shape[2] - 1, *P.shape[:2])
+        assert ("von_oswald" in c["layouts"]) == (c["activation"] in ("linear", "softmax"))
+        assert ("authors" in c["layouts"]) == (c["activation"] == "linear" and c["structure"] in ("sparse", "blocks"))
+        # the stored outputs against the independent models in every layout
+        Z_L, y_hat, loss = paper_model(P, data["Q"], Z, y, c["activation"])
+        assert_allclose(data["Z_L"], Z_L, rtol=0, atol=EXACT * np.max(np.abs(Z_L)))
+        assert float(data["loss"]) == pytest.approx(loss, rel=EXACT)
+        if "authors" in c["layouts"]:
+            assert_allclose(data["allparam"][:, :, 1], np.swapaxes(data["Q"][:, :, :-1, :-1], -1, -2), rtol=0, atol=0)
+            rows = authors_model(data["allparam"], data["Z_rows"], y)[0]
+            assert_allclose(rows, np.swapaxes(Z_L, 1, 2), rtol=0, atol=EXACT * np.max(np.abs(Z_L)))
+        if "von_oswald" in c["layouts"]:
+            W = [data[k] for k in ("W_q", "W_k", "W_v", "W_o")]
+            E, _, vo_loss = von_oswald_model(W, data["Z_rows"], y, c["H"], c["activation"])
+            assert_allclose(E, np.swapaxes(Z_L, 1, 2), rtol=0, atol=EXACT * np.max(np.abs(Z_L)))
+            assert vo_loss == pytest.approx(0.5 * loss, rel=EXACT)
+
+
+def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_their_own(tmp_path, capsys):
+    # the refusals (the command line's in its own process: exit 2, a message, no traceback), each
+    # leaving every byte under tmp_path as it was: the user's file a link points to included
+    out = tmp_path / "v"
+    ir.write_reference_vectors(out)
+    first = snapshot(out)
+    refused = cli("vectors", "--out", str(out))                        # no silent overwrite
+    assert refused.returncode == 2 and "not empty" in refused.stderr and "Traceback" not in refused.stderr
+    ir.write_reference_vectors(out, overwrite=True)                    # an earlier set of ours: replaced
+    assert snapshot(out) == first
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_bytes(b"the user's own file")
+    changes = {
+        "a foreign file": lambda: (out / "notes.md").write_text("mine"),
+        "a listed file changed": lambda: (out / "small-full.npz").write_bytes(b"my own file"),
+        "another program's manifest": lambda: (out / "manifest.json").write_text(json.dumps(
+            dict(json.loads((out / "manifest.json").read_text()), format="my vectors"))),
+        "a listed file a link": lambda: ((out / "relu.npz").unlink(), (out / "relu.npz").symlink_to(elsewhere)),
+        "the manifest a link": lambda: ((out / "manifest.json").unlink(), (out / "manifest.json").symlink_to(elsewhere)),
+    }
+    for what, change in changes.items():
+        shutil.rmtree(out)
+        ir.write_reference_vectors(out)
+        change()
+        before = snapshot(tmp_path)
+        if what == "a foreign file":                          # the command line's own refusal
+            with pytest.raises(SystemExit) as done:
+                ir._main(["vectors", "--out", str(out), "--overwrite"])
+            assert done.value.code == 2 and "did not write" in capsys.readouterr().err
+        else:
+            with pytest.raises(ValueError, match="symbolic link|did not write"):
+                ir.write_reference_vectors(out, overwrite=True)
+        assert snapshot(tmp_path) == before, what
+    # out itself a link to a directory of vectors: refused, the directory untouched
+    shutil.rmtree(out)
+    ir.write_reference_vectors(out)
+    link = tmp_path / "link"
+    link.symlink_to(out, target_is_directory=True)
+    before = snapshot(tmp_path)
+    proc = cli("vectors", "--out", str(link), "--overwrite")
+    assert proc.returncode == 2 and "symbolic link" in proc.stderr and snapshot(tmp_path) == before
+
+
+def test_vectors_lock_their_folder(tmp_path):
+    out = tmp_path / "v"
+    ir.write_reference_vectors(out)
+    before = snapshot(out)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)            # another writer holds the folder
+        proc = cli("vectors", "--out", str(out), "--overwrite")
+        assert proc.returncode == 2 and "locked by another process" in proc.stderr, proc.stderr
+        assert snapshot(out) == before
+    finally:
+        os.close(fd)
+    ir.write_reference_vectors(out, overwrite=True)                 # the lock released: ours replaced
+    assert snapshot(out) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# The package: command line, version, licence, citation, the optional dependency
+# ---------------------------------------------------------------------------------------------
+
+def read(name):
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_command_line_help_and_version(capsys):
+    # in this process: `python3 -m icl_ref` runs _main (test_reference_vectors_are_reproducible_... runs it)
+    assert ir._main([]) == 0                                   # no command: the help, exit 0
+    out = capsys.readouterr().out
+    assert "usage: python3 -m icl_ref" in out and "vectors" in out
+    assert "share/doc/icl_ref" in out                          # where the installed MATH.md is
+    with pytest.raises(SystemExit) as done:
+        ir._main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"icl_ref {ir.__version__}"
+    with pytest.raises(SystemExit) as done:
+        ir._main(["nonsense"])
+    assert done.value.code == 2
+
+
+def test_one_version_everywhere_and_a_licence_to_copy():
+    version = re.search(r'^version = "([^"]+)"', read("pyproject.toml"), flags=re.M).group(1)
+    assert ir.__version__ == version
+    assert re.search(r'^__version__ = "([^"]+)"', read("icl_fast.py"), flags=re.M).group(1) == version
+    assert re.search(r"^version: (\S+)", read("CITATION.cff"), flags=re.M).group(1) == version
+    assert f"## {version}" in read("CHANGELOG.md")
+    assert 'license = { text = "MIT" }' in read("pyproject.toml") and read("LICENSE").startswith("MIT License")
+    assert "2306.00297" in read("CITATION.cff") and "license: MIT" in read("CITATION.cff")
+    assert re.search(r'"share/doc/icl_ref" = \[.*"MATH\.md"', read("pyproject.toml"))
+
+
+def test_icl_fast_without_threadpoolctl_names_the_extra(monkeypatch):
+    import importlib
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)     # None: not importable
+    monkeypatch.delitem(sys.modules, "icl_fast", raising=False)
+    with pytest.raises(ImportError, match=re.escape("icl_fast needs threadpoolctl: pip install icl_ref[fast]")):
+        importlib.import_module("icl_fast")
