@@ -410,21 +410,21 @@ def lanes_jacobian_gram(P, Q, S0, q0, y, n, threads=1):
     dT kept: dr_b/dP_lh = (1/n) dT_b Q^T S_b, dr_b/dQ_lh = (1/n) S_b P^T dT_b, formed with the
     prompts last. MATH.md §3.1, §3.2."""
     Ks, _ = _lanes_kernels(P, Q, n)
-    L, H = P.shape[:2]
+    B, (L, H) = y.shape[0], P.shape[:2]
+    r, JP, JQ = np.empty(B), np.empty((B,) + P.shape), np.empty((B,) + P.shape)
 
-    def one_chunk(start, stop):
-        r, caches = _lanes_chunk(Ks, S0, q0, y, start, stop)
-        JP, JQ = np.empty((2, len(r)) + P.shape)
-        G, dq = None, np.ones(len(r))
+    def one_chunk(start, stop):         # writes its rows of r, JP and JQ
+        r[start:stop], caches = _lanes_chunk(Ks, S0, q0, y, start, stop)
+        G, dq = None, np.ones(stop - start)
         for l in reversed(range(L)):
             G, dq, dT = lanes_backward(G, dq, caches[l], first=l == 0, per_prompt=True)
             S_l = caches[l][1]
             for h in range(H):
-                JP[:, l, h] = np.einsum("ijb,kjb->bik", np.einsum("ijb,kj->ikb", dT, Q[l, h] / n), S_l)
-                JQ[:, l, h] = np.einsum("ijb,jkb->bik", np.einsum("ijb,kj->ikb", S_l, P[l, h] / n), dT)
-        return r, JP, JQ
+                JP[start:stop, l, h] = np.einsum("ijb,kjb->bik", np.einsum("ijb,kj->ikb", dT, Q[l, h] / n), S_l)
+                JQ[start:stop, l, h] = np.einsum("ijb,jkb->bik", np.einsum("ijb,kj->ikb", S_l, P[l, h] / n), dT)
 
-    return _concatenated(_map(one_chunk, _lanes_bounds(y.shape[0], P.shape[-1]), threads))
+    _map(one_chunk, _lanes_bounds(B, P.shape[-1]), threads)
+    return r, JP, JQ
 
 
 # ---------------------------------------------------------------------------------------------
