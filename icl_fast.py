@@ -1,22 +1,30 @@
-"""icl_fast: icl_ref's loss, gradient, Jacobian and trainers, computed faster: opt-in.
+"""icl_fast: icl_ref's evaluations on several threads, an opt-in engine.
 
-The same functions as icl_ref.py (loss_and_grad, loss_and_grad_gram, residuals_and_jacobian,
+`engine(threads)` is an evaluator with the five methods of icl_ref.REFERENCE (gram,
+loss_and_grad_gram, jacobian_gram, activation_pass, reduced_least_squares) that computes the same
+numbers with the batch in chunks on worker threads; icl_ref's evaluating functions take it as
+`engine=`. This module's loss_and_grad, loss_and_grad_gram, residuals_and_jacobian,
 residuals_and_jacobian_gram, loss_and_grad_activation, identifiable_hessian, sandwich_covariance,
-train_lbfgs, train_gauss_newton) with the same arguments and results, plus `threads=`. What makes them faster, and what importing this module
+train_lbfgs and train_gauss_newton are icl_ref's functions called with that engine: the same
+arguments, checks and results, plus `threads=` (an integer >= 1, at most the cores this process may
+use; None, the default: every core). What makes them faster, and what importing this module
 therefore accepts on the caller's behalf:
 
-- the lanes formulation (MATH.md §3.2): a chunk of b prompts held as (D, D, b), so each prompt's
-  small products are vector operations across the prompts, and the layer's kernel acts on S's
-  D(D+1)/2 distinct entries;
-- the batch in chunks on worker threads, one per core by default, kept between calls and bound one
-  to a core (Linux) when there is one per core; `shutdown()` ends them;
-- BLAS limited to one thread while an evaluation runs (the workers' own GEMMs would otherwise start
-  BLAS threads that compete with the workers for the cores), restored when the last concurrent
-  evaluation ends.
+- the lanes formulation (MATH.md §3.2) for the linear layer at small D: a chunk of b prompts held
+  as (D, D, b), so each prompt's small products are vector operations across the prompts, and the
+  layer's kernel acts on S's D(D+1)/2 distinct entries; at larger D, icl_ref's own methods on the
+  chunks;
+- worker threads, one per core by default, kept between calls and bound one to a core (Linux) when
+  there is one per core; `shutdown()` ends them;
+- BLAS limited to one thread while an icl_fast call runs (the workers' own products would otherwise
+  start BLAS threads that compete with the workers for the cores). The limit found is restored when
+  the last concurrent call ends, unless the caller set another one meanwhile; a process forked
+  during a call starts with the limit found.
 
-Results do not depend on the thread count (the chunks depend on B and D only and are added in
-chunk order) and agree with icl_ref's to rounding (test_icl_fast.py). The input checks are
-icl_ref's. Measurements: docs/benchmarks.md.
+Each chunk runs under the calling thread's floating-point rules (np.errstate), as it would on the
+calling thread. Results do not depend on the thread count (the chunks depend on B and D only and
+are combined in chunk order) and equal icl_ref's to rounding (test_icl_fast.py). Measurements:
+docs/benchmarks.md.
 """
 import contextlib
 import ctypes
@@ -24,11 +32,9 @@ import functools
 import itertools
 import os
 import threading
-import types
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import scipy.linalg
 try:
     from threadpoolctl import ThreadpoolController
 except ImportError as e:    # the optional dependency of the "fast" extra
@@ -39,18 +45,17 @@ import icl_ref as ir
 __version__ = "0.3.0"
 
 # The largest D = d + 1 at which the loss, and apart from it the Jacobian, take the lanes
-# formulation; above it the reference's batch-first layers (icl_ref.layer_forward) run on the
-# workers, as their D^3 BLAS products beat D^3 vector loops there. Near the crossing either costs
-# about the same, and where it lies moves a little between machines (docs/benchmarks.md records it;
-# test_docs.py checks that neither choice is clearly the slower there).
+# formulation; above it icl_ref's batch-first layers run on the workers, as their D^3 BLAS products
+# beat D^3 vector loops there. Near the crossing either costs about the same, and where it lies
+# moves a little between machines (docs/benchmarks.md records both); either choice gives the same
+# numbers.
 LANES_MAX_D = 17
 LANES_MAX_D_JACOBIAN = 7
 
 # The smallest evaluation, in multiply-adds B L H D^3 of the layers' products, that the workers
-# share, for the loss and apart from it the Jacobian; a smaller one runs its chunks on the calling
-# thread, as handing chunks to the workers and collecting them has a fixed cost that exceeds what
-# they save there (the same chunks either way; docs/benchmarks.md records both sides, test_docs.py
-# checks that the choice is not clearly the slower).
+# share, for the loss and apart from it the Jacobian; a smaller one runs its chunks, the same
+# chunks, on the calling thread, as handing chunks to the workers and collecting them has a fixed
+# cost that exceeds what they save there (docs/benchmarks.md records both sides).
 PARALLEL_MIN_WORK = 2 ** 21
 PARALLEL_MIN_WORK_JACOBIAN = 2 ** 19
 
@@ -65,29 +70,29 @@ def _cores():
 
 
 def _thread_count(threads):
-    """Worker threads for one evaluation: `threads` (an integer >= 1, at most the cores) or, by
-    default (None), every core this process may use."""
+    """Worker threads: `threads` (an integer >= 1; more than the cores this process may use would
+    only compete for them, so at most that many) or, for None, every such core."""
     cores = len(_cores())
-    return cores if threads is None else min(ir._int("threads", threads, 1), cores)
+    if threads is None:
+        return cores
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
+        raise TypeError(f"threads must be an integer >= 1 or None, got {type(threads).__name__}")
+    if threads < 1:
+        raise ValueError(f"threads must be an integer >= 1 or None, got {threads}")
+    return min(int(threads), cores)
 
 
-def _workers(threads, P, B, min_work):
-    """The thread count for an evaluation of B prompts with parameters P (L, H, D, D): one when its
-    B L H D^3 multiply-adds are below min_work, else `threads` (MATH.md §3.2)."""
-    count = _thread_count(threads)
-    L, H, D = P.shape[0], P.shape[1], P.shape[-1]
-    return 1 if B * L * H * D ** 3 < min_work else count
-
-
+# The process-wide BLAS limit while icl_fast calls run: how many calls hold it, the limits found
+# when the first of them began, and the libraries' (get, set) functions; all under `lock`.
 _BLAS = dict(lock=threading.Lock(), users=0, saved=None, libraries=None)
 
 
 def _blas_libraries():
-    """(get, set) of the thread count of every OpenBLAS in this process (numpy's and scipy's may be
-    two), as their C functions, and a limiter of threadpoolctl's for any other BLAS. OpenBLAS is
-    called directly: from threadpoolctl 3.8 on, only one Python thread at a time may change its
-    limit through threadpoolctl, and an evaluation may start in any thread."""
-    controller, openblas = ThreadpoolController(), []
+    """(get, set) of the thread limit of every BLAS in this process (numpy's and scipy's OpenBLAS
+    may be two). OpenBLAS is called through its C functions: from threadpoolctl 3.8 on, only one
+    Python thread at a time may change its limit through threadpoolctl, and a call may start in
+    any thread; any other BLAS through threadpoolctl."""
+    controller, found = ThreadpoolController(), []
     for info in controller.info():
         if info["internal_api"] != "openblas":
             continue
@@ -96,27 +101,33 @@ def _blas_libraries():
             get = getattr(library, f"{prefix}openblas_get_num_threads{suffix}", None)
             put = getattr(library, f"{prefix}openblas_set_num_threads{suffix}", None)
             if get is not None and put is not None:
-                openblas.append((get, put))
+                found.append((get, put))
                 break
     others = [c for c in controller.select(user_api="blas").lib_controllers if c.internal_api != "openblas"]
-    return openblas, others
+    return found + [(c.get_num_threads, c.set_num_threads) for c in others]
+
+
+def _restore_blas():
+    """The saved limits back, under the lock, in each library whose limit is still the 1 set here:
+    a limit the caller set during the call is the caller's to keep."""
+    for (get, put), count in zip(_BLAS["libraries"], _BLAS["saved"]):
+        if get() == 1:
+            put(count)
+    _BLAS["saved"] = None
 
 
 @contextlib.contextmanager
 def _one_blas_thread():
-    """BLAS at one thread inside; the setting found is restored when the last of the concurrent
-    holders leaves. Entering and leaving are counted under one lock, so overlapping calls from
-    several Python threads never restore a limit that another set (the setting is process-wide)."""
+    """BLAS at one thread inside. Entering and leaving are counted under one lock, so that of
+    several overlapping holders in different Python threads the first saves the limits and the last
+    restores them (the limit is process-wide)."""
     with _BLAS["lock"]:
         if _BLAS["users"] == 0:
             if _BLAS["libraries"] is None:
                 _BLAS["libraries"] = _blas_libraries()
-            openblas, others = _BLAS["libraries"]
-            _BLAS["saved"] = ([get() for get, _ in openblas], [c.get_num_threads() for c in others])
-            for _, put in openblas:
+            _BLAS["saved"] = [get() for get, _ in _BLAS["libraries"]]
+            for _, put in _BLAS["libraries"]:
                 put(1)
-            for c in others:
-                c.set_num_threads(1)
         _BLAS["users"] += 1
     try:
         yield
@@ -124,12 +135,7 @@ def _one_blas_thread():
         with _BLAS["lock"]:
             _BLAS["users"] -= 1
             if _BLAS["users"] == 0:
-                openblas, others = _BLAS["libraries"]
-                for (_, put), count in zip(openblas, _BLAS["saved"][0]):
-                    put(count)
-                for c, count in zip(others, _BLAS["saved"][1]):
-                    c.set_num_threads(count)
-                _BLAS["saved"] = None
+                _restore_blas()
 
 
 _POOLS, _POOLS_LOCK = {}, threading.Lock()
@@ -157,8 +163,8 @@ def _pool(workers):
 
 
 def shutdown():
-    """End the worker threads (they start again on the next call). Call it before os.fork() in a
-    program that forks, or to leave a process with no threads of icl_fast's."""
+    """End the worker threads (they start again on the next call), e.g. to leave a process with no
+    threads of icl_fast's."""
     with _POOLS_LOCK:
         pools = list(_POOLS.values())
         _POOLS.clear()
@@ -166,33 +172,38 @@ def shutdown():
         pool.shutdown(wait=True)
 
 
-def _forget_pools():
-    """In a forked child: the parent's pools have no threads here, and the locks may have been held
-    by another of the parent's threads at the fork, so all start anew."""
+def _after_fork_in_child():
+    """A forked child has none of the parent's threads: no workers, and no call of the parent's
+    that would restore the BLAS limit, so it is restored here. The BLAS state was read under its
+    lock (taken before the fork); the locks start anew."""
     global _POOLS_LOCK
     _POOLS.clear()
     _POOLS_LOCK = threading.Lock()
-    _BLAS.update(lock=threading.Lock(), users=0, saved=None)
+    if _BLAS["users"]:
+        _restore_blas()
+    _BLAS.update(lock=threading.Lock(), users=0)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pools)
+    os.register_at_fork(before=lambda: _BLAS["lock"].acquire(), after_in_parent=lambda: _BLAS["lock"].release(),
+                        after_in_child=_after_fork_in_child)
 
 
-def _map_chunks(fn, bounds, threads):
-    """[fn(start, stop) for (start, stop) in bounds], in that order, on `threads` workers (default:
-    every core) with BLAS at one thread. Each worker claims the next chunk from a shared counter;
-    an error or a Ctrl-C stops the claiming (the chunks already running finish). The results come
-    back in chunk order, so sums over them do not depend on the thread count."""
+def _map(fn, bounds, threads):
+    """[fn(start, stop) for (start, stop) in bounds], in that order, on `threads` workers with BLAS
+    at one thread. Each worker runs under the calling thread's floating-point rules (a new thread
+    starts with numpy's defaults) and claims the next chunk from a shared counter; a failing chunk
+    stops the claiming (the chunks already running finish) and its exception reaches the caller.
+    The results come back in chunk order, so sums over them do not depend on the thread count."""
     workers = min(_thread_count(threads), len(bounds))
-    err = np.geterr()                       # the caller's errstate: worker threads do not inherit it
     with _one_blas_thread():
         if workers == 1:
             return [fn(*b) for b in bounds]
+        rules = np.geterr()
         results, claim, stop = [None] * len(bounds), itertools.count(), threading.Event()
 
         def work(_):
-            with np.errstate(**err):
+            with np.errstate(**rules):
                 for i in claim:                        # next() on a count is atomic under the GIL
                     if i >= len(bounds) or stop.is_set():
                         return
@@ -203,15 +214,26 @@ def _map_chunks(fn, bounds, threads):
                         raise
         try:
             list(_pool(workers).map(work, range(workers)))
-        except BaseException:
+        except BaseException:                          # a chunk's error, or Ctrl-C while waiting
             stop.set()
             raise
         return results
 
 
-def _sum_parts(parts, k):
-    """The first k entries of the chunks' results, each added in chunk order."""
-    return tuple(sum(part[i] for part in parts) for i in range(k))
+def _bounds(B, size):
+    """(start, stop) of the batch of B in chunks of `size` prompts."""
+    return [(c, min(c + size, B)) for c in range(0, B, size)]
+
+
+def _mean_of_chunks(parts, bounds, B):
+    """The batch's means from the chunks' means: each weighted by its share of the B prompts and
+    added in chunk order."""
+    return tuple(sum(part[i] * ((b - a) / B) for part, (a, b) in zip(parts, bounds)) for i in range(len(parts[0])))
+
+
+def _concatenated(parts):
+    """The chunks' per-prompt arrays, each stacked in chunk order."""
+    return tuple(np.concatenate(column) for column in zip(*parts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +243,7 @@ def _sum_parts(parts, k):
 @functools.lru_cache(maxsize=64)
 def symmetric_coordinates(D):
     """Index maps between a symmetric D x D matrix S and its U = D (D+1) / 2 distinct entries s
-    (the upper triangle, row by row). MATH.md §3.2.
+    (the upper triangle, row by row), for D >= 1. MATH.md §3.2.
 
     Returns (upper, full, E, diagonal), read-only:
         upper     (U,) positions of s in vec(S) (row-major):   s = vec(S)[upper]
@@ -229,7 +251,6 @@ def symmetric_coordinates(D):
         E         (D^2, U) 0/1 with vec(S) = E s; a kernel K acts on s as K E
         diagonal  (U,) bool, True where the entry is on the diagonal
     """
-    D = ir._int("D", D, 1)
     i, j = np.triu_indices(D)
     position = np.empty((D, D), dtype=np.intp)
     position[i, j] = position[j, i] = np.arange(len(i))
@@ -260,8 +281,8 @@ def kernel_backward(dK, P_l, Q_l, n):
 
 def _symmetric_product(X, Y):
     """The distinct entries s (U, b) of X Y^T, for stacks with the prompts last, X, Y (D, m, b),
-    where X Y^T is known to be symmetric (Z M Z^T, T S T^T, T^T G T): its upper triangle row by
-    row, written straight into s. MATH.md §3.2."""
+    where X Y^T is known to be symmetric (T S T^T, T^T G T): its upper triangle row by row, written
+    straight into s. MATH.md §3.2."""
     D, b = X.shape[0], X.shape[2]
     s = np.empty((D * (D + 1) // 2, b))
     start = 0
@@ -275,14 +296,6 @@ def _symmetric_full(s, D):
     """The symmetric S (D, D, b) from its distinct entries s (U, b): one gather, so S is exactly
     symmetric. MATH.md §3.2."""
     return s.take(symmetric_coordinates(D)[1], axis=0).reshape(D, D, s.shape[-1])
-
-
-def lanes_gram(Zt):
-    """S = Z M Z^T with the prompts on the last axis: Zt (D, n+1, b) -> (S (D, D, b), s (U, b)),
-    S_ij = sum_{t<n} Z_it Z_jt (the query column t = n left out). MATH.md §3.2."""
-    context = Zt[:, :-1]
-    s = _symmetric_product(context, context)
-    return _symmetric_full(s, Zt.shape[0]), s
 
 
 def lanes_forward(K_s, S, s, q, last=False):
@@ -352,59 +365,43 @@ def _lanes_bounds(B, D):
     array about 512 KB, in cache; equal chunks keep 2 or 4 workers equally busy). They depend on B
     and D only, never on the worker count."""
     count = 4 * -(-B // (4 * max(1, 2 ** 16 // D ** 2)))
-    size = -(-B // count)
-    return [(c, min(c + size, B)) for c in range(0, B, size)]
+    return _bounds(B, -(-B // count))
 
 
-def _lanes_propagate(Ks, S, s, q):
-    """lanes_forward through the layers' kernels K_s from S_0, s_0, q_0; returns (q_L)_d (b,) and
-    the caches."""
+def _lanes_chunk(Ks, S0, q0, y, start, stop):
+    """A chunk of the Gram form with the prompts last, through the layers' kernels K_s (lanes_forward
+    from S_0, s_0, q_0): its residuals r = (q_L)_d + y (b,) and the layers' caches."""
+    D = S0.shape[-1]
+    S = np.ascontiguousarray(S0[start:stop].transpose(1, 2, 0))
+    s, q = S.reshape(D * D, -1).take(symmetric_coordinates(D)[0], axis=0), np.ascontiguousarray(q0[start:stop].T)
     caches = []
     for l, K_s in enumerate(Ks):
         S, s, q, cache = lanes_forward(K_s, S, s, q, last=l == len(Ks) - 1)
         caches.append(cache)
-    return q, caches
+    return q + y[start:stop], caches
 
 
-def _gram_reader(S0, q0):
-    """(start, stop) -> the chunk's S_0 (D, D, b), s_0 (U, b) and q_0 (D, b), prompts last (copies)."""
-    D = S0.shape[-1]
-    upper = symmetric_coordinates(D)[0]
-
-    def read(start, stop):
-        S = np.ascontiguousarray(S0[start:stop].transpose(1, 2, 0))
-        return S, S.reshape(D * D, -1).take(upper, axis=0), np.ascontiguousarray(q0[start:stop].T)
-    return read
+def _lanes_kernels(P, Q, n):
+    """Each layer's kernel on S's distinct entries, K_s = K E (D^2, U), and E."""
+    E = symmetric_coordinates(P.shape[-1])[2]
+    return [kernel_forward(P_l, Q_l, n) @ E for P_l, Q_l in zip(P, Q)], E
 
 
-def _prompt_reader(Z):
-    """(start, stop) -> the chunk's S_0, s_0, q_0 from the prompts themselves, prompts last: each
-    worker checks its chunk of Z for NaN and Inf and forms its Gram product (MATH.md §3.2)."""
-    n = Z.shape[2] - 1
-
-    def read(start, stop):
-        ir._finite_entries("Z", Z[start:stop])
-        Zt = Z[start:stop].transpose(1, 2, 0)                    # a view: lanes_gram reads Z in place
-        return (*lanes_gram(Zt), np.ascontiguousarray(Zt[:, n]))
-    return read
-
-
-def _lanes_loss_and_grad(P, Q, read, y, n, threads):
-    """loss_and_grad_gram in the lanes formulation (MATH.md §3.2); read(start, stop) gives a chunk's
-    S_0, s_0, q_0 with the prompts last."""
-    B, D = y.shape[0], P.shape[-1]
-    E = symmetric_coordinates(D)[2]
-    Ks = [kernel_forward(P_l, Q_l, n) @ E for P_l, Q_l in zip(P, Q)]      # K_s = K E
+def lanes_loss_and_grad_gram(P, Q, S0, q0, y, n, threads=1):
+    """REFERENCE.loss_and_grad_gram in the lanes formulation on `threads` workers: (loss, dP, dQ).
+    Each chunk's reverse pass is seeded with 2 r / B (the whole batch's B), and the kernels'
+    adjoints dK_s are added over the chunks before kernel_backward. MATH.md §3.2."""
+    B = y.shape[0]
+    Ks, E = _lanes_kernels(P, Q, n)
 
     def one_chunk(start, stop):
-        q, caches = _lanes_propagate(Ks, *read(start, stop))
-        r = q + y[start:stop]                             # q = Z_L[d, n]: r = y - y_hat
-        G, dq, dKs = None, 2.0 * r / B, [None] * len(Ks)  # every chunk divides by the whole B
+        r, caches = _lanes_chunk(Ks, S0, q0, y, start, stop)
+        G, dq, dKs = None, 2.0 * r / B, [None] * len(Ks)
         for l in reversed(range(len(Ks))):
             G, dq, dKs[l] = lanes_backward(G, dq, caches[l], first=l == 0)
         return float(r @ r) / B, dKs
 
-    parts = _map_chunks(one_chunk, _lanes_bounds(B, D), threads)
+    parts = _map(one_chunk, _lanes_bounds(B, P.shape[-1]), threads)
     dP, dQ = np.empty_like(P), np.empty_like(Q)
     for l, (P_l, Q_l) in enumerate(zip(P, Q)):
         dK = sum(part[1][l] for part in parts) @ E.T     # K_s = K E: dK = dK_s E^T
@@ -412,212 +409,134 @@ def _lanes_loss_and_grad(P, Q, read, y, n, threads):
     return sum(part[0] for part in parts), dP, dQ
 
 
-def _lanes_jacobian(P, Q, read, y, n, structure, threads):
-    """residuals_and_jacobian_gram in the lanes formulation (MATH.md §3.1, §3.2): the reverse pass
-    seeded with dr_b/d(q_L)_d = 1 for every prompt, each prompt's dT kept, the rows formed with the
-    prompts last and written to (b, L, H, D, D)."""
-    B, D = y.shape[0], P.shape[-1]
-    L, H = P.shape[:2]
-    E = symmetric_coordinates(D)[2]
-    Ks = [kernel_forward(P_l, Q_l, n) @ E for P_l, Q_l in zip(P, Q)]
+def lanes_jacobian_gram(P, Q, S0, q0, y, n, threads=1):
+    """REFERENCE.jacobian_gram in the lanes formulation on `threads` workers: r (B,), JP, JQ
+    (B, L, H, D, D). The reverse pass seeded with dr_b/d(q_L)_d = 1 for every prompt, each prompt's
+    dT kept: dr_b/dP_lh = (1/n) dT_b Q^T S_b, dr_b/dQ_lh = (1/n) S_b P^T dT_b, formed with the
+    prompts last. MATH.md §3.1, §3.2."""
+    Ks, _ = _lanes_kernels(P, Q, n)
+    B, (L, H) = y.shape[0], P.shape[:2]
+    r, JP, JQ = np.empty(B), np.empty((B,) + P.shape), np.empty((B,) + P.shape)
 
-    def one_chunk(start, stop):
-        q, caches = _lanes_propagate(Ks, *read(start, stop))
-        r = q + y[start:stop]
-        JP, JQ = np.empty((2, len(r)) + P.shape)
-        G, dq = None, np.ones(len(r))                     # dr_b / d(q_L)_d = 1, prompt by prompt
+    def one_chunk(start, stop):         # writes its rows of r, JP and JQ
+        r[start:stop], caches = _lanes_chunk(Ks, S0, q0, y, start, stop)
+        G, dq = None, np.ones(stop - start)
         for l in reversed(range(L)):
             G, dq, dT = lanes_backward(G, dq, caches[l], first=l == 0, per_prompt=True)
             S_l = caches[l][1]
-            for h in range(H):      # dr_b/dP_lh = (1/n) dT_b Q^T S_b, dr_b/dQ_lh = (1/n) S_b P^T dT_b
-                JP[:, l, h] = np.einsum("ijb,kjb->bik", np.einsum("ijb,kj->ikb", dT, Q[l, h] / n), S_l)
-                JQ[:, l, h] = np.einsum("ijb,jkb->bik", np.einsum("ijb,kj->ikb", S_l, P[l, h] / n), dT)
-        return r, ir._jacobian_rows(structure, JP, JQ)
+            for h in range(H):
+                JP[start:stop, l, h] = np.einsum("ijb,kjb->bik", np.einsum("ijb,kj->ikb", dT, Q[l, h] / n), S_l)
+                JQ[start:stop, l, h] = np.einsum("ijb,jkb->bik", np.einsum("ijb,kj->ikb", S_l, P[l, h] / n), dT)
 
-    parts = _map_chunks(one_chunk, _lanes_bounds(B, D), threads)
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    _map(one_chunk, _lanes_bounds(B, P.shape[-1]), threads)
+    return r, JP, JQ
 
 
 # ---------------------------------------------------------------------------------------------
-# What the trainers evaluate with (icl_ref's engine protocol), unchecked
+# The engine: icl_ref.REFERENCE's methods on the workers
 # ---------------------------------------------------------------------------------------------
 
 def _batch_first_bounds(B, D):
-    """(start, stop) of the chunks of 2^15 / D^2 prompts in which the workers run the reference's
-    batch-first layers: larger than icl_ref's own (2^18 / D^3, kept small so that OpenBLAS never
-    starts threads), as BLAS is held at one thread here and fewer chunks cost less Python."""
-    size = max(1, 2 ** 15 // D ** 2)
-    return [(c, min(c + size, B)) for c in range(0, B, size)]
+    """The chunks of 2^15 / D^2 prompts in which the workers run icl_ref's batch-first methods: each
+    chunk's (b, D, D) stacks in cache."""
+    return _bounds(B, max(1, 2 ** 15 // D ** 2))
 
 
-def _loss_and_grad_gram(P, Q, S0, q0, y, n, threads=None):
-    """icl_ref._loss_and_grad_gram on the workers (on the calling thread below PARALLEL_MIN_WORK):
-    lanes for D <= LANES_MAX_D, else the reference's batch-first layers in chunks of
-    _batch_first_bounds."""
-    B, D = y.shape[0], P.shape[-1]
-    threads = _workers(threads, P, B, PARALLEL_MIN_WORK)
-    if D <= LANES_MAX_D:
-        return _lanes_loss_and_grad(P, Q, _gram_reader(S0, q0), y, n, threads)
-    parts = _map_chunks(lambda a, b: ir._loss_and_grad_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B),
-                        _batch_first_bounds(B, D), threads)
-    return _sum_parts(parts, 3)
+class _Engine:
+    """The methods of icl_ref.REFERENCE, the same numbers on `threads` workers (see engine)."""
 
+    def __init__(self, threads):
+        self.threads = _thread_count(threads)
 
-def _residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure, threads=None):
-    """icl_ref._residuals_and_jacobian_gram on the workers (on the calling thread below
-    PARALLEL_MIN_WORK_JACOBIAN): lanes for D <= LANES_MAX_D_JACOBIAN."""
-    threads = _workers(threads, P, y.shape[0], PARALLEL_MIN_WORK_JACOBIAN)
-    if P.shape[-1] <= LANES_MAX_D_JACOBIAN:
-        return _lanes_jacobian(P, Q, _gram_reader(S0, q0), y, n, structure, threads)
-    parts = _map_chunks(lambda a, b: ir._residuals_and_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n,
-                                                                      structure),
-                        _batch_first_bounds(y.shape[0], P.shape[-1]), threads)
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    def _threads_for(self, P, B, min_work):
+        """One thread for an evaluation of B prompts with parameters P (L, H, D, D) whose B L H D^3
+        multiply-adds are below min_work, else every worker."""
+        L, H, D = P.shape[:3]
+        return 1 if B * L * H * D ** 3 < min_work else self.threads
 
+    def gram(self, Z):
+        """S_0 = Z M Z^T (B, D, D): REFERENCE.gram on the chunks."""
+        bounds = _batch_first_bounds(*Z.shape[:2])
+        return np.concatenate(_map(lambda a, b: ir.REFERENCE.gram(Z[a:b]), bounds, self.threads))
 
-def _activation_pass(P, Q, Z, y, activation, jacobian=False, threads=None):
-    """icl_ref._activation_pass with its chunks on the workers."""
-    B = Z.shape[0]
-    parts = _map_chunks(lambda a, b: ir._activation_chunk(P, Q, Z[a:b], y[a:b], B, activation, jacobian),
-                        ir._activation_bounds(B, Z.shape[2]), threads)
-    return ir._combine_activation_parts(parts, jacobian)
+    def loss_and_grad_gram(self, P, Q, S0, q0, y, n):
+        """(loss, dP, dQ): lanes for D <= LANES_MAX_D, else REFERENCE.loss_and_grad_gram on the chunks,
+        their means weighted by their shares of the batch."""
+        B, D = y.shape[0], P.shape[-1]
+        threads = self._threads_for(P, B, PARALLEL_MIN_WORK)
+        if D <= LANES_MAX_D:
+            return lanes_loss_and_grad_gram(P, Q, S0, q0, y, n, threads)
+        bounds = _batch_first_bounds(B, D)
+        parts = _map(lambda a, b: ir.REFERENCE.loss_and_grad_gram(P, Q, S0[a:b], q0[a:b], y[a:b], n), bounds, threads)
+        return _mean_of_chunks(parts, bounds, B)
 
+    def jacobian_gram(self, P, Q, S0, q0, y, n):
+        """(r, JP, JQ): lanes for D <= LANES_MAX_D_JACOBIAN, else REFERENCE.jacobian_gram on the chunks."""
+        B, D = y.shape[0], P.shape[-1]
+        threads = self._threads_for(P, B, PARALLEL_MIN_WORK_JACOBIAN)
+        if D <= LANES_MAX_D_JACOBIAN:
+            return lanes_jacobian_gram(P, Q, S0, q0, y, n, threads)
+        return _concatenated(_map(lambda a, b: ir.REFERENCE.jacobian_gram(P, Q, S0[a:b], q0[a:b], y[a:b], n),
+                                  _batch_first_bounds(B, D), threads))
 
-def _reduced_least_squares(r, J, threads=None):
-    """icl_ref._reduced_least_squares as a tall-skinny QR: the triangular factors of blocks of
-    max(2000, 4 (p+1)) rows on the workers, then the factor of their stack (the same R up to row
-    signs, which f shares; MATH.md §6)."""
-    B, p = J.shape
-    A = np.column_stack([J, r])
-    rows = max(2000, 4 * (p + 1))
-    blocks = _map_chunks(lambda a, b: scipy.linalg.qr(A[a:b], mode="r", check_finite=False)[0][:p + 1],
-                         [(c, min(c + rows, B)) for c in range(0, B, rows)], threads)
-    with _one_blas_thread():
-        top = scipy.linalg.qr(np.vstack(blocks), mode="r", check_finite=False)[0][:p + 1]
-    R_aug = np.zeros((p + 1, p + 1))
-    R_aug[:len(top)] = top
-    return R_aug[:, p], R_aug[:, :p]
+    def activation_pass(self, P, Q, Z, y, activation, jacobian=False):
+        """REFERENCE.activation_pass on chunks of 2^15 / (n+1)^2 prompts (their (b, n+1, n+1) score
+        matrices in cache): (loss, dP, dQ) weighted by the chunks' shares and Z_L stacked, or with
+        jacobian (r, JP, JQ, Z_L) stacked."""
+        B = Z.shape[0]
+        bounds = _bounds(B, max(1, 2 ** 15 // Z.shape[2] ** 2))
+        parts = _map(lambda a, b: ir.REFERENCE.activation_pass(P, Q, Z[a:b], y[a:b], activation, jacobian),
+                     bounds, self.threads)
+        if jacobian:
+            return _concatenated(parts)
+        return (*_mean_of_chunks([part[:3] for part in parts], bounds, B), np.concatenate([part[3] for part in parts]))
+
+    def reduced_least_squares(self, r, J):
+        """(f, R) as REFERENCE.reduced_least_squares, as a tall-skinny QR: REFERENCE's (f_k, R_k) of
+        blocks of max(2000, 4 (p+1)) rows on the workers, then REFERENCE's of their stack. [R_k f_k] is
+        the triangular factor of the block [J_k r_k], so the stack has the Gram matrix of [J r] and
+        its factor is [J r]'s (the same up to row signs, which f shares; MATH.md §6)."""
+        B, p = J.shape
+        blocks = _map(lambda a, b: ir.REFERENCE.reduced_least_squares(r[a:b], J[a:b]),
+                      _bounds(B, max(2000, 4 * (p + 1))), self.threads)
+        if len(blocks) == 1:
+            return blocks[0]
+        with _one_blas_thread():
+            return ir.REFERENCE.reduced_least_squares(np.concatenate([f for f, _ in blocks]),
+                                                      np.vstack([R for _, R in blocks]))
 
 
 def engine(threads=None):
-    """The evaluators that icl_ref's trainers take as `engine=`: icl_fast's, on `threads` workers."""
-    _thread_count(threads)
-    return types.SimpleNamespace(
-        loss_and_grad_gram=functools.partial(_loss_and_grad_gram, threads=threads),
-        residuals_and_jacobian_gram=functools.partial(_residuals_and_jacobian_gram, threads=threads),
-        activation_pass=functools.partial(_activation_pass, threads=threads),
-        reduced_least_squares=functools.partial(_reduced_least_squares, threads=threads))
+    """The evaluator for icl_ref's `engine=` arguments: icl_ref.REFERENCE's five methods (gram,
+    loss_and_grad_gram, jacobian_gram, activation_pass, reduced_least_squares), unchecked as
+    REFERENCE's are, computing the same numbers on `threads` workers (an integer >= 1, capped at
+    the cores this process may use; None: every core)."""
+    return _Engine(threads)
 
 
 # ---------------------------------------------------------------------------------------------
-# icl_ref's public functions, checked as icl_ref checks them
+# icl_ref's public functions with the engine
 # ---------------------------------------------------------------------------------------------
 
-def loss_and_grad_gram(P, Q, S0, q0, y, n, threads=None):
-    """icl_ref.loss_and_grad_gram on `threads` workers (default: every core)."""
-    P, Q, S0, q0, y, n = ir._gram_args("loss_and_grad_gram", P, Q, S0, q0, y, n)
-    _thread_count(threads)
-    with np.errstate(over="ignore", invalid="ignore"):
-        loss, dP, dQ = _loss_and_grad_gram(P, Q, S0, q0, y, n, threads)
-    for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
-        ir._finite_result(what, value, P=P, Q=Q, S0=S0)
-    return loss, dP, dQ
+def _with_engine(fn):
+    """icl_ref's `fn` with `threads=` in place of `engine=`."""
+    def call(*args, threads=None, **kwargs):
+        fast = engine(threads)
+        with _one_blas_thread():
+            return fn(*args, engine=fast, **kwargs)
+    call.__name__ = call.__qualname__ = fn.__name__
+    call.__doc__ = (f"icl_ref.{fn.__name__}: the same arguments, checks and result, evaluated by engine(threads) "
+                    "(threads: an integer >= 1, at most the cores; None: every core) with BLAS at one thread "
+                    "throughout.")
+    return call
 
 
-def loss_and_grad(P, Q, Z, y, threads=None):
-    """icl_ref.loss_and_grad on `threads` workers (default: every core). With lanes each worker
-    forms its chunk's Gram product and checks that chunk of Z for NaN and Inf."""
-    P, Q = ir._params(P, Q)
-    lanes = P.shape[-1] <= LANES_MAX_D
-    Z = ir._prompts(Z, P.shape[2], finite=not lanes)
-    y = ir._labels(y, Z.shape[0])
-    _thread_count(threads)
-    n = Z.shape[2] - 1
-    with np.errstate(over="ignore", invalid="ignore"):
-        if lanes:
-            loss, dP, dQ = _lanes_loss_and_grad(P, Q, _prompt_reader(Z), y, n,
-                                                _workers(threads, P, Z.shape[0], PARALLEL_MIN_WORK))
-        else:
-            loss, dP, dQ = _loss_and_grad_gram(P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n, threads)
-    for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
-        ir._finite_result(what, value, P=P, Q=Q, Z=Z)
-    return loss, dP, dQ
-
-
-def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", threads=None):
-    """icl_ref.residuals_and_jacobian_gram on `threads` workers (default: every core)."""
-    ir._check_structure(structure)
-    P, Q, S0, q0, y, n = ir._gram_args("residuals_and_jacobian_gram", P, Q, S0, q0, y, n)
-    ir._check_structure_of(structure, P, Q)
-    _thread_count(threads)
-    with np.errstate(over="ignore", invalid="ignore"):
-        r, J = _residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure, threads)
-    ir._finite_result("the residuals", r, P=P, Q=Q, S0=S0)
-    ir._finite_result("the Jacobian", J, P=P, Q=Q, S0=S0)
-    return r, J
-
-
-def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", threads=None):
-    """icl_ref.residuals_and_jacobian on `threads` workers (default: every core)."""
-    ir._check_structure(structure)
-    ir._check_activation(activation)
-    P, Q = ir._params(P, Q)
-    ir._check_structure_of(structure, P, Q)
-    Z = ir._prompts(Z, P.shape[2])
-    y = ir._labels(y, Z.shape[0])
-    _thread_count(threads)
-    n = Z.shape[2] - 1
-    with np.errstate(over="ignore", invalid="ignore"):
-        if activation == "linear":
-            r, J = _residuals_and_jacobian_gram(P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
-                                                structure, threads)
-        else:
-            r, JP, JQ = _activation_pass(P, Q, Z, y, activation, jacobian=True, threads=threads)[:3]
-            J = ir._jacobian_rows(structure, JP, JQ)
-    ir._finite_result("the residuals", r, P=P, Q=Q, Z=Z)
-    ir._finite_result("the Jacobian", J, P=P, Q=Q, Z=Z)
-    return r, J
-
-
-def loss_and_grad_activation(P, Q, Z, y, activation="relu", threads=None):
-    """icl_ref.loss_and_grad_activation on `threads` workers (default: every core)."""
-    ir._check_activation(activation)
-    P, Q = ir._params(P, Q)
-    Z = ir._prompts(Z, P.shape[2])
-    y = ir._labels(y, Z.shape[0])
-    _thread_count(threads)
-    with np.errstate(over="ignore", invalid="ignore"):
-        loss, dP, dQ, _ = _activation_pass(P, Q, Z, y, activation, threads=threads)
-    for what, value in (("the loss", loss), ("dP", dP), ("dQ", dQ)):
-        ir._finite_result(what, value, P=P, Q=Q, Z=Z)
-    return loss, dP, dQ
-
-
-def sandwich_covariance(*args, threads=None, **kwargs):
-    """icl_ref.sandwich_covariance (same arguments and result) evaluating on `threads` workers."""
-    fast = engine(threads)
-    with _one_blas_thread():
-        return ir.sandwich_covariance(*args, engine=fast, **kwargs)
-
-
-def identifiable_hessian(*args, threads=None, **kwargs):
-    """icl_ref.identifiable_hessian (same arguments and result) evaluating on `threads` workers."""
-    fast = engine(threads)
-    with _one_blas_thread():
-        return ir.identifiable_hessian(*args, engine=fast, **kwargs)
-
-
-def train_lbfgs(*args, threads=None, **kwargs):
-    """icl_ref.train_lbfgs (same arguments and result) evaluating on `threads` workers (default:
-    every core), with BLAS at one thread for the whole run."""
-    fast = engine(threads)
-    with _one_blas_thread():
-        return ir.train_lbfgs(*args, engine=fast, **kwargs)
-
-
-def train_gauss_newton(*args, threads=None, **kwargs):
-    """icl_ref.train_gauss_newton (same arguments and result) evaluating on `threads` workers
-    (default: every core), with BLAS at one thread for the whole run."""
-    fast = engine(threads)
-    with _one_blas_thread():
-        return ir.train_gauss_newton(*args, engine=fast, **kwargs)
+loss_and_grad = _with_engine(ir.loss_and_grad)
+loss_and_grad_gram = _with_engine(ir.loss_and_grad_gram)
+residuals_and_jacobian = _with_engine(ir.residuals_and_jacobian)
+residuals_and_jacobian_gram = _with_engine(ir.residuals_and_jacobian_gram)
+loss_and_grad_activation = _with_engine(ir.loss_and_grad_activation)
+identifiable_hessian = _with_engine(ir.identifiable_hessian)
+sandwich_covariance = _with_engine(ir.sandwich_covariance)
+train_lbfgs = _with_engine(ir.train_lbfgs)
+train_gauss_newton = _with_engine(ir.train_gauss_newton)
