@@ -188,8 +188,8 @@ def stale(name):
         return [f"{rec.path} is not JSON: {e}"]
     reasons = code_changes(rec.provenance(record))
     written = record.get(rec.outputs_key, {}) if rec.outputs_key else {}
-    if name == "blocks_basins" and "figure_sha256" in record:
-        written = {os.path.basename(FIGURE_BASINS): record["figure_sha256"]}
+    if "figure_sha256" in record:                       # tools/blocks_basins.py's one figure
+        written = {"blocks_basins.png": record["figure_sha256"]}
     for out, digest in written.items():
         path = os.path.join("docs", out)
         if not os.path.exists(os.path.join(ROOT, path)):
@@ -197,9 +197,6 @@ def stale(name):
         elif sha256_file(path) != digest:
             reasons.append(f"{path} is not the file the record lists (edited or copied since)")
     return reasons
-
-
-FIGURE_BASINS = "docs/blocks_basins.png"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,9 +256,14 @@ def truthy(value):
     return str(value).strip().lower() in ("true", "1", "yes")
 
 
+def sci(x, digits):
+    """x in scientific notation with `digits` decimals, as the documents write it: 9.6e-4, 9.613e-4."""
+    return re.sub(r"e([-+])0*(\d)", r"e\1\2", f"{x:.{digits}e}").replace("e+", "e")
+
+
 def short(x):
-    """x to two significant digits as the documents write it: 9.6e-4, 3.9e-2."""
-    return re.sub(r"e([-+])0*(\d)", r"e\1\2", f"{x:.1e}").replace("e+", "e")
+    """x to two significant digits: 9.6e-4, 3.9e-2."""
+    return sci(x, 1)
 
 
 WORDS = {0: "none", 1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}
@@ -335,10 +337,10 @@ def landscape_minima():
 def landscape_readme():
     minima, starts, first = landscape_minima()
     m, rec = minima[0], record("blocks_landscape")
-    return (f"f* = {m['loss']:.3e} at a = ({', '.join(f'{v:.3f}' for v in m['a'])}), b = "
+    return (f"f* = {sci(m['loss'], 3)} at a = ({', '.join(f'{v:.3f}' for v in m['a'])}), b = "
             f"({', '.join(f'{v:.3f}' for v in m['b'])}) (n = {rec['n']}, d = {rec['d']}, L = {len(m['a'])}), the "
             f"exact blocks-family loss has {len(minima) - 1} more certified strict local minima, all found within "
-            f"the first {first} of {starts} starts").replace("e-04", "e-4")
+            f"the first {first} of {starts} starts")
 
 
 def landscape_table():
@@ -458,8 +460,7 @@ def landscape_population_minimum():
     get = lambda k: _number(row, k, "single-layer-landscape")
     f = get("population_spurious")
     return (f"{f:.4f} = {f / get('L_star'):.2f} L* (Theorem 1's L* from the optimum's side), gradient "
-            f"{get('population_grad_max'):.0e}, Hessian eigenvalues from {get('population_hessian_min'):.2g}"
-            ).replace("e-0", "e-")
+            f"{sci(get('population_grad_max'), 0)}, Hessian eigenvalues from {get('population_hessian_min'):.2g}")
 
 
 # (document, block name, renderer): every number a document quotes from a record
@@ -545,7 +546,7 @@ def benchmarks_markdown():
     return "\n".join(text)
 
 
-def render(check=False, quiet=False):
+def render(check=False):
     texts = {doc: read(doc) for doc in DOCS}
     new, results = render_all(dict(texts))
     try:
