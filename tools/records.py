@@ -252,6 +252,14 @@ def field(experiment, name, kind=float):
     return values[0]
 
 
+def count(value):
+    """A field that counts: a number, or a list of the things counted ("0.00062; 0.00062")."""
+    try:
+        return int(float(value))
+    except ValueError:
+        return len([v for v in re.split(r"[;,\s]+", value.strip("[]() ")) if v])
+
+
 def truthy(value):
     return str(value).strip().lower() in ("true", "1", "yes")
 
@@ -391,7 +399,7 @@ def softmax_gap():
 
 def unconstrained():
     starts = field("unconstrained", "starts", int)
-    higher = field("unconstrained", "higher", lambda v: int(float(v)))
+    higher = field("unconstrained", "higher", count)
     dist = max(column("unconstrained", "dist_Qxx_Sigma_inv"))
     others = starts - 1
     return (f"of {starts} starts; the other {WORDS.get(others, others)} "
@@ -408,9 +416,17 @@ def optimizers():
     first = [r for k, r in by.items() if k in ("adam", "sgd")]
     if lbfgs is None or gn is None or len(first) != 2:
         raise Missing(CSV_RECORD, "docs/optimizers.csv lacks the methods L-BFGS, Gauss-Newton, adam and sgd")
-    for r, name in ((lbfgs, "nit"), (gn, "nfev"), (first[0], "steps")):
+    for r, name in ((lbfgs, "nit"), (gn, "nfev"), (first[0], "steps"), (lbfgs, "loss"), (gn, "loss"),
+                    (lbfgs, "converged")):
         if r.get(name) in (None, ""):
             raise Missing(CSV_RECORD, f"docs/optimizers.csv lacks field {name}")
+    # the finding's sentence: both reach the same stationary point (converged, the same loss to the
+    # 5 digits the table shows)
+    for r in (lbfgs, gn):
+        if not truthy(r.get("converged", "")):
+            raise ValueError(f"docs/optimizers.csv: {r['method']} did not converge (converged = {r.get('converged')!r})")
+    if abs(float(lbfgs["loss"]) - float(gn["loss"])) > 1e-5 * abs(float(gn["loss"])):
+        raise ValueError(f"docs/optimizers.csv: L-BFGS and Gauss-Newton end at losses {lbfgs['loss']}, {gn['loss']}")
     steps = {int(float(r["steps"])) for r in first}
     reached = [r for r in first if r.get("reached_step") not in (None, "")]
     tail = (f"stay above 1.01x it for {'/'.join(map(str, sorted(steps)))} steps" if not reached else
@@ -518,6 +534,9 @@ def render_all(texts):
             new = fn()
         except Missing as e:
             results.append((doc, name, current, None, f"record lacks data: {e}"))
+            continue
+        except (ValueError, KeyError, TypeError, IndexError) as e:      # a record that contradicts itself
+            results.append((doc, name, current, None, f"cannot render from the record: {e!r}"))
             continue
         texts[doc] = marked(name).sub(lambda m: m.group(1) + new + m.group(3), text)
         results.append((doc, name, current, new, None))
