@@ -91,7 +91,7 @@ def main(argv=None):
             start = np.r_[rng.uniform(0, 15, 3), rng.uniform(-1, 3, 2)]
             try:
                 a, b, f_end = ir.family_local_minimum(start[:3], args.n, args.d, b=np.r_[start[3:], 0.0])
-            except ValueError:                                  # a descent that ran off to infinity
+            except (ValueError, OverflowError):                 # a descent that ran off to infinity
                 continue
             x_end = np.r_[a, b[:2]]
             if np.isfinite(f_end) and np.max(np.abs(gauss_rule_gradient(x_end, nodes, weights))) <= 1e-6 and not any(
