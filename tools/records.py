@@ -59,8 +59,8 @@ def _tree(path):
 
 
 def combined_digest(files):
-    """One SHA-256 over the code of `files` in order (the form of experiments.sources_digest, which
-    older records carry as sources.sha256)."""
+    """One SHA-256 over the code of `files` in order (experiments.sources_digest's form, which a record
+    in the "sources" form carries as sources.sha256)."""
     h = hashlib.sha256()
     for name in files:
         h.update(name.encode() + b"\0" + code_text(_tree(name)).encode() + b"\0")
@@ -148,8 +148,8 @@ class Record:
             return json.load(f)
 
     def provenance(self, record):
-        """The record's provenance: its "provenance" entry, or the "command" and "sources" that
-        records written before that entry existed carry at the top level."""
+        """The record's provenance: its "provenance" entry, or the "command" and "sources" at the top
+        level (the form examples/float32_tolerances.py writes)."""
         return record.get("provenance") or {k: record[k] for k in ("command", "sources", "date") if k in record}
 
     def command(self, record):
