@@ -179,8 +179,8 @@ def load(name):
 def test_generated_blocks_equal_what_the_records_give():
     # every number README.md and MATH.md quote from a record sits in a generated block; a block that
     # differs from what tools/records.py renders from the record is a number no run gave. A block whose
-    # record lacks a field (a table from code that did not write it) cannot be compared: it is named, not failed, and
-    # `python3 tools/records.py check` lists it until the record is refreshed
+    # record lacks a field (a table from code that did not write it) cannot be compared: the next test
+    # names it, and `python3 tools/records.py check` lists it until the record is refreshed
     texts = {doc: read(doc) for doc in records.DOCS}
     _, results = records.render_all(dict(texts))
     assert len(results) == len(records.BLOCKS)
