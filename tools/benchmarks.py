@@ -1,6 +1,10 @@
-"""Measure icl_ref and icl_fast and write docs/benchmarks.md (every table in it comes from this script).
+"""Measure icl_ref and icl_fast and write the record docs/benchmarks.json, shown as docs/benchmarks.md.
 
-    python3 tools/benchmarks.py [--out docs/benchmarks.md] [--repeats 7]
+    python3 tools/benchmarks.py [--out docs/benchmarks.json] [--repeats 7]
+
+The record holds every table with its note, the machine and the provenance of tools/records.py (the
+code measured); docs/benchmarks.md and README's speed figures are rendered from it by
+`python3 tools/records.py render`, which this script runs when it writes the record in docs/.
 
 Run it as a user runs the library: a plain `python3` process, no environment variables, an
 otherwise idle machine. It takes about 10 minutes on 2 cores. torch and jax are optional
@@ -20,7 +24,7 @@ Tables:
    runs in fresh processes): the reference starts no BLAS threads, so the two should match.
 """
 import argparse
-import datetime
+import json
 import os
 import platform
 import statistics
@@ -29,16 +33,17 @@ import sys
 import time
 
 import numpy as np
-import scipy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-import experiments  # noqa: E402  (after the path)
-import icl_fast as fast  # noqa: E402
+import icl_fast as fast  # noqa: E402  (after the path)
 import icl_ref as ir  # noqa: E402
+import records  # noqa: E402  (tools/records.py: the provenance and the rendering)
 
-SOURCES = ("icl_ref.py", "icl_fast.py")   # the code measured: test_docs.py checks the recorded digest
+SOURCES = ["icl_ref.py", "icl_fast.py", "tools/benchmarks.py"]   # the code measured and the measuring code
+RECORD = os.path.join("docs", "benchmarks.json")
 
 B, N, L = 20000, 20, 3
 
@@ -163,16 +168,19 @@ def table_formulations(repeats):
         n, k = N, 5000                                # the Jacobian on 5000 prompts (B p floats)
         S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
         read, read_k = fast._gram_reader(S0, q0), fast._gram_reader(S0[:k], q0[:k])
+        # the batch-first formulation: the reference's Gram-form evaluation on each chunk, on the same
+        # workers (each chunk's result is its own mean; only the time is used here)
         runs = [lambda: fast._lanes_loss_and_grad(P, Q, read, y, n, None),
-                lambda: fast._map_chunks(lambda a, b: ir._loss_and_grad_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B),
+                lambda: fast._map_chunks(lambda a, b: ir.loss_and_grad_gram(P, Q, S0[a:b], q0[a:b], y[a:b], n),
                                          fast._batch_first_bounds(B, d + 1), None),
                 lambda: fast._lanes_jacobian(P, Q, read_k, y[:k], n, "full", None),
-                lambda: fast._map_chunks(lambda a, b: ir._residuals_and_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b],
-                                                                                       n, "full"),
+                lambda: fast._map_chunks(lambda a, b: ir.residuals_and_jacobian_gram(P, Q, S0[a:b], q0[a:b], y[a:b],
+                                                                                     n, "full"),
                                          fast._batch_first_bounds(k, d + 1), None)]
         rows.append([d] + [f"{t:.4f}" for t in interleaved_medians(runs, repeats)])
     note = (f"The loss at B = 20000 and the Jacobian (full P, Q) at B = 5000, n = 20, L = 3, on every core; "
-            f"median of {repeats}. icl_fast takes lanes for the loss up to d = {fast.LANES_MAX_D - 1} and for the "
+            f"median of {repeats}; batch-first: icl_ref's loss_and_grad_gram and residuals_and_jacobian_gram "
+            f"on each chunk (their input checks included). icl_fast takes lanes for the loss up to d = {fast.LANES_MAX_D - 1} and for the "
             f"Jacobian up to d = {fast.LANES_MAX_D_JACOBIAN - 1} (MATH.md §3.2).")
     return "icl_fast's formulations", head, rows, note
 
@@ -271,45 +279,48 @@ def machine():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    lines = [f"- date: {datetime.date.today().isoformat()}",
-             f"- code: SHA-256 of the code of {' and '.join(SOURCES)} (experiments.sources_digest): "
-             f"{experiments.sources_digest(SOURCES)}",
-             f"- machine: {cpu}, {len(fast._cores())} cores available to the process",
-             f"- Python {platform.python_version()}, numpy {np.__version__}, scipy {scipy.__version__}"]
+    lines = [f"machine: {cpu}, {len(fast._cores())} cores available to the process"]
     try:
         from threadpoolctl import threadpool_info
         for info in threadpool_info():
-            lines.append(f"- {info['user_api']}: {info['internal_api']} {info.get('version')} "
+            lines.append(f"{info['user_api']}: {info['internal_api']} {info.get('version')} "
                          f"({info['num_threads']} threads, {os.path.basename(info['filepath'])})")
     except ImportError:
         pass
     return lines
 
 
-def markdown(title, head, rows, note):
-    out = [f"## {title}", "", note, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
-    return out + [""]
+def peer_versions():
+    out = {}
+    for name in ("torch", "jax"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    ap.add_argument("--out", default=os.path.join(ROOT, RECORD), help="the record to write (JSON)")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
-    text = ["# Benchmarks", "",
-            "Written by `python3 tools/benchmarks.py` (every table below; nothing here is typed by hand). "
-            "Times are wall-clock seconds on the machine below and move by 10-30% between runs on a shared "
-            "virtual machine: read ratios, not digits.", ""] + machine() + [""]
-    for table in (table_loss_and_grad(args.repeats), table_formulations(args.repeats), table_workers(args.repeats),
-                  table_training(),
-                  table_blas_threads()):
-        text += markdown(*table)
-        print("\n".join(markdown(*table)), flush=True)
+    tables = []
+    for title, head, rows, note in (table_loss_and_grad(args.repeats), table_formulations(args.repeats),
+                                    table_workers(args.repeats), table_training(), table_blas_threads()):
+        rows = [[str(x) for x in row] for row in rows]
+        tables.append(dict(title=title, note=note, head=head, rows=rows))
+        print(f"## {title}\n\n{records.table(head, rows)}\n", flush=True)
     fast.shutdown()
+    record = dict(provenance=records.provenance("tools/benchmarks.py", ["--repeats", str(args.repeats)], SOURCES,
+                                                **peer_versions()),
+                  machine=machine(), tables=tables)
     with open(args.out, "w") as f:
-        f.write("\n".join(text))
+        json.dump(record, f, indent=1)
+        f.write("\n")
     print(f"wrote {args.out}")
+    if os.path.abspath(args.out) == os.path.join(ROOT, RECORD):
+        return records.render()
     return 0
 
 

@@ -9,12 +9,12 @@ Gauss-Newton (max_nfev 400) and L-BFGS (maxcor 300, maxiter 3000) from the same 
 when it converged (|grad| <= 1e-6, experiments.py's test); its fitted scalars a_l = fitted_scalar(A_l,
 Sigma^-1), b_l = fitted_scalar(B_l, I) start one descent of the exact family loss
 (family_local_minimum), whose end names the population minimum the run's basin belongs to (MATH.md
-§10 lists the certified ones). Writes docs/blocks_basins.json (every run, the counts, the SHA-256 of
-the code of icl_ref.py, icl_fast.py and this file: experiments.sources_digest) and docs/blocks_basins.png. Ctrl-C or SIGTERM stops after
-the current run and writes nothing.
+§10 lists the certified ones). Writes docs/blocks_basins.json (every run, the counts, and the
+provenance of tools/records.py: this command and the code of icl_ref.py, icl_fast.py and this file)
+and docs/blocks_basins.png; README finding 9's table is rendered from it (`python3 tools/records.py
+render`). Ctrl-C or SIGTERM stops after the current run and writes nothing.
 """
 import argparse
-import datetime
 import hashlib
 import json
 import os
@@ -26,22 +26,18 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-import experiments  # noqa: E402
 import icl_fast as fast  # noqa: E402
 import icl_ref as ir  # noqa: E402
+import records  # noqa: E402  (tools/records.py: the provenance)
 
-SOURCES = ["icl_ref.py", "icl_fast.py", os.path.join("tools", "blocks_basins.py")]
+SOURCES = ["icl_ref.py", "icl_fast.py", "tools/blocks_basins.py"]          # the code the record comes from
 RECORD = os.path.join("docs", "blocks_basins.json")
 FIGURE = os.path.join("docs", "blocks_basins.png")
 B, N, D, L = 20000, 20, 5, 3
 GRAD_TOL = 1e-6                 # experiments.GRAD_TOL: a converged run
 OPTIMISERS = ("Gauss-Newton", "L-BFGS")
-
-
-def sources_digest():
-    """One SHA-256 over the code that computes the record (experiments.sources_digest of SOURCES)."""
-    return experiments.sources_digest(SOURCES)
 
 
 def basin_key(f):
@@ -108,7 +104,6 @@ def main(argv=None):
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.append(signum))
-    digest = sources_digest()
     a_star, b_star, f_star = ir.optimal_family_scalars(L, N, D, blocks=True)
     rng = np.random.default_rng(args.seed)
     Sigma, _ = ir.rotated_covariance(rng, ir.PAPER_EIGENVALUES)
@@ -135,12 +130,11 @@ def main(argv=None):
                   f"{res['wall_time']:6.1f} s  basin f = {run.get('basin_loss', float('nan')):.4e}  "
                   f"({time.time() - t0:.0f} s so far)", flush=True)
     table, global_key = counts(runs, f_star)
-    record = dict(command=f"python3 tools/blocks_basins.py --starts {args.starts} --seed {args.seed}",
-                  starts=args.starts, seed=args.seed, date=datetime.date.today().isoformat(),
+    record = dict(provenance=records.provenance("tools/blocks_basins.py",
+                                                ["--starts", str(args.starts), "--seed", str(args.seed)], SOURCES),
+                  starts=args.starts, seed=args.seed,
                   B=B, n=N, d=D, L=L, optimum=dict(a=list(a_star), b=list(b_star[:-1]), loss=f_star),
-                  counts=table, global_key=global_key, runs=runs,
-                  sources={"files": SOURCES, "sha256": digest},
-                  versions={"python": sys.version.split()[0], "numpy": np.__version__})
+                  counts=table, global_key=global_key, runs=runs)
     figure(record, os.path.join(ROOT, FIGURE))
     with open(os.path.join(ROOT, FIGURE), "rb") as f:
         record["figure_sha256"] = hashlib.sha256(f.read()).hexdigest()

@@ -4,40 +4,55 @@
 
 The family A_l = a_l Sigma^-1, B_l = b_l I (l < L - 1; B_{L-1} never enters) with L = 3 has the five
 scalars (a_0, a_1, a_2, b_0, b_1) and an exact population loss (MATH.md §10). The search: L-BFGS-B
-on the exact Gauss rule (icl_ref's family descent) from `starts` points drawn uniformly in the box
+on the exact Gauss rule (icl_ref.family_local_minimum) from `starts` points drawn uniformly in the box
 a_l in [0, 15], b_l in [-1, 3] (the global optimum and every minimum found lie well inside it);
-endpoints with a gradient above 1e-6 are dropped, the rest grouped by their loss and scalars. Each
+endpoints with a gradient above 1e-6 (central differences of the Gauss rule's loss) are dropped, the
+rest grouped by their loss and scalars. Each
 group's point is then certified with the exact rational loss (family_population_loss, no float
 summation): the gradient by central differences at h = 1e-6 (truncation ~h^2, rounding of the
 exact values ~1e-19 / h), the Hessian by second differences at h = 1e-4; a strict local minimum has
 a gradient near 0 and a positive definite Hessian. Completeness: the count of distinct minima after
 each quarter of the starts (it should stop growing). Prints a Markdown table and writes the record
-(every certified minimum, the endpoints that failed, the SHA-256 of the code of icl_ref.py and this
-file) that MATH.md §10's table and README finding 9 quote (test_docs.py checks them). About three
-minutes on 2 cores.
+(every certified minimum, the endpoints that failed, the provenance of tools/records.py) that
+MATH.md §10's table and README finding 9 quote (`python3 tools/records.py render`; test_docs.py
+checks each minimum under the current code). About three minutes on 2 cores.
 """
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 
 import numpy as np
-import scipy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-import experiments  # noqa: E402
 import icl_ref as ir  # noqa: E402
+import records  # noqa: E402  (tools/records.py: the provenance)
 
-SOURCES = ["icl_ref.py", os.path.join("tools", "blocks_landscape.py")]
+SOURCES = ["icl_ref.py", "tools/blocks_landscape.py"]          # the code the record comes from
 RECORD = os.path.join("docs", "blocks_landscape.json")
 
 
 def exact_loss(x, n, d):
     return ir.family_population_loss(x[:3], n, d, b=[x[3], x[4], np.nan])
+
+
+def gauss_rule_loss(x, nodes, weights):
+    """The family loss E tr p(S)^2 by the exact Gauss rule (float64, every term >= 0, so no
+    cancellation): p_{l+1} = p_l (1 - a_l s_l), s_{l+1} = s_l (1 - a_l b_l s_l)^2, s_0 = t (MATH.md §10)."""
+    p, s = np.ones_like(nodes), nodes.copy()
+    for a_l, b_l in zip(x[:3], [x[3], x[4], 0.0]):
+        p, s = p * (1 - a_l * s), s * (1 - a_l * b_l * s) ** 2
+    return float(weights @ p ** 2)
+
+
+def gauss_rule_gradient(x, nodes, weights, h=1e-7):
+    """Central differences of gauss_rule_loss: truncation ~h^2, rounding ~1e-16 f / h, both far below
+    the 1e-6 that tells a stationary endpoint from a stopped one."""
+    return np.array([(gauss_rule_loss(x + h * e, nodes, weights) - gauss_rule_loss(x - h * e, nodes, weights))
+                     / (2 * h) for e in np.eye(5)])
 
 
 def derivatives(x, n, d):
@@ -69,14 +84,19 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, RECORD), help="the record to write (JSON)")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    descend = ir._family_descent(3, args.n, args.d, True, 0.0)
+    nodes, weights = ir.wishart_quadrature(args.n, args.d, 14)   # exact to degree 27 >= 2 deg p = 26
     found = []
     with np.errstate(over="ignore", invalid="ignore"):          # far starts overflow the Gauss rule
         for k in range(args.starts):
-            res = descend(np.r_[rng.uniform(0, 15, 3), rng.uniform(-1, 3, 2)])
-            if np.max(np.abs(res.jac)) <= 1e-6 and not any(
-                    abs(res.fun - f) <= 1e-9 * f and np.max(np.abs(res.x - x)) < 1e-3 for f, x, _ in found):
-                found.append((res.fun, res.x, k))
+            start = np.r_[rng.uniform(0, 15, 3), rng.uniform(-1, 3, 2)]
+            try:
+                a, b, f_end = ir.family_local_minimum(start[:3], args.n, args.d, b=np.r_[start[3:], 0.0])
+            except (ValueError, OverflowError):                 # a descent that ran off to infinity
+                continue
+            x_end = np.r_[a, b[:2]]
+            if np.isfinite(f_end) and np.max(np.abs(gauss_rule_gradient(x_end, nodes, weights))) <= 1e-6 and not any(
+                    abs(f_end - f) <= 1e-9 * f and np.max(np.abs(x_end - x)) < 1e-3 for f, x, _ in found):
+                found.append((f_end, x_end, k))
         certified = [(k, *certify(x, args.n, args.d)) for _, x, k in found]
     minima = sorted([c for c in certified if c[3][0] > 0 and np.max(np.abs(c[2])) < 1e-8],
                     key=lambda c: exact_loss(c[1], args.n, args.d))
@@ -89,16 +109,18 @@ def main(argv=None):
     for k, x, grad, eig in minima:
         print(f"| {exact_loss(x, args.n, args.d):.6e} | ({', '.join(f'{v:.4f}' for v in x[:3])}) | "
               f"({x[3]:.4f}, {x[4]:.4f}) | {np.max(np.abs(grad)):.1e} | {', '.join(f'{v:.2e}' for v in eig)} | {k} |")
-    record = dict(command="python3 tools/blocks_landscape.py", starts=args.starts, n=args.n, d=args.d, seed=args.seed,
-                  date=datetime.date.today().isoformat(),
-                  versions=dict(python=platform.python_version(), numpy=np.__version__, scipy=scipy.__version__),
-                  sources=dict(files=SOURCES, sha256=experiments.sources_digest(SOURCES)),
+    record = dict(provenance=records.provenance(
+                      "tools/blocks_landscape.py",
+                      ["--starts", str(args.starts), "--n", str(args.n), "--d", str(args.d), "--seed", str(args.seed)],
+                      SOURCES),
+                  starts=args.starts, n=args.n, d=args.d, seed=args.seed,
                   failed_certificate=len(certified) - len(minima),
                   minima=[dict(loss=exact_loss(x, args.n, args.d), a=list(x[:3]), b=list(x[3:]),
                                max_gradient=float(np.max(np.abs(grad))), hessian_eigenvalues=list(eig), first_start=k)
                           for k, x, grad, eig in minima])
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
+        f.write("\n")
     print(f"wrote {args.out}")
     return 0
 

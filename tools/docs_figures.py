@@ -6,13 +6,13 @@ from the full-size experiments, and record which code made them (docs/figures.js
 
 Runs the experiments in EXPERIMENTS (seed 0, full size) with experiments.py into a temporary
 directory (or takes a complete full run, seed 0, whose record carries the current code's digest),
-copies their PNGs and the quoted CSVs into docs/ and writes docs/figures.json: the SHA-256 of the
-code that computes and draws them (experiments.sources_digest of icl_ref.py, icl_fast.py,
-experiments.py: their syntax, so an edit of a comment or a docstring keeps it) and of each file. test_docs.py fails when that code has changed since, so a stale figure or
-number cannot stay.
+copies their PNGs and the quoted CSVs into docs/ and writes docs/figures.json: the provenance of
+tools/records.py (the code of icl_ref.py, icl_fast.py and experiments.py that computed and drew
+them) and the SHA-256 of each file. `python3 tools/records.py check` reports them stale when that
+code has changed since; `python3 tools/records.py render` writes the numbers README quotes from the
+tables.
 """
 import argparse
-import datetime
 import hashlib
 import json
 import os
@@ -23,6 +23,10 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import records  # noqa: E402  (tools/records.py: the provenance)
+
 FIGURES = ["three-layer-sparse_heatmaps.png", "three-layer-blocks_heatmaps.png", "depth.png", "single-layer-landscape.png"]
 # the tables README's findings quote (test_docs.py checks the quotes against them)
 TABLES = ["single-layer-landscape.csv", "single-layer-landscape_basins.csv", "three-layer-sparse.csv",
@@ -77,10 +81,8 @@ def main(argv=None):
             if proc.returncode not in (0, 1):
                 return proc.returncode
             config = copy_from(out, digest)
-    record = dict(command="python3 tools/docs_figures.py", experiments=EXPERIMENTS, seed=0,
-                  date=datetime.date.today().isoformat(),
-                  versions={k: config.get(k) for k in ("python", "numpy", "scipy")},
-                  sources={"files": list(experiments.SOURCES), "sha256": digest},
+    record = dict(provenance=records.provenance("tools/docs_figures.py", [], list(experiments.SOURCES)),
+                  experiments=EXPERIMENTS, seed=0,
                   figures={name: sha256(os.path.join(ROOT, "docs", name)) for name in FIGURES + TABLES})
     with open(os.path.join(ROOT, RECORD), "w") as f:
         json.dump(record, f, indent=1)
