@@ -62,12 +62,15 @@ PAPER_EIGENVALUES = (1.0, 1.0, 0.25, 0.0625, 1.0)   # spectrum of Sigma in [A] ย
 # ---------------------------------------------------------------------------------------------
 
 def _numpy_rules(fn):
-    """fn run under numpy's default floating-point rules (underflow ignored; overflow, division by
-    zero and invalid operations warned), whatever np.seterr the caller set: a caller that raises on
-    underflow gets the same results; its own settings are restored on return."""
+    """fn run under the caller's floating-point rules with underflow ignored and "raise" (or "call",
+    "log") made "warn": the library's arithmetic never raises FloatingPointError, so a caller with
+    np.seterr(all="raise") gets the same results; nested calls keep the rules of the outer one (a
+    function that expects overflow ignores it and checks the result); the caller's settings are
+    restored on return."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with np.errstate(all="warn", under="ignore"):
+        rules = {k: "warn" if v in ("raise", "call", "log") else v for k, v in np.geterr().items()}
+        with np.errstate(**{**rules, "under": "ignore"}):
             return fn(*args, **kwargs)
     return run
 
@@ -2186,13 +2189,13 @@ def _layout_outputs(case, layout, out):
     return res
 
 
-@lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _cases_of(layout):
     """The names of the reference cases a layout can be given (_case_layouts)."""
     return tuple(c["name"] for c in _reference_cases() if layout in _case_layouts(c))
 
 
-@lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _expected(name, layout):
     """A case's inputs and icl_ref's outputs in a layout, computed once per process, read-only."""
     case = next(c for c in _reference_cases() if c["name"] == name)
@@ -2399,7 +2402,7 @@ DIAGNOSIS_VARIANTS = {
 computed by _slip_outputs(case, **_SLIPS[slip]) and compared in the layout (MATH.md ยง13)."""
 
 
-@lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _slipped(name, layout):
     """{slip name: its outputs in the layout} on a case, for the slips that apply; once per process."""
     case = next(c for c in _reference_cases() if c["name"] == name)
