@@ -66,255 +66,11 @@ def small_problem(seed=0, B=6, n=5, d=3, noise_std=0.0):
     return rng, Z, y
 
 
-# ---------------------------------------------------------------------------------------------
-# Model: forward pass and conventions
-# ---------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("L", [1, 2, 3])
-@pytest.mark.parametrize("H", [1, 2])
-def test_fast_forward_equals_literal_column_form(L, H):
-    rng, Z, y = small_problem(seed=10 * L + H)
-    P, Q = random_params(rng, L, H, 3)
-    fast, literal = ir.forward(P, Q, Z), ir.forward_literal(P, Q, Z)
-    assert_allclose(fast, literal, rtol=EXACT, atol=EXACT * np.max(np.abs(literal)))
-
-
-def test_layer_is_the_matrix_form_with_the_mask():
-    # [A] eq. (4) as matrices, Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M = mask(n), batch by batch
-    rng, Z, y = small_problem(seed=3, B=4, n=5)
-    P, Q = random_params(rng, 2, 2, 3)
-    M = ir.mask(5)
-    assert_allclose(M, np.diag([1.0, 1, 1, 1, 1, 0]), rtol=0, atol=0)
-    out = Z.copy()
-    for P_l, Q_l in zip(P, Q):
-        out = np.stack([Zb + sum(P_h @ Zb @ M @ Zb.T @ Q_h @ Zb for P_h, Q_h in zip(P_l, Q_l)) / 5
-                        for Zb in out])
-    assert_allclose(ir.forward(P, Q, Z), out, rtol=EXACT, atol=EXACT * np.max(np.abs(out)))
-
-
-def test_hand_computed_layer_d1_n2():
-    # tokens z1 = [1, 2], z2 = [-1, 1], query [3, 0]; P = [[1, 2], [0, 1]], Q = [[1, 0], [1, 1]].
-    # z_i^T Q = [x_i + y_i, y_i]: z1 -> [3, 2], z2 -> [0, 1].
-    # query:  scores (9, 0); (1/2)(9 z1 + 0 z2) = [4.5, 9]; P [4.5, 9] = [22.5, 9]; z_q' = [25.5, 9]
-    # z1:     scores (7, 2); (1/2)(7 z1 + 2 z2) = [2.5, 8]; P [2.5, 8] = [18.5, 8]; z1' = [19.5, 10]
-    # z2:     scores (-1, 1); (1/2)(-z1 + z2) = [-1, -0.5]; P [..] = [-2, -0.5];   z2' = [-3, 0.5]
-    Z = np.array([[[1, -1, 3], [2, 1, 0]]])
-    P = np.array([[[[1, 2], [0, 1]]]])
-    Q = np.array([[[[1, 0], [1, 1]]]])
-    expected = np.array([[[19.5, -3, 25.5], [10, 0.5, 9]]])
-    assert_allclose(ir.forward(P, Q, Z), expected, rtol=EXACT)
-    assert_allclose(ir.forward_literal(P, Q, Z), expected, rtol=EXACT)
-    # prediction -Z_L[d, n] = -9; with y = 4 the loss is (9 + 4)^2 = 169 (mean over B = 1, no 1/2)
-    assert_allclose(ir.predict(P, Q, Z), [-9.0], rtol=EXACT)
-    assert ir.in_context_loss(P, Q, Z, [4]) == pytest.approx(169.0, rel=EXACT)
-
-
-def test_loss_is_mean_squared_error_without_half():
-    rng, Z, y = small_problem(B=7)
-    P, Q = random_params(rng, 2, 1, 3)
-    y_hat = -ir.forward_literal(P, Q, Z)[:, -1, -1]
-    assert_allclose(ir.predict(P, Q, Z), y_hat, rtol=EXACT)
-    assert ir.in_context_loss(P, Q, Z, y) == pytest.approx(np.sum((y_hat - y) ** 2) / 7, rel=EXACT)
-    assert ir.loss_and_grad(P, Q, Z, y)[0] == pytest.approx(np.sum((y_hat - y) ** 2) / 7, rel=EXACT)
-
-
-def test_query_token_is_never_key_or_value():
-    rng, Z, y = small_problem()
-    P, Q = random_params(rng, 3, 2, 3)
-    Z2 = Z.copy()
-    Z2[:, :, -1] += rng.standard_normal(Z2[:, :, -1].shape)
-    layers, layers2 = ir.forward(P, Q, Z, all_layers=True), ir.forward(P, Q, Z2, all_layers=True)
-    assert np.array_equal(layers[:, :, :, :-1], layers2[:, :, :, :-1])   # context columns, all layers
-    assert not np.allclose(layers[-1, :, :, -1], layers2[-1, :, :, -1])
-
-
-def test_outputs_are_float64_from_integer_inputs():
-    Z = np.array([[[1, -1, 3], [2, 1, 0]]])
-    P = np.array([[[[1, 2], [0, 1]]]])
-    Q = np.array([[[[1, 0], [1, 1]]]])
-    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, np.array([4]))
-    assert ir.forward(P, Q, Z).dtype == np.float64
-    assert ir.predict(P, Q, Z).dtype == np.float64
-    assert dP.dtype == dQ.dtype == np.float64 and isinstance(loss, float)
-
-
-def test_rescaling_invariance():
-    # [A] Thm 1 remark: (P, Q) -> (c P, Q / c) per layer leaves the output unchanged
-    rng, Z, y = small_problem()
-    P, Q = random_params(rng, 2, 1, 3)
-    c = np.array([2.0, -0.5])[:, None, None, None]
-    assert_allclose(ir.predict(c * P, Q / c, Z), ir.predict(P, Q, Z), rtol=EXACT)
-
-
-def test_sample_prompts_layout_and_reproducibility():
-    Sigma = np.diag([1.0, 4.0])
-    Z, y, w = ir.sample_prompts(np.random.default_rng(3), 5, 4, Sigma, noise_std=0.0,
-                                return_w_star=True)
-    assert Z.shape == (5, 3, 5) and y.shape == (5,) and w.shape == (5, 2)
-    assert np.all(Z[:, 2, 4] == 0)
-    assert_allclose(Z[:, 2, :4], np.einsum("bdi,bd->bi", Z[:, :2, :4], w), rtol=EXACT)
-    assert_allclose(y, np.einsum("bd,bd->b", Z[:, :2, 4], w), rtol=EXACT)
-    Z2, y2 = ir.sample_prompts(np.random.default_rng(3), 5, 4, Sigma)
-    assert np.array_equal(Z, Z2) and np.array_equal(y, y2)
-
-
-def test_sample_prompts_covariance_matches_sigma():
-    rng = np.random.default_rng(4)
-    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.25, 2.0])
-    Z, _ = ir.sample_prompts(rng, 4000, 9, Sigma)
-    X = Z[:, :3, :].transpose(0, 2, 1).reshape(-1, 3)
-    prods = X[:, :, None] * X[:, None, :]
-    se = prods.std(axis=0) / math.sqrt(len(X))            # entries are iid across all tokens
-    assert np.all(np.abs(prods.mean(axis=0) - Sigma) <= Z_MC * se)
-
-
-# ---------------------------------------------------------------------------------------------
-# Gradients
-# ---------------------------------------------------------------------------------------------
-
 def check_full_gradient(P, Q, Z, y):
     _, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
     assert_grad_close(central_diff(lambda X: ir.in_context_loss(X, Q, Z, y), P), dP)
     assert_grad_close(central_diff(lambda X: ir.in_context_loss(P, X, Z, y), Q), dQ)
 
-
-@pytest.mark.parametrize("L,H", [(1, 1), (2, 2), (3, 1)])
-def test_gradient_matches_finite_differences_random_point(L, H):
-    rng, Z, y = small_problem(seed=L + 7 * H)
-    check_full_gradient(*random_params(rng, L, H, 3), Z, y)
-
-
-def test_gradient_matches_finite_differences_structured_points():
-    rng, Z, y = small_problem(seed=5)
-    A, Bm = rng.standard_normal((2, 3, 3, 3))
-    check_full_gradient(*ir.sparse_params(A), Z, y)
-    check_full_gradient(*ir.block_params(A, Bm), Z, y)
-
-
-def test_gradient_matches_finite_differences_after_lbfgs_steps():
-    rng, Z, y = small_problem(seed=6, B=40)
-    res = ir.train_lbfgs(Z, y, 2, structure="full", heads=2, rng=rng, init_scale=0.3, maxiter=5)
-    assert res["nit"] == 5
-    check_full_gradient(res["P"], res["Q"], Z, y)
-
-
-@pytest.mark.parametrize("structure", ["sparse", "blocks"])
-def test_structured_gradient_matches_finite_differences(structure):
-    rng, Z, y = small_problem(seed=8)
-    shapes = ir.structure_shapes(structure, 3, 3)
-    coords = {k: rng.standard_normal(s) for k, s in shapes.items()}
-
-    def f(key, X):
-        return ir.in_context_loss(*ir.structure_to_PQ(structure, {**coords, key: X}), Z, y)
-    _, dP, dQ = ir.loss_and_grad(*ir.structure_to_PQ(structure, coords), Z, y)
-    grads = ir.structure_grad(structure, dP, dQ)
-    for key in shapes:
-        assert_grad_close(central_diff(lambda X: f(key, X), coords[key]), grads[key])
-
-
-def test_directional_derivative_larger_case():
-    rng = np.random.default_rng(9)
-    Sigma, _ = ir.rotated_covariance(rng, np.linspace(0.3, 2.0, 8))
-    Z, y = ir.sample_prompts(rng, 3000, 30, Sigma, noise_std=0.5)
-    P, Q = random_params(rng, 4, 2, 8, scale=0.15)
-    vP, vQ = rng.standard_normal((2,) + P.shape)
-    _, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
-    f = lambda t: ir.in_context_loss(P + t * vP, Q + t * vQ, Z, y)
-    numeric = (f(FD_H2) - f(-FD_H2)) / (2 * FD_H2)
-    analytic = np.sum(dP * vP) + np.sum(dQ * vQ)
-    assert analytic == pytest.approx(numeric, rel=FD_REL)
-
-
-def test_one_layer_gradient_in_P_matches_an_exact_parabola():
-    # an independent reverse-mode check: the loss is quadratic in P[0] for a 1-layer model,
-    # so f(P + t V) is an exact parabola and its derivative at t = 0 is exact from 3 points
-    rng, Z, y = small_problem(seed=11)
-    P, Q = random_params(rng, 1, 3, 3)
-    V = rng.standard_normal(P.shape)
-    f = lambda t: ir.in_context_loss(P + t * V, Q, Z, y)
-    exact = (f(1.0) - f(-1.0)) / 2                         # exact for a quadratic in t
-    # 1e-10: rounding in f(+-1), O(1) values differenced and halved, and in the reverse-mode sums
-    assert np.sum(ir.loss_and_grad(P, Q, Z, y)[1] * V) == pytest.approx(exact, rel=1e-10)
-
-
-# ---------------------------------------------------------------------------------------------
-# Parametrisations, pack/unpack, training
-# ---------------------------------------------------------------------------------------------
-
-def test_structures_place_blocks_as_in_eq8_and_eq11():
-    A = np.arange(8.0).reshape(2, 2, 2)
-    Bm = -np.arange(8.0).reshape(2, 2, 2)
-    P, Q = ir.block_params(A, Bm)
-    assert P.shape == Q.shape == (2, 1, 3, 3)
-    assert np.array_equal(P[:, 0, :2, :2], Bm) and np.all(P[:, 0, 2, 2] == 1)
-    assert np.array_equal(Q[:, 0, :2, :2], -A) and np.all(Q[:, 0, 2, :] == 0) and np.all(Q[:, 0, :, 2] == 0)
-    P8, Q8 = ir.sparse_params(A)
-    assert np.all(P8[:, 0, :2, :] == 0) and np.all(P8[:, 0, 2, 2] == 1) and np.array_equal(Q8, Q)
-
-
-def test_pack_unpack_round_trip():
-    rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal((2, 3, 4)), rng.standard_normal((5,)), rng.standard_normal((1, 1))]
-    back = ir.unpack(ir.pack(arrays), [a.shape for a in arrays])
-    assert all(np.array_equal(a, b) for a, b in zip(arrays, back))
-    with pytest.raises(ValueError, match="theta"):
-        ir.unpack(np.zeros(3), [(2, 2)])
-
-
-def test_train_lbfgs_decreases_loss_reports_status_and_is_reproducible():
-    rng, Z, y = small_problem(seed=12, B=200, n=8)
-    runs = [ir.train_lbfgs(Z, y, 2, structure="sparse", rng=np.random.default_rng(1), maxiter=200)
-            for _ in range(2)]
-    res = runs[0]
-    assert res["loss"] < 0.5 * res["history"][0]
-    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
-    assert np.array_equal(res["coords"]["A"], runs[1]["coords"]["A"])
-    assert res["success"] and res["status"] == 0 and not res["interrupted"]
-    for key in ("nit", "nfev", "message", "grad_norm", "wall_time", "scipy_version", "options"):
-        assert key in res
-    assert np.all(np.diff(res["history"]) <= 0)            # L-BFGS-B accepts only descent steps
-
-
-def test_train_lbfgs_reports_non_convergence():
-    rng, Z, y = small_problem(seed=13, B=200, n=8)
-    res = ir.train_lbfgs(Z, y, 3, structure="blocks", rng=rng, maxiter=3)
-    assert res["nit"] == 3 and not res["success"] and res["status"] == 1
-    assert "LIMIT" in res["message"].upper()
-
-
-def test_train_lbfgs_keyboard_interrupt_returns_last_iterate():
-    rng, Z, y = small_problem(seed=14, B=100, n=8)
-    calls = []
-
-    def interrupted(*args):
-        calls.append(1)
-        if len(calls) > 8:
-            raise KeyboardInterrupt
-        return ir.REFERENCE.loss_and_grad_gram(*args)
-    res = ir.train_lbfgs(Z, y, 2, structure="full", rng=rng, maxiter=100,
-                         engine=reference_engine(loss_and_grad_gram=interrupted))
-    assert res["interrupted"] and not res["success"] and "interrupted" in res["message"]
-    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
-    assert res["loss"] == res["history"][-1] < res["history"][0]
-
-
-def test_train_lbfgs_progress_lines(capsys):
-    rng, Z, y = small_problem(seed=15, B=50, n=8)
-    ir.train_lbfgs(Z, y, 1, rng=rng, maxiter=4, progress=2)
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and all("loss" in line and "|grad|" in line and " s" in line for line in err)
-
-
-def test_train_lbfgs_accepts_init_dict():
-    rng, Z, y = small_problem(seed=16, B=50, n=8)
-    A0 = rng.standard_normal((2, 3, 3))
-    res = ir.train_lbfgs(Z, y, 2, init={"A": A0}, maxiter=1)
-    assert res["history"][0] == pytest.approx(ir.in_context_loss(*ir.sparse_params(A0), Z, y), rel=EXACT)
-
-
-# ---------------------------------------------------------------------------------------------
-# Input checks: each is refused before work with a message that names the argument
-# ---------------------------------------------------------------------------------------------
 
 _P, _Q = np.zeros((2, 2, 1, 4, 4))
 _Z = np.ones((3, 4, 6))
@@ -325,7 +81,6 @@ _nanZ[0, 0, 0] = np.nan
 _rng = np.random.default_rng(0)
 _Zs, _ys = ir.sample_prompts(np.random.default_rng(1), 8, 5, np.eye(3))     # d = 3, B = 8, n = 5
 _S0, _q0 = ir.gram(_Zs), np.ascontiguousarray(_Zs[:, :, 5])
-
 BAD_CALLS = [
     ("P 3-d", lambda: ir.forward(_P[0], _Q, _Z), ValueError, "P"),
     ("Q other shape", lambda: ir.forward(_P, _Q[:, :, :3, :3], _Z), ValueError, "Q"),
@@ -438,22 +193,869 @@ BAD_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("name,call,error,argument", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
-def test_bad_input_is_refused_with_a_message_naming_the_argument(name, call, error, argument):
-    with pytest.raises(error, match=argument):
-        call()
+def mc_loss(P, Q, Z, y):
+    """(mean, standard error) of the per-prompt squared error."""
+    err = (ir.predict(P, Q, Z) - y) ** 2
+    return err.mean(), err.std(ddof=1) / math.sqrt(len(err))
 
 
-def test_integer_inputs_are_accepted_not_broadcast():
-    Z = np.ones((2, 3, 4), dtype=int)
-    P, Q = np.ones((2, 1, 1, 3, 3), dtype=int)
-    assert ir.predict(P, Q, Z).shape == (2,)
-    with pytest.raises(ValueError, match="y"):
-        ir.in_context_loss(P, Q, Z, np.ones(1))           # would broadcast silently otherwise
+def ols_excess_bound(Phi, resid, H_pop):
+    """Mean and sd of B * (excess population loss) of least squares on features Phi (B, p):
+    asymptotically theta_hat - theta* ~ N(0, H^-1 V H^-1 / B) with V = E[phi phi^T resid^2], and
+    the excess loss (theta_hat - theta*)^T H (theta_hat - theta*) is a weighted chi-square whose
+    weights are the eigenvalues of H^-1 V (mean = their sum, variance = 2 * sum of squares)."""
+    V = (Phi * resid[:, None] ** 2).T @ Phi / len(Phi)
+    w = np.linalg.eigvals(np.linalg.solve(H_pop, V)).real
+    return w.sum(), math.sqrt(2 * np.sum(w ** 2))
+
+
+def chunked_gradient(structure, coords, Z, y, chunks=50):
+    """Mean and standard error of the structure gradient over independent chunks of prompts."""
+    grads = []
+    for Zc, yc in zip(np.array_split(Z, chunks), np.array_split(y, chunks)):
+        _, dP, dQ = ir.loss_and_grad(*ir.structure_to_PQ(structure, coords), Zc, yc)
+        grads.append(ir.pack(ir.structure_grad(structure, dP, dQ).values()))
+    grads = np.array(grads)
+    return grads.mean(axis=0), grads.std(axis=0, ddof=1) / math.sqrt(chunks)
+
+
+def authors_forward(allparam, Z_rows):
+    """The authors' layer re-implemented from its published description (linear_transformer.py):
+    tokens as rows, Attn = einsum('BNi,ij,BMj->BNM', Z, Q_full, Z), key = einsum('ij,BNj->BNi',
+    P_full, Z), out = einsum('BNM,ML,BLi->BNi', Attn, A, key) / N, Z <- Z + sum over heads."""
+    L, H, _, d, _ = allparam.shape
+    N = Z_rows.shape[1] - 1
+    A = np.eye(N + 1)
+    A[N, N] = 0
+    for l in range(L):
+        residues = 0
+        for h in range(H):
+            P_full, Q_full = np.zeros((2, d + 1, d + 1))
+            P_full[:d, :d], P_full[d, d] = allparam[l, h, 0], 1
+            Q_full[:d, :d] = allparam[l, h, 1]
+            Attn = np.einsum("BNi,ij,BMj->BNM", Z_rows, Q_full, Z_rows)
+            key = np.einsum("ij,BNj->BNi", P_full, Z_rows)
+            residues = residues + np.einsum("BNM,ML,BLi->BNi", Attn, A, key) / N
+        Z_rows = Z_rows + residues
+    return Z_rows
+
+
+def malformed_variants(rng, a):
+    """Arrays that must be refused in place of a valid array a: wrong ndim, wrong size, wrong
+    dtype, NaN/Inf, ragged and non-array values."""
+    nan, inf = a.copy(), a.copy()
+    nan.flat[rng.integers(a.size)] = np.nan
+    inf.flat[rng.integers(a.size)] = -np.inf
+    return [a[0], a[None], np.concatenate([a, a[:1]]), a.astype(complex), a.astype(str), a > 0,
+            nan, inf, [[1.0, 2.0], [3.0]], None, "Z", np.empty((0,) + a.shape[1:])]
+
+
+def _sqrtm_spd(M):
+    lam, V = np.linalg.eigh(M)
+    return (V * np.sqrt(lam)) @ V.T
+
+
+def _p_and_r_direct(a, b, t):
+    """p(t) = prod (1 - a_l s_l) and r = sum_l a_l phi_l^2 prod_{k>l} (1 - a_k s_k) (MATH.md §10),
+    the sum form of r, evaluated at t without polynomials."""
+    gam = np.asarray(a) * np.asarray(b)
+    s, phi, factors, weights = t, np.ones_like(t), [], []
+    for a_l, g_l in zip(a, gam):
+        factors.append(1 - a_l * s)
+        weights.append(a_l * phi ** 2)
+        phi, s = phi * (1 - g_l * s), s * (1 - g_l * s) ** 2
+    p = np.prod(factors, axis=0)
+    r = sum(w * np.prod(factors[l + 1:], axis=0) for l, w in enumerate(weights))
+    return p, r
+
+
+def residuals_by_forward(P, Q, Z, y):
+    """r = y - y_hat through predict: an independent route to the residuals."""
+    return y - ir.predict(P, Q, Z)
+
+
+def von_oswald_model(W_q, W_k, W_v, W_o, E, y, heads, layers, activation):
+    """Their model with tokens as rows E (B, n+1, D): per layer (the same weights in every layer when
+    2-d), q = E W_q, k = E W_k, v = E W_v split into heads, scores q_t . k_T over the n context keys
+    T (softmax of scores / sqrt(key size) for "softmax", the raw scores otherwise, no 1/n), heads
+    concatenated and projected by W_o, E <- E + out. Prediction -E[:, n, d]; loss 0.5 * mean."""
+    B, N, D = E.shape
+    n = N - 1
+    for l in range(layers):
+        Wq, Wk, Wv, Wo = (w if w.ndim == 2 else w[l] for w in (W_q, W_k, W_v, W_o))
+        q, k, v = (np.reshape(E @ w, (B, N, heads, -1)) for w in (Wq, Wk, Wv))
+        logits = np.einsum("bthk,bshk->bhts", q, k[:, :n])               # query t, context key s
+        if activation == "softmax":
+            logits = logits / math.sqrt(q.shape[-1])
+            A = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            A /= A.sum(axis=-1, keepdims=True)
+        else:
+            A = logits
+        out = np.einsum("bhts,bshv->bthv", A, v[:, :n]).reshape(B, N, -1) @ Wo
+        E = E + out
+    y_hat = -E[:, n, D - 1]
+    return E, 0.5 * np.mean((y_hat - y) ** 2)
+
+
+def _strict_calls():
+    """One call of every public function of sections 1-8 (name -> thunk), on inputs where NumPy
+    underflows inside: prompts of scale 1e-120 (products of four entries fall below 1e-308) and
+    softmax scores far below exp's range."""
+    rng, Z, y = small_problem(seed=190, B=30, n=6, d=2)
+    tiny = 1e-120
+    P, Q = random_params(rng, 2, 1, 2)
+    Ps, Qs = ir.sparse_params(np.stack([np.eye(2)] * 2))
+    S0, q0 = ir.gram(Z), Z[:, :, -1]
+    Zx = Z * 30.0                                          # softmax scores ~ -1e3: exp underflows
+    coords = {"A": np.stack([np.eye(2)] * 2)}
+    S, q, _, cache = ir.layer_forward(P[0], Q[0], S0, q0, 6)
+    out, rcache = ir.readout_forward(P[1], Q[1], S, q, 6)
+    _, acache = ir.attention_forward(P[0, 0], Q[0, 0], Zx, "softmax")
+    G = ir.gamma_star(np.eye(2), 6)
+    allparam = rng.standard_normal((2, 1, 2, 2, 2))
+    return {
+        "sample_prompts": lambda: ir.sample_prompts(rng, 4, 3, np.eye(2) * tiny),
+        "rotated_covariance": lambda: ir.rotated_covariance(rng, [1.0, tiny]),
+        "mask": lambda: ir.mask(3),
+        "forward_literal": lambda: ir.forward_literal(P, Q, Z * tiny),
+        "gram": lambda: ir.gram(Z * tiny),
+        "layer_forward": lambda: ir.layer_forward(P[0], Q[0], S0 * tiny ** 2, q0 * tiny, 6),
+        "layer_backward": lambda: ir.layer_backward(S * tiny, q * tiny, cache),
+        "readout_forward": lambda: ir.readout_forward(P[1], Q[1], S * tiny, q * tiny, 6),
+        "readout_backward": lambda: ir.readout_backward(out * tiny, rcache),
+        "forward": lambda: ir.forward(P, Q, Z * tiny),
+        "predict": lambda: ir.predict(P, Q, Z * tiny),
+        "in_context_loss": lambda: ir.in_context_loss(P, Q, Z * tiny, y * tiny),
+        "loss_and_grad_gram": lambda: ir.loss_and_grad_gram(P, Q, S0 * tiny ** 2, q0 * tiny, y * tiny, 6),
+        "loss_and_grad": lambda: ir.loss_and_grad(P, Q, Z * tiny, y * tiny),
+        "residuals_and_jacobian_gram": lambda: ir.residuals_and_jacobian_gram(P, Q, S0 * tiny ** 2, q0 * tiny, y, 6),
+        "residuals_and_jacobian": lambda: ir.residuals_and_jacobian(P, Q, Zx, y, activation="softmax"),
+        "attention_forward": lambda: ir.attention_forward(P[0, 0], Q[0, 0], Zx, "softmax"),
+        "attention_backward": lambda: ir.attention_backward(Zx * tiny, acache),
+        "forward_activation": lambda: ir.forward_activation(P, Q, Zx, "softmax"),
+        "predict_activation": lambda: ir.predict_activation(P, Q, Zx, "softmax"),
+        "loss_and_grad_activation": lambda: ir.loss_and_grad_activation(P, Q, Zx, y, "softmax"),
+        "block_params": lambda: ir.block_params(coords["A"] * tiny, coords["A"] * tiny),
+        "block_grad": lambda: ir.block_grad(P * tiny, Q * tiny),
+        "sparse_params": lambda: ir.sparse_params(coords["A"] * tiny),
+        "sparse_grad": lambda: ir.sparse_grad(P * tiny, Q * tiny),
+        "pack": lambda: ir.pack([P * tiny]),
+        "unpack": lambda: ir.unpack(np.full(4, tiny), [(2, 2)]),
+        "structure_shapes": lambda: ir.structure_shapes("sparse", 2, 2),
+        "structure_to_PQ": lambda: ir.structure_to_PQ("sparse", {"A": coords["A"] * tiny}),
+        "structure_grad": lambda: ir.structure_grad("sparse", P * tiny, Q * tiny),
+        "train_lbfgs": lambda: ir.train_lbfgs(Zx[:20] / 30, y[:20], 1, rng=rng, maxiter=5, activation="softmax"),
+        "train_gauss_newton": lambda: ir.train_gauss_newton(Z * tiny, y * tiny, 2, rng=rng, max_nfev=5),
+        "preconditioned_gd": lambda: ir.preconditioned_gd(Z[:, :2, :-1].transpose(0, 2, 1) * tiny, Z[:, 2, :-1], coords["A"]),
+        "gamma_star": lambda: ir.gamma_star(np.diag([1.0, 1e-160]), 6),
+        "single_layer_population_loss": lambda: ir.single_layer_population_loss(G * tiny, np.eye(2), 6),
+        "full_layer_population_loss": lambda: ir.full_layer_population_loss(Ps[:1] * tiny, Qs[:1], np.eye(2), 6),
+        "gd_step_size": lambda: ir.gd_step_size(6, 2),
+        "wishart_trace_moments": lambda: ir.wishart_trace_moments(6, 2, 3),
+        "family_polynomials": lambda: ir.family_polynomials([tiny, 1.0]),
+        "family_population_loss": lambda: ir.family_population_loss([tiny, 0.5], 6, 2),
+        "wishart_quadrature": lambda: ir.wishart_quadrature(6, 2, 4),
+        "optimal_family_scalars": lambda: ir.optimal_family_scalars(1, 6, 2, starts=2, rng=rng),
+        "family_local_minimum": lambda: ir.family_local_minimum([0.5], 6, 2),
+        "distance_to_multiple": lambda: ir.distance_to_multiple(np.eye(2) * tiny),
+        "distance_to_diagonal": lambda: ir.distance_to_diagonal(np.eye(2) * tiny),
+        "fitted_scalar": lambda: ir.fitted_scalar(np.eye(2) * tiny, np.eye(2)),
+        "symmetry_directions": lambda: ir.symmetry_directions("sparse", coords),
+        "identifiable_hessian": lambda: ir.identifiable_hessian("sparse", coords, Z, y),
+        "sandwich_covariance": lambda: ir.sandwich_covariance(
+            "sparse", ir.train_lbfgs(Z, y, 1, rng=rng)["coords"], Z, y),
+        "tokens_as_columns": lambda: ir.tokens_as_columns(Z.transpose(0, 2, 1) * tiny),
+        "tokens_as_rows": lambda: ir.tokens_as_rows(Z * tiny),
+        "params_from_authors": lambda: ir.params_from_authors(allparam * tiny),
+        "params_to_authors": lambda: ir.params_to_authors(*ir.params_from_authors(allparam * tiny)),
+        "grads_to_authors": lambda: ir.grads_to_authors(P * tiny, Q),
+        "params_from_von_oswald": lambda: ir.params_from_von_oswald(
+            *(np.eye(3)[None] * tiny for _ in range(4)), 6),
+        "grads_to_von_oswald": lambda: ir.grads_to_von_oswald(
+            P[:1] * tiny, Q[:1], *(np.eye(3)[None] for _ in range(4)), 6),
+    }
+
+
+def _same(a, b):
+    """a and b equal bit for bit, through tuples, lists and dicts of arrays and numbers."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, np.ndarray) or isinstance(a, float):
+        return np.array_equal(a, b, equal_nan=True)
+    return a == b
+
+
+def _stub_engine(grad_entry, calls=None, interrupt_at=None):
+    """icl_ref's engine whose loss is 1 and whose gradient (sparse, L = 1) has the single entry
+    dA[0, 0, 0] = grad_entry; with interrupt_at, that call raises KeyboardInterrupt."""
+    def loss_and_grad_gram(P, Q, S0, q0, y, n):
+        if calls is not None:
+            calls.append(1)
+            if len(calls) == interrupt_at:
+                raise KeyboardInterrupt
+        dP, dQ = np.zeros_like(P), np.zeros_like(Q)
+        dQ[0, 0, 0, 0] = -grad_entry                       # sparse: A enters as Q = -[[A, 0], [0, 0]]
+        return 1.0, dP, dQ
+    return reference_engine(loss_and_grad_gram=loss_and_grad_gram)
+
 
 
 # ---------------------------------------------------------------------------------------------
-# Closed forms: Lemma 1, Theorem 1, Mahankali et al., Theorems 3 and 4
+# 1. Data (MATH.md §1)
+# ---------------------------------------------------------------------------------------------
+
+def test_sample_prompts_layout_and_reproducibility():
+    Sigma = np.diag([1.0, 4.0])
+    Z, y, w = ir.sample_prompts(np.random.default_rng(3), 5, 4, Sigma, noise_std=0.0,
+                                return_w_star=True)
+    assert Z.shape == (5, 3, 5) and y.shape == (5,) and w.shape == (5, 2)
+    assert np.all(Z[:, 2, 4] == 0)
+    assert_allclose(Z[:, 2, :4], np.einsum("bdi,bd->bi", Z[:, :2, :4], w), rtol=EXACT)
+    assert_allclose(y, np.einsum("bd,bd->b", Z[:, :2, 4], w), rtol=EXACT)
+    Z2, y2 = ir.sample_prompts(np.random.default_rng(3), 5, 4, Sigma)
+    assert np.array_equal(Z, Z2) and np.array_equal(y, y2)
+
+
+def test_sample_prompts_covariance_matches_sigma():
+    rng = np.random.default_rng(4)
+    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.25, 2.0])
+    Z, _ = ir.sample_prompts(rng, 4000, 9, Sigma)
+    X = Z[:, :3, :].transpose(0, 2, 1).reshape(-1, 3)
+    prods = X[:, :, None] * X[:, None, :]
+    se = prods.std(axis=0) / math.sqrt(len(X))            # entries are iid across all tokens
+    assert np.all(np.abs(prods.mean(axis=0) - Sigma) <= Z_MC * se)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The layer, the mask and the Gram form (MATH.md §2)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L", [1, 2, 3])
+@pytest.mark.parametrize("H", [1, 2])
+def test_fast_forward_equals_literal_column_form(L, H):
+    rng, Z, y = small_problem(seed=10 * L + H)
+    P, Q = random_params(rng, L, H, 3)
+    fast, literal = ir.forward(P, Q, Z), ir.forward_literal(P, Q, Z)
+    assert_allclose(fast, literal, rtol=EXACT, atol=EXACT * np.max(np.abs(literal)))
+
+
+def test_layer_is_the_matrix_form_with_the_mask():
+    # [A] eq. (4) as matrices, Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M = mask(n), batch by batch
+    rng, Z, y = small_problem(seed=3, B=4, n=5)
+    P, Q = random_params(rng, 2, 2, 3)
+    M = ir.mask(5)
+    assert_allclose(M, np.diag([1.0, 1, 1, 1, 1, 0]), rtol=0, atol=0)
+    out = Z.copy()
+    for P_l, Q_l in zip(P, Q):
+        out = np.stack([Zb + sum(P_h @ Zb @ M @ Zb.T @ Q_h @ Zb for P_h, Q_h in zip(P_l, Q_l)) / 5
+                        for Zb in out])
+    assert_allclose(ir.forward(P, Q, Z), out, rtol=EXACT, atol=EXACT * np.max(np.abs(out)))
+
+
+def test_hand_computed_layer_d1_n2():
+    # tokens z1 = [1, 2], z2 = [-1, 1], query [3, 0]; P = [[1, 2], [0, 1]], Q = [[1, 0], [1, 1]].
+    # z_i^T Q = [x_i + y_i, y_i]: z1 -> [3, 2], z2 -> [0, 1].
+    # query:  scores (9, 0); (1/2)(9 z1 + 0 z2) = [4.5, 9]; P [4.5, 9] = [22.5, 9]; z_q' = [25.5, 9]
+    # z1:     scores (7, 2); (1/2)(7 z1 + 2 z2) = [2.5, 8]; P [2.5, 8] = [18.5, 8]; z1' = [19.5, 10]
+    # z2:     scores (-1, 1); (1/2)(-z1 + z2) = [-1, -0.5]; P [..] = [-2, -0.5];   z2' = [-3, 0.5]
+    Z = np.array([[[1, -1, 3], [2, 1, 0]]])
+    P = np.array([[[[1, 2], [0, 1]]]])
+    Q = np.array([[[[1, 0], [1, 1]]]])
+    expected = np.array([[[19.5, -3, 25.5], [10, 0.5, 9]]])
+    assert_allclose(ir.forward(P, Q, Z), expected, rtol=EXACT)
+    assert_allclose(ir.forward_literal(P, Q, Z), expected, rtol=EXACT)
+    # prediction -Z_L[d, n] = -9; with y = 4 the loss is (9 + 4)^2 = 169 (mean over B = 1, no 1/2)
+    assert_allclose(ir.predict(P, Q, Z), [-9.0], rtol=EXACT)
+    assert ir.in_context_loss(P, Q, Z, [4]) == pytest.approx(169.0, rel=EXACT)
+
+
+def test_query_token_is_never_key_or_value():
+    rng, Z, y = small_problem()
+    P, Q = random_params(rng, 3, 2, 3)
+    Z2 = Z.copy()
+    Z2[:, :, -1] += rng.standard_normal(Z2[:, :, -1].shape)
+    layers, layers2 = ir.forward(P, Q, Z, all_layers=True), ir.forward(P, Q, Z2, all_layers=True)
+    assert np.array_equal(layers[:, :, :, :-1], layers2[:, :, :, :-1])   # context columns, all layers
+    assert not np.allclose(layers[-1, :, :, -1], layers2[-1, :, :, -1])
+
+
+def test_rescaling_invariance():
+    # [A] Thm 1 remark: (P, Q) -> (c P, Q / c) per layer leaves the output unchanged
+    rng, Z, y = small_problem()
+    P, Q = random_params(rng, 2, 1, 3)
+    c = np.array([2.0, -0.5])[:, None, None, None]
+    assert_allclose(ir.predict(c * P, Q / c, Z), ir.predict(P, Q, Z), rtol=EXACT)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The loss, its reverse mode and the per-prompt Jacobian (MATH.md §3)
+# ---------------------------------------------------------------------------------------------
+
+def test_loss_is_mean_squared_error_without_half():
+    rng, Z, y = small_problem(B=7)
+    P, Q = random_params(rng, 2, 1, 3)
+    y_hat = -ir.forward_literal(P, Q, Z)[:, -1, -1]
+    assert_allclose(ir.predict(P, Q, Z), y_hat, rtol=EXACT)
+    assert ir.in_context_loss(P, Q, Z, y) == pytest.approx(np.sum((y_hat - y) ** 2) / 7, rel=EXACT)
+    assert ir.loss_and_grad(P, Q, Z, y)[0] == pytest.approx(np.sum((y_hat - y) ** 2) / 7, rel=EXACT)
+
+
+@pytest.mark.parametrize("L,H", [(1, 1), (2, 2), (3, 1)])
+def test_gradient_matches_finite_differences_random_point(L, H):
+    rng, Z, y = small_problem(seed=L + 7 * H)
+    check_full_gradient(*random_params(rng, L, H, 3), Z, y)
+
+
+def test_gradient_matches_finite_differences_structured_points():
+    rng, Z, y = small_problem(seed=5)
+    A, Bm = rng.standard_normal((2, 3, 3, 3))
+    check_full_gradient(*ir.sparse_params(A), Z, y)
+    check_full_gradient(*ir.block_params(A, Bm), Z, y)
+
+
+def test_gradient_matches_finite_differences_after_lbfgs_steps():
+    rng, Z, y = small_problem(seed=6, B=40)
+    res = ir.train_lbfgs(Z, y, 2, structure="full", heads=2, rng=rng, init_scale=0.3, maxiter=5)
+    assert res["nit"] == 5
+    check_full_gradient(res["P"], res["Q"], Z, y)
+
+
+@pytest.mark.parametrize("structure", ["sparse", "blocks"])
+def test_structured_gradient_matches_finite_differences(structure):
+    rng, Z, y = small_problem(seed=8)
+    shapes = ir.structure_shapes(structure, 3, 3)
+    coords = {k: rng.standard_normal(s) for k, s in shapes.items()}
+
+    def f(key, X):
+        return ir.in_context_loss(*ir.structure_to_PQ(structure, {**coords, key: X}), Z, y)
+    _, dP, dQ = ir.loss_and_grad(*ir.structure_to_PQ(structure, coords), Z, y)
+    grads = ir.structure_grad(structure, dP, dQ)
+    for key in shapes:
+        assert_grad_close(central_diff(lambda X: f(key, X), coords[key]), grads[key])
+
+
+def test_directional_derivative_larger_case():
+    rng = np.random.default_rng(9)
+    Sigma, _ = ir.rotated_covariance(rng, np.linspace(0.3, 2.0, 8))
+    Z, y = ir.sample_prompts(rng, 3000, 30, Sigma, noise_std=0.5)
+    P, Q = random_params(rng, 4, 2, 8, scale=0.15)
+    vP, vQ = rng.standard_normal((2,) + P.shape)
+    _, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    f = lambda t: ir.in_context_loss(P + t * vP, Q + t * vQ, Z, y)
+    numeric = (f(FD_H2) - f(-FD_H2)) / (2 * FD_H2)
+    analytic = np.sum(dP * vP) + np.sum(dQ * vQ)
+    assert analytic == pytest.approx(numeric, rel=FD_REL)
+
+
+def test_one_layer_gradient_in_P_matches_an_exact_parabola():
+    # an independent reverse-mode check: the loss is quadratic in P[0] for a 1-layer model,
+    # so f(P + t V) is an exact parabola and its derivative at t = 0 is exact from 3 points
+    rng, Z, y = small_problem(seed=11)
+    P, Q = random_params(rng, 1, 3, 3)
+    V = rng.standard_normal(P.shape)
+    f = lambda t: ir.in_context_loss(P + t * V, Q, Z, y)
+    exact = (f(1.0) - f(-1.0)) / 2                         # exact for a quadratic in t
+    # 1e-10: rounding in f(+-1), O(1) values differenced and halved, and in the reverse-mode sums
+    assert np.sum(ir.loss_and_grad(P, Q, Z, y)[1] * V) == pytest.approx(exact, rel=1e-10)
+
+
+@pytest.mark.parametrize("activation", ["relu", "softmax", "softmax_all"])
+def test_activation_gradients_match_finite_differences(activation):
+    rng, Z, y = small_problem(seed=91)
+    P, Q = random_params(rng, 2, 2, 3)
+    _, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, activation)
+    # relu has kinks: the stencil must not straddle one, so the narrow FD_H2 (a kink within 2e-6 of
+    # a random point is unlikely; rounding 1.5 eps |f| / h stays below FD_ABS for this |f| < 10)
+    h = FD_H2 if activation == "relu" else FD_H
+    assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(X, Q, Z, y, activation)[0], P, h), dP)
+    assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(P, X, Z, y, activation)[0], Q, h), dQ)
+
+
+@pytest.mark.parametrize("B,chunk", [(10, 3), (10, 5), (11, 4), (7, 1), (9, 100)])
+def test_chunked_loss_and_grad_equals_unchunked(B, chunk):
+    # MATH.md §3: chunks divide by the whole B, read their own labels, add their parts; the last
+    # chunk may be short. The token loop's loss (no chunks at all) and one chunk holding the whole
+    # batch are the references; the Jacobian's rows are concatenated in chunk order.
+    rng, Z, y = small_problem(seed=B + chunk, B=B)
+    P, Q = random_params(rng, 3, 2, 3)
+    n = Z.shape[2] - 1
+    S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
+
+    def with_chunks(size):
+        bounds = lambda B_, D: [(c, min(c + size, B_)) for c in range(0, B_, size)]
+        with mock.patch.object(ir, "_chunks", bounds):
+            return ir.loss_and_grad_gram(P, Q, S0, q0, y, n), ir.residuals_and_jacobian_gram(P, Q, S0, q0, y, n)
+    (loss, dP, dQ), (r, J) = with_chunks(chunk)
+    (loss1, dP1, dQ1), (r1, J1) = with_chunks(B)
+    assert loss == pytest.approx(loss1, rel=EXACT)
+    assert loss == pytest.approx(np.mean((ir.forward_literal(P, Q, Z)[:, -1, -1] + y) ** 2), rel=EXACT)
+    assert_allclose(dP, dP1, rtol=EXACT, atol=EXACT * np.max(np.abs(dP1)))
+    assert_allclose(dQ, dQ1, rtol=EXACT, atol=EXACT * np.max(np.abs(dQ1)))
+    assert_allclose(r, r1, rtol=0, atol=EXACT * np.max(np.abs(r1)))
+    assert_allclose(J, J1, rtol=0, atol=EXACT * np.max(np.abs(J1)))
+
+
+def test_directional_derivatives_along_random_directions():
+    # MATH.md §3: each direction checked on its own, so an error along a few coordinates shows
+    rng, Z, y = small_problem(seed=101, B=30)
+    P, Q = random_params(rng, 3, 2, 3)
+    _, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    for _ in range(8):
+        vP, vQ = rng.standard_normal((2,) + P.shape) * (rng.random((2,) + P.shape) < 0.2)
+        f = lambda t: ir.in_context_loss(P + t * vP, Q + t * vQ, Z, y)
+        numeric = (f(FD_H2) - f(-FD_H2)) / (2 * FD_H2)
+        assert np.sum(dP * vP) + np.sum(dQ * vQ) == pytest.approx(numeric, rel=FD_REL, abs=FD_ABS)
+
+
+def test_jacobian_matches_finite_differences():
+    rng, Z, y = small_problem(seed=110, B=7)
+    P, Q = random_params(rng, 2, 2, 3)
+    r, J = ir.residuals_and_jacobian(P, Q, Z, y)
+    assert_allclose(r, residuals_by_forward(P, Q, Z, y), rtol=EXACT, atol=EXACT)
+    theta = ir.pack([P, Q])
+    shapes = [P.shape, Q.shape]
+    numeric = np.empty_like(J)
+    for k in range(theta.size):
+        e = np.zeros_like(theta)
+        e[k] = FD_H2
+        numeric[:, k] = (residuals_by_forward(*ir.unpack(theta + e, shapes), Z, y)
+                         - residuals_by_forward(*ir.unpack(theta - e, shapes), Z, y)) / (2 * FD_H2)
+    assert_grad_close(numeric, J)
+
+
+@pytest.mark.parametrize("structure", ["full", "sparse", "blocks"])
+def test_jacobian_sums_to_the_gradient(structure):
+    # 2 J^T r / B is the loss gradient, with chunks of 4 over 11 prompts (the last one short)
+    rng, Z, y = small_problem(seed=111, B=11)
+    shapes = ir.structure_shapes(structure, 3, 3, 2 if structure == "full" else 1)
+    coords = {k: 0.5 * rng.standard_normal(s) for k, s in shapes.items()}
+    P, Q = ir.structure_to_PQ(structure, coords)
+    n = Z.shape[2] - 1
+    with mock.patch.object(ir, "_chunks", lambda B, D: [(c, min(c + 4, B)) for c in range(0, B, 4)]):
+        r, J = ir.residuals_and_jacobian_gram(P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
+                                              structure=structure)
+    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    grad = ir.pack(ir.structure_grad(structure, dP, dQ).values())
+    assert np.mean(r ** 2) == pytest.approx(loss, rel=EXACT)
+    assert_allclose(2 * J.T @ r / len(r), grad, rtol=0, atol=EXACT * np.max(np.abs(grad)))
+
+
+def test_jacobian_in_structure_coordinates():
+    rng, Z, y = small_problem(seed=112, B=5)
+    A, Bm = rng.standard_normal((2, 2, 3, 3))
+    _, J = ir.residuals_and_jacobian(*ir.block_params(A, Bm), Z, y, structure="blocks")
+    theta, shapes = ir.pack([A, Bm]), [A.shape, Bm.shape]
+    f = lambda t: residuals_by_forward(*ir.block_params(*ir.unpack(t, shapes)), Z, y)
+    numeric = np.stack([(f(theta + FD_H2 * e) - f(theta - FD_H2 * e)) / (2 * FD_H2)
+                        for e in np.eye(theta.size)], axis=1)
+    assert_grad_close(numeric, J)
+    assert np.all(J[:, -9:] == 0)                         # B_{L-1} never reaches the residuals
+
+
+def test_loss_and_grad_refuses_a_non_finite_Z_and_a_non_finite_or_asymmetric_S0():
+    # a NaN or Inf in the last prompt is a ValueError naming Z; the Gram-form functions name S0, q0
+    # and y, and refuse an S0 that is not symmetric (the reverse pass relies on S^T = S, MATH.md §3)
+    rng = np.random.default_rng(131)
+    for d, B in ((5, 40), (12, 9)):
+        P, Q = random_params(rng, 2, 1, d, scale=0.1)
+        Z, y = rng.standard_normal((B, d + 1, 4)), rng.standard_normal(B)
+        S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, 3])
+        ir.loss_and_grad(P, Q, Z, y)
+        for bad in (np.nan, np.inf, -np.inf):
+            Z_bad, S_bad, q_bad = Z.copy(), S0.copy(), q0.copy()
+            Z_bad[-1, 0, 0] = S_bad[-1, 0, 0] = q_bad[-1, 0] = bad
+            with pytest.raises(ValueError, match="Z must be finite"):
+                ir.loss_and_grad(P, Q, Z_bad, y)
+            for name, args in (("S0", (S_bad, q0)), ("q0", (S0, q_bad))):
+                for f in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
+                    with pytest.raises(ValueError, match=f"{name} must be finite"):
+                        f(P, Q, *args, y, 3)
+        S_asym = S0.copy()
+        S_asym[0, 0, 1] += 1e-9
+        for f in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
+            with pytest.raises(ValueError, match="S0 must be symmetric"):
+                f(P, Q, S_asym, q0, y, 3)
+
+
+def test_the_reference_chunks_cover_the_batch_once_and_change_nothing():
+    # _chunks: consecutive, disjoint, covering [0, B); the loss of a batch of several chunks (d = 5:
+    # 910 prompts each, the last one short) equals the token loop's, EXACT
+    for B, D in ((1, 6), (909, 6), (910, 6), (911, 6), (5000, 13), (3, 40)):
+        bounds = ir._chunks(B, D)
+        assert bounds[0][0] == 0 and bounds[-1][1] == B
+        assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
+        # the reason for chunks: a chunk's shared-factor product, b D^3 multiply-adds, stays within
+        # 2^18, which OpenBLAS runs on the calling thread (MATH.md §3); one prompt is the floor
+        assert all((b - a) * D ** 3 <= max(2 ** 18, D ** 3) for a, b in bounds)
+    rng = np.random.default_rng(145)
+    Z, y = ir.sample_prompts(rng, 2000, 3, np.eye(5))
+    P, Q = random_params(rng, 2, 1, 5, scale=0.3)
+    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    assert loss == pytest.approx(np.mean((ir.forward_literal(P, Q, Z)[:, -1, -1] + y) ** 2), rel=EXACT)
+    r, J = ir.residuals_and_jacobian(P, Q, Z, y)
+    assert r.shape == (2000,) and np.mean(r ** 2) == pytest.approx(loss, rel=EXACT)
+    assert_allclose(2 * J.T @ r / 2000, ir.pack([dP, dQ]), rtol=0, atol=EXACT * np.max(np.abs(dP)))
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Attention with an activation (MATH.md §4)
+# ---------------------------------------------------------------------------------------------
+
+def test_explicit_linear_attention_is_an_independent_twin_of_the_fast_path():
+    rng, Z, y = small_problem(seed=90)
+    P, Q = random_params(rng, 3, 2, 3)
+    assert_allclose(ir.forward_activation(P, Q, Z, "linear"), ir.forward(P, Q, Z), rtol=0,
+                    atol=EXACT * np.max(np.abs(ir.forward(P, Q, Z))))
+    loss, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, "linear")
+    loss2, dP2, dQ2 = ir.loss_and_grad(P, Q, Z, y)
+    assert loss == pytest.approx(loss2, rel=EXACT)
+    assert_allclose(dP, dP2, rtol=0, atol=EXACT * np.max(np.abs(dP2)))
+    assert_allclose(dQ, dQ2, rtol=0, atol=EXACT * np.max(np.abs(dQ2)))
+
+
+def test_softmax_variants_normalise_over_their_keys():
+    # one layer, P = e_d e_d^T: the label row gains (1/n) sum_i y_i w_ij, so with all y_i = 1 the
+    # query's label slot holds (1/n) * (sum of its context weights): 1/n for "softmax" (weights
+    # over the n context keys sum to 1), less than 1/n for "softmax_all" (the query key takes a share)
+    rng = np.random.default_rng(92)
+    Z, _ = ir.sample_prompts(rng, 3, 4, np.eye(2))
+    Z[:, 2, :4] = 1.0
+    P, Q = np.zeros((2, 1, 1, 3, 3))
+    P[0, 0, 2, 2] = 1.0
+    Q[0, 0] = rng.standard_normal((3, 3))
+    assert_allclose(ir.forward_activation(P, Q, Z, "softmax")[:, 2, 4], 1 / 4, rtol=EXACT)
+    # softmax_all: sum_{i<n} A_ij = 1 - A_nj (the query key takes its share), computed here from E as
+    # the context keys' share directly (1 - A_nj cancels when the query key takes nearly all)
+    E = np.einsum("bki,kl,blj->bij", Z, Q[0, 0], Z)
+    context_share = np.exp(E[:, :4, 4]).sum(axis=1) / np.exp(E[:, :, 4]).sum(axis=1)
+    assert np.all(context_share < 1)
+    assert_allclose(ir.forward_activation(P, Q, Z, "softmax_all")[:, 2, 4], context_share / 4, rtol=EXACT)
+
+
+@pytest.mark.parametrize("activation", ["relu", "softmax", "softmax_all"])
+def test_jacobian_through_explicit_attention(activation):
+    # MATH.md §4: per-prompt rows against central differences of the residuals (predict_activation),
+    # and 2 J^T r / B against loss_and_grad_activation
+    rng, Z, y = small_problem(seed=150, B=5, n=4)
+    P, Q = random_params(rng, 2, 2, 3)
+    r, J = ir.residuals_and_jacobian(P, Q, Z, y, activation=activation)
+    res = lambda P_, Q_: y - ir.predict_activation(P_, Q_, Z, activation)
+    assert_allclose(r, res(P, Q), rtol=0, atol=EXACT * np.max(np.abs(r)))
+    theta, shapes = ir.pack([P, Q]), [P.shape, Q.shape]
+    numeric = np.stack([(res(*ir.unpack(theta + FD_H2 * e, shapes)) - res(*ir.unpack(theta - FD_H2 * e, shapes)))
+                        / (2 * FD_H2) for e in np.eye(theta.size)], axis=1)
+    assert_grad_close(numeric, J)
+    _, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, activation)
+    grad = ir.pack([dP, dQ])
+    assert_allclose(2 * J.T @ r / len(r), grad, rtol=0, atol=EXACT * np.max(np.abs(grad)))
+
+
+def test_jacobian_with_an_activation_in_structure_coordinates():
+    rng, Z, y = small_problem(seed=142, B=5)
+    A = 0.4 * rng.standard_normal((1, 3, 3))
+    _, J = ir.residuals_and_jacobian(*ir.sparse_params(A), Z, y, structure="sparse", activation="relu")
+    f = lambda a: ir.forward_activation(*ir.sparse_params(a.reshape(A.shape)), Z, "relu")[:, -1, -1] + y
+    numeric = np.stack([(f(A.ravel() + FD_H2 * e) - f(A.ravel() - FD_H2 * e)) / (2 * FD_H2) for e in np.eye(9)], axis=1)
+    assert J.shape == (5, 9)
+    assert_grad_close(numeric, J)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Parametrisations (MATH.md §5)
+# ---------------------------------------------------------------------------------------------
+
+def test_structures_place_blocks_as_in_eq8_and_eq11():
+    A = np.arange(8.0).reshape(2, 2, 2)
+    Bm = -np.arange(8.0).reshape(2, 2, 2)
+    P, Q = ir.block_params(A, Bm)
+    assert P.shape == Q.shape == (2, 1, 3, 3)
+    assert np.array_equal(P[:, 0, :2, :2], Bm) and np.all(P[:, 0, 2, 2] == 1)
+    assert np.array_equal(Q[:, 0, :2, :2], -A) and np.all(Q[:, 0, 2, :] == 0) and np.all(Q[:, 0, :, 2] == 0)
+    P8, Q8 = ir.sparse_params(A)
+    assert np.all(P8[:, 0, :2, :] == 0) and np.all(P8[:, 0, 2, 2] == 1) and np.array_equal(Q8, Q)
+
+
+def test_pack_unpack_round_trip():
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((2, 3, 4)), rng.standard_normal((5,)), rng.standard_normal((1, 1))]
+    back = ir.unpack(ir.pack(arrays), [a.shape for a in arrays])
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, back))
+    with pytest.raises(ValueError, match="theta"):
+        ir.unpack(np.zeros(3), [(2, 2)])
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Training (MATH.md §6)
+# ---------------------------------------------------------------------------------------------
+
+def test_train_lbfgs_decreases_loss_reports_status_and_is_reproducible():
+    rng, Z, y = small_problem(seed=12, B=200, n=8)
+    runs = [ir.train_lbfgs(Z, y, 2, structure="sparse", rng=np.random.default_rng(1), maxiter=200)
+            for _ in range(2)]
+    res = runs[0]
+    assert res["loss"] < 0.5 * res["history"][0]
+    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
+    assert np.array_equal(res["coords"]["A"], runs[1]["coords"]["A"])
+    assert res["success"] and res["status"] == 0 and not res["interrupted"]
+    for key in ("nit", "nfev", "message", "grad_norm", "wall_time", "scipy_version", "options"):
+        assert key in res
+    assert np.all(np.diff(res["history"]) <= 0)            # L-BFGS-B accepts only descent steps
+
+
+def test_train_lbfgs_reports_non_convergence():
+    rng, Z, y = small_problem(seed=13, B=200, n=8)
+    res = ir.train_lbfgs(Z, y, 3, structure="blocks", rng=rng, maxiter=3)
+    assert res["nit"] == 3 and not res["success"] and res["status"] == 1
+    assert "LIMIT" in res["message"].upper()
+
+
+def test_train_lbfgs_keyboard_interrupt_returns_last_iterate():
+    rng, Z, y = small_problem(seed=14, B=100, n=8)
+    calls = []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) > 8:
+            raise KeyboardInterrupt
+        return ir.REFERENCE.loss_and_grad_gram(*args)
+    res = ir.train_lbfgs(Z, y, 2, structure="full", rng=rng, maxiter=100,
+                         engine=reference_engine(loss_and_grad_gram=interrupted))
+    assert res["interrupted"] and not res["success"] and "interrupted" in res["message"]
+    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
+    assert res["loss"] == res["history"][-1] < res["history"][0]
+
+
+def test_train_lbfgs_progress_lines(capsys):
+    rng, Z, y = small_problem(seed=15, B=50, n=8)
+    ir.train_lbfgs(Z, y, 1, rng=rng, maxiter=4, progress=2)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all("loss" in line and "|grad|" in line and " s" in line for line in err)
+
+
+def test_train_lbfgs_accepts_init_dict():
+    rng, Z, y = small_problem(seed=16, B=50, n=8)
+    A0 = rng.standard_normal((2, 3, 3))
+    res = ir.train_lbfgs(Z, y, 2, init={"A": A0}, maxiter=1)
+    assert res["history"][0] == pytest.approx(ir.in_context_loss(*ir.sparse_params(A0), Z, y), rel=EXACT)
+
+
+def test_train_gauss_newton_converges_and_matches_lbfgs():
+    rng, Z, y = small_problem(seed=113, B=400, n=8)
+    A0 = 0.1 * rng.standard_normal((2, 3, 3))
+    gn = ir.train_gauss_newton(Z, y, 2, init={"A": A0})
+    lb = ir.train_lbfgs(Z, y, 2, init={"A": A0}, maxiter=2000)
+    assert gn["success"] and gn["grad_norm"] <= 1e-8 and not gn["interrupted"]
+    # both stop at gradients <= 1e-8 near a minimiser; a loss gap there is O(|grad|^2 / curvature)
+    assert gn["loss"] == pytest.approx(lb["loss"], rel=1e-9)
+    assert gn["loss"] == pytest.approx(ir.in_context_loss(gn["P"], gn["Q"], Z, y), rel=EXACT)
+    for key in ("coords", "P", "Q", "loss", "grad_norm", "nit", "nfev", "success", "message", "history",
+                "interrupted", "wall_time", "fixed"):
+        assert key in gn
+    B0 = rng.standard_normal((2, 3, 3))
+    gb = ir.train_gauss_newton(Z, y, 2, structure="blocks", init={"A": A0, "B": B0})
+    assert gb["fixed"] == 9 and np.array_equal(gb["coords"]["B"][1], B0[1])   # B_{L-1} held
+    assert gb["success"] == (gb["grad_norm"] <= 1e-8)      # converged means a small gradient
+    _, dP, dQ = ir.loss_and_grad(gb["P"], gb["Q"], Z, y)
+    # two exact routes to one gradient; at |g| ~ 1e-8 rounding of O(1) terms (1e-16) is 1e-8 relative
+    assert gb["grad_norm"] == pytest.approx(
+        np.linalg.norm(ir.pack(ir.structure_grad("blocks", dP, dQ).values())), rel=1e-4)
+    assert f"gradient norm {gb['grad_norm']:.2e}" in gb["message"]
+
+
+def test_train_lbfgs_survives_an_overflowing_trial_point_and_reports_its_own_loss():
+    # blocks, L = 4, init_scale 1.5 at the paper's covariance: a line-search trial point overflows
+    # float64. It is a failed trial (counted in the message), and the returned loss is the loss of
+    # the returned parameters.
+    rng = np.random.default_rng(0)
+    Sigma, _ = ir.rotated_covariance(rng)
+    Z, y = ir.sample_prompts(rng, 300, 20, Sigma, np.linalg.inv(Sigma))
+    overflowed = []
+
+    def spy(*args):
+        out = ir.REFERENCE.loss_and_grad_gram(*args)
+        overflowed.append(not all(np.all(np.isfinite(v)) for v in out))
+        return out
+    res = ir.train_lbfgs(Z, y, 4, structure="blocks", rng=rng, init_scale=1.5, maxiter=60,
+                         engine=reference_engine(loss_and_grad_gram=spy))
+    assert any(overflowed) and not overflowed[0]              # the situation under test did occur
+    assert math.isfinite(res["loss"]) and res["nit"] >= 1
+    assert f"{sum(overflowed)} trial points overflowed" in res["message"]
+    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
+    assert res["loss"] <= res["history"][0]
+    with pytest.raises(ValueError, match="initial point"):
+        ir.train_lbfgs(Z, y, 4, structure="blocks", rng=rng, init_scale=1e80)
+
+
+def test_train_lbfgs_validates_before_drawing_from_rng():
+    rng = np.random.default_rng(132)
+    state = rng.bit_generator.state
+    for bad in (dict(maxiter=0), dict(ftol=-1.0), dict(maxls=0), dict(progress=-1), dict(maxcor=0)):
+        with pytest.raises((ValueError, TypeError)):
+            ir.train_lbfgs(_Z, _y, 1, rng=rng, **bad)
+        assert rng.bit_generator.state == state
+    with pytest.raises(ValueError):
+        ir.train_gauss_newton(_Z, _y, 1, rng=rng, gtol=-1.0)
+    assert rng.bit_generator.state == state
+
+
+@pytest.mark.parametrize("trainer", ["lbfgs", "gauss_newton"])
+@pytest.mark.parametrize("at_call", [1, 3])
+def test_ctrl_c_raises_before_the_first_evaluation_and_returns_a_whole_result_after(trainer, at_call):
+    rng, Z, y = small_problem(seed=133, B=40, n=8)
+    name = "loss_and_grad_gram" if trainer == "lbfgs" else "jacobian_gram"
+    calls = []
+
+    def interrupt(*args):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise KeyboardInterrupt
+        return getattr(ir.REFERENCE, name)(*args)
+    train = getattr(ir, f"train_{trainer}")
+    if at_call == 1:                    # nothing completed: nothing to return
+        with pytest.raises(KeyboardInterrupt):
+            train(Z, y, 2, rng=rng, engine=reference_engine(**{name: interrupt}))
+        return
+    res = train(Z, y, 2, rng=rng, engine=reference_engine(**{name: interrupt}))
+    assert res["interrupted"] and not res["success"] and "interrupted" in res["message"]
+    assert res["P"] is not None and math.isfinite(res["loss"])
+    # the returned loss is the loss of the returned point (exact up to the data scale's rounding)
+    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=1e-12)
+
+
+def test_gauss_newton_reduced_system_has_the_same_normal_equations():
+    # MATH.md §6: the solver sees (f, R) with R^T R = J^T J, R^T f = J^T r, |f| = |r|, so its
+    # trust-region steps are those of the full (B, p) system; also with fewer prompts than p + 1
+    rng = np.random.default_rng(160)
+    for B in (500, 9):
+        J, r = rng.standard_normal((B, 12)) * np.logspace(0, 3, 12), rng.standard_normal(B)
+        f, R = ir._reduced_least_squares(r, J)
+        assert f.shape == (13,) and R.shape == (13, 12) and not np.any(R[12])
+        assert_allclose(R.T @ R, J.T @ J, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)))
+        assert_allclose(R.T @ f, J.T @ r, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)) * np.max(np.abs(r)))
+        assert f @ f == pytest.approx(r @ r, rel=EXACT)
+
+
+def test_trainers_call_success_only_what_converged():
+    # full P, Q with large starts at L = 4: the loss is finite but huge and the gradient ~1e170;
+    # trial points overflow. success is icl_ref's verdict (finite, gradient below gtol), never SciPy's
+    for seed in range(3):
+        Z, y = ir.sample_prompts(np.random.default_rng(seed), 300, 5, np.eye(3))
+        res = ir.train_lbfgs(Z, y, 4, structure="full", init_scale=2.0, rng=np.random.default_rng(seed), maxiter=40)
+        assert math.isfinite(res["loss"]) and math.isfinite(res["grad_norm"])       # no overflow in the norm
+        assert not res["success"] and "> gtol" in res["message"] and "overflowed" in res["message"]
+        assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
+    rng, Z, y = small_problem(seed=139, B=200, n=8)
+    res = ir.train_lbfgs(Z, y, 1, rng=rng, gtol=1e-6)
+    # success: no entry above gtol, so the 2-norm is at most sqrt(p) gtol, p = 9
+    assert res["success"] and res["grad_norm"] <= 1e-6 * 3 and "<= gtol 1.0e-06" in res["message"]
+    res = ir.train_lbfgs(Z, y, 1, rng=rng, gtol=0.0, maxiter=50)      # gtol 0: SciPy may stop, icl_ref says no
+    assert not res["success"]
+    for trainer in (ir.train_lbfgs, ir.train_gauss_newton):
+        with pytest.raises(ValueError, match="all zero or subnormal"):    # nothing at float64 precision
+            trainer(Z * 1e-320, y * 1e-320, 1, rng=rng)
+
+
+@pytest.mark.parametrize("trainer", ["lbfgs", "gauss_newton"])
+def test_trainers_read_the_same_at_any_scale_of_the_data(trainer):
+    # units are the caller's choice: data times 2^-300 (exact) give the same run bit for bit, with
+    # the loss times 2^-600 and A times 2^600; data in milli-units (1e-3, not a power of two)
+    # converge to the rescaled loss (only rounding differs) or say they did not
+    rng, Z, y = small_problem(seed=140, B=300, n=10)
+    train = getattr(ir, f"train_{trainer}")
+    kw = dict(structure="sparse", init_scale=0.1)
+    ref = train(Z, y, 2, rng=np.random.default_rng(1), **kw)
+    assert ref["success"]
+    tiny = train(Z * 2.0 ** -300, y * 2.0 ** -300, 2, rng=np.random.default_rng(1), **kw)
+    assert tiny["nit"] == ref["nit"] and tiny["success"]
+    assert tiny["loss"] == ref["loss"] * 2.0 ** -600
+    np.testing.assert_array_equal(tiny["coords"]["A"], ref["coords"]["A"] * 2.0 ** 600)
+    milli = train(Z * 1e-3, y * 1e-3, 2, rng=np.random.default_rng(1), **kw)
+    assert milli["nit"] > 0
+    if milli["success"]:
+        # the acceptance bound: within 5% of the converged loss in the caller's units
+        assert milli["loss"] == pytest.approx(ref["loss"] * 1e-6, rel=0.05)
+
+
+def test_train_lbfgs_options_are_wired_as_documented(capsys):
+    rng, Z, y = small_problem(seed=140, B=60, n=8)
+    seen = {}
+    real = scipy.optimize.minimize
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs["options"])
+        return real(*args, **kwargs)
+    with mock.patch.object(scipy.optimize, "minimize", spy):
+        res = ir.train_lbfgs(Z, y, 1, rng=rng, maxiter=7, ftol=1e-3, gtol=1e-4, maxcor=5, maxls=9)
+    assert seen == dict(maxiter=7, maxfun=35, maxcor=5, ftol=1e-3, gtol=1e-4, maxls=9) == res["options"]
+    A0 = 0.3 * rng.standard_normal((1, 3, 3))
+    res = ir.train_lbfgs(Z, y, 1, init={"A": A0}, maxiter=5, keep_iterates=True, progress=2)
+    assert np.array_equal(res["iterates"][0]["A"], A0) and len(res["iterates"]) == res["nit"] + 1
+    lines = capsys.readouterr().err.splitlines()
+    assert [int(line.split()[1]) for line in lines] == list(range(2, res["nit"] + 1, 2))
+
+
+def test_gauss_newton_holds_the_coordinates_that_never_reach_the_loss():
+    # full, L = 2: the x-rows of the last P stay; full, L = 1: also Q's last column (the query's label
+    # slot is 0); each at its initial value, exactly
+    rng, Z, y = small_problem(seed=141, B=80, n=6)
+    for L, fixed in ((2, 3 * 4), (1, 3 * 4 + 4)):       # d = 3 x-rows of 4; and 4 entries of Q's last column
+        init = {k: 0.3 * rng.standard_normal(s) for k, s in ir.structure_shapes("full", L, 3, 1).items()}
+        res = ir.train_gauss_newton(Z, y, L, structure="full", init=init, max_nfev=5)
+        assert res["fixed"] == fixed
+        assert np.array_equal(res["P"][-1, :, :-1, :], init["P"][-1, :, :-1, :])
+        if L == 1:
+            assert np.array_equal(res["Q"][0, :, :, -1], init["Q"][0, :, :, -1])
+        else:
+            assert not np.array_equal(res["Q"][0, :, :, -1], init["Q"][0, :, :, -1])
+
+
+def test_lbfgs_success_at_the_boundary_of_gtol():
+    # success is "largest entry <= gtol": at equality yes, a hair below no; gtol = 0 with an exactly
+    # zero gradient yes (a stationary start), and the message states the comparison
+    rng, Z, y = small_problem(seed=191, B=20, n=5)
+    g = 3.0e-6
+    res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, gtol=g, engine=_stub_engine(g))
+    assert res["success"] and res["nit"] == 0 and "<= gtol" in res["message"]
+    res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, gtol=g * (1 - 1e-12), maxiter=3,
+                         engine=_stub_engine(g))
+    assert not res["success"] and "> gtol" in res["message"]
+    res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, gtol=0.0, engine=_stub_engine(0.0))
+    assert res["success"] and res["grad_norm"] == 0.0
+
+
+def test_gauss_newton_interrupted_at_a_converged_point_is_not_a_success():
+    # the first evaluation is 1e-10 from the least-squares solution (gradient ~1e-10 <= gtol 1e-8),
+    # the solver (its own tolerances 1e-15) asks again and Ctrl-C lands there: interrupted, no verdict
+    rng, Z, y = small_problem(seed=192, B=200, n=8)
+    opt = ir.train_gauss_newton(Z, y, 1, rng=rng)
+    assert opt["success"]
+    calls = []
+
+    def jacobian_gram(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return ir.REFERENCE.jacobian_gram(*args)
+    near = {"A": opt["coords"]["A"] * (1 + 1e-10)}
+    res = ir.train_gauss_newton(Z, y, 1, init=near, engine=reference_engine(jacobian_gram=jacobian_gram))
+    assert len(calls) == 2 and res["interrupted"] and res["grad_norm"] <= 1e-8 and not res["success"]
+
+
+def test_gauss_newton_reads_the_query_label_slot_for_the_coordinates_it_holds():
+    # one full layer: Q's last column meets the query only through its label slot, so it is held
+    # fixed when every slot is 0 and trained when one is not (d x-rows of P held in both)
+    rng, Z, y = small_problem(seed=193, B=60, n=6)
+    init = {k: 0.3 * rng.standard_normal(s) for k, s in ir.structure_shapes("full", 1, 3, 1).items()}
+    assert ir.train_gauss_newton(Z, y, 1, structure="full", init=init, max_nfev=3)["fixed"] == 3 * 4 + 4
+    Z = Z.copy()
+    Z[0, -1, -1] = 0.5
+    assert ir.train_gauss_newton(Z, y, 1, structure="full", init=init, max_nfev=3)["fixed"] == 3 * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Closed forms: Lemma 1, Theorem 1, Mahankali et al., Wishart moments, Theorems 3-5 (MATH.md §7-§10)
 # ---------------------------------------------------------------------------------------------
 
 def test_lemma1_forward_equals_preconditioned_gd_with_transpose():
@@ -497,12 +1099,6 @@ def test_theorem1_gamma_star_is_stationary_for_the_exact_loss():
     assert np.max(np.abs(grad)) < 1e-8
     E = rng.standard_normal((3, 3))                        # and it is a minimum: f(G + E) > f(G)
     assert f(G + 1e-3 * E) > f(G)
-
-
-def mc_loss(P, Q, Z, y):
-    """(mean, standard error) of the per-prompt squared error."""
-    err = (ir.predict(P, Q, Z) - y) ** 2
-    return err.mean(), err.std(ddof=1) / math.sqrt(len(err))
 
 
 def test_theorem1_population_loss_matches_monte_carlo():
@@ -553,16 +1149,6 @@ def test_full_layer_population_loss_is_theorem1_at_sparse_params_and_ignores_wha
         ir.full_layer_population_loss(*random_params(rng, 1, 1, 9), np.eye(9), 7)
     with pytest.raises(ValueError, match=r"Sigma must have shape \(4, 4\)"):
         ir.full_layer_population_loss(P2, Q2, np.eye(3), 7)
-
-
-def ols_excess_bound(Phi, resid, H_pop):
-    """Mean and sd of B * (excess population loss) of least squares on features Phi (B, p):
-    asymptotically theta_hat - theta* ~ N(0, H^-1 V H^-1 / B) with V = E[phi phi^T resid^2], and
-    the excess loss (theta_hat - theta*)^T H (theta_hat - theta*) is a weighted chi-square whose
-    weights are the eigenvalues of H^-1 V (mean = their sum, variance = 2 * sum of squares)."""
-    V = (Phi * resid[:, None] ** 2).T @ Phi / len(Phi)
-    w = np.linalg.eigvals(np.linalg.solve(H_pop, V)).real
-    return w.sum(), math.sqrt(2 * np.sum(w ** 2))
 
 
 @pytest.mark.parametrize("structure", ["sparse", "full"])
@@ -724,16 +1310,6 @@ def test_family_loss_matches_monte_carlo_through_the_transformer(L, blocks, nois
     assert abs(mean - exact) <= Z_MC * se
 
 
-def chunked_gradient(structure, coords, Z, y, chunks=50):
-    """Mean and standard error of the structure gradient over independent chunks of prompts."""
-    grads = []
-    for Zc, yc in zip(np.array_split(Z, chunks), np.array_split(y, chunks)):
-        _, dP, dQ = ir.loss_and_grad(*ir.structure_to_PQ(structure, coords), Zc, yc)
-        grads.append(ir.pack(ir.structure_grad(structure, dP, dQ).values()))
-    grads = np.array(grads)
-    return grads.mean(axis=0), grads.std(axis=0, ddof=1) / math.sqrt(chunks)
-
-
 @pytest.mark.parametrize("blocks", [False, True])
 def test_theorems_3_and_4_full_gradient_vanishes_at_family_optimum(blocks):
     # n = 40: at n = 10, d = 3 the blocks-family gradient is so heavy-tailed (degree 8 in S) that
@@ -759,21 +1335,6 @@ def test_theorems_3_and_4_full_gradient_vanishes_at_family_optimum(blocks):
     off = {**coords, "A": coords["A"] + 0.3 * (E + E.T)[None]}
     mean, se = chunked_gradient(structure, off, Z, y)
     assert np.max(np.abs(mean) / np.where(se > 0, se, np.inf)) > 10     # far past the null's 4.5
-
-
-def test_distance_to_multiple_against_brute_force():
-    rng = np.random.default_rng(50)
-    M, T = rng.standard_normal((2, 4, 4))
-    assert ir.distance_to_multiple(3.7 * T, T) < EXACT
-    assert ir.distance_to_multiple(2.0 * np.eye(4)) < EXACT
-    # an independent numerical minimisation over alpha (Brent, xtol 1e-10) agrees to rounding
-    brute = scipy.optimize.minimize_scalar(lambda al: np.linalg.norm(M - al * T), bracket=(-3, 3),
-                                           tol=1e-10).fun
-    assert ir.distance_to_multiple(M, T) * np.linalg.norm(M) == pytest.approx(brute, rel=1e-10)
-    # the authors' distance to identity, ||M - (tr M / d) I|| / ||M||
-    assert ir.distance_to_multiple(M) == pytest.approx(
-        np.linalg.norm(M - np.trace(M) / 4 * np.eye(4)) / np.linalg.norm(M), rel=EXACT)
-    assert ir.distance_to_diagonal(np.diag([1.0, 2.0])) == 0.0
 
 
 def test_theorem2_two_layer_isotropic_training_beats_or_matches_best_scalar_family():
@@ -820,141 +1381,6 @@ def test_paper_experiment_three_layer_sparse_reaches_family_optimum(seed):
     assert np.all(np.abs(a_hat[order] - a_star) <= Z_MC * se[order]), (a_hat[order], a_star, se[order])
 
 
-# ---------------------------------------------------------------------------------------------
-# Adapters: the authors' layout (tokens as rows, Q transposed) and von Oswald et al.'s loss
-# ---------------------------------------------------------------------------------------------
-
-def authors_forward(allparam, Z_rows):
-    """The authors' layer re-implemented from its published description (linear_transformer.py):
-    tokens as rows, Attn = einsum('BNi,ij,BMj->BNM', Z, Q_full, Z), key = einsum('ij,BNj->BNi',
-    P_full, Z), out = einsum('BNM,ML,BLi->BNi', Attn, A, key) / N, Z <- Z + sum over heads."""
-    L, H, _, d, _ = allparam.shape
-    N = Z_rows.shape[1] - 1
-    A = np.eye(N + 1)
-    A[N, N] = 0
-    for l in range(L):
-        residues = 0
-        for h in range(H):
-            P_full, Q_full = np.zeros((2, d + 1, d + 1))
-            P_full[:d, :d], P_full[d, d] = allparam[l, h, 0], 1
-            Q_full[:d, :d] = allparam[l, h, 1]
-            Attn = np.einsum("BNi,ij,BMj->BNM", Z_rows, Q_full, Z_rows)
-            key = np.einsum("ij,BNj->BNi", P_full, Z_rows)
-            residues = residues + np.einsum("BNM,ML,BLi->BNi", Attn, A, key) / N
-        Z_rows = Z_rows + residues
-    return Z_rows
-
-
-def test_authors_layout_adapter_agrees_and_needs_the_transpose():
-    rng, Z, y = small_problem(seed=70, B=5, n=6)
-    allparam = 0.5 * rng.standard_normal((3, 2, 2, 3, 3))
-    Z_rows = ir.tokens_as_rows(Z)
-    theirs = authors_forward(allparam, Z_rows)
-    P, Q = ir.params_from_authors(allparam)
-    ours = ir.forward(P, Q, ir.tokens_as_columns(Z_rows))
-    assert_allclose(ir.tokens_as_rows(ours), theirs, rtol=0, atol=EXACT * np.max(np.abs(theirs)))
-    wrong = ir.forward(P, Q.swapaxes(-1, -2), Z)               # Q_full taken as the paper's Q
-    assert np.max(np.abs(ir.tokens_as_rows(wrong) - theirs)) > 1e-2 * np.max(np.abs(theirs))
-    # their loss: mean (out[:, N, d] + y)^2, no 1/2; the gradient maps back through the adapter
-    their_loss = lambda ap: np.mean((authors_forward(ap, Z_rows)[:, -1, -1] + y) ** 2)
-    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
-    assert loss == pytest.approx(their_loss(allparam), rel=EXACT)
-    assert_grad_close(central_diff(their_loss, allparam), ir.grads_to_authors(dP, dQ))
-    assert np.array_equal(ir.params_to_authors(P, Q), allparam)
-    with pytest.raises(ValueError, match="authors' form"):
-        ir.params_to_authors(*random_params(rng, 1, 1, 3))
-    assert np.array_equal(ir.tokens_as_columns(ir.tokens_as_rows(Z)), Z)
-
-
-def test_von_oswald_loss_is_half_of_ours():
-    rng, Z, y = small_problem(seed=71)
-    P, Q = random_params(rng, 2, 1, 3)
-    half_mse = 0.5 * np.mean((-ir.forward_literal(P, Q, Z)[:, -1, -1] - y) ** 2)
-    assert ir.VON_OSWALD_LOSS_SCALE * ir.in_context_loss(P, Q, Z, y) == pytest.approx(half_mse, rel=EXACT)
-
-
-# ---------------------------------------------------------------------------------------------
-# Robustness sweeps: many random valid configurations, and malformed inputs of every kind
-# ---------------------------------------------------------------------------------------------
-
-def test_random_valid_configurations_forward_and_gradient():
-    rng = np.random.default_rng(80)
-    for _ in range(40):
-        d, n, L, B = rng.integers(1, 6), rng.integers(1, 10), rng.integers(1, 5), rng.choice([1, 2, 7, 33])
-        structure = rng.choice(ir.STRUCTURES)
-        H = rng.integers(1, 4) if structure == "full" else 1
-        Sigma, _ = ir.rotated_covariance(rng, rng.uniform(0.3, 2.0, d))
-        Z, y = ir.sample_prompts(rng, B, n, Sigma, noise_std=rng.uniform(0, 1))
-        coords = {k: 0.4 * rng.standard_normal(s) for k, s in ir.structure_shapes(structure, L, d, H).items()}
-        P, Q = ir.structure_to_PQ(structure, coords)
-        fast, literal = ir.forward(P, Q, Z), ir.forward_literal(P, Q, Z)
-        assert_allclose(fast, literal, rtol=0, atol=EXACT * np.max(np.abs(literal)))
-        grads = ir.structure_grad(structure, *ir.loss_and_grad(P, Q, Z, y)[1:])
-        v = {k: rng.standard_normal(np.shape(c)) for k, c in coords.items()}
-        f = lambda t: ir.in_context_loss(*ir.structure_to_PQ(structure, {k: coords[k] + t * v[k] for k in coords}), Z, y)
-        numeric = (f(FD_H2) - f(-FD_H2)) / (2 * FD_H2)
-        analytic = sum(np.sum(grads[k] * v[k]) for k in coords)
-        scale = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()) * sum(np.sum(w ** 2) for w in v.values()))
-        assert abs(numeric - analytic) <= FD_REL * scale, (d, n, L, H, B, structure)
-
-
-def malformed_variants(rng, a):
-    """Arrays that must be refused in place of a valid array a: wrong ndim, wrong size, wrong
-    dtype, NaN/Inf, ragged and non-array values."""
-    nan, inf = a.copy(), a.copy()
-    nan.flat[rng.integers(a.size)] = np.nan
-    inf.flat[rng.integers(a.size)] = -np.inf
-    return [a[0], a[None], np.concatenate([a, a[:1]]), a.astype(complex), a.astype(str), a > 0,
-            nan, inf, [[1.0, 2.0], [3.0]], None, "Z", np.empty((0,) + a.shape[1:])]
-
-
-def test_malformed_inputs_are_refused_before_work():
-    rng = np.random.default_rng(81)
-    Z, y = ir.sample_prompts(rng, 4, 5, np.eye(2))
-    P, Q = random_params(rng, 2, 1, 2)
-    A = rng.standard_normal((2, 2, 2))
-    X, yc = Z[0, :2, :-1].T, Z[0, 2, :-1]
-    calls = {
-        "forward": (ir.forward, dict(P=P, Q=Q, Z=Z)),
-        "predict": (ir.predict, dict(P=P, Q=Q, Z=Z)),
-        "in_context_loss": (ir.in_context_loss, dict(P=P, Q=Q, Z=Z, y=y)),
-        "loss_and_grad": (ir.loss_and_grad, dict(P=P, Q=Q, Z=Z, y=y)),
-        "forward_literal": (ir.forward_literal, dict(P=P, Q=Q, Z=Z)),
-        "sparse_params": (ir.sparse_params, dict(A=A)),
-        "block_params": (ir.block_params, dict(A=A, Bm=A)),
-        "preconditioned_gd": (ir.preconditioned_gd, dict(X=X, y=yc, A=A)),
-        "gamma_star": (ir.gamma_star, dict(Sigma=np.eye(2), n=5)),
-        "single_layer_population_loss": (ir.single_layer_population_loss, dict(Gamma=np.eye(2), Sigma=np.eye(2), n=5)),
-        "distance_to_multiple": (ir.distance_to_multiple, dict(M=np.eye(2), T=np.eye(2))),
-        "train_lbfgs": (lambda **kw: ir.train_lbfgs(layers=1, rng=rng, maxiter=1, **kw), dict(Z=Z, y=y)),
-        "tokens_as_columns": (ir.tokens_as_columns, dict(Z_rows=Z)),
-    }
-    refused = 0
-    for fname, (fn, kwargs) in calls.items():
-        fn(**kwargs)                                          # the valid call works
-        for arg, value in kwargs.items():
-            if not isinstance(value, np.ndarray):
-                continue
-            for bad in malformed_variants(rng, value):
-                if isinstance(bad, np.ndarray) and bad.shape == value.shape and bad.dtype == np.float64 \
-                        and np.all(np.isfinite(bad)):
-                    continue                                  # e.g. a[None] of a 1-long axis: still valid
-                try:
-                    fn(**{**kwargs, arg: bad})
-                except (ValueError, TypeError) as e:
-                    names = [arg, "P and Q", "A and Bm", "M and T"]
-                    assert any(name in str(e) for name in names), (fname, arg, str(e))
-                    refused += 1
-                else:
-                    # only what the function accepts by design may pass: X (B, n, d) for
-                    # preconditioned_gd, which also takes a batch; T = None, the identity
-                    assert (fname, arg) in {("preconditioned_gd", "X"), ("preconditioned_gd", "y")} or \
-                        (fname, arg, bad) == ("distance_to_multiple", "T", None) or \
-                        (isinstance(bad, np.ndarray) and bad.ndim == value.ndim and bad.dtype.kind in "fi"
-                         and np.all(np.isfinite(bad))), (fname, arg, np.shape(bad))
-    assert refused > 150
-
-
 def test_sparse_family_degree_stays_L_and_blocks_L4_is_refused():
     p, r = ir.family_polynomials([0.3, 0.5, 0.9, 1.5])
     assert len(p) == 5 and len(r) == 4                       # deg p = L, deg r = L - 1 when b = 0
@@ -962,53 +1388,6 @@ def test_sparse_family_degree_stays_L_and_blocks_L4_is_refused():
     assert len(p) == 1 + (3 ** 3 - 1) // 2                    # deg p = (3^L - 1)/2 with B (MATH.md §10)
     with pytest.raises(ValueError, match="2 deg p = 80 > 40"):
         ir.family_population_loss([0.3] * 4, 20, 5, b=[0.5] * 4)
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads)
-# ---------------------------------------------------------------------------------------------
-
-def test_explicit_linear_attention_is_an_independent_twin_of_the_fast_path():
-    rng, Z, y = small_problem(seed=90)
-    P, Q = random_params(rng, 3, 2, 3)
-    assert_allclose(ir.forward_activation(P, Q, Z, "linear"), ir.forward(P, Q, Z), rtol=0,
-                    atol=EXACT * np.max(np.abs(ir.forward(P, Q, Z))))
-    loss, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, "linear")
-    loss2, dP2, dQ2 = ir.loss_and_grad(P, Q, Z, y)
-    assert loss == pytest.approx(loss2, rel=EXACT)
-    assert_allclose(dP, dP2, rtol=0, atol=EXACT * np.max(np.abs(dP2)))
-    assert_allclose(dQ, dQ2, rtol=0, atol=EXACT * np.max(np.abs(dQ2)))
-
-
-@pytest.mark.parametrize("activation", ["relu", "softmax", "softmax_all"])
-def test_activation_gradients_match_finite_differences(activation):
-    rng, Z, y = small_problem(seed=91)
-    P, Q = random_params(rng, 2, 2, 3)
-    _, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, activation)
-    # relu has kinks: the stencil must not straddle one, so the narrow FD_H2 (a kink within 2e-6 of
-    # a random point is unlikely; rounding 1.5 eps |f| / h stays below FD_ABS for this |f| < 10)
-    h = FD_H2 if activation == "relu" else FD_H
-    assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(X, Q, Z, y, activation)[0], P, h), dP)
-    assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(P, X, Z, y, activation)[0], Q, h), dQ)
-
-
-def test_softmax_variants_normalise_over_their_keys():
-    # one layer, P = e_d e_d^T: the label row gains (1/n) sum_i y_i w_ij, so with all y_i = 1 the
-    # query's label slot holds (1/n) * (sum of its context weights): 1/n for "softmax" (weights
-    # over the n context keys sum to 1), less than 1/n for "softmax_all" (the query key takes a share)
-    rng = np.random.default_rng(92)
-    Z, _ = ir.sample_prompts(rng, 3, 4, np.eye(2))
-    Z[:, 2, :4] = 1.0
-    P, Q = np.zeros((2, 1, 1, 3, 3))
-    P[0, 0, 2, 2] = 1.0
-    Q[0, 0] = rng.standard_normal((3, 3))
-    assert_allclose(ir.forward_activation(P, Q, Z, "softmax")[:, 2, 4], 1 / 4, rtol=EXACT)
-    # softmax_all: sum_{i<n} A_ij = 1 - A_nj (the query key takes its share), computed here from E as
-    # the context keys' share directly (1 - A_nj cancels when the query key takes nearly all)
-    E = np.einsum("bki,kl,blj->bij", Z, Q[0, 0], Z)
-    context_share = np.exp(E[:, :4, 4]).sum(axis=1) / np.exp(E[:, :, 4]).sum(axis=1)
-    assert np.all(context_share < 1)
-    assert_allclose(ir.forward_activation(P, Q, Z, "softmax_all")[:, 2, 4], context_share / 4, rtol=EXACT)
 
 
 def test_theorem5_relu_point_is_stationary_and_beats_nearby_points():
@@ -1052,46 +1431,6 @@ def test_theorem5_training_finds_the_relu_coefficient():
     assert abs(a_hat - 2 * n / (n + 2 * d + 3)) <= Z_MC * se
 
 
-# ---------------------------------------------------------------------------------------------
-# Direct, exact checks of paths that the tests above reach only indirectly
-# ---------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("B,chunk", [(10, 3), (10, 5), (11, 4), (7, 1), (9, 100)])
-def test_chunked_loss_and_grad_equals_unchunked(B, chunk):
-    # MATH.md §3: chunks divide by the whole B, read their own labels, add their parts; the last
-    # chunk may be short. The token loop's loss (no chunks at all) and one chunk holding the whole
-    # batch are the references; the Jacobian's rows are concatenated in chunk order.
-    rng, Z, y = small_problem(seed=B + chunk, B=B)
-    P, Q = random_params(rng, 3, 2, 3)
-    n = Z.shape[2] - 1
-    S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
-
-    def with_chunks(size):
-        bounds = lambda B_, D: [(c, min(c + size, B_)) for c in range(0, B_, size)]
-        with mock.patch.object(ir, "_chunks", bounds):
-            return ir.loss_and_grad_gram(P, Q, S0, q0, y, n), ir.residuals_and_jacobian_gram(P, Q, S0, q0, y, n)
-    (loss, dP, dQ), (r, J) = with_chunks(chunk)
-    (loss1, dP1, dQ1), (r1, J1) = with_chunks(B)
-    assert loss == pytest.approx(loss1, rel=EXACT)
-    assert loss == pytest.approx(np.mean((ir.forward_literal(P, Q, Z)[:, -1, -1] + y) ** 2), rel=EXACT)
-    assert_allclose(dP, dP1, rtol=EXACT, atol=EXACT * np.max(np.abs(dP1)))
-    assert_allclose(dQ, dQ1, rtol=EXACT, atol=EXACT * np.max(np.abs(dQ1)))
-    assert_allclose(r, r1, rtol=0, atol=EXACT * np.max(np.abs(r1)))
-    assert_allclose(J, J1, rtol=0, atol=EXACT * np.max(np.abs(J1)))
-
-
-def test_directional_derivatives_along_random_directions():
-    # MATH.md §3: each direction checked on its own, so an error along a few coordinates shows
-    rng, Z, y = small_problem(seed=101, B=30)
-    P, Q = random_params(rng, 3, 2, 3)
-    _, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
-    for _ in range(8):
-        vP, vQ = rng.standard_normal((2,) + P.shape) * (rng.random((2,) + P.shape) < 0.2)
-        f = lambda t: ir.in_context_loss(P + t * vP, Q + t * vQ, Z, y)
-        numeric = (f(FD_H2) - f(-FD_H2)) / (2 * FD_H2)
-        assert np.sum(dP * vP) + np.sum(dQ * vQ) == pytest.approx(numeric, rel=FD_REL, abs=FD_ABS)
-
-
 def test_lemma1_two_line_counterexample():
     # MATH.md §7: d = 2, n = 1, x_0 = e_0, y_0 = 1, query e_1, A = [[0, 1], [0, 0]]
     Z = np.array([[[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]])
@@ -1100,11 +1439,6 @@ def test_lemma1_two_line_counterexample():
     W = ir.preconditioned_gd(Z[0, :2, :1].T, Z[0, 2, :1], A)
     assert_allclose(W[1], [0.0, 1.0], rtol=0, atol=0)                     # A^T e_0 = e_1: y_hat = 1
     assert_allclose(A[0] @ np.array([1.0, 0.0]), [0.0, 0.0])              # the printed A e_0 = 0
-
-
-def _sqrtm_spd(M):
-    lam, V = np.linalg.eigh(M)
-    return (V * np.sqrt(lam)) @ V.T
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.7])
@@ -1154,20 +1488,6 @@ def test_theorem1_second_moment_K_matches_monte_carlo():
     assert np.all(np.abs(mean - K) <= Z_MC * se)
 
 
-def _p_and_r_direct(a, b, t):
-    """p(t) = prod (1 - a_l s_l) and r = sum_l a_l phi_l^2 prod_{k>l} (1 - a_k s_k) (MATH.md §10),
-    the sum form of r, evaluated at t without polynomials."""
-    gam = np.asarray(a) * np.asarray(b)
-    s, phi, factors, weights = t, np.ones_like(t), [], []
-    for a_l, g_l in zip(a, gam):
-        factors.append(1 - a_l * s)
-        weights.append(a_l * phi ** 2)
-        phi, s = phi * (1 - g_l * s), s * (1 - g_l * s) ** 2
-    p = np.prod(factors, axis=0)
-    r = sum(w * np.prod(factors[l + 1:], axis=0) for l, w in enumerate(weights))
-    return p, r
-
-
 @pytest.mark.parametrize("blocks", [False, True])
 def test_family_polynomials_match_the_layer_recursion_on_scalars(blocks):
     # MATH.md §10 per prompt: with Sigma = I, A_l = a_l I, B_l = b_l I, the transformer's weight
@@ -1214,6 +1534,8 @@ def test_family_loss_with_noise_against_the_gauss_rule_and_the_sum_form(L, block
     assert got == pytest.approx(expected, rel=1e-10)
     assert got - ir.family_population_loss(a, n, d, b if blocks else None, noise_var=0.0) - s2 == \
         pytest.approx(s2 / n * (weights @ (nodes * r ** 2)), rel=1e-9)   # the noise term alone: a
+
+
     # difference of two 1e-10-accurate losses, the term itself ~10% of them, so 1e-9
 
 
@@ -1273,81 +1595,71 @@ def test_theorem5_exact_relu_loss_matches_monte_carlo():
         assert abs(mean - (d - c * d + c ** 2 * d * (n + 2 * d + 3) / (4 * n))) <= Z_MC * se
 
 
+def test_gamma_star_and_the_single_layer_loss_at_extreme_scales():
+    # Gamma* scales as 1/c for Sigma = c S without noise: scale-free, at 1e-200 and 1e160 too
+    rng = np.random.default_rng(134)
+    S, _ = ir.rotated_covariance(rng, [0.5, 1.0, 2.0])
+    G = ir.gamma_star(S, 7)
+    for c in (1e-200, 1e160):
+        assert_allclose(ir.gamma_star(c * S, 7) * c, G, rtol=1e-12, atol=1e-12 * np.max(np.abs(G)))
+    with pytest.raises(ValueError, match="overflow"):
+        ir.single_layer_population_loss(1e200 * np.eye(3), S, 7)
+
+
+def test_blocks_family_has_a_second_local_minimum():
+    # MATH.md §10: at n = 20, d = 5, L = 3 the exact blocks-family loss has, besides the global
+    # optimum f* = 9.613e-4, a strict local minimum near a = (0.34, 2.86, 7.64), b = (0.88, 0.35);
+    # two of three converged Gauss-Newton runs of three-layer-blocks land in its basin
+    n, d = 20, 5
+    a_g, b_g, f_g = ir.optimal_family_scalars(3, n, d, blocks=True)
+    a, b, f = ir.family_local_minimum([0.39, 3.28, 8.53], n, d, b=[0.89, 0.35, np.nan])
+    assert f > f_g * 1.03 and np.abs(b[1] - b_g[1]) > 0.1                # a different point, 5% worse
+    x = np.r_[a, b[:2]]
+
+    def g(v):
+        return ir.family_population_loss(v[:3], n, d, b=[v[3], v[4], np.nan])
+    h = 1e-4
+    E = np.eye(5) * h
+    grad = np.array([(g(x + e) - g(x - e)) / (2 * h) for e in E])
+    hess = np.array([[(g(x + ei + ej) - g(x + ei - ej) - g(x - ei + ej) + g(x - ei - ej)) / (4 * h * h)
+                      for ej in E] for ei in E])
+    # stationary: |grad| within the optimiser's gtol (1e-12 on the Gauss rule) plus the
+    # difference's truncation h^2 f^(3) ~ 1e-8; strict: the Hessian's smallest eigenvalue far above its
+    # finite-difference error (~1e-6)
+    assert np.max(np.abs(grad)) < 1e-6
+    assert np.min(np.linalg.eigvalsh((hess + hess.T) / 2)) > 1e-5
+
+
+def test_full_layer_population_loss_at_its_documented_limit():
+    # d = MAX_FULL_LAYER_D is computed (and equals the sparse closed form at sparse (P, Q)); one
+    # more is refused before any work. EXACT: the same expectation by two exact routes
+    d = ir.MAX_FULL_LAYER_D
+    G = ir.gamma_star(np.eye(d), 10)
+    P, Q = ir.sparse_params(G[None])
+    assert ir.full_layer_population_loss(P, Q, np.eye(d), 10) == pytest.approx(
+        ir.single_layer_population_loss(G, np.eye(d), 10, query_noise=False), rel=1e-10)
+    P, Q = ir.sparse_params(np.eye(d + 1)[None])
+    with pytest.raises(ValueError, match=f"d must be <= {d}"):
+        ir.full_layer_population_loss(P, Q, np.eye(d + 1), 10)
+
+
 # ---------------------------------------------------------------------------------------------
-# The per-prompt Jacobian and Gauss-Newton training (MATH.md §3.1, §6)
+# 8. Metrics and the sandwich covariance (MATH.md §11)
 # ---------------------------------------------------------------------------------------------
 
-def residuals_by_forward(P, Q, Z, y):
-    """r = y - y_hat through predict: an independent route to the residuals."""
-    return y - ir.predict(P, Q, Z)
-
-
-def test_jacobian_matches_finite_differences():
-    rng, Z, y = small_problem(seed=110, B=7)
-    P, Q = random_params(rng, 2, 2, 3)
-    r, J = ir.residuals_and_jacobian(P, Q, Z, y)
-    assert_allclose(r, residuals_by_forward(P, Q, Z, y), rtol=EXACT, atol=EXACT)
-    theta = ir.pack([P, Q])
-    shapes = [P.shape, Q.shape]
-    numeric = np.empty_like(J)
-    for k in range(theta.size):
-        e = np.zeros_like(theta)
-        e[k] = FD_H2
-        numeric[:, k] = (residuals_by_forward(*ir.unpack(theta + e, shapes), Z, y)
-                         - residuals_by_forward(*ir.unpack(theta - e, shapes), Z, y)) / (2 * FD_H2)
-    assert_grad_close(numeric, J)
-
-
-@pytest.mark.parametrize("structure", ["full", "sparse", "blocks"])
-def test_jacobian_sums_to_the_gradient(structure):
-    # 2 J^T r / B is the loss gradient, with chunks of 4 over 11 prompts (the last one short)
-    rng, Z, y = small_problem(seed=111, B=11)
-    shapes = ir.structure_shapes(structure, 3, 3, 2 if structure == "full" else 1)
-    coords = {k: 0.5 * rng.standard_normal(s) for k, s in shapes.items()}
-    P, Q = ir.structure_to_PQ(structure, coords)
-    n = Z.shape[2] - 1
-    with mock.patch.object(ir, "_chunks", lambda B, D: [(c, min(c + 4, B)) for c in range(0, B, 4)]):
-        r, J = ir.residuals_and_jacobian_gram(P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n,
-                                              structure=structure)
-    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
-    grad = ir.pack(ir.structure_grad(structure, dP, dQ).values())
-    assert np.mean(r ** 2) == pytest.approx(loss, rel=EXACT)
-    assert_allclose(2 * J.T @ r / len(r), grad, rtol=0, atol=EXACT * np.max(np.abs(grad)))
-
-
-def test_jacobian_in_structure_coordinates():
-    rng, Z, y = small_problem(seed=112, B=5)
-    A, Bm = rng.standard_normal((2, 2, 3, 3))
-    _, J = ir.residuals_and_jacobian(*ir.block_params(A, Bm), Z, y, structure="blocks")
-    theta, shapes = ir.pack([A, Bm]), [A.shape, Bm.shape]
-    f = lambda t: residuals_by_forward(*ir.block_params(*ir.unpack(t, shapes)), Z, y)
-    numeric = np.stack([(f(theta + FD_H2 * e) - f(theta - FD_H2 * e)) / (2 * FD_H2)
-                        for e in np.eye(theta.size)], axis=1)
-    assert_grad_close(numeric, J)
-    assert np.all(J[:, -9:] == 0)                         # B_{L-1} never reaches the residuals
-
-
-def test_train_gauss_newton_converges_and_matches_lbfgs():
-    rng, Z, y = small_problem(seed=113, B=400, n=8)
-    A0 = 0.1 * rng.standard_normal((2, 3, 3))
-    gn = ir.train_gauss_newton(Z, y, 2, init={"A": A0})
-    lb = ir.train_lbfgs(Z, y, 2, init={"A": A0}, maxiter=2000)
-    assert gn["success"] and gn["grad_norm"] <= 1e-8 and not gn["interrupted"]
-    # both stop at gradients <= 1e-8 near a minimiser; a loss gap there is O(|grad|^2 / curvature)
-    assert gn["loss"] == pytest.approx(lb["loss"], rel=1e-9)
-    assert gn["loss"] == pytest.approx(ir.in_context_loss(gn["P"], gn["Q"], Z, y), rel=EXACT)
-    for key in ("coords", "P", "Q", "loss", "grad_norm", "nit", "nfev", "success", "message", "history",
-                "interrupted", "wall_time", "fixed"):
-        assert key in gn
-    B0 = rng.standard_normal((2, 3, 3))
-    gb = ir.train_gauss_newton(Z, y, 2, structure="blocks", init={"A": A0, "B": B0})
-    assert gb["fixed"] == 9 and np.array_equal(gb["coords"]["B"][1], B0[1])   # B_{L-1} held
-    assert gb["success"] == (gb["grad_norm"] <= 1e-8)      # converged means a small gradient
-    _, dP, dQ = ir.loss_and_grad(gb["P"], gb["Q"], Z, y)
-    # two exact routes to one gradient; at |g| ~ 1e-8 rounding of O(1) terms (1e-16) is 1e-8 relative
-    assert gb["grad_norm"] == pytest.approx(
-        np.linalg.norm(ir.pack(ir.structure_grad("blocks", dP, dQ).values())), rel=1e-4)
-    assert f"gradient norm {gb['grad_norm']:.2e}" in gb["message"]
+def test_distance_to_multiple_against_brute_force():
+    rng = np.random.default_rng(50)
+    M, T = rng.standard_normal((2, 4, 4))
+    assert ir.distance_to_multiple(3.7 * T, T) < EXACT
+    assert ir.distance_to_multiple(2.0 * np.eye(4)) < EXACT
+    # an independent numerical minimisation over alpha (Brent, xtol 1e-10) agrees to rounding
+    brute = scipy.optimize.minimize_scalar(lambda al: np.linalg.norm(M - al * T), bracket=(-3, 3),
+                                           tol=1e-10).fun
+    assert ir.distance_to_multiple(M, T) * np.linalg.norm(M) == pytest.approx(brute, rel=1e-10)
+    # the authors' distance to identity, ||M - (tr M / d) I|| / ||M||
+    assert ir.distance_to_multiple(M) == pytest.approx(
+        np.linalg.norm(M - np.trace(M) / 4 * np.eye(4)) / np.linalg.norm(M), rel=EXACT)
+    assert ir.distance_to_diagonal(np.diag([1.0, 2.0])) == 0.0
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -1372,172 +1684,6 @@ def test_sandwich_covariance_matches_the_spread_over_batches():
     predicted, se_predicted = np.mean(traces), np.std(traces, ddof=1) / math.sqrt(R_s)
     se = math.hypot(empirical * math.sqrt(2 / (R - 1)), se_predicted)
     assert abs(empirical - predicted) <= Z_MC * se
-
-
-def test_loss_and_grad_refuses_a_non_finite_Z_and_a_non_finite_or_asymmetric_S0():
-    # a NaN or Inf in the last prompt is a ValueError naming Z; the Gram-form functions name S0, q0
-    # and y, and refuse an S0 that is not symmetric (the reverse pass relies on S^T = S, MATH.md §3)
-    rng = np.random.default_rng(131)
-    for d, B in ((5, 40), (12, 9)):
-        P, Q = random_params(rng, 2, 1, d, scale=0.1)
-        Z, y = rng.standard_normal((B, d + 1, 4)), rng.standard_normal(B)
-        S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, 3])
-        ir.loss_and_grad(P, Q, Z, y)
-        for bad in (np.nan, np.inf, -np.inf):
-            Z_bad, S_bad, q_bad = Z.copy(), S0.copy(), q0.copy()
-            Z_bad[-1, 0, 0] = S_bad[-1, 0, 0] = q_bad[-1, 0] = bad
-            with pytest.raises(ValueError, match="Z must be finite"):
-                ir.loss_and_grad(P, Q, Z_bad, y)
-            for name, args in (("S0", (S_bad, q0)), ("q0", (S0, q_bad))):
-                for f in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
-                    with pytest.raises(ValueError, match=f"{name} must be finite"):
-                        f(P, Q, *args, y, 3)
-        S_asym = S0.copy()
-        S_asym[0, 0, 1] += 1e-9
-        for f in (ir.loss_and_grad_gram, ir.residuals_and_jacobian_gram):
-            with pytest.raises(ValueError, match="S0 must be symmetric"):
-                f(P, Q, S_asym, q0, y, 3)
-
-
-def test_scale_free_quantities_hold_at_extreme_scales():
-    # distances and fitted scalars are scale-free: the same at 1e-200 and 1e160 as at 1
-    rng = np.random.default_rng(130)
-    M, T = rng.standard_normal((2, 3, 3))
-    for c in (1e-200, 1e160):
-        assert ir.distance_to_multiple(c * M, T) == pytest.approx(ir.distance_to_multiple(M, T), rel=EXACT)
-        assert ir.distance_to_multiple(M, c * T) == pytest.approx(ir.distance_to_multiple(M, T), rel=EXACT)
-        assert ir.distance_to_diagonal(c * M) == pytest.approx(ir.distance_to_diagonal(M), rel=EXACT)
-        assert ir.fitted_scalar(c * M, T) == pytest.approx(c * ir.fitted_scalar(M, T), rel=EXACT)
-    Z, _ = ir.sample_prompts(rng, 2, 3, 1.7e308 * np.eye(3))          # the largest Sigma float64 holds
-    assert np.all(np.isfinite(Z))
-
-
-def test_train_lbfgs_survives_an_overflowing_trial_point_and_reports_its_own_loss():
-    # blocks, L = 4, init_scale 1.5 at the paper's covariance: a line-search trial point overflows
-    # float64. It is a failed trial (counted in the message), and the returned loss is the loss of
-    # the returned parameters.
-    rng = np.random.default_rng(0)
-    Sigma, _ = ir.rotated_covariance(rng)
-    Z, y = ir.sample_prompts(rng, 300, 20, Sigma, np.linalg.inv(Sigma))
-    overflowed = []
-
-    def spy(*args):
-        out = ir.REFERENCE.loss_and_grad_gram(*args)
-        overflowed.append(not all(np.all(np.isfinite(v)) for v in out))
-        return out
-    res = ir.train_lbfgs(Z, y, 4, structure="blocks", rng=rng, init_scale=1.5, maxiter=60,
-                         engine=reference_engine(loss_and_grad_gram=spy))
-    assert any(overflowed) and not overflowed[0]              # the situation under test did occur
-    assert math.isfinite(res["loss"]) and res["nit"] >= 1
-    assert f"{sum(overflowed)} trial points overflowed" in res["message"]
-    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
-    assert res["loss"] <= res["history"][0]
-    with pytest.raises(ValueError, match="initial point"):
-        ir.train_lbfgs(Z, y, 4, structure="blocks", rng=rng, init_scale=1e80)
-
-
-def test_train_lbfgs_validates_before_drawing_from_rng():
-    rng = np.random.default_rng(132)
-    state = rng.bit_generator.state
-    for bad in (dict(maxiter=0), dict(ftol=-1.0), dict(maxls=0), dict(progress=-1), dict(maxcor=0)):
-        with pytest.raises((ValueError, TypeError)):
-            ir.train_lbfgs(_Z, _y, 1, rng=rng, **bad)
-        assert rng.bit_generator.state == state
-    with pytest.raises(ValueError):
-        ir.train_gauss_newton(_Z, _y, 1, rng=rng, gtol=-1.0)
-    assert rng.bit_generator.state == state
-
-
-@pytest.mark.parametrize("trainer", ["lbfgs", "gauss_newton"])
-@pytest.mark.parametrize("at_call", [1, 3])
-def test_ctrl_c_raises_before_the_first_evaluation_and_returns_a_whole_result_after(trainer, at_call):
-    rng, Z, y = small_problem(seed=133, B=40, n=8)
-    name = "loss_and_grad_gram" if trainer == "lbfgs" else "jacobian_gram"
-    calls = []
-
-    def interrupt(*args):
-        calls.append(1)
-        if len(calls) == at_call:
-            raise KeyboardInterrupt
-        return getattr(ir.REFERENCE, name)(*args)
-    train = getattr(ir, f"train_{trainer}")
-    if at_call == 1:                    # nothing completed: nothing to return
-        with pytest.raises(KeyboardInterrupt):
-            train(Z, y, 2, rng=rng, engine=reference_engine(**{name: interrupt}))
-        return
-    res = train(Z, y, 2, rng=rng, engine=reference_engine(**{name: interrupt}))
-    assert res["interrupted"] and not res["success"] and "interrupted" in res["message"]
-    assert res["P"] is not None and math.isfinite(res["loss"])
-    # the returned loss is the loss of the returned point (exact up to the data scale's rounding)
-    assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=1e-12)
-
-
-# ---------------------------------------------------------------------------------------------
-# von Oswald et al.'s layout (MATH.md §12): an independent re-implementation from their equations
-# ---------------------------------------------------------------------------------------------
-
-def von_oswald_model(W_q, W_k, W_v, W_o, E, y, heads, layers, activation):
-    """Their model with tokens as rows E (B, n+1, D): per layer (the same weights in every layer when
-    2-d), q = E W_q, k = E W_k, v = E W_v split into heads, scores q_t . k_T over the n context keys
-    T (softmax of scores / sqrt(key size) for "softmax", the raw scores otherwise, no 1/n), heads
-    concatenated and projected by W_o, E <- E + out. Prediction -E[:, n, d]; loss 0.5 * mean."""
-    B, N, D = E.shape
-    n = N - 1
-    for l in range(layers):
-        Wq, Wk, Wv, Wo = (w if w.ndim == 2 else w[l] for w in (W_q, W_k, W_v, W_o))
-        q, k, v = (np.reshape(E @ w, (B, N, heads, -1)) for w in (Wq, Wk, Wv))
-        logits = np.einsum("bthk,bshk->bhts", q, k[:, :n])               # query t, context key s
-        if activation == "softmax":
-            logits = logits / math.sqrt(q.shape[-1])
-            A = np.exp(logits - logits.max(axis=-1, keepdims=True))
-            A /= A.sum(axis=-1, keepdims=True)
-        else:
-            A = logits
-        out = np.einsum("bhts,bshv->bthv", A, v[:, :n]).reshape(B, N, -1) @ Wo
-        E = E + out
-    y_hat = -E[:, n, D - 1]
-    return E, 0.5 * np.mean((y_hat - y) ** 2)
-
-
-@pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("activation", ["linear", "softmax"])
-def test_von_oswald_adapter_agrees_with_an_independent_implementation(tied, activation):
-    rng = np.random.default_rng(140 + tied + 2 * (activation == "softmax"))
-    d, n, L, H, kq, kv = 3, 5, 2, 2, 3, 2
-    D = d + 1
-    Z, y = ir.sample_prompts(rng, 6, n, np.eye(d))
-    lead = () if tied else (L,)
-    W = [0.3 * rng.standard_normal(lead + s) for s in ((D, H * kq), (D, H * kq), (D, H * kv), (H * kv, D))]
-    P, Q = ir.params_from_von_oswald(*W, n, heads=H, layers=L, activation=activation)
-    E, loss = von_oswald_model(*W, ir.tokens_as_rows(Z), y, H, L, activation)
-    ours = ir.forward(P, Q, Z) if activation == "linear" else ir.forward_activation(P, Q, Z, "softmax")
-    assert_allclose(ir.tokens_as_columns(E), ours, rtol=0, atol=EXACT * np.max(np.abs(ours)))
-    if activation == "linear":
-        l_ours, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
-    else:
-        l_ours, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, "softmax")
-    assert loss == pytest.approx(ir.VON_OSWALD_LOSS_SCALE * l_ours, rel=EXACT)
-    grads = ir.grads_to_von_oswald(dP, dQ, *W, n, heads=H, activation=activation)
-    for i, (w, g) in enumerate(zip(W, grads)):
-        def f(X, i=i):
-            return von_oswald_model(*[X if j == i else W[j] for j in range(4)], ir.tokens_as_rows(Z), y, H, L,
-                                    activation)[1]
-        assert g.shape == w.shape
-        assert_grad_close(central_diff(f, w), g)
-    # the mistakes the adapter prevents: no 1/n (P off by n) and W_q W_k^T for W_k W_q^T
-    wrong = ir.forward(P / n, Q, Z) if activation == "linear" else ir.forward_activation(P / n, Q, Z, "softmax")
-    assert np.max(np.abs(wrong - ours)) > 1e-3 * np.max(np.abs(ours))    # an O(1) change; rounding is 1e-15
-
-
-def test_gamma_star_and_the_single_layer_loss_at_extreme_scales():
-    # Gamma* scales as 1/c for Sigma = c S without noise: scale-free, at 1e-200 and 1e160 too
-    rng = np.random.default_rng(134)
-    S, _ = ir.rotated_covariance(rng, [0.5, 1.0, 2.0])
-    G = ir.gamma_star(S, 7)
-    for c in (1e-200, 1e160):
-        assert_allclose(ir.gamma_star(c * S, 7) * c, G, rtol=1e-12, atol=1e-12 * np.max(np.abs(G)))
-    with pytest.raises(ValueError, match="overflow"):
-        ir.single_layer_population_loss(1e200 * np.eye(3), S, 7)
 
 
 def test_sandwich_covariance_of_a_single_parameter():
@@ -1639,64 +1785,251 @@ def test_symmetry_directions_leave_the_loss_unchanged_and_nothing_else_does():
     assert ir.symmetry_directions("full", {"P": P[:1, :1], "Q": Q[:1, :1]}).shape == (18, 10)
 
 
-@pytest.mark.parametrize("activation", ["relu", "softmax", "softmax_all"])
-def test_jacobian_through_explicit_attention(activation):
-    # MATH.md §4: per-prompt rows against central differences of the residuals (predict_activation),
-    # and 2 J^T r / B against loss_and_grad_activation
-    rng, Z, y = small_problem(seed=150, B=5, n=4)
-    P, Q = random_params(rng, 2, 2, 3)
-    r, J = ir.residuals_and_jacobian(P, Q, Z, y, activation=activation)
-    res = lambda P_, Q_: y - ir.predict_activation(P_, Q_, Z, activation)
-    assert_allclose(r, res(P, Q), rtol=0, atol=EXACT * np.max(np.abs(r)))
-    theta, shapes = ir.pack([P, Q]), [P.shape, Q.shape]
-    numeric = np.stack([(res(*ir.unpack(theta + FD_H2 * e, shapes)) - res(*ir.unpack(theta - FD_H2 * e, shapes)))
-                        / (2 * FD_H2) for e in np.eye(theta.size)], axis=1)
-    assert_grad_close(numeric, J)
-    _, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, activation)
-    grad = ir.pack([dP, dQ])
-    assert_allclose(2 * J.T @ r / len(r), grad, rtol=0, atol=EXACT * np.max(np.abs(grad)))
+def test_sandwich_chunk_mean_estimate_with_an_activation_matches_the_exact_one():
+    # one full layer fitted with linear attention on positive data; its scores z_i^T Q z_j over the
+    # context keys all have one sign, so at (P, Q) or (-P, -Q) (the same linear layer: P S Q is
+    # bilinear) they are all positive and relu is the identity near the point. The relu sandwich (V from 200 chunk
+    # means) then estimates the linear one (V exact). A sample covariance of 200 chunk means has
+    # relative standard error sqrt(2 / 199) ~ 0.1 per variance; 0.5 is 5 of them
+    rng = np.random.default_rng(143)
+    B, n, d = 4000, 5, 2
+    X = np.abs(rng.standard_normal((B, d, n + 1))) + 1.0
+    w = np.abs(rng.standard_normal((B, d)))
+    Z = np.concatenate([X, np.einsum("bd,bdi->bi", w, X)[:, None, :]], axis=1)
+    y = Z[:, d, n].copy()
+    Z[:, d, n] = 0.0
+    P0, Q0 = ir.sparse_params(ir.gamma_star(np.eye(d), n)[None])
+    res = ir.train_gauss_newton(Z, y, 1, structure="full", init={"P": P0, "Q": Q0})
+    scores = np.einsum("bki,kl,blj->bij", Z[:, :, :n], res["Q"][0, 0], Z)
+    sign = 1.0 if np.all(scores > 0) else -1.0
+    coords = {"P": sign * res["P"], "Q": sign * res["Q"]}
+    assert np.all(sign * scores > 0)                                 # relu never clips
+    exact = np.trace(ir.sandwich_covariance("full", coords, Z, y))
+    chunked = np.trace(ir.sandwich_covariance("full", coords, Z, y, activation="relu"))
+    assert abs(chunked / exact - 1) < 0.5, (chunked, exact)
 
 
-def test_blocks_family_has_a_second_local_minimum():
-    # MATH.md §10: at n = 20, d = 5, L = 3 the exact blocks-family loss has, besides the global
-    # optimum f* = 9.613e-4, a strict local minimum near a = (0.34, 2.86, 7.64), b = (0.88, 0.35);
-    # two of three converged Gauss-Newton runs of three-layer-blocks land in its basin
-    n, d = 20, 5
-    a_g, b_g, f_g = ir.optimal_family_scalars(3, n, d, blocks=True)
-    a, b, f = ir.family_local_minimum([0.39, 3.28, 8.53], n, d, b=[0.89, 0.35, np.nan])
-    assert f > f_g * 1.03 and np.abs(b[1] - b_g[1]) > 0.1                # a different point, 5% worse
-    x = np.r_[a, b[:2]]
-
-    def g(v):
-        return ir.family_population_loss(v[:3], n, d, b=[v[3], v[4], np.nan])
-    h = 1e-4
-    E = np.eye(5) * h
-    grad = np.array([(g(x + e) - g(x - e)) / (2 * h) for e in E])
-    hess = np.array([[(g(x + ei + ej) - g(x + ei - ej) - g(x - ei + ej) + g(x - ei - ej)) / (4 * h * h)
-                      for ej in E] for ei in E])
-    # stationary: |grad| within the optimiser's gtol (1e-12 on the Gauss rule) plus the
-    # difference's truncation h^2 f^(3) ~ 1e-8; strict: the Hessian's smallest eigenvalue far above its
-    # finite-difference error (~1e-6)
-    assert np.max(np.abs(grad)) < 1e-6
-    assert np.min(np.linalg.eigvalsh((hess + hess.T) / 2)) > 1e-5
+def test_distance_to_diagonal_and_a_haar_rotation():
+    M = np.array([[1.0, 2.0], [0.0, 1.0]])
+    assert ir.distance_to_diagonal(M) == pytest.approx(2 / math.sqrt(6), rel=EXACT)
+    assert ir.distance_to_diagonal(np.diag([3.0, -1.0])) == 0.0
+    # Haar: U[0, 0] is symmetric about 0 (LAPACK's QR alone makes it one-signed); its sign over
+    # 400 draws is Binomial(400, 1/2): within Z_MC standard errors (10) of 200
+    rng = np.random.default_rng(144)
+    positive = sum(ir.rotated_covariance(rng, [1.0, 2.0, 3.0])[1][0, 0] > 0 for _ in range(400))
+    assert abs(positive - 200) <= Z_MC * 10
 
 
-def test_gauss_newton_reduced_system_has_the_same_normal_equations():
-    # MATH.md §6: the solver sees (f, R) with R^T R = J^T J, R^T f = J^T r, |f| = |r|, so its
-    # trust-region steps are those of the full (B, p) system; also with fewer prompts than p + 1
-    rng = np.random.default_rng(160)
-    for B in (500, 9):
-        J, r = rng.standard_normal((B, 12)) * np.logspace(0, 3, 12), rng.standard_normal(B)
-        f, R = ir._reduced_least_squares(r, J)
-        assert f.shape == (13,) and R.shape == (13, 12) and not np.any(R[12])
-        assert_allclose(R.T @ R, J.T @ J, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)))
-        assert_allclose(R.T @ f, J.T @ r, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)) * np.max(np.abs(r)))
-        assert f @ f == pytest.approx(r @ r, rel=EXACT)
+def test_the_statistics_use_the_engine_given_and_a_symmetric_hessian():
+    # identifiable_hessian and sandwich_covariance evaluate through engine= (the gradient and the
+    # per-prompt Jacobian both); the Hessian is exactly symmetric
+    rng, Z, y = small_problem(seed=194, B=300, n=8)
+    coords = ir.train_gauss_newton(Z, y, 1, rng=rng)["coords"]
+    seen = []
+
+    def spy(name):
+        def method(*args):
+            seen.append(name)
+            return getattr(ir.REFERENCE, name)(*args)
+        return method
+    engine = reference_engine(loss_and_grad_gram=spy("loss_and_grad_gram"), jacobian_gram=spy("jacobian_gram"))
+    curvature = ir.identifiable_hessian("sparse", coords, Z, y, engine=engine)
+    assert np.array_equal(curvature["hessian"], curvature["hessian"].T) and "loss_and_grad_gram" in seen
+    seen.clear()
+    ir.sandwich_covariance("sparse", coords, Z, y, engine=engine)
+    assert {"loss_and_grad_gram", "jacobian_gram"} <= set(seen)
+
+
+def test_sandwich_refuses_a_flat_direction():
+    # a covariate that is always 0: the entries of A that multiply it never reach the loss, so the
+    # Hessian has exactly zero eigenvalues there and the sandwich (H^-1) is not defined
+    rng, Z, y = small_problem(seed=195, B=300, n=8)
+    Z = Z.copy()
+    Z[:, 1, :] = 0.0
+    coords = ir.train_gauss_newton(Z, y, 1, rng=rng)["coords"]
+    with pytest.raises(ValueError, match="not at a strict local minimum"):
+        ir.sandwich_covariance("sparse", coords, Z, y)
 
 
 # ---------------------------------------------------------------------------------------------
-# A reference that changes nothing outside its return values
+# 9. Other layouts: the authors' code and von Oswald et al. (MATH.md §12)
 # ---------------------------------------------------------------------------------------------
+
+def test_authors_layout_adapter_agrees_and_needs_the_transpose():
+    rng, Z, y = small_problem(seed=70, B=5, n=6)
+    allparam = 0.5 * rng.standard_normal((3, 2, 2, 3, 3))
+    Z_rows = ir.tokens_as_rows(Z)
+    theirs = authors_forward(allparam, Z_rows)
+    P, Q = ir.params_from_authors(allparam)
+    ours = ir.forward(P, Q, ir.tokens_as_columns(Z_rows))
+    assert_allclose(ir.tokens_as_rows(ours), theirs, rtol=0, atol=EXACT * np.max(np.abs(theirs)))
+    wrong = ir.forward(P, Q.swapaxes(-1, -2), Z)               # Q_full taken as the paper's Q
+    assert np.max(np.abs(ir.tokens_as_rows(wrong) - theirs)) > 1e-2 * np.max(np.abs(theirs))
+    # their loss: mean (out[:, N, d] + y)^2, no 1/2; the gradient maps back through the adapter
+    their_loss = lambda ap: np.mean((authors_forward(ap, Z_rows)[:, -1, -1] + y) ** 2)
+    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    assert loss == pytest.approx(their_loss(allparam), rel=EXACT)
+    assert_grad_close(central_diff(their_loss, allparam), ir.grads_to_authors(dP, dQ))
+    assert np.array_equal(ir.params_to_authors(P, Q), allparam)
+    with pytest.raises(ValueError, match="authors' form"):
+        ir.params_to_authors(*random_params(rng, 1, 1, 3))
+    assert np.array_equal(ir.tokens_as_columns(ir.tokens_as_rows(Z)), Z)
+
+
+def test_von_oswald_loss_is_half_of_ours():
+    rng, Z, y = small_problem(seed=71)
+    P, Q = random_params(rng, 2, 1, 3)
+    half_mse = 0.5 * np.mean((-ir.forward_literal(P, Q, Z)[:, -1, -1] - y) ** 2)
+    assert ir.VON_OSWALD_LOSS_SCALE * ir.in_context_loss(P, Q, Z, y) == pytest.approx(half_mse, rel=EXACT)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("activation", ["linear", "softmax"])
+def test_von_oswald_adapter_agrees_with_an_independent_implementation(tied, activation):
+    rng = np.random.default_rng(140 + tied + 2 * (activation == "softmax"))
+    d, n, L, H, kq, kv = 3, 5, 2, 2, 3, 2
+    D = d + 1
+    Z, y = ir.sample_prompts(rng, 6, n, np.eye(d))
+    lead = () if tied else (L,)
+    W = [0.3 * rng.standard_normal(lead + s) for s in ((D, H * kq), (D, H * kq), (D, H * kv), (H * kv, D))]
+    P, Q = ir.params_from_von_oswald(*W, n, heads=H, layers=L, activation=activation)
+    E, loss = von_oswald_model(*W, ir.tokens_as_rows(Z), y, H, L, activation)
+    ours = ir.forward(P, Q, Z) if activation == "linear" else ir.forward_activation(P, Q, Z, "softmax")
+    assert_allclose(ir.tokens_as_columns(E), ours, rtol=0, atol=EXACT * np.max(np.abs(ours)))
+    if activation == "linear":
+        l_ours, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    else:
+        l_ours, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, "softmax")
+    assert loss == pytest.approx(ir.VON_OSWALD_LOSS_SCALE * l_ours, rel=EXACT)
+    grads = ir.grads_to_von_oswald(dP, dQ, *W, n, heads=H, activation=activation)
+    for i, (w, g) in enumerate(zip(W, grads)):
+        def f(X, i=i):
+            return von_oswald_model(*[X if j == i else W[j] for j in range(4)], ir.tokens_as_rows(Z), y, H, L,
+                                    activation)[1]
+        assert g.shape == w.shape
+        assert_grad_close(central_diff(f, w), g)
+    # the mistakes the adapter prevents: no 1/n (P off by n) and W_q W_k^T for W_k W_q^T
+    wrong = ir.forward(P / n, Q, Z) if activation == "linear" else ir.forward_activation(P / n, Q, Z, "softmax")
+    assert np.max(np.abs(wrong - ours)) > 1e-3 * np.max(np.abs(ours))    # an O(1) change; rounding is 1e-15
+
+
+def test_params_to_authors_refuses_parameters_not_of_their_form():
+    P, Q = ir.params_from_authors(0.3 * np.ones((1, 1, 2, 2, 2)))
+    for X, where in ((P, (0, 0, 2, 0)), (P, (0, 0, 0, 2)), (Q, (0, 0, 2, 0)), (Q, (0, 0, 0, 2))):
+        bad = X.copy()
+        bad[where] = 0.5
+        with pytest.raises(ValueError, match="authors' form"):
+            ir.params_to_authors(bad if X is P else P, bad if X is Q else Q)
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. The library's manners: input checks, floating-point rules, no process state
+# ---------------------------------------------------------------------------------------------
+
+def test_outputs_are_float64_from_integer_inputs():
+    Z = np.array([[[1, -1, 3], [2, 1, 0]]])
+    P = np.array([[[[1, 2], [0, 1]]]])
+    Q = np.array([[[[1, 0], [1, 1]]]])
+    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, np.array([4]))
+    assert ir.forward(P, Q, Z).dtype == np.float64
+    assert ir.predict(P, Q, Z).dtype == np.float64
+    assert dP.dtype == dQ.dtype == np.float64 and isinstance(loss, float)
+
+
+@pytest.mark.parametrize("name,call,error,argument", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_is_refused_with_a_message_naming_the_argument(name, call, error, argument):
+    with pytest.raises(error, match=argument):
+        call()
+
+
+def test_integer_inputs_are_accepted_not_broadcast():
+    Z = np.ones((2, 3, 4), dtype=int)
+    P, Q = np.ones((2, 1, 1, 3, 3), dtype=int)
+    assert ir.predict(P, Q, Z).shape == (2,)
+    with pytest.raises(ValueError, match="y"):
+        ir.in_context_loss(P, Q, Z, np.ones(1))           # would broadcast silently otherwise
+
+
+def test_random_valid_configurations_forward_and_gradient():
+    rng = np.random.default_rng(80)
+    for _ in range(40):
+        d, n, L, B = rng.integers(1, 6), rng.integers(1, 10), rng.integers(1, 5), rng.choice([1, 2, 7, 33])
+        structure = rng.choice(ir.STRUCTURES)
+        H = rng.integers(1, 4) if structure == "full" else 1
+        Sigma, _ = ir.rotated_covariance(rng, rng.uniform(0.3, 2.0, d))
+        Z, y = ir.sample_prompts(rng, B, n, Sigma, noise_std=rng.uniform(0, 1))
+        coords = {k: 0.4 * rng.standard_normal(s) for k, s in ir.structure_shapes(structure, L, d, H).items()}
+        P, Q = ir.structure_to_PQ(structure, coords)
+        fast, literal = ir.forward(P, Q, Z), ir.forward_literal(P, Q, Z)
+        assert_allclose(fast, literal, rtol=0, atol=EXACT * np.max(np.abs(literal)))
+        grads = ir.structure_grad(structure, *ir.loss_and_grad(P, Q, Z, y)[1:])
+        v = {k: rng.standard_normal(np.shape(c)) for k, c in coords.items()}
+        f = lambda t: ir.in_context_loss(*ir.structure_to_PQ(structure, {k: coords[k] + t * v[k] for k in coords}), Z, y)
+        numeric = (f(FD_H2) - f(-FD_H2)) / (2 * FD_H2)
+        analytic = sum(np.sum(grads[k] * v[k]) for k in coords)
+        scale = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()) * sum(np.sum(w ** 2) for w in v.values()))
+        assert abs(numeric - analytic) <= FD_REL * scale, (d, n, L, H, B, structure)
+
+
+def test_malformed_inputs_are_refused_before_work():
+    rng = np.random.default_rng(81)
+    Z, y = ir.sample_prompts(rng, 4, 5, np.eye(2))
+    P, Q = random_params(rng, 2, 1, 2)
+    A = rng.standard_normal((2, 2, 2))
+    X, yc = Z[0, :2, :-1].T, Z[0, 2, :-1]
+    calls = {
+        "forward": (ir.forward, dict(P=P, Q=Q, Z=Z)),
+        "predict": (ir.predict, dict(P=P, Q=Q, Z=Z)),
+        "in_context_loss": (ir.in_context_loss, dict(P=P, Q=Q, Z=Z, y=y)),
+        "loss_and_grad": (ir.loss_and_grad, dict(P=P, Q=Q, Z=Z, y=y)),
+        "forward_literal": (ir.forward_literal, dict(P=P, Q=Q, Z=Z)),
+        "sparse_params": (ir.sparse_params, dict(A=A)),
+        "block_params": (ir.block_params, dict(A=A, Bm=A)),
+        "preconditioned_gd": (ir.preconditioned_gd, dict(X=X, y=yc, A=A)),
+        "gamma_star": (ir.gamma_star, dict(Sigma=np.eye(2), n=5)),
+        "single_layer_population_loss": (ir.single_layer_population_loss, dict(Gamma=np.eye(2), Sigma=np.eye(2), n=5)),
+        "distance_to_multiple": (ir.distance_to_multiple, dict(M=np.eye(2), T=np.eye(2))),
+        "train_lbfgs": (lambda **kw: ir.train_lbfgs(layers=1, rng=rng, maxiter=1, **kw), dict(Z=Z, y=y)),
+        "tokens_as_columns": (ir.tokens_as_columns, dict(Z_rows=Z)),
+    }
+    refused = 0
+    for fname, (fn, kwargs) in calls.items():
+        fn(**kwargs)                                          # the valid call works
+        for arg, value in kwargs.items():
+            if not isinstance(value, np.ndarray):
+                continue
+            for bad in malformed_variants(rng, value):
+                if isinstance(bad, np.ndarray) and bad.shape == value.shape and bad.dtype == np.float64 \
+                        and np.all(np.isfinite(bad)):
+                    continue                                  # e.g. a[None] of a 1-long axis: still valid
+                try:
+                    fn(**{**kwargs, arg: bad})
+                except (ValueError, TypeError) as e:
+                    names = [arg, "P and Q", "A and Bm", "M and T"]
+                    assert any(name in str(e) for name in names), (fname, arg, str(e))
+                    refused += 1
+                else:
+                    # only what the function accepts by design may pass: X (B, n, d) for
+                    # preconditioned_gd, which also takes a batch; T = None, the identity
+                    assert (fname, arg) in {("preconditioned_gd", "X"), ("preconditioned_gd", "y")} or \
+                        (fname, arg, bad) == ("distance_to_multiple", "T", None) or \
+                        (isinstance(bad, np.ndarray) and bad.ndim == value.ndim and bad.dtype.kind in "fi"
+                         and np.all(np.isfinite(bad))), (fname, arg, np.shape(bad))
+    assert refused > 150
+
+
+def test_scale_free_quantities_hold_at_extreme_scales():
+    # distances and fitted scalars are scale-free: the same at 1e-200 and 1e160 as at 1
+    rng = np.random.default_rng(130)
+    M, T = rng.standard_normal((2, 3, 3))
+    for c in (1e-200, 1e160):
+        assert ir.distance_to_multiple(c * M, T) == pytest.approx(ir.distance_to_multiple(M, T), rel=EXACT)
+        assert ir.distance_to_multiple(M, c * T) == pytest.approx(ir.distance_to_multiple(M, T), rel=EXACT)
+        assert ir.distance_to_diagonal(c * M) == pytest.approx(ir.distance_to_diagonal(M), rel=EXACT)
+        assert ir.fitted_scalar(c * M, T) == pytest.approx(c * ir.fitted_scalar(M, T), rel=EXACT)
+    Z, _ = ir.sample_prompts(rng, 2, 3, 1.7e308 * np.eye(3))          # the largest Sigma float64 holds
+    assert np.all(np.isfinite(Z))
+
 
 def test_icl_ref_imports_only_numpy_scipy_and_the_standard_library():
     # every import statement of the module, wherever it stands (numpy and scipy may load what they
@@ -1740,140 +2073,6 @@ def test_reference_leaves_no_threads_or_process_state_and_concurrent_calls_equal
     assert state() == before
 
 
-
-
-def test_trainers_call_success_only_what_converged():
-    # full P, Q with large starts at L = 4: the loss is finite but huge and the gradient ~1e170;
-    # trial points overflow. success is icl_ref's verdict (finite, gradient below gtol), never SciPy's
-    for seed in range(3):
-        Z, y = ir.sample_prompts(np.random.default_rng(seed), 300, 5, np.eye(3))
-        res = ir.train_lbfgs(Z, y, 4, structure="full", init_scale=2.0, rng=np.random.default_rng(seed), maxiter=40)
-        assert math.isfinite(res["loss"]) and math.isfinite(res["grad_norm"])       # no overflow in the norm
-        assert not res["success"] and "> gtol" in res["message"] and "overflowed" in res["message"]
-        assert res["loss"] == pytest.approx(ir.in_context_loss(res["P"], res["Q"], Z, y), rel=EXACT)
-    rng, Z, y = small_problem(seed=139, B=200, n=8)
-    res = ir.train_lbfgs(Z, y, 1, rng=rng, gtol=1e-6)
-    # success: no entry above gtol, so the 2-norm is at most sqrt(p) gtol, p = 9
-    assert res["success"] and res["grad_norm"] <= 1e-6 * 3 and "<= gtol 1.0e-06" in res["message"]
-    res = ir.train_lbfgs(Z, y, 1, rng=rng, gtol=0.0, maxiter=50)      # gtol 0: SciPy may stop, icl_ref says no
-    assert not res["success"]
-    for trainer in (ir.train_lbfgs, ir.train_gauss_newton):
-        with pytest.raises(ValueError, match="all zero or subnormal"):    # nothing at float64 precision
-            trainer(Z * 1e-320, y * 1e-320, 1, rng=rng)
-
-
-@pytest.mark.parametrize("trainer", ["lbfgs", "gauss_newton"])
-def test_trainers_read_the_same_at_any_scale_of_the_data(trainer):
-    # units are the caller's choice: data times 2^-300 (exact) give the same run bit for bit, with
-    # the loss times 2^-600 and A times 2^600; data in milli-units (1e-3, not a power of two)
-    # converge to the rescaled loss (only rounding differs) or say they did not
-    rng, Z, y = small_problem(seed=140, B=300, n=10)
-    train = getattr(ir, f"train_{trainer}")
-    kw = dict(structure="sparse", init_scale=0.1)
-    ref = train(Z, y, 2, rng=np.random.default_rng(1), **kw)
-    assert ref["success"]
-    tiny = train(Z * 2.0 ** -300, y * 2.0 ** -300, 2, rng=np.random.default_rng(1), **kw)
-    assert tiny["nit"] == ref["nit"] and tiny["success"]
-    assert tiny["loss"] == ref["loss"] * 2.0 ** -600
-    np.testing.assert_array_equal(tiny["coords"]["A"], ref["coords"]["A"] * 2.0 ** 600)
-    milli = train(Z * 1e-3, y * 1e-3, 2, rng=np.random.default_rng(1), **kw)
-    assert milli["nit"] > 0
-    if milli["success"]:
-        # the acceptance bound: within 5% of the converged loss in the caller's units
-        assert milli["loss"] == pytest.approx(ref["loss"] * 1e-6, rel=0.05)
-
-
-# ---------------------------------------------------------------------------------------------
-# The periphery: diagnosis details, the reference cases' own claims, option wiring, boundaries
-# ---------------------------------------------------------------------------------------------
-
-def test_train_lbfgs_options_are_wired_as_documented(capsys):
-    rng, Z, y = small_problem(seed=140, B=60, n=8)
-    seen = {}
-    real = scipy.optimize.minimize
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs["options"])
-        return real(*args, **kwargs)
-    with mock.patch.object(scipy.optimize, "minimize", spy):
-        res = ir.train_lbfgs(Z, y, 1, rng=rng, maxiter=7, ftol=1e-3, gtol=1e-4, maxcor=5, maxls=9)
-    assert seen == dict(maxiter=7, maxfun=35, maxcor=5, ftol=1e-3, gtol=1e-4, maxls=9) == res["options"]
-    A0 = 0.3 * rng.standard_normal((1, 3, 3))
-    res = ir.train_lbfgs(Z, y, 1, init={"A": A0}, maxiter=5, keep_iterates=True, progress=2)
-    assert np.array_equal(res["iterates"][0]["A"], A0) and len(res["iterates"]) == res["nit"] + 1
-    lines = capsys.readouterr().err.splitlines()
-    assert [int(line.split()[1]) for line in lines] == list(range(2, res["nit"] + 1, 2))
-
-
-def test_gauss_newton_holds_the_coordinates_that_never_reach_the_loss():
-    # full, L = 2: the x-rows of the last P stay; full, L = 1: also Q's last column (the query's label
-    # slot is 0); each at its initial value, exactly
-    rng, Z, y = small_problem(seed=141, B=80, n=6)
-    for L, fixed in ((2, 3 * 4), (1, 3 * 4 + 4)):       # d = 3 x-rows of 4; and 4 entries of Q's last column
-        init = {k: 0.3 * rng.standard_normal(s) for k, s in ir.structure_shapes("full", L, 3, 1).items()}
-        res = ir.train_gauss_newton(Z, y, L, structure="full", init=init, max_nfev=5)
-        assert res["fixed"] == fixed
-        assert np.array_equal(res["P"][-1, :, :-1, :], init["P"][-1, :, :-1, :])
-        if L == 1:
-            assert np.array_equal(res["Q"][0, :, :, -1], init["Q"][0, :, :, -1])
-        else:
-            assert not np.array_equal(res["Q"][0, :, :, -1], init["Q"][0, :, :, -1])
-
-
-def test_jacobian_with_an_activation_in_structure_coordinates():
-    rng, Z, y = small_problem(seed=142, B=5)
-    A = 0.4 * rng.standard_normal((1, 3, 3))
-    _, J = ir.residuals_and_jacobian(*ir.sparse_params(A), Z, y, structure="sparse", activation="relu")
-    f = lambda a: ir.forward_activation(*ir.sparse_params(a.reshape(A.shape)), Z, "relu")[:, -1, -1] + y
-    numeric = np.stack([(f(A.ravel() + FD_H2 * e) - f(A.ravel() - FD_H2 * e)) / (2 * FD_H2) for e in np.eye(9)], axis=1)
-    assert J.shape == (5, 9)
-    assert_grad_close(numeric, J)
-
-
-def test_params_to_authors_refuses_parameters_not_of_their_form():
-    P, Q = ir.params_from_authors(0.3 * np.ones((1, 1, 2, 2, 2)))
-    for X, where in ((P, (0, 0, 2, 0)), (P, (0, 0, 0, 2)), (Q, (0, 0, 2, 0)), (Q, (0, 0, 0, 2))):
-        bad = X.copy()
-        bad[where] = 0.5
-        with pytest.raises(ValueError, match="authors' form"):
-            ir.params_to_authors(bad if X is P else P, bad if X is Q else Q)
-
-
-def test_sandwich_chunk_mean_estimate_with_an_activation_matches_the_exact_one():
-    # one full layer fitted with linear attention on positive data; its scores z_i^T Q z_j over the
-    # context keys all have one sign, so at (P, Q) or (-P, -Q) (the same linear layer: P S Q is
-    # bilinear) they are all positive and relu is the identity near the point. The relu sandwich (V from 200 chunk
-    # means) then estimates the linear one (V exact). A sample covariance of 200 chunk means has
-    # relative standard error sqrt(2 / 199) ~ 0.1 per variance; 0.5 is 5 of them
-    rng = np.random.default_rng(143)
-    B, n, d = 4000, 5, 2
-    X = np.abs(rng.standard_normal((B, d, n + 1))) + 1.0
-    w = np.abs(rng.standard_normal((B, d)))
-    Z = np.concatenate([X, np.einsum("bd,bdi->bi", w, X)[:, None, :]], axis=1)
-    y = Z[:, d, n].copy()
-    Z[:, d, n] = 0.0
-    P0, Q0 = ir.sparse_params(ir.gamma_star(np.eye(d), n)[None])
-    res = ir.train_gauss_newton(Z, y, 1, structure="full", init={"P": P0, "Q": Q0})
-    scores = np.einsum("bki,kl,blj->bij", Z[:, :, :n], res["Q"][0, 0], Z)
-    sign = 1.0 if np.all(scores > 0) else -1.0
-    coords = {"P": sign * res["P"], "Q": sign * res["Q"]}
-    assert np.all(sign * scores > 0)                                 # relu never clips
-    exact = np.trace(ir.sandwich_covariance("full", coords, Z, y))
-    chunked = np.trace(ir.sandwich_covariance("full", coords, Z, y, activation="relu"))
-    assert abs(chunked / exact - 1) < 0.5, (chunked, exact)
-
-
-def test_distance_to_diagonal_and_a_haar_rotation():
-    M = np.array([[1.0, 2.0], [0.0, 1.0]])
-    assert ir.distance_to_diagonal(M) == pytest.approx(2 / math.sqrt(6), rel=EXACT)
-    assert ir.distance_to_diagonal(np.diag([3.0, -1.0])) == 0.0
-    # Haar: U[0, 0] is symmetric about 0 (LAPACK's QR alone makes it one-signed); its sign over
-    # 400 draws is Binomial(400, 1/2): within Z_MC standard errors (10) of 200
-    rng = np.random.default_rng(144)
-    positive = sum(ir.rotated_covariance(rng, [1.0, 2.0, 3.0])[1][0, 0] > 0 for _ in range(400))
-    assert abs(positive - 200) <= Z_MC * 10
-
-
 def test_input_checks_at_their_boundaries():
     assert len(ir.wishart_trace_moments(3, 2, ir.MAX_MOMENT_ORDER)) == ir.MAX_MOMENT_ORDER + 1
     with pytest.raises(ValueError, match="kmax must be <= 40"):
@@ -1887,116 +2086,6 @@ def test_input_checks_at_their_boundaries():
         ir.sample_prompts(np.random.default_rng(0), 2, 3, scale * (np.eye(2) + [[0, 1e-13], [0, 0]]))
         with pytest.raises(ValueError, match="symmetric"):
             ir.sample_prompts(np.random.default_rng(0), 2, 3, scale * (np.eye(2) + [[0, 1e-11], [0, 0]]))
-
-
-def test_the_reference_chunks_cover_the_batch_once_and_change_nothing():
-    # _chunks: consecutive, disjoint, covering [0, B); the loss of a batch of several chunks (d = 5:
-    # 910 prompts each, the last one short) equals the token loop's, EXACT
-    for B, D in ((1, 6), (909, 6), (910, 6), (911, 6), (5000, 13), (3, 40)):
-        bounds = ir._chunks(B, D)
-        assert bounds[0][0] == 0 and bounds[-1][1] == B
-        assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
-        # the reason for chunks: a chunk's shared-factor product, b D^3 multiply-adds, stays within
-        # 2^18, which OpenBLAS runs on the calling thread (MATH.md §3); one prompt is the floor
-        assert all((b - a) * D ** 3 <= max(2 ** 18, D ** 3) for a, b in bounds)
-    rng = np.random.default_rng(145)
-    Z, y = ir.sample_prompts(rng, 2000, 3, np.eye(5))
-    P, Q = random_params(rng, 2, 1, 5, scale=0.3)
-    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
-    assert loss == pytest.approx(np.mean((ir.forward_literal(P, Q, Z)[:, -1, -1] + y) ** 2), rel=EXACT)
-    r, J = ir.residuals_and_jacobian(P, Q, Z, y)
-    assert r.shape == (2000,) and np.mean(r ** 2) == pytest.approx(loss, rel=EXACT)
-    assert_allclose(2 * J.T @ r / 2000, ir.pack([dP, dQ]), rtol=0, atol=EXACT * np.max(np.abs(dP)))
-
-
-def _strict_calls():
-    """One call of every public function of sections 1-8 (name -> thunk), on inputs where NumPy
-    underflows inside: prompts of scale 1e-120 (products of four entries fall below 1e-308) and
-    softmax scores far below exp's range."""
-    rng, Z, y = small_problem(seed=190, B=30, n=6, d=2)
-    tiny = 1e-120
-    P, Q = random_params(rng, 2, 1, 2)
-    Ps, Qs = ir.sparse_params(np.stack([np.eye(2)] * 2))
-    S0, q0 = ir.gram(Z), Z[:, :, -1]
-    Zx = Z * 30.0                                          # softmax scores ~ -1e3: exp underflows
-    coords = {"A": np.stack([np.eye(2)] * 2)}
-    S, q, _, cache = ir.layer_forward(P[0], Q[0], S0, q0, 6)
-    out, rcache = ir.readout_forward(P[1], Q[1], S, q, 6)
-    _, acache = ir.attention_forward(P[0, 0], Q[0, 0], Zx, "softmax")
-    G = ir.gamma_star(np.eye(2), 6)
-    allparam = rng.standard_normal((2, 1, 2, 2, 2))
-    return {
-        "sample_prompts": lambda: ir.sample_prompts(rng, 4, 3, np.eye(2) * tiny),
-        "rotated_covariance": lambda: ir.rotated_covariance(rng, [1.0, tiny]),
-        "mask": lambda: ir.mask(3),
-        "forward_literal": lambda: ir.forward_literal(P, Q, Z * tiny),
-        "gram": lambda: ir.gram(Z * tiny),
-        "layer_forward": lambda: ir.layer_forward(P[0], Q[0], S0 * tiny ** 2, q0 * tiny, 6),
-        "layer_backward": lambda: ir.layer_backward(S * tiny, q * tiny, cache),
-        "readout_forward": lambda: ir.readout_forward(P[1], Q[1], S * tiny, q * tiny, 6),
-        "readout_backward": lambda: ir.readout_backward(out * tiny, rcache),
-        "forward": lambda: ir.forward(P, Q, Z * tiny),
-        "predict": lambda: ir.predict(P, Q, Z * tiny),
-        "in_context_loss": lambda: ir.in_context_loss(P, Q, Z * tiny, y * tiny),
-        "loss_and_grad_gram": lambda: ir.loss_and_grad_gram(P, Q, S0 * tiny ** 2, q0 * tiny, y * tiny, 6),
-        "loss_and_grad": lambda: ir.loss_and_grad(P, Q, Z * tiny, y * tiny),
-        "residuals_and_jacobian_gram": lambda: ir.residuals_and_jacobian_gram(P, Q, S0 * tiny ** 2, q0 * tiny, y, 6),
-        "residuals_and_jacobian": lambda: ir.residuals_and_jacobian(P, Q, Zx, y, activation="softmax"),
-        "attention_forward": lambda: ir.attention_forward(P[0, 0], Q[0, 0], Zx, "softmax"),
-        "attention_backward": lambda: ir.attention_backward(Zx * tiny, acache),
-        "forward_activation": lambda: ir.forward_activation(P, Q, Zx, "softmax"),
-        "predict_activation": lambda: ir.predict_activation(P, Q, Zx, "softmax"),
-        "loss_and_grad_activation": lambda: ir.loss_and_grad_activation(P, Q, Zx, y, "softmax"),
-        "block_params": lambda: ir.block_params(coords["A"] * tiny, coords["A"] * tiny),
-        "block_grad": lambda: ir.block_grad(P * tiny, Q * tiny),
-        "sparse_params": lambda: ir.sparse_params(coords["A"] * tiny),
-        "sparse_grad": lambda: ir.sparse_grad(P * tiny, Q * tiny),
-        "pack": lambda: ir.pack([P * tiny]),
-        "unpack": lambda: ir.unpack(np.full(4, tiny), [(2, 2)]),
-        "structure_shapes": lambda: ir.structure_shapes("sparse", 2, 2),
-        "structure_to_PQ": lambda: ir.structure_to_PQ("sparse", {"A": coords["A"] * tiny}),
-        "structure_grad": lambda: ir.structure_grad("sparse", P * tiny, Q * tiny),
-        "train_lbfgs": lambda: ir.train_lbfgs(Zx[:20] / 30, y[:20], 1, rng=rng, maxiter=5, activation="softmax"),
-        "train_gauss_newton": lambda: ir.train_gauss_newton(Z * tiny, y * tiny, 2, rng=rng, max_nfev=5),
-        "preconditioned_gd": lambda: ir.preconditioned_gd(Z[:, :2, :-1].transpose(0, 2, 1) * tiny, Z[:, 2, :-1], coords["A"]),
-        "gamma_star": lambda: ir.gamma_star(np.diag([1.0, 1e-160]), 6),
-        "single_layer_population_loss": lambda: ir.single_layer_population_loss(G * tiny, np.eye(2), 6),
-        "full_layer_population_loss": lambda: ir.full_layer_population_loss(Ps[:1] * tiny, Qs[:1], np.eye(2), 6),
-        "gd_step_size": lambda: ir.gd_step_size(6, 2),
-        "wishart_trace_moments": lambda: ir.wishart_trace_moments(6, 2, 3),
-        "family_polynomials": lambda: ir.family_polynomials([tiny, 1.0]),
-        "family_population_loss": lambda: ir.family_population_loss([tiny, 0.5], 6, 2),
-        "wishart_quadrature": lambda: ir.wishart_quadrature(6, 2, 4),
-        "optimal_family_scalars": lambda: ir.optimal_family_scalars(1, 6, 2, starts=2, rng=rng),
-        "family_local_minimum": lambda: ir.family_local_minimum([0.5], 6, 2),
-        "distance_to_multiple": lambda: ir.distance_to_multiple(np.eye(2) * tiny),
-        "distance_to_diagonal": lambda: ir.distance_to_diagonal(np.eye(2) * tiny),
-        "fitted_scalar": lambda: ir.fitted_scalar(np.eye(2) * tiny, np.eye(2)),
-        "symmetry_directions": lambda: ir.symmetry_directions("sparse", coords),
-        "identifiable_hessian": lambda: ir.identifiable_hessian("sparse", coords, Z, y),
-        "sandwich_covariance": lambda: ir.sandwich_covariance(
-            "sparse", ir.train_lbfgs(Z, y, 1, rng=rng)["coords"], Z, y),
-        "tokens_as_columns": lambda: ir.tokens_as_columns(Z.transpose(0, 2, 1) * tiny),
-        "tokens_as_rows": lambda: ir.tokens_as_rows(Z * tiny),
-        "params_from_authors": lambda: ir.params_from_authors(allparam * tiny),
-        "params_to_authors": lambda: ir.params_to_authors(*ir.params_from_authors(allparam * tiny)),
-        "grads_to_authors": lambda: ir.grads_to_authors(P * tiny, Q),
-        "params_from_von_oswald": lambda: ir.params_from_von_oswald(
-            *(np.eye(3)[None] * tiny for _ in range(4)), 6),
-        "grads_to_von_oswald": lambda: ir.grads_to_von_oswald(
-            P[:1] * tiny, Q[:1], *(np.eye(3)[None] for _ in range(4)), 6),
-    }
-
-
-def _same(a, b):
-    """a and b equal bit for bit, through tuples, lists and dicts of arrays and numbers."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
-    if isinstance(a, np.ndarray) or isinstance(a, float):
-        return np.array_equal(a, b, equal_nan=True)
-    return a == b
 
 
 def test_every_public_function_works_under_a_strict_caller_and_leaves_its_settings():
@@ -2019,104 +2108,3 @@ def test_every_public_function_works_under_a_strict_caller_and_leaves_its_settin
                 assert _same(got, expected[name]), name
     finally:
         np.seterr(**old)
-
-
-def _stub_engine(grad_entry, calls=None, interrupt_at=None):
-    """icl_ref's engine whose loss is 1 and whose gradient (sparse, L = 1) has the single entry
-    dA[0, 0, 0] = grad_entry; with interrupt_at, that call raises KeyboardInterrupt."""
-    def loss_and_grad_gram(P, Q, S0, q0, y, n):
-        if calls is not None:
-            calls.append(1)
-            if len(calls) == interrupt_at:
-                raise KeyboardInterrupt
-        dP, dQ = np.zeros_like(P), np.zeros_like(Q)
-        dQ[0, 0, 0, 0] = -grad_entry                       # sparse: A enters as Q = -[[A, 0], [0, 0]]
-        return 1.0, dP, dQ
-    return reference_engine(loss_and_grad_gram=loss_and_grad_gram)
-
-
-def test_lbfgs_success_at_the_boundary_of_gtol():
-    # success is "largest entry <= gtol": at equality yes, a hair below no; gtol = 0 with an exactly
-    # zero gradient yes (a stationary start), and the message states the comparison
-    rng, Z, y = small_problem(seed=191, B=20, n=5)
-    g = 3.0e-6
-    res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, gtol=g, engine=_stub_engine(g))
-    assert res["success"] and res["nit"] == 0 and "<= gtol" in res["message"]
-    res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, gtol=g * (1 - 1e-12), maxiter=3,
-                         engine=_stub_engine(g))
-    assert not res["success"] and "> gtol" in res["message"]
-    res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, gtol=0.0, engine=_stub_engine(0.0))
-    assert res["success"] and res["grad_norm"] == 0.0
-
-
-def test_gauss_newton_interrupted_at_a_converged_point_is_not_a_success():
-    # the first evaluation is 1e-10 from the least-squares solution (gradient ~1e-10 <= gtol 1e-8),
-    # the solver (its own tolerances 1e-15) asks again and Ctrl-C lands there: interrupted, no verdict
-    rng, Z, y = small_problem(seed=192, B=200, n=8)
-    opt = ir.train_gauss_newton(Z, y, 1, rng=rng)
-    assert opt["success"]
-    calls = []
-
-    def jacobian_gram(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return ir.REFERENCE.jacobian_gram(*args)
-    near = {"A": opt["coords"]["A"] * (1 + 1e-10)}
-    res = ir.train_gauss_newton(Z, y, 1, init=near, engine=reference_engine(jacobian_gram=jacobian_gram))
-    assert len(calls) == 2 and res["interrupted"] and res["grad_norm"] <= 1e-8 and not res["success"]
-
-
-def test_gauss_newton_reads_the_query_label_slot_for_the_coordinates_it_holds():
-    # one full layer: Q's last column meets the query only through its label slot, so it is held
-    # fixed when every slot is 0 and trained when one is not (d x-rows of P held in both)
-    rng, Z, y = small_problem(seed=193, B=60, n=6)
-    init = {k: 0.3 * rng.standard_normal(s) for k, s in ir.structure_shapes("full", 1, 3, 1).items()}
-    assert ir.train_gauss_newton(Z, y, 1, structure="full", init=init, max_nfev=3)["fixed"] == 3 * 4 + 4
-    Z = Z.copy()
-    Z[0, -1, -1] = 0.5
-    assert ir.train_gauss_newton(Z, y, 1, structure="full", init=init, max_nfev=3)["fixed"] == 3 * 4
-
-
-def test_the_statistics_use_the_engine_given_and_a_symmetric_hessian():
-    # identifiable_hessian and sandwich_covariance evaluate through engine= (the gradient and the
-    # per-prompt Jacobian both); the Hessian is exactly symmetric
-    rng, Z, y = small_problem(seed=194, B=300, n=8)
-    coords = ir.train_gauss_newton(Z, y, 1, rng=rng)["coords"]
-    seen = []
-
-    def spy(name):
-        def method(*args):
-            seen.append(name)
-            return getattr(ir.REFERENCE, name)(*args)
-        return method
-    engine = reference_engine(loss_and_grad_gram=spy("loss_and_grad_gram"), jacobian_gram=spy("jacobian_gram"))
-    curvature = ir.identifiable_hessian("sparse", coords, Z, y, engine=engine)
-    assert np.array_equal(curvature["hessian"], curvature["hessian"].T) and "loss_and_grad_gram" in seen
-    seen.clear()
-    ir.sandwich_covariance("sparse", coords, Z, y, engine=engine)
-    assert {"loss_and_grad_gram", "jacobian_gram"} <= set(seen)
-
-
-def test_sandwich_refuses_a_flat_direction():
-    # a covariate that is always 0: the entries of A that multiply it never reach the loss, so the
-    # Hessian has exactly zero eigenvalues there and the sandwich (H^-1) is not defined
-    rng, Z, y = small_problem(seed=195, B=300, n=8)
-    Z = Z.copy()
-    Z[:, 1, :] = 0.0
-    coords = ir.train_gauss_newton(Z, y, 1, rng=rng)["coords"]
-    with pytest.raises(ValueError, match="not at a strict local minimum"):
-        ir.sandwich_covariance("sparse", coords, Z, y)
-
-
-def test_full_layer_population_loss_at_its_documented_limit():
-    # d = MAX_FULL_LAYER_D is computed (and equals the sparse closed form at sparse (P, Q)); one
-    # more is refused before any work. EXACT: the same expectation by two exact routes
-    d = ir.MAX_FULL_LAYER_D
-    G = ir.gamma_star(np.eye(d), 10)
-    P, Q = ir.sparse_params(G[None])
-    assert ir.full_layer_population_loss(P, Q, np.eye(d), 10) == pytest.approx(
-        ir.single_layer_population_loss(G, np.eye(d), 10, query_noise=False), rel=1e-10)
-    P, Q = ir.sparse_params(np.eye(d + 1)[None])
-    with pytest.raises(ValueError, match=f"d must be <= {d}"):
-        ir.full_layer_population_loss(P, Q, np.eye(d + 1), 10)
