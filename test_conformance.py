@@ -405,7 +405,8 @@ def test_check_implementation_in_float32_allows_float32_rounding_and_no_more():
 
 def test_reference_data_are_computed_once_and_cannot_be_changed_by_fn():
     # fn may scribble over its inputs: they are copies; reference_cases() hands out copies too. A
-    # second check takes only the comparison's time: the acceptance bound 0.2 s (measured ~0.02 s)
+    # second check takes only the comparison's time: under 0.2 s of this process's CPU time (~0.02 s
+    # measured; CPU time, as other processes on a loaded machine stretch the wall-clock time)
     def vandal(case):
         out = replaced()(case)
         for v in case.values():
@@ -419,9 +420,9 @@ def test_reference_data_are_computed_once_and_cannot_be_changed_by_fn():
     ir.check_implementation(fast, rtol=fd_rtol("paper"))
     timings = []
     for _ in range(3):
-        start = time.perf_counter()
+        start = time.process_time()
         ir.check_implementation(fast, rtol=fd_rtol("paper"))
-        timings.append(time.perf_counter() - start)
+        timings.append(time.process_time() - start)
     assert min(timings) < 0.2, timings
     assert np.array_equal(ir.reference_cases()[0]["Z"], CASES["small-full"]["Z"])
 
