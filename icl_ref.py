@@ -1932,7 +1932,7 @@ import hashlib
 import stat
 import textwrap
 
-__version__ = "0.3.0"
+__version__ = "0.3.0"         # pyproject.toml's, icl_fast's and CITATION.cff's too; in the vectors' manifest
 VECTORS_FORMAT = 1
 ARRAY_MEANINGS = {
     "Z": "prompts, paper layout (B, d+1, n+1): tokens are columns, the query last with label slot 0",
@@ -1967,7 +1967,7 @@ VECTOR_TOLERANCES = {
 def reference_cases():
     """The inputs of the reference vectors: a list of dicts (name, description, activation, structure,
     Z, y, P, Q, and the covariances Sigma, Sigma_w its prompts were drawn with), deterministic (fixed
-    seeds); fresh copies on every call. MATH.md §13."""
+    seeds), built once per process; fresh copies on every call. MATH.md §13."""
     return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()} for c in _reference_cases()]
 
 
