@@ -314,7 +314,7 @@ def test_check_implementation_requires_every_output_unless_outputs_names_a_subse
     ("dP", lambda x: x.astype(object), TypeError, "'dP' .* Python objects"),
     ("y_hat", lambda x: x[:, None], ValueError, "y_hat has shape \\(4, 1\\), expected \\(4,\\)"),
     ("Z_L", lambda x: x[:, :, :-1], ValueError, "Z_L has shape \\(4, 3, 3\\), expected \\(4, 3, 4\\)"),
-])
+], ids=["numeric-string", "complex", "objects", "y_hat-shape", "Z_L-shape"])
 def test_check_implementation_refuses_malformed_outputs_by_name(output, value, error, words):
     # a complex output with a tiny imaginary part, a loss as a numeric string, objects, wrong shapes:
     # errors naming the case and the output, not numbers compared after a silent conversion
@@ -342,7 +342,7 @@ def test_check_implementation_reports_what_it_cannot_run_as_skipped_never_passed
         ir.check_implementation(linear_only, cases="relu", skip="relu")
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
+BAD_ARGUMENTS = [
     (dict(layout=["paper"]), TypeError, "layout must be one of the strings 'paper'"),
     (dict(layout="rows"), ValueError, "layout must be one of"),
     (dict(dtype=None), TypeError, "dtype must be np.float64 or np.float32, got None"),
@@ -356,7 +356,11 @@ def test_check_implementation_reports_what_it_cannot_run_as_skipped_never_passed
     (dict(skip=["nope"]), ValueError, "skip must name"),
     (dict(rtol=-1.0), ValueError, "rtol must be finite and >= 0"), (dict(rtol="1e-6"), TypeError, "rtol"),
     (dict(rtol={"Z_L": "big"}), TypeError, "rtol\\['Z_L'\\]"), (dict(rtol={"grad_W_q": 1.0}), ValueError, "rtol's keys"),
-])
+]
+
+
+@pytest.mark.parametrize("kwargs, error, words", BAD_ARGUMENTS,
+                         ids=[", ".join(f"{k}={v!r}" for k, v in kw.items()) for kw, _, _ in BAD_ARGUMENTS])
 def test_check_implementation_refuses_bad_arguments_by_name(kwargs, error, words):
     called = []
     with pytest.raises(error, match=words):
