@@ -88,10 +88,11 @@ def paper_model(P, Q, Z, y, activation, slip=None):
     return Z, y_hat, np.mean((y_hat - y) ** 2) * (0.5 if slip == "half" else 1.0)
 
 
-def authors_model(allparam, Z_rows, y, slip=None):
+def authors_model(allparam, Z_rows, y, slip=None, activation="linear"):
     """The authors' layer with tokens as rows (their linear_transformer.py, as published): per head
-    Z_rows + (Z_rows Q_full Z_rows^T) M (Z_rows P_full^T) / N, P_full = [[P_blk, 0], [0, 1]],
-    Q_full = [[Q_blk, 0], [0, 0]], M dropping the query; y_hat = -Z_L_rows[:, N, d], loss mean."""
+    Z_rows + sigma(Z_rows Q_full Z_rows^T) M (Z_rows P_full^T) / N, P_full = [[P_blk, 0], [0, 1]],
+    Q_full = [[Q_blk, 0], [0, 0]], M dropping the query, sigma the identity or a softmax over all N+1
+    keys ("softmax_all"); y_hat = -Z_L_rows[:, N, d], loss mean."""
     L, H, _, d, _ = allparam.shape
     if slip == "drop":
         Z_rows = np.delete(Z_rows, -2, axis=1)
@@ -103,7 +104,11 @@ def authors_model(allparam, Z_rows, y, slip=None):
             P_full, Q_full = np.zeros((2, d + 1, d + 1))
             P_full[:d, :d], P_full[d, d] = allparam[l, h, 0], 1
             Q_full[:d, :d] = allparam[l, h, 1].T if slip == "QT" else allparam[l, h, 1]
-            out = out + (Z_rows @ Q_full @ np.swapaxes(Z_rows, 1, 2)) @ M @ (Z_rows @ P_full.T)
+            S = Z_rows @ Q_full @ np.swapaxes(Z_rows, 1, 2)                  # query row t, key row s
+            if activation == "softmax_all":
+                keys = N if slip == "n-keys" else N + 1
+                S = np.concatenate([softmax(S[..., :keys]), np.zeros_like(S[..., keys:])], axis=-1)
+            out = out + S @ M @ (Z_rows @ P_full.T)
         Z_rows = Z_rows + out / {"n+1": N + 1}.get(slip, N)
     y_hat = -Z_rows[:, -1, -1]
     return Z_rows, y_hat, np.mean((y_hat - y) ** 2) * (0.5 if slip == "half" else 1.0)
@@ -143,7 +148,7 @@ def implementation(layout, slip=None, grads=True, raises=()):
         if layout == "paper":
             names, run = ("P", "Q"), lambda P, Q: paper_model(P, Q, c["Z"], c["y"], c["activation"], slip)
         elif layout == "authors":
-            names, run = ("allparam",), lambda A: authors_model(A, c["Z_rows"], c["y"], slip)
+            names, run = ("allparam",), lambda A: authors_model(A, c["Z_rows"], c["y"], slip, c["activation"])
         else:
             names = ("W_q", "W_k", "W_v", "W_o")
             run = lambda *W: von_oswald_model(W, c["Z_rows"], c["y"], c["H"], c["activation"], slip)
@@ -183,7 +188,7 @@ def test_check_implementation_passes_an_independent_implementation(layout):
     report = ir.check_implementation(fn, layout=layout, rtol=fd_rtol(layout))
     names = {n for n, c in CASES.items() if layout in ir._case_layouts(c)}
     assert set(report["cases"]) == names and all(c["status"] == "passed" for c in report["cases"].values())
-    assert {"authors": 4, "von_oswald": 9, "paper": 11}[layout] == len(names)
+    assert {"authors": 5, "von_oswald": 9, "paper": 12}[layout] == len(names)
     assert report["outputs"] == tuple(ir.LAYOUTS[layout][1]) and report["icl_ref_version"] == ir.__version__
     for case in seen:                                  # the layout's inputs, in the dtype, and the sizes
         assert set(case) == set(ir.LAYOUTS[layout][0]) | {"activation", "n", "L", "H"}
@@ -251,13 +256,14 @@ def test_check_implementation_fails_with_the_diagnosis_of_each_slip(slip):
 
 AUTHORS_SLIPS = {"QT": "Q_code used as Q (not transposed)", "n+1": "1/(N+1) normalisation",
                  "half": "loss with a factor 1/2", "query-key": "query used as a key and value",
-                 "drop": "last context example dropped"}
+                 "drop": "last context example dropped", "n-keys": "softmax over the N context keys"}
 
 
 @pytest.mark.parametrize("slip", list(AUTHORS_SLIPS))
 def test_check_implementation_names_each_authors_slip_in_their_terms(slip):
-    with pytest.raises(AssertionError) as failure:
+    with pytest.raises(AssertionError) as failure:                    # the softmax slip: its case only
         ir.check_implementation(implementation("authors", slip, grads=False), layout="authors",
+                                cases="authors-softmax" if slip == "n-keys" else None,
                                 outputs=("y_hat", "loss") if slip == "drop" else ("Z_L_rows", "y_hat", "loss"))
     message = str(failure.value)
     assert "unexplained" not in message and named_slips(message) == {AUTHORS_SLIPS[slip]}, message
@@ -437,7 +443,7 @@ import test_conformance as tc
 
 @pytest.mark.parametrize("case", [
     pytest.param(c["name"], marks=pytest.mark.xfail(reason="softmax over n keys only", strict=True))
-    if c["activation"] == "softmax_all" else c["name"] for c in ir.reference_cases()])
+    if c["name"] == "softmax_all" else c["name"] for c in ir.reference_cases()])
 def test_one_case(case):
     fn = tc.implementation("paper", "softmax-keys" if case == "softmax_all" else "{slip}", grads=False)
     ir.check_implementation(fn, cases=case, outputs=("Z_L", "y_hat", "loss"))
@@ -456,7 +462,7 @@ def test_one_pytest_test_per_case_with_ids_xfail_and_short_failures(tmp_path, ca
                             "test_user.py"]) == code
         out = capsys.readouterr().out
         if code == 0:
-            assert "10 passed, 1 xfailed" in out and \
+            assert "11 passed, 1 xfailed" in out and \
                 "XFAIL test_user.py::test_one_case[softmax_all] - softmax over n keys only" in out, out
     assert "FAILED test_user.py::test_one_case[small-full]" in out and "PASSED test_user.py::test_one_case[relu]" not in out
     assert "- 1/(n+1) normalisation (reproduces" in out, out
@@ -624,14 +630,15 @@ def test_reference_vectors_are_reproducible_documented_and_right(tmp_path):
         Z, y, P = data["Z"], data["y"], data["P"]
         assert (c["B"], c["d"], c["n"], c["L"], c["H"]) == (Z.shape[0], Z.shape[1] - 1, Z.shape[2] - 1, *P.shape[:2])
         assert ("von_oswald" in c["layouts"]) == (c["activation"] in ("linear", "softmax"))
-        assert ("authors" in c["layouts"]) == (c["activation"] == "linear" and c["structure"] in ("sparse", "blocks"))
+        assert ("authors" in c["layouts"]) == (c["activation"] in ("linear", "softmax_all")
+                                              and c["structure"] in ("sparse", "blocks"))
         # the stored outputs against the independent models in every layout
         Z_L, y_hat, loss = paper_model(P, data["Q"], Z, y, c["activation"])
         assert_allclose(data["Z_L"], Z_L, rtol=0, atol=EXACT * np.max(np.abs(Z_L)))
         assert float(data["loss"]) == pytest.approx(loss, rel=EXACT)
         if "authors" in c["layouts"]:
             assert_allclose(data["allparam"][:, :, 1], np.swapaxes(data["Q"][:, :, :-1, :-1], -1, -2), rtol=0, atol=0)
-            rows = authors_model(data["allparam"], data["Z_rows"], y)[0]
+            rows = authors_model(data["allparam"], data["Z_rows"], y, activation=c["activation"])[0]
             assert_allclose(rows, np.swapaxes(Z_L, 1, 2), rtol=0, atol=EXACT * np.max(np.abs(Z_L)))
         if "von_oswald" in c["layouts"]:
             W = [data[k] for k in ("W_q", "W_k", "W_v", "W_o")]
