@@ -690,6 +690,22 @@ def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_
     assert proc.returncode == 2 and "symbolic link" in proc.stderr and snapshot(tmp_path) == before
 
 
+def test_vectors_never_write_through_a_link_planted_while_they_write(tmp_path, monkeypatch):
+    # a link that appears after the folder was checked (another process racing this one): the files
+    # are created with O_EXCL | O_NOFOLLOW, so the write fails there and the linked file keeps its bytes
+    out, theirs = tmp_path / "v", tmp_path / "theirs.txt"
+    theirs.write_bytes(b"the user's own file")
+    checked = ir._earlier_vectors
+
+    def plant(dfd, present):
+        (out / "small-full.npz").symlink_to(theirs)
+        return checked(dfd, present)
+    monkeypatch.setattr(ir, "_earlier_vectors", plant)
+    with pytest.raises(FileExistsError):
+        ir.write_reference_vectors(out)
+    assert theirs.read_bytes() == b"the user's own file" and os.path.islink(out / "small-full.npz")
+
+
 def test_vectors_lock_their_folder(tmp_path):
     out = tmp_path / "v"
     ir.write_reference_vectors(out)
