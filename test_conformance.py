@@ -677,7 +677,7 @@ def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_
                 ir._main(["vectors", "--out", str(out), "--overwrite"])
             assert done.value.code == 2 and "did not write" in capsys.readouterr().err
         else:
-            with pytest.raises(ValueError, match="symbolic link|did not write"):
+            with pytest.raises(ValueError, match="symbolic link" if "link" in what else "did not write"):
                 ir.write_reference_vectors(out, overwrite=True)
         assert snapshot(tmp_path) == before, what
     # out itself a link to a directory of vectors: refused, the directory untouched
