@@ -1971,7 +1971,7 @@ import hashlib
 import stat
 import textwrap
 
-__version__ = "0.3.0"
+__version__ = "0.3.0"         # pyproject.toml's, icl_fast's and CITATION.cff's too; in the vectors' manifest
 VECTORS_FORMAT = 1
 ARRAY_MEANINGS = {
     "Z": "prompts, paper layout (B, d+1, n+1): tokens are columns, the query last with label slot 0",
@@ -2006,7 +2006,7 @@ VECTOR_TOLERANCES = {
 def reference_cases():
     """The inputs of the reference vectors: a list of dicts (name, description, activation, structure,
     Z, y, P, Q, and the covariances Sigma, Sigma_w its prompts were drawn with), deterministic (fixed
-    seeds); fresh copies on every call. MATH.md §13."""
+    seeds), built once per process; fresh copies on every call. MATH.md §13."""
     return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()} for c in _reference_cases()]
 
 
@@ -2053,6 +2053,9 @@ def _reference_cases():
         full(0.5), activation="softmax")
     add("softmax_all", "the authors' softmax: all n+1 keys, then the mask drops the query's value", 11, 2, 4, 1,
         2, full(0.5), activation="softmax_all")
+    add("authors-softmax", "the authors' softmax with their block form (11): d = 2, n = 4", 12, 2, 4, 1, 1,
+        lambda rng, d, L, H: block_params(*(0.5 * rng.standard_normal((2, L, d, d)))), activation="softmax_all",
+        structure="blocks")
     for c in cases:             # shared by every check in the process: no caller may change them
         for v in c.values():
             if isinstance(v, np.ndarray):
@@ -2099,8 +2102,9 @@ LAYOUTS = {
                                     "the transpose of Q's (their layer: Z_rows Q_code Z_rows^T)"),
         {"Z_L_rows": "(B, n+1, d+1): Z_L with tokens as rows", "y_hat": "(B,): -Z_L_rows[:, n, d]",
          "loss": "0-d: mean (y_hat - y)^2, no factor 1/2", "grad_allparam": "d loss / d allparam"},
-        ("linear",),
-        "no key size: one d x d block per head and layer, scores unscaled, 1/N with N = n context examples"),
+        ("linear", "softmax_all"),
+        "no key size: one d x d block per head and layer, scores unscaled, 1/N with N = n context examples; "
+        "softmax_all normalises over all N+1 keys before M drops the query's value"),
     "von_oswald": (
         dict(_ROWS_INPUTS, W_q="(L, d+1, H k): queries, head h in columns h k..(h+1) k - 1",
              W_k="(L, d+1, H k): keys", W_v="(L, d+1, H v): values",
@@ -2132,9 +2136,10 @@ def _layouts_text():
 
 def _case_layouts(case):
     """The layouts a reference case can be given in: the paper's always; the authors' when the
-    attention is linear and P, Q have their form; von Oswald et al.'s for linear and softmax."""
+    attention is linear or theirs (softmax_all) and P, Q have their form; von Oswald et al.'s for
+    linear and softmax."""
     layouts = ["paper"]
-    if case["activation"] == "linear":
+    if case["activation"] in ("linear", "softmax_all"):
         try:
             params_to_authors(case["P"], case["Q"])
             layouts.append("authors")
@@ -2227,8 +2232,8 @@ def _earlier_vectors(dfd, present):
 def write_reference_vectors(out, overwrite=False):
     """Write the reference vectors into the directory `out` (created if needed): one .npz per case of
     reference_cases (the arrays of ARRAY_MEANINGS that apply: the paper's layout always, the authors'
-    when P, Q have their form and the attention is linear, von Oswald et al.'s for linear and
-    softmax attention) and manifest.json (format, icl_ref_version, conventions, shapes, meanings,
+    when P, Q have their form and the attention is linear or theirs, von Oswald et al.'s for linear
+    and softmax attention) and manifest.json (format, icl_ref_version, conventions, shapes, meanings,
     tolerances, each file's SHA-256). The same bytes on every run. A non-empty `out` is refused,
     except with overwrite=True when it holds only files an earlier run wrote and its manifest lists
     unchanged, which are replaced. Never writes through a symbolic link (`out` or a file in it);
@@ -2375,6 +2380,8 @@ DIAGNOSIS_VARIANTS = {
         "last context example masked, 1/N kept": ("mask", "your mask drops the last context row as well as the "
             "query: M masks the query only"),
         "Z_L_rows with tokens as columns": ("rows", "return Z_L_rows with tokens as rows, (B, N+1, d+1)"),
+        "softmax over the N context keys": ("n_keys", "their softmax normalises over all N+1 keys, the query's "
+            "own included, before M drops the query's value"),
     },
     "von_oswald": {
         "W_q and W_k swapped": ("QT", "the scores are q k^T with q = e W_q,h from the querying token and k = e W_k,h "
