@@ -368,3 +368,16 @@ def test_records_check_names_the_changed_function_and_ignores_comments(tmp_path,
     assert records.code_changes(prov) == ["m.py: f changed"]
     (tmp_path / "m.py").write_text(base.replace("def g", "def h").replace('"a"', '"b"'))
     assert records.code_changes(prov) == ["m.py: <module> changed; h added; g removed"]
+
+
+def test_full_run_tables_add_up():
+    # the full run's tables that README quotes (docs/*.csv) against themselves: every start of the
+    # landscape's table ends in exactly one of its three columns, and the sparse seeds README counts
+    # each have a fitted-scalars row that passed
+    for b in records.rows("single-layer-landscape_basins"):
+        assert int(b["optimum"]) + int(b["higher"]) + int(b["not_converged"]) == int(b["starts"]), b
+    sparse = records.rows("three-layer-sparse")
+    seeds = [r["seed"] for r in sparse if r.get("rel_dist")]
+    fitted = [r for r in sparse if r["verdict"] in ("PASS", "FAIL") and r.get("f_star")]
+    assert seeds and sorted(seeds) == sorted(r["seed"] for r in fitted)
+    assert all(r["verdict"] == "PASS" for r in fitted)

@@ -392,6 +392,23 @@ def basins_table():
     return table(head, [[name] + [counts[name].get(k, 0) for k in keys] for name in counts], indent="   ")
 
 
+def basins_starts():
+    rec = record("blocks_basins")
+    return f"(B = {rec['B']}) from {rec['starts']} random starts"
+
+
+def basins_other():
+    # the finding describes the one basin besides the global optimum that training reached
+    rec = record("blocks_basins")
+    other = {(r["basin_loss"], r["basin_b"][0]) for r in rec["runs"]
+             if r["converged"] and f"{r['basin_loss']:.6e}" != rec["global_key"]}
+    keys = {f"{f:.6e}" for f, _ in other}
+    if len(keys) != 1:
+        raise ValueError(f"docs/blocks_basins.json: the finding describes one other basin, the runs reached {len(keys)}")
+    f, b0 = min(other)
+    return f"The {sci(f, 4)} minimum has b_0 = {b0:.2f}"
+
+
 def softmax_gap():
     gaps = column("softmax-two-head", "gap_in_se")
     return f"{min(gaps):.0f}-{max(gaps):.0f} paired SE worse"
@@ -487,7 +504,9 @@ BLOCKS = [
     ("README.md", "blocks-optimum", blocks_optimum),
     ("README.md", "isotropic", isotropic),
     ("README.md", "blocks-landscape", landscape_readme),
+    ("README.md", "basins-starts", basins_starts),
     ("README.md", "blocks-basins", basins_table),
+    ("README.md", "basins-other", basins_other),
     ("README.md", "softmax-gap", softmax_gap),
     ("README.md", "unconstrained", unconstrained),
     ("README.md", "optimizers", optimizers),
