@@ -10,6 +10,7 @@ import ast
 import math
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -506,19 +507,22 @@ def test_a_fork_during_an_evaluation():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
             if pid == 0:                                     # the child
+                signal.alarm(60)                             # a child that hangs ends: no report, a failure
                 try:
                     report = (blas_threads(), fast.loss_and_grad(P, Q, Z, y, threads=2)[0], blas_threads())
                     os.write(write, pickle.dumps(report))
                 finally:
                     os._exit(0)
             os.close(write)
-            with os.fdopen(read, "rb") as pipe:
-                child = pickle.loads(pipe.read())
-            os.waitpid(pid, 0)
-            release.set()
-            caller.join()
+            try:
+                with os.fdopen(read, "rb") as pipe:
+                    report = pipe.read()
+                os.waitpid(pid, 0)
+            finally:
+                release.set()
+                caller.join()
         assert blas_threads() == before
-    assert child == (before, expected, before)
+    assert report and pickle.loads(report) == (before, expected, before)
 
 
 def _loss_on_two_workers(args):
