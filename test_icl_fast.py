@@ -112,6 +112,11 @@ def test_icl_fast_uses_only_public_names_of_icl_ref():
     private = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                       and isinstance(node.value, ast.Name) and node.value.id == "ir" and node.attr.startswith("_")})
     assert private == []
+    # each of icl_fast's functions is icl_ref's namesake with the engine
+    for name in ("loss_and_grad", "loss_and_grad_gram", "residuals_and_jacobian", "residuals_and_jacobian_gram",
+                 "loss_and_grad_activation", "identifiable_hessian", "sandwich_covariance", "train_lbfgs",
+                 "train_gauss_newton"):
+        assert getattr(fast, name).__name__ == name and f"icl_ref.{name}:" in getattr(fast, name).__doc__
 
 
 def test_engine_has_the_methods_of_REFERENCE():
