@@ -448,11 +448,17 @@ class _Engine:
     def __init__(self, threads):
         self.threads = _thread_count(threads)
 
-    def _threads_for(self, P, B, min_work):
-        """One thread for an evaluation of B prompts with parameters P (L, H, D, D) whose B L H D^3
-        multiply-adds are below min_work, else every worker."""
-        L, H, D = P.shape[:3]
-        return 1 if B * L * H * D ** 3 < min_work else self.threads
+    def _gram_form(self, args, lanes, reference, combine, max_D, min_work):
+        """An evaluation of the Gram form args = (P, Q, S0, q0, y, n) of B prompts: lanes(*args,
+        threads=...) for D <= max_D, else `reference` on the chunks, combine(parts, bounds, B); on the
+        calling thread alone when its B L H D^3 multiply-adds are below min_work."""
+        P, Q, S0, q0, y, n = args
+        (L, H, D), B = P.shape[:3], y.shape[0]
+        threads = 1 if B * L * H * D ** 3 < min_work else self.threads
+        if D <= max_D:
+            return lanes(*args, threads=threads)
+        bounds = _batch_first_bounds(B, D)
+        return combine(_map(lambda a, b: reference(P, Q, S0[a:b], q0[a:b], y[a:b], n), bounds, threads), bounds, B)
 
     def gram(self, Z):
         """S_0 = Z M Z^T (B, D, D): REFERENCE.gram on the chunks."""
@@ -462,22 +468,15 @@ class _Engine:
     def loss_and_grad_gram(self, P, Q, S0, q0, y, n):
         """(loss, dP, dQ): lanes for D <= LANES_MAX_D, else REFERENCE.loss_and_grad_gram on the chunks,
         their means weighted by their shares of the batch."""
-        B, D = y.shape[0], P.shape[-1]
-        threads = self._threads_for(P, B, PARALLEL_MIN_WORK)
-        if D <= LANES_MAX_D:
-            return lanes_loss_and_grad_gram(P, Q, S0, q0, y, n, threads)
-        bounds = _batch_first_bounds(B, D)
-        parts = _map(lambda a, b: ir.REFERENCE.loss_and_grad_gram(P, Q, S0[a:b], q0[a:b], y[a:b], n), bounds, threads)
-        return _mean_of_chunks(parts, bounds, B)
+        return self._gram_form((P, Q, S0, q0, y, n), lanes_loss_and_grad_gram, ir.REFERENCE.loss_and_grad_gram,
+                               _mean_of_chunks, LANES_MAX_D, PARALLEL_MIN_WORK)
 
     def jacobian_gram(self, P, Q, S0, q0, y, n):
-        """(r, JP, JQ): lanes for D <= LANES_MAX_D_JACOBIAN, else REFERENCE.jacobian_gram on the chunks."""
-        B, D = y.shape[0], P.shape[-1]
-        threads = self._threads_for(P, B, PARALLEL_MIN_WORK_JACOBIAN)
-        if D <= LANES_MAX_D_JACOBIAN:
-            return lanes_jacobian_gram(P, Q, S0, q0, y, n, threads)
-        return _concatenated(_map(lambda a, b: ir.REFERENCE.jacobian_gram(P, Q, S0[a:b], q0[a:b], y[a:b], n),
-                                  _batch_first_bounds(B, D), threads))
+        """(r, JP, JQ): lanes for D <= LANES_MAX_D_JACOBIAN, else REFERENCE.jacobian_gram on the chunks,
+        stacked."""
+        return self._gram_form((P, Q, S0, q0, y, n), lanes_jacobian_gram, ir.REFERENCE.jacobian_gram,
+                               lambda parts, bounds, B: _concatenated(parts), LANES_MAX_D_JACOBIAN,
+                               PARALLEL_MIN_WORK_JACOBIAN)
 
     def activation_pass(self, P, Q, Z, y, activation, jacobian=False):
         """REFERENCE.activation_pass on chunks of 2^15 / (n+1)^2 prompts (their (b, n+1, n+1) score
@@ -531,12 +530,8 @@ def _with_engine(fn):
     return call
 
 
-loss_and_grad = _with_engine(ir.loss_and_grad)
-loss_and_grad_gram = _with_engine(ir.loss_and_grad_gram)
-residuals_and_jacobian = _with_engine(ir.residuals_and_jacobian)
-residuals_and_jacobian_gram = _with_engine(ir.residuals_and_jacobian_gram)
-loss_and_grad_activation = _with_engine(ir.loss_and_grad_activation)
-identifiable_hessian = _with_engine(ir.identifiable_hessian)
-sandwich_covariance = _with_engine(ir.sandwich_covariance)
-train_lbfgs = _with_engine(ir.train_lbfgs)
-train_gauss_newton = _with_engine(ir.train_gauss_newton)
+(loss_and_grad, loss_and_grad_gram, residuals_and_jacobian, residuals_and_jacobian_gram, loss_and_grad_activation,
+ identifiable_hessian, sandwich_covariance, train_lbfgs, train_gauss_newton) = map(_with_engine, (
+    ir.loss_and_grad, ir.loss_and_grad_gram, ir.residuals_and_jacobian, ir.residuals_and_jacobian_gram,
+    ir.loss_and_grad_activation, ir.identifiable_hessian, ir.sandwich_covariance, ir.train_lbfgs,
+    ir.train_gauss_newton))

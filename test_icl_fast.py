@@ -10,6 +10,7 @@ import ast
 import math
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -111,6 +112,11 @@ def test_icl_fast_uses_only_public_names_of_icl_ref():
     private = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                       and isinstance(node.value, ast.Name) and node.value.id == "ir" and node.attr.startswith("_")})
     assert private == []
+    # each of icl_fast's functions is icl_ref's namesake with the engine
+    for name in ("loss_and_grad", "loss_and_grad_gram", "residuals_and_jacobian", "residuals_and_jacobian_gram",
+                 "loss_and_grad_activation", "identifiable_hessian", "sandwich_covariance", "train_lbfgs",
+                 "train_gauss_newton"):
+        assert getattr(fast, name).__name__ == name and f"icl_ref.{name}:" in getattr(fast, name).__doc__
 
 
 def test_engine_has_the_methods_of_REFERENCE():
@@ -507,19 +513,22 @@ def test_a_fork_during_an_evaluation():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
             if pid == 0:                                     # the child
+                signal.alarm(60)                             # a child that hangs ends: no report, a failure
                 try:
                     report = (blas_threads(), fast.loss_and_grad(P, Q, Z, y, threads=2)[0], blas_threads())
                     os.write(write, pickle.dumps(report))
                 finally:
                     os._exit(0)
             os.close(write)
-            with os.fdopen(read, "rb") as pipe:
-                child = pickle.loads(pipe.read())
-            os.waitpid(pid, 0)
-            release.set()
-            caller.join()
+            try:
+                with os.fdopen(read, "rb") as pipe:
+                    report = pipe.read()
+                os.waitpid(pid, 0)
+            finally:
+                release.set()
+                caller.join()
         assert blas_threads() == before
-    assert child == (before, expected, before)
+    assert report and pickle.loads(report) == (before, expected, before)
 
 
 def _loss_on_two_workers(args):
