@@ -10,18 +10,20 @@ findings that are reported, not checked. The exit status is 1 when a checked cla
 when matplotlib is importable, PNG figures. Setups: [A] §4.3, §5.1 and App. D; the math is in MATH.md.
 "The rebuttal" is the authors' response to the NeurIPS 2023 reviewers (on OpenReview).
 """
-import os
-
 import argparse
 import ast
 import csv
+import dataclasses
+import fcntl
 import functools
 import hashlib
 import itertools
 import json
 import math
+import os
 import platform
 import signal
+import stat
 import sys
 import threading
 import time
@@ -43,7 +45,6 @@ Z_MC = 4.0            # Monte Carlo checks: |estimate - theory| <= 4 computed st
 # every Monte Carlo error these experiments compare with. Verdicts use converged models only.
 GRAD_TOL = 1e-6
 EXPERIMENTS = {}
-THREADS = dict(threads=None)     # icl_fast's workers per evaluation (--threads; None: every core)
 # Two heads count as "opposite" when the cosine of their acting blocks is below -1/2 (at least 120
 # degrees apart): a cosine near 0 is orthogonal, not opposite.
 OPPOSITE = -0.5
@@ -57,7 +58,7 @@ def experiment(name, answers):
     return register
 
 
-def row(claim, theory, measured, verdict, **columns):
+def row(claim, theory=None, measured=None, verdict=None, **columns):
     return dict(claim=claim, theory=theory, measured=measured, verdict=verdict, **columns)
 
 
@@ -94,29 +95,42 @@ def fmt(x, digits=4):
     return f"{x:.{digits}g}" if isinstance(x, (float, np.floating)) else str(x)
 
 
-def train_lbfgs(*args, **kwargs):
-    """icl_fast.train_lbfgs on --threads workers, except that a Ctrl-C stops the whole run."""
-    return stop_if_interrupted(fast.train_lbfgs(*args, **THREADS, **kwargs))
+@dataclasses.dataclass
+class Context:
+    """What an experiment receives: its own random stream, the run's options and where to report.
+    The trainers run on icl_fast with the run's --threads; a Ctrl-C stops the whole run (icl_ref's
+    trainers return their last iterate instead, which an experiment must not use)."""
+    rng: np.random.Generator
+    seed: int = 0
+    quick: bool = False
+    log: object = print
+    progress: int = 0
+    threads: int = None          # icl_fast's workers per evaluation (--threads; None: every core)
+
+    def train_lbfgs(self, *args, **kwargs):
+        return stop_if_interrupted(fast.train_lbfgs(*args, threads=self.threads, **kwargs))
+
+    def train_gauss_newton(self, *args, **kwargs):
+        return stop_if_interrupted(fast.train_gauss_newton(*args, threads=self.threads, **kwargs))
+
+    def sandwich_covariance(self, *args, **kwargs):
+        return fast.sandwich_covariance(*args, threads=self.threads, **kwargs)
+
+    def identifiable_hessian(self, *args, **kwargs):
+        return ctx.identifiable_hessian(*args, threads=self.threads, **kwargs)
+
+    def loss_and_grad_gram(self, *args):
+        return fast.loss_and_grad_gram(*args, threads=self.threads)
 
 
-def train_gauss_newton(*args, **kwargs):
-    """icl_fast.train_gauss_newton on --threads workers, except that a Ctrl-C stops the whole run."""
-    return stop_if_interrupted(fast.train_gauss_newton(*args, **THREADS, **kwargs))
-
-
-def sandwich_covariance(*args, **kwargs):
-    """icl_fast.sandwich_covariance on --threads workers."""
-    return fast.sandwich_covariance(*args, **THREADS, **kwargs)
-
-
-def train_full(Z, y, L, rng, maxiter, heads=1, init_scale=0.3, max_nfev=500):
+def train_full(ctx, Z, y, L, rng, maxiter, heads=1, init_scale=0.3, max_nfev=500):
     """Full (P, Q): L-BFGS from a random start, then Gauss-Newton (max_nfev evaluations) from its end point. On this
     landscape either alone often stalls (runs drift along the free rescaling (gamma P, Q / gamma));
     the pair converges more often, and state() says when it did not."""
-    res = train_lbfgs(Z, y, L, "full", heads=heads, rng=rng, init_scale=init_scale, maxiter=maxiter)
+    res = ctx.train_lbfgs(Z, y, L, "full", heads=heads, rng=rng, init_scale=init_scale, maxiter=maxiter)
     if converged(res):
         return res
-    return train_gauss_newton(Z, y, L, "full", heads=heads, init={"P": res["P"], "Q": res["Q"]}, max_nfev=max_nfev)
+    return ctx.train_gauss_newton(Z, y, L, "full", heads=heads, init={"P": res["P"], "Q": res["Q"]}, max_nfev=max_nfev)
 
 
 def starts_summary(runs, lowest=None, rtol=1e-6, what="the lowest batch loss"):
@@ -233,7 +247,7 @@ def scalar_fit(A, T, cov_block):
 
 @experiment("single-layer", "Theorem 1 (eq. 6); reviewer: does the scaled Gamma* approach Sigma^-1 as n grows?")
 def single_layer(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, ns, starts = (2000, [2, 10, 50], 2) if quick else (20000, [2, 5, 10, 20, 50], 4)
     Sigma, _ = ir.rotated_covariance(rng)
     d, rows = Sigma.shape[0], []
@@ -241,8 +255,8 @@ def single_layer(ctx):
         Z, y = ir.sample_prompts(rng, B, n, Sigma)                     # Theorem 1: w* ~ N(0, I)
         G = ir.gamma_star(Sigma, n)
         L_star = ir.single_layer_population_loss(G, Sigma, n)
-        res = train_gauss_newton(Z, y, 1, "sparse", rng=rng)
-        cov = sandwich_covariance("sparse", res["coords"], Z, y)
+        res = ctx.train_gauss_newton(Z, y, 1, "sparse", rng=rng)
+        cov = ctx.sandwich_covariance("sparse", res["coords"], Z, y)
         loss = lambda X: ir.single_layer_population_loss(X, Sigma, n)
         excess = loss(res["coords"]["A"][0]) - L_star
         bound = quadratic_excess_bound(loss, G, cov)
@@ -254,7 +268,7 @@ def single_layer(ctx):
         # full (P, Q) has spurious local minima (README finding 15): several starts, the verdict from
         # the best converged one, and only when it reached the batch optimum, which the full model
         # attains at or below the trained sparse model's batch loss (the sparse model is one of its points)
-        fulls = [train_gauss_newton(Z, y, 1, "full", rng=rng, init_scale=0.3) for _ in range(starts)]
+        fulls = [ctx.train_gauss_newton(Z, y, 1, "full", rng=rng, init_scale=0.3) for _ in range(starts)]
         reached, starts_said = starts_summary(fulls, lowest=res["loss"], rtol=1e-9,
                                               what="the sparse model's batch loss or below,")
         best = reached[0] if reached else None
@@ -292,18 +306,18 @@ def sqrtm_spd(S):
 
 @experiment("three-layer-sparse", "Theorem 3, Figs 1-2; reviewer: do the scalars repeat across restarts?")
 def three_layer_sparse(ctx):
-    quick, log = ctx["quick"], ctx["log"]
+    quick, log = ctx.quick, ctx.log
     B, seeds, maxiter = (3000, 1, 600) if quick else (20000, 3, 3000)
     d, n, L = 5, 20, 3
     a_star, _, f_star = family_optimum(L, n, d)
     rows, curve, heat, fitted = [], [], [], []
     for s in range(seeds):
-        rng = np.random.default_rng([ctx["seed"], s])
+        rng = np.random.default_rng([ctx.seed, s])
         Sigma, Si, Z, y = paper_data(rng, B, n)
         init = {"A": 0.1 * rng.standard_normal((L, d, d))}
-        res = train_lbfgs(Z, y, L, "sparse", init=init, maxiter=maxiter, keep_iterates=True,
-                          progress=ctx["progress"])
-        gn = train_gauss_newton(Z, y, L, "sparse", init=init, progress=ctx["progress"])
+        res = ctx.train_lbfgs(Z, y, L, "sparse", init=init, maxiter=maxiter, keep_iterates=True,
+                          progress=ctx.progress)
+        gn = ctx.train_gauss_newton(Z, y, L, "sparse", init=init, progress=ctx.progress)
         log(f"  seed {s}: L-BFGS loss {res['loss']:.6f} |grad| {res['grad_norm']:.1e} in {res['nit']} it, "
             f"{res['wall_time']:.1f} s; Gauss-Newton {gn['loss']:.6f} |grad| {gn['grad_norm']:.1e} in "
             f"{gn['nfev']} evaluations, {gn['wall_time']:.1f} s")
@@ -316,7 +330,7 @@ def three_layer_sparse(ctx):
         for l in range(L):
             for i, r in enumerate(R @ A[l] @ R):
                 heat.append(dict(seed=s, layer=l, row=i, **{f"c{j}": v for j, v in enumerate(r)}))
-        cov = sandwich_covariance("sparse", res["coords"], Z, y)
+        cov = ctx.sandwich_covariance("sparse", res["coords"], Z, y)
         fits = [scalar_fit(A[l], Si, cov[l * d * d:(l + 1) * d * d, l * d * d:(l + 1) * d * d])
                 for l in range(L)]
         a_hat, se = np.array([f[0] for f in fits]), np.array([f[1] for f in fits])
@@ -345,7 +359,7 @@ def three_layer_sparse(ctx):
 
 @experiment("three-layer-blocks", "Theorem 4, Figs 3-5; paper n=10 vs notebook N=20 (README, finding 7)")
 def three_layer_blocks(ctx):
-    quick, log = ctx["quick"], ctx["log"]
+    quick, log = ctx.quick, ctx.log
     B, seeds, maxiter, max_nfev = (1000, 1, 100, 60) if quick else (20000, 3, 3000, 400)
     d, n, L = 5, 20, 3
     a_star, b_star, f_star = family_optimum(L, n, d, blocks=True)
@@ -354,15 +368,15 @@ def three_layer_blocks(ctx):
     # converges in ~1200-1700 (measured, seeds 0-2)
     rows, heat = [], []
     for s in range(seeds):
-        rng = np.random.default_rng([ctx["seed"], 100 + s])
+        rng = np.random.default_rng([ctx.seed, 100 + s])
         Sigma, Si, Z, y = paper_data(rng, B, n)
         # a small start, as the authors' code (std 1e-4) and [A] ("iid Gaussian") use
         init = {"A": 0.1 * rng.standard_normal((L, d, d)), "B": 0.1 * rng.standard_normal((L, d, d))}
         # the paper's claim is about what training finds: both optimisers from the same start
-        runs = {"Gauss-Newton": train_gauss_newton(Z, y, L, "blocks", init=init, max_nfev=max_nfev,
-                                                      progress=ctx["progress"]),
-                "L-BFGS": train_lbfgs(Z, y, L, "blocks", init=init, maxiter=maxiter, maxcor=300,
-                                         keep_iterates=True, progress=ctx["progress"])}
+        runs = {"Gauss-Newton": ctx.train_gauss_newton(Z, y, L, "blocks", init=init, max_nfev=max_nfev,
+                                                      progress=ctx.progress),
+                "L-BFGS": ctx.train_lbfgs(Z, y, L, "blocks", init=init, maxiter=maxiter, maxcor=300,
+                                         keep_iterates=True, progress=ctx.progress)}
         for name, res in runs.items():
             log(f"  seed {s} {name}: loss {res['loss']:.3e}, |grad| {res['grad_norm']:.1e}, "
                 f"{res['wall_time']:.1f} s, {res['message']}")
@@ -418,7 +432,7 @@ def three_layer_blocks(ctx):
 
 @experiment("two-layer-isotropic", "Theorem 2: a diagonal global minimiser exists; is it a multiple of I?")
 def two_layer_isotropic(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, inits, maxiter = (2000, 2, 400) if quick else (20000, 3, 2000)
     d, n = 5, 20
     Z, y = ir.sample_prompts(rng, B, n, np.eye(d))
@@ -426,9 +440,9 @@ def two_layer_isotropic(ctx):
     family = ir.in_context_loss(*ir.sparse_params(a[:, None, None] * np.eye(d)), Z, y)
     rows = []
     for k in range(inits):
-        res = train_lbfgs(Z, y, 2, rng=rng, init_scale=0.5, maxiter=maxiter)
+        res = ctx.train_lbfgs(Z, y, 2, rng=rng, init_scale=0.5, maxiter=maxiter)
         if not converged(res):                     # L-BFGS's point, polished to a small gradient
-            res = train_gauss_newton(Z, y, 2, init=res["coords"])
+            res = ctx.train_gauss_newton(Z, y, 2, init=res["coords"])
         A = res["coords"]["A"]
         # diagonal is a statement up to rotation (the data are isotropic): A_0, A_1 commute and are
         # symmetric; multiples of I is basis-free: dist(A_l, I) = 0
@@ -466,7 +480,7 @@ def baselines(Z_tune, y_tune, Z_test, y_test, L, Si, n, d):
 
 @experiment("depth", "Fig. 7 (App. D): loss vs number of layers L, with GD / PGD / OLS baselines")
 def depth(ctx):
-    rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
+    rng, quick, log = ctx.rng, ctx.quick, ctx.log
     B, Ls, maxiter = (2000, [1, 2, 3], 400) if quick else (20000, [1, 2, 3, 4], 3000)
     d, n = 5, 20
     Sigma, Si, Z, y = paper_data(rng, B, n)
@@ -474,7 +488,7 @@ def depth(ctx):
     Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
     rows = []
     for L in Ls:
-        res = train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
+        res = ctx.train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
         mean, se = test_loss(res["P"], res["Q"], Zv, yv)
         _, _, f_star = family_optimum(L, n, d)
         base = baselines(Zt, yt, Zv, yv, L, Si, n, d)
@@ -496,7 +510,7 @@ def depth(ctx):
 
 @experiment("icl-curve", "Fig. 6 (App. D): test loss vs number of in-context examples n")
 def icl_curve(ctx):
-    rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
+    rng, quick, log = ctx.rng, ctx.quick, ctx.log
     B, ns, maxiter = (1500, [5, 20], 300) if quick else (20000, [2, 5, 10, 20], 1500)
     d, L = 5, 3
     Sigma, _ = ir.rotated_covariance(rng)
@@ -506,7 +520,7 @@ def icl_curve(ctx):
         Z, y = ir.sample_prompts(rng, B, n, Sigma, Si)
         Zt, yt = ir.sample_prompts(rng, B, n, Sigma, Si)
         Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
-        res = train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
+        res = ctx.train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
         mean, se = test_loss(res["P"], res["Q"], Zv, yv)
         base = baselines(Zt, yt, Zv, yv, L, Si, n, d)
         f_star = family_optimum(L, n, d)[2]
@@ -520,7 +534,7 @@ def icl_curve(ctx):
     # a single layer trained at n = 20, tested at other lengths: exact formula vs Monte Carlo
     n_train = 20
     Z, y = ir.sample_prompts(rng, B, n_train, Sigma, Si)
-    G = train_gauss_newton(Z, y, 1, "sparse", rng=rng)["coords"]["A"][0]
+    G = ctx.train_gauss_newton(Z, y, 1, "sparse", rng=rng)["coords"]["A"][0]
     for M in (5, 10, 40):
         exact = ir.single_layer_population_loss(G, Sigma, M, Si)
         Zv, yv = ir.sample_prompts(rng, 5 * B, M, Sigma, Si)
@@ -532,14 +546,14 @@ def icl_curve(ctx):
 
 @experiment("conditioning", "reviewers: does A ~ Sigma^-1 hold across d and condition numbers?")
 def conditioning(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, ds, kappas, maxiter = (1500, [3, 5], [1, 100], 400) if quick else (5000, [3, 5, 8], [1, 10, 100], 1000)
     n, L = 20, 3
     rows = []
     for d, kappa in itertools.product(ds, kappas):
         Sigma, Si, Z, y = paper_data(rng, B, n, d=d, kappa=kappa)
         Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
-        res = train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
+        res = ctx.train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
         mean, se = test_loss(res["P"], res["Q"], Zv, yv)
         f_star = family_optimum(L, n, d)[2]          # the same for every Sigma (MATH.md §10)
         A = res["coords"]["A"]
@@ -555,7 +569,7 @@ def conditioning(ctx):
 # 7-9. Optimisers and parametrisations
 # ---------------------------------------------------------------------------------------------
 
-def first_order(Z, y, A0, steps, lr, method, rng, batch=None):
+def first_order(ctx, Z, y, A0, steps, lr, method, rng, batch=None):
     """Adam (Kingma & Ba 2015, default betas) or momentum SGD on the sparse structure with
     icl_ref's gradient. Returns the final A, the full-batch loss per step and seconds per step."""
     n = Z.shape[2] - 1
@@ -563,7 +577,7 @@ def first_order(Z, y, A0, steps, lr, method, rng, batch=None):
     A, m, v, losses, start = A0.copy(), np.zeros_like(A0), np.zeros_like(A0), [], time.perf_counter()
     for t in range(1, steps + 1):
         idx = slice(None) if batch is None else rng.integers(0, len(y), batch)
-        loss, dP, dQ = fast.loss_and_grad_gram(*ir.sparse_params(A), S0[idx], q0[idx], y[idx], n, **THREADS)
+        loss, dP, dQ = ctx.loss_and_grad_gram(*ir.sparse_params(A), S0[idx], q0[idx], y[idx], n)
         g = ir.sparse_grad(dP, dQ)
         if method == "adam":
             m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g ** 2
@@ -572,7 +586,7 @@ def first_order(Z, y, A0, steps, lr, method, rng, batch=None):
             m = 0.9 * m + g
             A -= lr * m
         losses.append(loss if batch is None else
-                      fast.loss_and_grad_gram(*ir.sparse_params(A), S0, q0, y, n, **THREADS)[0])
+                      ctx.loss_and_grad_gram(*ir.sparse_params(A), S0, q0, y, n)[0])
     return A, np.array(losses), (time.perf_counter() - start) / steps
 
 
@@ -584,20 +598,20 @@ def permutation_distance(A, A_ref):
 
 @experiment("optimizers", "reviewer: why L-BFGS? iterations and time to 1% of its loss for Adam, SGD")
 def optimizers(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, steps = (500, 100) if quick else (5000, 2000)
     d, n, L = 5, 20, 3
     Sigma, Si, Z, y = paper_data(rng, B, n)
     A0 = 0.1 * rng.standard_normal((L, d, d))
-    res = train_lbfgs(Z, y, L, init={"A": A0}, maxiter=3000)
-    gn = train_gauss_newton(Z, y, L, init={"A": A0})
+    res = ctx.train_lbfgs(Z, y, L, init={"A": A0}, maxiter=3000)
+    gn = ctx.train_gauss_newton(Z, y, L, init={"A": A0})
     target = 1.01 * res["loss"]
     rows = [row("L-BFGS-B from the shared init", "-", f"loss {res['loss']:.5f} in {res['nit']} it, "
                 f"{res['wall_time']:.2f} s ({state(res)})", INFO),
             row("Gauss-Newton from the shared init", "-", f"loss {gn['loss']:.5f} in {gn['nfev']} evaluations, "
                 f"{gn['wall_time']:.2f} s ({state(gn)})", INFO)]
     for method, lr, batch in (("adam", 0.01, None), ("sgd", 0.002, 500)):
-        A, losses, sec = first_order(Z, y, A0, steps, lr, method, rng, batch)
+        A, losses, sec = first_order(ctx, Z, y, A0, steps, lr, method, rng, batch)
         hit = np.nonzero(losses <= target)[0]
         reached = f"{hit[0] + 1} steps, {sec * (hit[0] + 1):.2f} s" if hit.size else f"not in {steps} steps"
         rows.append(row(f"{method} (lr {lr}{', batch ' + str(batch) if batch else ', full batch'}) to within "
@@ -607,22 +621,22 @@ def optimizers(ctx):
     return rows, {}
 
 
-def factored_loss_and_grad(theta, L, S0, q0, y, n):
+def factored_loss_and_grad(theta, L, S0, q0, y, n, threads=None):
     """Loss and gradient over theta = pack([P, W_k, W_q]), each (L, 1, D, D), with
     Q_l = W_k^T W_q (eq. (3)): by the chain rule dW_k = W_q dQ^T and dW_q = W_k dQ."""
     D = S0.shape[-1]
     P, Wk, Wq = ir.unpack(theta, [(L, 1, D, D)] * 3)
-    loss, dP, dQ = fast.loss_and_grad_gram(P, Wk.transpose(0, 1, 3, 2) @ Wq, S0, q0, y, n, **THREADS)
+    loss, dP, dQ = fast.loss_and_grad_gram(P, Wk.transpose(0, 1, 3, 2) @ Wq, S0, q0, y, n, threads=threads)
     return loss, ir.pack([dP, Wq @ dQ.transpose(0, 1, 3, 2), Wk @ dQ])
 
 
-def train_factored(Z, y, L, rng, maxiter, scale=0.3):
+def train_factored(ctx, Z, y, L, rng, maxiter, scale=0.3):
     """L-BFGS-B over (P, W_k, W_q); returns P, Q = W_k^T W_q and scipy's result. The factored loss
     is flat along W_k -> G^-T W_k, W_q -> G W_q (any invertible G), so L-BFGS keeps a long memory
     (300 pairs; with SciPy's 10 the L = 2 run stopped at |grad| 2e-6 after 1500 iterations)."""
     D, n = Z.shape[1], Z.shape[2] - 1
     res = scipy.optimize.minimize(factored_loss_and_grad, scale * rng.standard_normal(3 * L * D * D),
-                                  args=(L, ir.gram(Z), Z[:, :, n], y, n), jac=True, method="L-BFGS-B",
+                                  args=(L, ir.gram(Z), Z[:, :, n], y, n, ctx.threads), jac=True, method="L-BFGS-B",
                                   options=dict(maxiter=maxiter, maxcor=300, ftol=0.0, gtol=1e-10))
     P, Wk, Wq = ir.unpack(res.x, [(L, 1, D, D)] * 3)
     return P, Wk.transpose(0, 1, 3, 2) @ Wq, res
@@ -630,15 +644,15 @@ def train_factored(Z, y, L, rng, maxiter, scale=0.3):
 
 @experiment("factored-qk", "reviewer: train Q = W_k^T W_q (standard parametrisation) vs the merged Q")
 def factored_qk(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, maxiter = (1000, 150) if quick else (5000, 1500)
     d, n = 5, 20
     Sigma, Si, Z, y = paper_data(rng, B, n)
     Zv, yv = ir.sample_prompts(rng, 4 * B, n, Sigma, Si)
     rows = []
     for L in (1, 2):
-        merged = train_full(Z, y, L, rng, maxiter)
-        P, Q, fac = train_factored(Z, y, L, rng, maxiter)
+        merged = train_full(ctx, Z, y, L, rng, maxiter)
+        P, Q, fac = train_factored(ctx, Z, y, L, rng, maxiter)
         fac_grad = float(np.linalg.norm(fac.jac))
         y_m, y_f = ir.predict(merged["P"], merged["Q"], Zv), ir.predict(P, Q, Zv)
         rel = math.sqrt(np.mean((y_m - y_f) ** 2) / np.mean(y_m ** 2))
@@ -652,14 +666,14 @@ def factored_qk(ctx):
 
 @experiment("unconstrained", "authors' conjecture: with full P, Q, does A ~ Sigma^-1 still emerge?")
 def unconstrained(ctx):
-    rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
+    rng, quick, log = ctx.rng, ctx.quick, ctx.log
     B, max_nfev, starts = (1000, 30, 2) if quick else (10000, 500, 3)
     d, n, L = 5, 20, 3
     Sigma, Si, Z, y = paper_data(rng, B, n)
     runs = []
     for k in range(starts):
-        runs.append(train_gauss_newton(Z, y, L, "full", rng=rng, init_scale=0.1, max_nfev=max_nfev,
-                                       progress=ctx["progress"]))
+        runs.append(ctx.train_gauss_newton(Z, y, L, "full", rng=rng, init_scale=0.1, max_nfev=max_nfev,
+                                       progress=ctx.progress))
         log(f"  start {k}: loss {runs[-1]['loss']:.3e}, |grad| {runs[-1]['grad_norm']:.1e}, "
             f"{runs[-1]['nfev']} evaluations, {runs[-1]['message']}")
     # the blocks that appear are read from the best start only (full (P, Q) has spurious minima)
@@ -755,7 +769,7 @@ def value_row_split(P):
 
 @experiment("single-layer-landscape", "reviewers: does training find Theorem 1's optimum? spurious minima of full (P, Q)")
 def single_layer_landscape(ctx):
-    rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
+    rng, quick, log = ctx.rng, ctx.quick, ctx.log
     B, starts = (1000, 3) if quick else (2000, 12)
     base = dict(d=3, n=10, kappa=4.0, init=0.3)
     settings = [("base", base)] + ([] if quick else
@@ -767,10 +781,10 @@ def single_layer_landscape(ctx):
         # eigenvalues spread geometrically from 1 to kappa, rotated by a Haar U
         Sigma, _ = ir.rotated_covariance(rng, np.geomspace(1.0, s["kappa"], s["d"]) if s["kappa"] > 1 else np.ones(s["d"]))
         Z, y = ir.sample_prompts(rng, B, s["n"], Sigma)
-        sparse = train_gauss_newton(Z, y, 1, "sparse", init={"A": np.zeros((1, s["d"], s["d"]))})
+        sparse = ctx.train_gauss_newton(Z, y, 1, "sparse", init={"A": np.zeros((1, s["d"], s["d"]))})
         runs = {name: [trainer(Z, y, 1, "full", rng=rng, init_scale=s["init"], **options) for _ in range(starts)]
-                for name, trainer, options in (("Gauss-Newton", train_gauss_newton, {}),
-                                               ("L-BFGS", train_lbfgs, dict(maxiter=3000)))}
+                for name, trainer, options in (("Gauss-Newton", ctx.train_gauss_newton, {}),
+                                               ("L-BFGS", ctx.train_lbfgs, dict(maxiter=3000)))}
         done = [r for rs in runs.values() for r in rs if converged(r)]
         best = min([sparse["loss"]] + [r["loss"] for r in done])
         for name, rs in runs.items():
@@ -788,10 +802,9 @@ def single_layer_landscape(ctx):
             certified = (Sigma, Z, y, min(spurious, key=lambda r: r["loss"]), min(done, key=lambda r: r["loss"]))
     if certified:
         Sigma, Z, y, high, low = certified
-        curv = fast.identifiable_hessian("full", dict(zip("PQ", balanced(high["P"], high["Q"]))), Z, y,
-                                         **THREADS)
+        curv = ctx.identifiable_hessian("full", dict(zip("PQ", balanced(high["P"], high["Q"]))), Z, y)
         # perturbation test: L-BFGS from the point moved by 1e-2 in a random direction returns to it
-        back = [train_lbfgs(Z, y, 1, "full", init={k: v + 1e-2 * rng.standard_normal(v.shape)
+        back = [ctx.train_lbfgs(Z, y, 1, "full", init={k: v + 1e-2 * rng.standard_normal(v.shape)
                                                    for k, v in high["coords"].items()}, maxiter=3000)["loss"]
                 for _ in range(3)]
         rows.append(row("base: the lowest spurious point is a strict local minimum modulo the exact symmetries",
@@ -807,9 +820,9 @@ def single_layer_landscape(ctx):
         # on fresh prompts is many standard errors of the paired difference
         n_base = base["n"]
         Z2, y2 = ir.sample_prompts(rng, 10 * B, n_base, Sigma)
-        again = {k: train_lbfgs(Z2, y2, 1, "full", init=r["coords"], maxiter=3000) for k, r in (("high", high), ("low", low))}
-        curv2 = fast.identifiable_hessian("full", dict(zip("PQ", balanced(again["high"]["P"], again["high"]["Q"]))),
-                                          Z2, y2, **THREADS)
+        again = {k: ctx.train_lbfgs(Z2, y2, 1, "full", init=r["coords"], maxiter=3000) for k, r in (("high", high), ("low", low))}
+        curv2 = ctx.identifiable_hessian("full", dict(zip("PQ", balanced(again["high"]["P"], again["high"]["Q"]))),
+                                          Z2, y2)
         Zt, yt = ir.sample_prompts(rng, 20 * B, n_base, Sigma)
         errs = {k: (ir.predict(r["P"], r["Q"], Zt) - yt) ** 2 for k, r in again.items()}
         (f_high, se_high), (f_low, se_low) = mean_se(errs["high"]), mean_se(errs["low"])
@@ -857,7 +870,7 @@ def single_layer_landscape(ctx):
 
 @experiment("noise", "Mahankali et al. 2023: learned step vs 1/(n+1+d+noise_var)")
 def noise(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, levels = (3000, [0.0, 2.0]) if quick else (20000, [0.0, 0.5, 1.0, 2.0, 4.0])
     d, n = 5, 20
     rows = []
@@ -865,8 +878,8 @@ def noise(ctx):
         Sigma = ir.rotated_covariance(rng)[0] if precond else np.eye(d)
         Si = np.linalg.inv(Sigma)
         Z, y = ir.sample_prompts(rng, B, n, Sigma, Si, noise_std=math.sqrt(s2))
-        res = train_gauss_newton(Z, y, 1, "sparse", rng=rng)
-        cov = sandwich_covariance("sparse", res["coords"], Z, y)
+        res = ctx.train_gauss_newton(Z, y, 1, "sparse", rng=rng)
+        cov = ctx.sandwich_covariance("sparse", res["coords"], Z, y)
         a_hat, se = scalar_fit(res["coords"]["A"][0], Si, cov)
         a_theory = n * ir.gd_step_size(n, d, s2)
         rows.append(row(f"noise_var={s2}, {'Sigma^-1-preconditioned' if precond else 'isotropic'}: "
@@ -878,7 +891,7 @@ def noise(ctx):
 
 @experiment("multi-head", "rebuttal: a sum of heads equals one head with summed P and summed Q?")
 def multi_head(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, maxiter, max_nfev = (1000, 150, 40) if quick else (5000, 1000, 500)
     d, n = 5, 20
     Sigma, Si, Z, y = paper_data(rng, B, n)
@@ -895,8 +908,8 @@ def multi_head(ctx):
     rows.append(row("general heads: sum of heads != one head (P1+P2, Q1+Q2) (bilinear: cross terms "
                     "P1 S Q2 + P2 S Q1)", "O(1) difference", f"{err:.2f}", verdict(err > 1e-2)))
     for L in (1, 2):
-        one = train_full(Z, y, L, rng, maxiter, heads=1, max_nfev=max_nfev)
-        two = train_full(Z, y, L, rng, maxiter, heads=2, max_nfev=max_nfev)
+        one = train_full(ctx, Z, y, L, rng, maxiter, heads=1, max_nfev=max_nfev)
+        two = train_full(ctx, Z, y, L, rng, maxiter, heads=2, max_nfev=max_nfev)
         rows.append(row(f"L={L}: trained 1-head vs 2-head (full P, Q) batch loss (2 heads contain 1)",
                         "2 heads <= 1 head", f"1 head {one['loss']:.5f} ({state(one)}), 2 heads "
                         f"{two['loss']:.5f} ({state(two)})", INFO if converged(one) and converged(two) else NO_VERDICT,
@@ -919,7 +932,7 @@ def relu_prompts(rng, B, n, d, k):
 
 @experiment("nonlinear-targets", "Mahankali et al. 2023: ReLU-network targets, the optimum is still one GD step")
 def nonlinear_targets(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, N_mc = (4000, 200_000) if quick else (20000, 1_000_000)
     d, n, k = 5, 20, 8
     # eta = E|beta|^2 / ((1/n) E[y^2 |x|^2] + (1 - 1/n) E|beta|^2), beta = E_x[x f(x)] = W^T v / (2 sqrt k)
@@ -932,8 +945,8 @@ def nonlinear_targets(ctx):
     eta = beta2 / (m / n + (1 - 1 / n) * beta2)
     eta_se = eta ** 2 / beta2 * m_se / n                           # delta method in m
     Z, y = relu_prompts(rng, B, n, d, k)
-    res = train_gauss_newton(Z, y, 1, "sparse", rng=rng)
-    cov = sandwich_covariance("sparse", res["coords"], Z, y)
+    res = ctx.train_gauss_newton(Z, y, 1, "sparse", rng=rng)
+    cov = ctx.sandwich_covariance("sparse", res["coords"], Z, y)
     a_hat, se = scalar_fit(res["coords"]["A"][0], np.eye(d), cov)
     tol = Z_MC * math.hypot(se, eta_se)
     return [row("trained single layer = eta I with Mahankali's eta (both sides with computed errors)",
@@ -950,7 +963,7 @@ def cosine(a, b):
 
 @experiment("softmax-two-head", "rebuttal: two softmax heads learn the linear algorithm, with opposite signs")
 def softmax_two_head(ctx):
-    rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
+    rng, quick, log = ctx.rng, ctx.quick, ctx.log
     B, B_test, starts, max_nfev = (500, 4000, 1, 50) if quick else (4000, 40000, 3, 600)
     d, n = 5, 10                                                 # n = 10: explicit attention is O(n^2)
     Z, y = ir.sample_prompts(rng, B, n, np.eye(d))              # isotropic: x, w* ~ N(0, I)
@@ -958,7 +971,7 @@ def softmax_two_head(ctx):
     G = ir.gamma_star(np.eye(d), n)
     P_star, Q_star = ir.sparse_params(G[None])
     # the linear baseline from several starts, the best one used (full (P, Q) has spurious minima)
-    linears = [train_gauss_newton(Z, y, 1, "full", rng=rng, init_scale=0.3) for _ in range(starts + 1)]
+    linears = [ctx.train_gauss_newton(Z, y, 1, "full", rng=rng, init_scale=0.3) for _ in range(starts + 1)]
     reached, linear_said = starts_summary(linears)
     linear = reached[0] if reached else min(linears, key=lambda r: r["grad_norm"])
     y_lin = ir.predict(linear["P"], linear["Q"], Zt)
@@ -974,8 +987,8 @@ def softmax_two_head(ctx):
                  "softmax": "softmax over the n context keys"}[act]
 
         def run(H, kind, init):
-            res = train_gauss_newton(Z, y, 1, "full", heads=H, init=init, max_nfev=max_nfev, activation=act,
-                                     progress=ctx["progress"])
+            res = ctx.train_gauss_newton(Z, y, 1, "full", heads=H, init=init, max_nfev=max_nfev, activation=act,
+                                     progress=ctx.progress)
             y_hat = ir.predict_activation(res["P"], res["Q"], Zt, act)
             loss, se = mean_se((y_hat - yt) ** 2)
             rel = math.sqrt(np.mean((y_hat - y_lin) ** 2) / np.mean(y_lin ** 2))
@@ -1047,9 +1060,10 @@ def softmax_two_head(ctx):
 # Running, tables, files
 # ---------------------------------------------------------------------------------------------
 
-def write_csv(path, rows):
+def write_csv(out, filename, rows):
+    """rows (dicts) as the CSV `filename` in the run's folder `out` (an OutDir): one column per field."""
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
+    with out.create(filename) as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
@@ -1061,7 +1075,7 @@ def markdown_table(rows):
     return "\n".join(lines)
 
 
-def heat_grid(plt, grid, titles, suptitle, path, row_labels=None, groups=None):
+def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None, groups=None):
     """Heat maps in rows (grid: a list of rows of matrices) with the values written in. Panels in
     the same column group (groups: a label per column, default one group) share one symmetric colour
     scale, shown by one colourbar per group; values on dark cells are written in white."""
@@ -1088,9 +1102,7 @@ def heat_grid(plt, grid, titles, suptitle, path, row_labels=None, groups=None):
         cols = [c for c, gc in enumerate(groups) if gc == g]
         fig.colorbar(image, ax=[axes[r][c] for r in range(len(grid)) for c in cols], shrink=0.8,
                      label=f"entry of {g}" if g else "entry")
-    fig.savefig(path, dpi=90, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save(fig, suffix)
 
 
 def heat_matrices(table, **match):
@@ -1114,12 +1126,14 @@ def figures(out, name, rows, tables):
     except ImportError:
         return [], "No figures: matplotlib is not installed (python3 -m pip install matplotlib, or pip install .[plot])."
     made = []
-    path = lambda suffix: os.path.join(out, f"{name}{suffix}.png")
+    path = lambda suffix: suffix
 
-    def save(fig, p):
-        fig.savefig(p, dpi=90, bbox_inches="tight")
+    def save(fig, suffix):
+        filename = f"{name}{suffix}.png"
+        with out.create(filename, binary=True) as f:
+            fig.savefig(f, format="png", dpi=90, bbox_inches="tight")
         plt.close(fig)
-        return p
+        return filename
     if name == "three-layer-sparse":
         curve, a_star = tables["curve"], [o["a_star"] for o in tables["optimum"]]
         fig, ax = plt.subplots(1, 2, figsize=(11, 4))
@@ -1149,7 +1163,7 @@ def figures(out, name, rows, tables):
         made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted a = {fitted[l]:.2f}" for l in range(len(mats))]],
                                "[A] Fig. 2: Sigma^1/2 A_l Sigma^1/2 after training (seed 0)\nexact family optimum: "
                                + ", ".join(f"{a:.2f}" for a in a_star) + " times I, in some layer order",
-                               path("_heatmaps"), groups=["Sigma^1/2 A_l Sigma^1/2"] * len(mats)),
+                               save, "_heatmaps", groups=["Sigma^1/2 A_l Sigma^1/2"] * len(mats)),
                      "Fig. 2: each whitened A_l is close to a multiple of I; the fitted multiples (the "
                      "experiment's table) match the exact family optimum up to the layers' order."))
     elif name == "three-layer-blocks":
@@ -1169,7 +1183,7 @@ def figures(out, name, rows, tables):
             made.append((heat_grid(plt, grid, titles, "[A] Figs. 3-5: blocks model, converged runs: Sigma^1/2 A_l "
                                    "Sigma^1/2 and B_l\ntitles: the global family optimum (f* = "
                                    f"{opt[0]['f_star']:.3e}); rows: the population minimum each run's scalars descend to",
-                                   path("_heatmaps"), row_labels=labels, groups=["Sigma^1/2 A Sigma^1/2"] * len(opt)
+                                   save, "_heatmaps", row_labels=labels, groups=["Sigma^1/2 A Sigma^1/2"] * len(opt)
                                    + ["B"] * len(opt)),
                          "Figs. 3-5: every converged run, both optimisers: the whitened A_l and the B_l (l < 2) "
                          "are near multiples of I with the family optimum's scalars; B_2 keeps its random start "
@@ -1265,24 +1279,30 @@ def figures(out, name, rows, tables):
 
 def nonneg_int(text):
     """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return bounded_int(text, 0)
 
 
 def positive_int(text):
     """argparse type: an integer >= 1."""
-    value = nonneg_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return bounded_int(text, 1)
+
+
+def bounded_int(text, least):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
     return value
 
 
 RECORD = "config.json"              # the run's record: options, versions, status and the files it wrote
+SUMMARY = "summary.md"
+LOCK = ".experiments.lock"          # held (fcntl.flock) by the one run writing into a folder
+FORMAT = "icl_ref experiments record"
+FORMAT_VERSION = 2
+TOOL = "experiments.py"
 SOURCES = ("icl_ref.py", "icl_fast.py", "experiments.py")   # the code whose results a run records
 
 
@@ -1314,66 +1334,158 @@ def sources_digest(names=SOURCES):
     return h.hexdigest()
 
 
-def earlier_run_files(out):
-    """The files an earlier run wrote into out, from its record (RECORD lists them, itself included),
-    or None when out holds no readable record of a run of this script."""
+def output_of(name, filename):
+    """Whether `filename` is a name experiment `name` writes: name.csv, name.png or name_*."""
+    return filename in (f"{name}.csv", f"{name}.png") or filename.startswith(f"{name}_")
+
+
+class OutputError(Exception):
+    """--out cannot take this run's files; the message names the file and the reason."""
+
+
+def read_record(dfd):
+    """The record in the folder open at `dfd` when experiments.py wrote it (the format marker, the
+    tool's name, this format version and a well-formed per-experiment file list), else None. A
+    record file that is a symbolic link is not read."""
     try:
-        with open(os.path.join(out, RECORD)) as f:
+        fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, encoding="utf-8") as f:
             record = json.load(f)
-        files = record["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
-    if not (isinstance(files, list) and all(isinstance(x, str) and os.path.basename(x) == x for x in files)):
+    if not (isinstance(record, dict) and record.get("format") == FORMAT and record.get("tool") == TOOL
+            and record.get("format_version") == FORMAT_VERSION and isinstance(record.get("experiments"), dict)):
         return None
-    return set(files) | {RECORD}
+    for name, entry in record["experiments"].items():
+        files = entry.get("files") if isinstance(entry, dict) else None
+        if not (isinstance(files, list) and all(isinstance(f, str) and os.path.basename(f) == f and output_of(name, f)
+                                                for f in files)):
+            return None
+    return record
 
 
-def prepare_out(ap, out, overwrite, keep_others):
-    """Refuse an --out that cannot hold a fresh run (exit 2 via ap.error, nothing written). With
-    --overwrite, remove the files an earlier run wrote there (its record says which), and nothing
-    else: a directory that also holds other files is refused unless --keep-others says to leave
-    them as they are."""
-    if not out:
-        ap.error("--out must name a directory, got ''")
-    if os.path.exists(out) and not os.path.isdir(out):
-        ap.error(f"--out {out!r} exists and is not a directory")
-    present = set(os.listdir(out)) if os.path.isdir(out) else set()
-    if present:
+def owned_files(record):
+    """The files a trusted record says experiments.py wrote (the record and the summary included)."""
+    if record is None:
+        return set()
+    return {f for entry in record["experiments"].values() for f in entry["files"]} | {RECORD, SUMMARY}
+
+
+class OutDir:
+    """The --out folder of one run. Only this run writes there while it lives (a lock); a file is
+    created only where no file of that name exists (O_EXCL) and never through a symbolic link
+    (O_NOFOLLOW, relative to the folder's descriptor); what it replaces or removes is what a record
+    of experiments.py lists, regular files only. `check` refuses (OutputError) before anything is
+    written when the folder holds something this run must not touch."""
+
+    def __init__(self, path):
+        self.path = path
+        self.dfd = self.lock_fd = None
+        self.earlier = None            # the earlier run's trusted record, if any
+        self.stale = set()             # files of the earlier record this run replaces once it has their new versions
+
+    def show(self, name):
+        return os.path.join(self.path, name)
+
+    def open(self, names, overwrite, keep_others):
+        if not self.path:
+            raise OutputError("--out must name a directory, got ''")
+        if os.path.lexists(self.path) and not os.path.isdir(self.path):
+            raise OutputError(f"--out {self.path!r} exists and is not a directory")
+        if os.path.isdir(self.path):
+            self.dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            self.check(names, overwrite, keep_others)          # refuse before writing even the lock
+        else:
+            try:
+                os.makedirs(self.path)
+            except OSError as e:
+                raise OutputError(f"--out {self.path!r} cannot be created: {e.strerror}") from None
+            self.dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self.lock_fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=self.dfd)
+        except OSError as e:
+            raise OutputError(f"--out {self.path!r}: cannot open the lock file {self.show(LOCK)!r} "
+                              f"({e.strerror}; a symbolic link there is refused)") from None
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise OutputError(f"--out {self.path!r} is in use by another experiments.py run (it holds the lock "
+                              f"{self.show(LOCK)!r}): wait for it to finish, or name another directory") from None
+        self.check(names, overwrite, keep_others)              # again, now that no other run can write
+
+    def close(self):
+        for fd in (self.lock_fd, self.dfd):
+            if fd is not None:
+                os.close(fd)                                   # closing the lock file releases the lock
+        self.lock_fd = self.dfd = None
+
+    def check(self, names, overwrite, keep_others):
+        present = set(os.listdir(self.dfd)) - {LOCK}
+        self.earlier, self.stale = None, set()
+        if not present:
+            return
         if not overwrite:
-            ap.error(f"--out {out!r} is not empty: pass --overwrite to replace an earlier run's results, "
-                     "or name a new directory")
-        earlier = earlier_run_files(out)
-        if earlier is None:
-            ap.error(f"--out {out!r} holds files but no record of an earlier run ({RECORD} listing the files it "
-                     "wrote): not touching them; name a new directory")
-        others = sorted(present - earlier)
+            raise OutputError(f"--out {self.path!r} is not empty: pass --overwrite to replace an earlier run's "
+                              "results, or name a new directory")
+        record = read_record(self.dfd)
+        if record is None:
+            raise OutputError(f"--out {self.path!r} holds files but no record written by experiments.py ({RECORD} "
+                              f"with the format marker {FORMAT!r}): not touching them; name a new directory")
+        owned = owned_files(record)
+        for f in sorted(present & owned):
+            st = os.stat(f, dir_fd=self.dfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise OutputError(f"--out {self.path!r}: {self.show(f)!r} is not a regular file (a symbolic link or "
+                                  "a directory) although the earlier run's record lists it: not following or "
+                                  "replacing it; move it away or name a new directory")
+        ours = {f for n in names for f in record["experiments"].get(n, {}).get("files", [])}
+        for f in sorted(present - owned):
+            if f in (RECORD, SUMMARY) or any(output_of(n, f) for n in names):
+                raise OutputError(f"--out {self.path!r}: {self.show(f)!r} has the name of one of this run's outputs "
+                                  "but no earlier run of experiments.py wrote it: not replacing it; move it away "
+                                  "or name a new directory")
+        others = sorted(present - owned)
         if others and not keep_others:
-            ap.error(f"--out {out!r} holds files that no earlier run wrote ({', '.join(others[:3])}"
-                     f"{', ...' if len(others) > 3 else ''}): pass --keep-others to leave them there, or name a new "
-                     "directory")
-        for f in sorted(present & earlier):
-            if os.path.isfile(os.path.join(out, f)):
-                os.remove(os.path.join(out, f))
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, ".write-test")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        ap.error(f"--out {out!r} cannot be written: {e.strerror}")
+            raise OutputError(f"--out {self.path!r} holds files that no earlier run wrote ({', '.join(others[:3])}"
+                              f"{', ...' if len(others) > 3 else ''}): pass --keep-others to leave them there, or "
+                              "name a new directory")
+        self.earlier, self.stale = record, ours & present
+
+    def remove_stale(self, name):
+        """Remove the earlier run's files of experiment `name` (its new results are about to be written)."""
+        for f in sorted(self.stale):
+            if output_of(name, f):
+                st = os.stat(f, dir_fd=self.dfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OutputError(f"{self.show(f)!r} is no longer a regular file: not removing it")
+                os.unlink(f, dir_fd=self.dfd)
+                self.stale.discard(f)
+
+    def create(self, name, binary=False):
+        """A new file `name` in the folder, open for writing; never an existing file, never through a link."""
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.dfd)
+        except FileExistsError:
+            raise OutputError(f"{self.show(name)!r} appeared while this run was writing and is not this run's: "
+                              "not replacing it") from None
+        return os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8",
+                         **({} if binary else dict(newline="")))
+
+    def replace(self, name, text):
+        """Write `name` (the record or the summary, files of this tool) atomically: a new temporary file
+        renamed over it, so the name is replaced, never a file a link points to."""
+        tmp = f".{name}.{os.getpid()}.tmp"
+        with self.create(tmp) as f:
+            f.write(text)
+        os.replace(tmp, name, src_dir_fd=self.dfd, dst_dir_fd=self.dfd)
 
 
 class Stopped(KeyboardInterrupt):
     """SIGTERM, raised where the run is, so that it stops as a Ctrl-C does (the trainers return
     their last iterate, the run writes what completed)."""
-
-
-SIGTERM_SEEN = []          # the trainers turn the exception into a result: the run remembers the signal here
-
-
-def on_sigterm(signum, frame):
-    SIGTERM_SEEN.append(signum)
-    raise Stopped()
 
 
 def stop_if_interrupted(res):
@@ -1383,121 +1495,207 @@ def stop_if_interrupted(res):
     return res
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+HELP_EPILOG = f"""\
+--out: a new or empty directory, or (with --overwrite) one an earlier run of experiments.py wrote.
+--overwrite replaces only the files of the experiments named on this command line, as the earlier
+run's {RECORD} lists them (a record this script wrote: it carries "format": "{FORMAT}"); the other
+experiments' results stay, and stay in the record. It never replaces a file that no run of this
+script wrote, never writes through a symbolic link, and refuses a directory another run is
+writing into. Files of yours beside the results are refused unless --keep-others.
+Exit status: 0 every checked claim holds, 1 a claim failed, 2 bad arguments or --out refused
+(nothing written), 130 / 143 stopped by Ctrl-C / SIGTERM (the record says "interrupted")."""
+
+
+def parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=HELP_EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="experiments to run (default: all; a name given twice runs once)")
     ap.add_argument("--quick", action="store_true", help="reduced sizes (about a minute in all)")
-    ap.add_argument("--seed", type=nonneg_int, default=0, help="integer >= 0 (default 0)")
-    ap.add_argument("--out", default="results", help="directory for the results; must be new or empty")
+    ap.add_argument("--seed", type=nonneg_int, default=0, help="integer >= 0 (default: 0)")
+    ap.add_argument("--out", default="results", help="directory for the results (default: results)")
     ap.add_argument("--overwrite", action="store_true",
-                    help="replace an earlier run's results in --out (the files its config.json lists, nothing else)")
+                    help="replace the named experiments' files of an earlier run in --out (see below)")
     ap.add_argument("--keep-others", action="store_true",
-                    help="with --overwrite: leave files in --out that no earlier run wrote, instead of refusing")
+                    help="with --overwrite: leave files in --out that no run wrote, instead of refusing")
     ap.add_argument("--list", action="store_true", help="list the experiments and exit")
-    ap.add_argument("--progress", type=nonneg_int, default=0, help="print training progress every k steps")
+    ap.add_argument("--progress", type=nonneg_int, default=0,
+                    help="print training progress every k steps (default: 0, off)")
     ap.add_argument("--threads", type=positive_int, default=None,
-                    help="icl_fast's worker threads per evaluation (default: every core)")
+                    help="icl_fast's worker threads per evaluation, an integer >= 1 (default: every core)")
+    return ap
+
+
+class Heartbeat:
+    """While a `with Heartbeat(log, what)` block runs, a line every `every` seconds saying it still does."""
+
+    def __init__(self, log, what, every=10.0):
+        self.log, self.what, self.every = log, what, every
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.beat, daemon=True)
+
+    def beat(self):
+        start = time.perf_counter()
+        while not self.stop.wait(self.every):
+            self.log(f"  ... {self.what} still running ({time.perf_counter() - start:.0f} s)")
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def tally(rows):
+    """{verdict: count} over rows, every verdict present (0 when absent)."""
+    return {v: sum(r["verdict"] == v for r in rows) for v in (PASS, FAIL, INFO, NO_VERDICT)}
+
+
+def main(argv=None):
+    """The command line; returns the exit status. The caller's signal handlers are as they were after it."""
+    ap = parser()
     args = ap.parse_args(argv)
-    THREADS["threads"] = args.threads
     if args.list:
         for name, (_, answers) in EXPERIMENTS.items():
-            print(f"{name:20s} {answers}")
+            print(f"{name:24s} {answers}")
         return 0
     unknown = [n for n in args.names if n not in EXPERIMENTS]
     if unknown:
         ap.error(f"unknown experiment(s) {unknown}; --list shows the names")
     names = list(dict.fromkeys(args.names)) or list(EXPERIMENTS)
-    prepare_out(ap, args.out, args.overwrite, args.keep_others)
+    out = OutDir(args.out)
+    try:
+        out.open(names, args.overwrite, args.keep_others)
+    except OutputError as e:
+        out.close()
+        ap.error(str(e))
+    try:
+        return run(args, names, out)
+    finally:
+        out.close()
+
+
+def run(args, names, out):
     start = time.perf_counter()
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     def log(msg):
         print(f"[{time.perf_counter() - start:7.1f} s] {msg}", flush=True)
 
-    config = dict(argv=sys.argv, names=names, quick=args.quick, seed=args.seed, sources_sha256=sources_digest(),
-                  numpy=np.__version__,
-                  scipy=scipy.__version__, python=platform.python_version(),
-                  threadpoolctl=threadpoolctl.__version__, cores=len(os.sched_getaffinity(0))
-                  if hasattr(os, "sched_getaffinity") else os.cpu_count(), threads=args.threads)
-    written = []                     # every file this run writes, in the record as it is written
+    this_run = dict(argv=sys.argv, names=names, quick=args.quick, seed=args.seed, threads=args.threads,
+                    started_utc=started, sources_sha256=sources_digest(), numpy=np.__version__,
+                    scipy=scipy.__version__, python=platform.python_version(),
+                    threadpoolctl=threadpoolctl.__version__, cores=len(os.sched_getaffinity(0))
+                    if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    # the earlier run's experiments stay in the record until this run replaces them (an experiment's
+    # old files are removed only once its new results are ready)
+    experiments = dict(out.earlier["experiments"]) if out.earlier else {}
+    done, results = [], {}
 
-    def write(path_name, writer):
-        writer(os.path.join(args.out, path_name))
-        written.append(path_name)
+    def write_record(status, **extra):
+        files = sorted({f for e in experiments.values() for f in e["files"]} | {RECORD, SUMMARY})
+        record = dict(format=FORMAT, tool=TOOL, format_version=FORMAT_VERSION, status=status, **this_run,
+                      completed=list(done), experiments=experiments, files=files, **extra)
+        out.replace(RECORD, json.dumps(record, indent=2, default=float) + "\n")
 
-    def write_config(status, done, **extra):
-        with open(os.path.join(args.out, RECORD), "w") as f:
-            json.dump(dict(config, status=status, completed=done, files=sorted(set(written)), **extra), f, indent=2)
-    write_config("running", [])
-    summary, failed, done = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""], [], []
+    write_record("running")
     stopped_by, plot_note = None, None
     # SIGTERM stops the run as Ctrl-C does; while the results are written at the end, both wait
     main_thread = threading.current_thread() is threading.main_thread()
-    SIGTERM_SEEN.clear()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
-    try:
-        for name in names:
-            fn, answers = EXPERIMENTS[name]
-            log(f"{name}: {answers}")
-            t0 = time.perf_counter()
-            # the stream depends on the experiment's name, not its position: each reproduces alone
-            ctx = dict(rng=np.random.default_rng([args.seed, zlib.crc32(name.encode())]), seed=args.seed, quick=args.quick,
-                       log=log, progress=args.progress)
-            rows, tables = fn(ctx)
-            write(f"{name}.csv", lambda p: write_csv(p, rows))
-            for table, content in tables.items():
-                write(f"{name}_{table}.csv", lambda p: write_csv(p, content))
-            pngs, note = figures(args.out, name, rows, tables)
-            written.extend(os.path.basename(p) for p, _ in pngs)
-            plot_note = plot_note or note
-            table = markdown_table(rows)
-            print(table, flush=True)
-            summary += [f"## {name}", f"_{answers}_ ({time.perf_counter() - t0:.1f} s)", "", table, ""]
-            for p, caption in pngs:
-                summary += [f"![{name}]({os.path.basename(p)})", "", f"_{caption}_", ""]
-            failed += [f"{name}: {r['claim']}" for r in rows if r["verdict"] == FAIL]
-            done.append(name)
-            write_config("running", done)
-    except KeyboardInterrupt as e:
-        stopped_by = "SIGTERM" if isinstance(e, Stopped) or SIGTERM_SEEN else "SIGINT (Ctrl-C)"
+    term = []                   # the trainers turn the exception into a result: the run remembers the signal here
+
+    def on_sigterm(signum, frame):
+        term.append(signum)
+        raise Stopped()
+    previous_term = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
+    previous_int = signal.getsignal(signal.SIGINT) if main_thread else None
     late = []
-    if main_thread:
-        signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
-        previous_int = signal.signal(signal.SIGINT, lambda signum, frame: late.append(signum))
     try:
+        try:
+            for k, name in enumerate(names, 1):
+                fn, answers = EXPERIMENTS[name]
+                log(f"[{k}/{len(names)}] {name}: {answers}")
+                t0 = time.perf_counter()
+                # the stream depends on the experiment's name, not its position: each reproduces alone
+                ctx = Context(rng=np.random.default_rng([args.seed, zlib.crc32(name.encode())]), seed=args.seed,
+                              quick=args.quick, log=log, progress=args.progress, threads=args.threads)
+                with Heartbeat(log, name):
+                    rows, tables = fn(ctx)
+                rows = [{"experiment": name, **r} for r in rows]
+                seconds = time.perf_counter() - t0
+                out.remove_stale(name)
+                files = [f"{name}.csv"]
+                write_csv(out, f"{name}.csv", rows)
+                for table, content in tables.items():
+                    files.append(f"{name}_{table}.csv")
+                    write_csv(out, files[-1], content)
+                pngs, note = figures(out, name, rows, tables)
+                files += [p for p, _ in pngs]
+                plot_note = plot_note or note
+                print(markdown_table(rows), flush=True)
+                experiments[name] = dict(files=files, status="complete", answers=answers, quick=args.quick,
+                                         seed=args.seed, run_started_utc=started, seconds=round(seconds, 1),
+                                         sources_sha256=this_run["sources_sha256"], tally=tally(rows))
+                results[name] = (rows, pngs, seconds)
+                done.append(name)
+                write_record("running")
+                log(f"[{k}/{len(names)}] {name} done in {seconds:.1f} s")
+        except KeyboardInterrupt as e:
+            stopped_by = "SIGTERM" if isinstance(e, Stopped) or term else "SIGINT (Ctrl-C)"
+        if main_thread:
+            signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
+            signal.signal(signal.SIGINT, lambda signum, frame: late.append(signum))
+        rows = [r for rs, _, _ in results.values() for r in rs]
+        counts = tally(rows)
+        failed = [f"{r['experiment']}: {r['claim']}" for r in rows if r["verdict"] == FAIL]
+        summary = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""]
         if stopped_by:
             log(f"stopped by {stopped_by}: writing the experiments that completed, then stopping")
             what = (f"only {', '.join(done)} completed" if done else
                     "no experiment completed, so there are no results")
-            summary[1:1] = [f"**INTERRUPTED** by {stopped_by}: {what}; this is not a full run.", ""]
+            summary += [f"**INTERRUPTED** by {stopped_by}: {what}; this is not a full run.", ""]
+        summary += [tally_line(counts), ""]
+        for name, (rs, pngs, seconds) in results.items():
+            summary += [f"## {name}", f"_{EXPERIMENTS[name][1]}_ ({seconds:.1f} s)", "", markdown_table(rs), ""]
+            for p, caption in pngs:
+                summary += [f"![{name}]({p})", "", f"_{caption}_", ""]
+        kept = [n for n in experiments if n not in results]
+        if kept:
+            summary += ["## Kept from earlier runs", ""] + [
+                f"- {n}: {', '.join(experiments[n]['files'])} ({'quick' if experiments[n].get('quick') else 'full'}, "
+                f"seed {experiments[n].get('seed')}, run started {experiments[n].get('run_started_utc')})"
+                for n in kept] + [""]
         if plot_note:
             log(plot_note)
             summary += ["", plot_note]
         summary.append(f"Total {time.perf_counter() - start:.1f} s; numpy {np.__version__}, scipy {scipy.__version__}.")
         if failed:
             summary += ["", "## Failed claims", ""] + [f"- {f}" for f in failed]
-
-        def summary_md(path):
-            with open(path, "w") as f:
-                f.write("\n".join(summary) + "\n")
-        write("summary.md", summary_md)
+        out.replace(SUMMARY, "\n".join(summary) + "\n")
+        status = 128 + (signal.SIGTERM if stopped_by == "SIGTERM" else signal.SIGINT) if stopped_by else \
+            1 if failed else 0
         if stopped_by:
-            write_config("interrupted", done, stopped_by=stopped_by)
+            write_record("interrupted", stopped_by=stopped_by, tally=counts)
         else:
-            write_config("complete", done)
-        log(f"{'interrupted' if stopped_by else 'done'}; results in {args.out}/")
+            write_record("complete", tally=counts)
+        if failed:
+            print("FAILED claims:\n  " + "\n  ".join(failed), file=sys.stderr)
+        log(f"{tally_line(counts)}; {'INTERRUPTED, ' if stopped_by else ''}{len(done)} of {len(names)} experiments "
+            f"in {time.perf_counter() - start:.0f} s; exit status {status}; summary in {out.show(SUMMARY)}")
     finally:
         if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, previous_term)
             signal.signal(signal.SIGINT, previous_int)
-    if failed:
-        print("FAILED claims:\n  " + "\n  ".join(failed), file=sys.stderr)
-    if stopped_by:
-        return 128 + (signal.SIGTERM if stopped_by == "SIGTERM" else signal.SIGINT)
-    if late:
+    if not stopped_by and late:
         # every experiment had completed, so the record says complete; the exit status says a stop came
         log(f"{signal.Signals(late[0]).name} arrived while the results were written: they are complete; stopping")
         return 128 + late[0]
-    return 1 if failed else 0
+    return status
+
+
+def tally_line(counts):
+    return "tally: " + ", ".join(f"{c} {v}" for v, c in counts.items())
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def quick_run(out, names):
     summary = (out / "summary.md").read_text()
     for name in names or ex.EXPERIMENTS:
         assert (out / f"{name}.csv").exists() and f"## {name}" in summary
-    assert "FAIL" not in summary
+    assert config["tally"]["FAIL"] == 0 and config["tally"]["NO VERDICT"] == 0
     return config
 
 
@@ -78,22 +78,21 @@ def test_starts_summary_judges_by_the_lowest_converged_start():
     assert ex.starts_summary([run(1.0, grad_norm=1.0)]) == ([], "none of 1 starts converged")
 
 
-def test_single_layer_never_passes_full_pq_from_a_higher_stationary_point(monkeypatch):
+def test_single_layer_never_passes_full_pq_from_a_higher_stationary_point():
     # every full (P, Q) start "converges" at P = Q = 0, a genuine stationary point (the prediction is
     # bilinear in P and Q, so the gradient vanishes there) whose loss E y^2 is far above the optimum,
     # and whose test loss therefore clears L*: the row must not PASS from it
-    trainer = ex.train_gauss_newton
-
-    def stuck(Z, y, L, structure, **kwargs):
-        if structure != "full":
-            return trainer(Z, y, L, structure, **kwargs)
-        D = Z.shape[1]
-        return trainer(Z, y, L, "full", init={"P": np.zeros((L, 1, D, D)), "Q": np.zeros((L, 1, D, D))})
-    monkeypatch.setattr(ex, "train_gauss_newton", stuck)
-    rows, _ = ex.single_layer(dict(rng=np.random.default_rng(3), seed=3, quick=True, log=print, progress=0))
+    class Stuck(ex.Context):
+        def train_gauss_newton(self, Z, y, L, structure, **kwargs):
+            if structure != "full":
+                return super().train_gauss_newton(Z, y, L, structure, **kwargs)
+            D = Z.shape[1]
+            return super().train_gauss_newton(Z, y, L, "full", init={"P": np.zeros((L, 1, D, D)),
+                                                                      "Q": np.zeros((L, 1, D, D))})
+    rows, _ = ex.single_layer(Stuck(rng=np.random.default_rng(3), seed=3, quick=True, log=lambda msg: None))
     full = [r for r in rows if "cannot beat Gamma*" in r["claim"]]
     assert len(full) == 3 and all(r["verdict"] == ex.NO_VERDICT for r in full)
-    assert all("0 of 2 starts reached" in r["measured"] for r in full)
+    assert all(r["reached"] == 0 and r["starts"] == 2 for r in full)
 
 
 def stub_run(P, Q, loss, grad_norm):
@@ -101,29 +100,29 @@ def stub_run(P, Q, loss, grad_norm):
                 coords={"P": P, "Q": Q})
 
 
-def test_softmax_baseline_and_unconstrained_read_the_best_start(monkeypatch):
+def test_softmax_baseline_and_unconstrained_read_the_best_start():
     # the first start of every linear full (P, Q) model ends at the stationary point P = Q = 0 (a
     # higher loss), later ones at the trained sparse model (lower); softmax runs do not converge.
     # The linear baseline and the blocks read from `unconstrained` must come from the lower start.
-    calls, real = [], ex.train_gauss_newton
+    calls = []
 
-    def trainer(Z, y, L, structure, heads=1, activation="linear", **kwargs):
-        D = Z.shape[1]
-        zeros = np.zeros((L, heads, D, D))
-        if activation != "linear":
-            return stub_run(zeros, zeros, 1.0, 1.0)
-        calls.append(L)
-        if calls.count(L) == 1:
-            return stub_run(zeros, zeros, float(np.mean(y ** 2)), 0.0)
-        return real(Z, y, L, "sparse", init={"A": np.zeros((L, D - 1, D - 1))})   # converged; P, Q full shape
-    monkeypatch.setattr(ex, "train_gauss_newton", trainer)
-    ctx = dict(rng=np.random.default_rng(4), seed=4, quick=True, log=lambda msg: None, progress=0)
+    class FirstStuck(ex.Context):
+        def train_gauss_newton(self, Z, y, L, structure, heads=1, activation="linear", **kwargs):
+            D = Z.shape[1]
+            zeros = np.zeros((L, heads, D, D))
+            if activation != "linear":
+                return stub_run(zeros, zeros, 1.0, 1.0)
+            calls.append(L)
+            if calls.count(L) == 1:
+                return stub_run(zeros, zeros, float(np.mean(y ** 2)), 0.0)
+            return super().train_gauss_newton(Z, y, L, "sparse", init={"A": np.zeros((L, D - 1, D - 1))})
+    ctx = FirstStuck(rng=np.random.default_rng(4), seed=4, quick=True, log=lambda msg: None)
     rows, _ = ex.softmax_two_head(ctx)
-    assert "1 of 2 starts reached" in rows[0]["measured"] and rows[0]["verdict"] == ex.INFO
-    assert float(rows[0]["measured"].split(" +- ")[0]) < 3.0          # E y^2 = d = 5 at P = Q = 0
+    assert rows[0]["reached"] == 1 and rows[0]["starts"] == 2 and rows[0]["verdict"] != ex.NO_VERDICT
+    assert rows[0]["measured"] < 3.0          # E y^2 = d = 5 at P = Q = 0
     rows, _ = ex.unconstrained(ctx)
-    assert "1 of 2 starts reached" in rows[0]["measured"]
-    assert all(float(r["measured"].split("dist(Q_xx, S^-1)=")[1].split()[0]) < 0.2 for r in rows[1:])
+    assert rows[0]["reached"] == 1
+    assert all(r["dist_Qxx_Sigma_inv"] < 0.2 for r in rows[1:])
 
 
 def test_population_minimum_from_near_theorem1_is_its_optimum_and_strict_modulo_the_rescaling():
@@ -259,7 +258,7 @@ def test_overwrite_removes_only_an_earlier_runs_files_and_duplicates_run_once(tm
     assert ex.main(["count", "count", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "config.json").read_text())
     assert calls == [1] and record["status"] == "complete"
-    assert sorted(record["files"]) == ["count.csv", "summary.md"]
+    assert sorted(record["files"]) == ["config.json", "count.csv", "summary.md"]
     (tmp_path / "count.csv").write_text("from the earlier run")
     assert ex.main(["count", "--out", str(tmp_path), "--overwrite"]) == 0
     assert (tmp_path / "count.csv").read_text() != "from the earlier run"
@@ -288,13 +287,13 @@ def test_overwrite_never_deletes_files_of_a_directory_that_held_no_run(tmp_path,
 def test_a_signal_while_the_results_are_written_is_answered_after_them(tmp_path, monkeypatch):
     import signal
     monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", "-", "-", ex.INFO)], {}), "t"))
-    dump = json.dump
+    replace = ex.OutDir.replace
 
-    def dump_then_signal(obj, f, **kwargs):        # SIGTERM just as the final record is written
-        dump(obj, f, **kwargs)
-        if obj.get("status") == "complete":
+    def replace_then_signal(self, name, text):     # SIGTERM just as the final record is written
+        replace(self, name, text)
+        if name == ex.RECORD and json.loads(text)["status"] == "complete":
             os.kill(os.getpid(), signal.SIGTERM)
-    monkeypatch.setattr(ex.json, "dump", dump_then_signal)
+    monkeypatch.setattr(ex.OutDir, "replace", replace_then_signal)
     assert ex.main(["count", "--out", str(tmp_path)]) == 128 + signal.SIGTERM
     monkeypatch.undo()
     assert json.loads((tmp_path / "config.json").read_text())["status"] == "complete"
@@ -311,7 +310,7 @@ def training(ctx):
     rng = np.random.default_rng(0)
     Z, y = ir.sample_prompts(rng, 20000, 20, np.eye(8))
     print("READY", flush=True)
-    ex.train_lbfgs(Z, y, 3, structure="full", rng=rng, maxiter=100000, gtol=0, maxfun=10**7)
+    ctx.train_lbfgs(Z, y, 3, structure="full", rng=rng, maxiter=100000, gtol=0, maxfun=10**7)
     return [ex.row("trained", "-", "-", ex.INFO)], {}
 def sleeping(ctx):
     print("READY", flush=True)
@@ -348,18 +347,25 @@ def test_a_signal_stops_the_run_marks_it_interrupted_and_exits_128_plus_its_numb
     assert not (out / "AFTER-RAN").exists()                          # nothing ran after the signal
 
 
-def test_train_full_hands_max_nfev_to_gauss_newton_only_when_lbfgs_did_not_converge(monkeypatch):
+def test_train_full_hands_max_nfev_to_gauss_newton_only_when_lbfgs_did_not_converge():
     # multi-head's quick run bounds the Gauss-Newton stage by max_nfev: a slip that drops it (or
     # hands it to L-BFGS) would leave the default 500 evaluations, or refine a converged run
-    seen = []
-    monkeypatch.setattr(ex, "train_lbfgs", lambda *a, **k: dict(stub_run(None, None, 1.0, k["maxiter"] * 1.0)))
-    monkeypatch.setattr(ex, "train_gauss_newton", lambda *a, **k: seen.append(k) or stub_run(None, None, 0.5, 0.0))
+    seen, lbfgs_grad = [], [7.0]
+
+    class Spy(ex.Context):
+        def train_lbfgs(self, *a, **k):
+            return stub_run(None, None, 1.0, lbfgs_grad[0])
+
+        def train_gauss_newton(self, *a, **k):
+            seen.append(k)
+            return stub_run(None, None, 0.5, 0.0)
+    ctx = Spy(rng=np.random.default_rng(1))
     Z, y = ir.sample_prompts(np.random.default_rng(0), 8, 4, np.eye(2))
-    res = ex.train_full(Z, y, 1, np.random.default_rng(1), maxiter=7, max_nfev=13)
+    res = ex.train_full(ctx, Z, y, 1, ctx.rng, maxiter=7, max_nfev=13)
     assert res["loss"] == 0.5 and [k["max_nfev"] for k in seen] == [13]
     seen.clear()
-    monkeypatch.setattr(ex, "train_lbfgs", lambda *a, **k: stub_run(None, None, 1.0, 0.0))   # converged
-    assert ex.train_full(Z, y, 1, np.random.default_rng(1), maxiter=7, max_nfev=13)["loss"] == 1.0 and not seen
+    lbfgs_grad[0] = 0.0                                                  # converged
+    assert ex.train_full(ctx, Z, y, 1, ctx.rng, maxiter=7, max_nfev=13)["loss"] == 1.0 and not seen
 
 
 def test_family_optimum_computes_each_setting_once_and_returns_the_library_s_answer(monkeypatch):
@@ -375,3 +381,154 @@ def test_family_optimum_computes_each_setting_once_and_returns_the_library_s_ans
         assert again is first and first[2] == real(2, 7, 3)[2] and other[2] != first[2]
     finally:
         ex.family_optimum.cache_clear()          # later tests see the real function's results only
+
+
+# ---------------------------------------------------------------------------------------------
+# The output folder: only the tool's own files are replaced, never through a link, one run at a time
+# ---------------------------------------------------------------------------------------------
+
+# two stub experiments (no training: the folder handling is what these tests are about); "stub-a"
+# waits for the file named by STUB_WAIT, when set, so that a second run can meet it mid-run
+STUB_CLI = """
+import os, sys, time
+import experiments as ex
+def stub(tag):
+    def fn(ctx):
+        if tag == "a" and os.environ.get("STUB_WAIT"):
+            print("READY", flush=True)
+            while not os.path.exists(os.environ["STUB_WAIT"]):
+                time.sleep(0.05)
+        return [ex.row("stub", verdict=ex.INFO, measured=1.0)], {"table": [dict(x=tag)]}
+    return fn
+ex.EXPERIMENTS.update({"stub-a": (stub("a"), "t"), "stub-b": (stub("b"), "t")})
+sys.exit(ex.main(sys.argv[1:]))
+"""
+
+
+def stub_cli(*args, env=None, wait=True):
+    cmd = [sys.executable, "-c", STUB_CLI, *map(str, args)]
+    env = dict(os.environ, **(env or {}))
+    if not wait:
+        return subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=120)
+
+
+def snapshot(root):
+    """Every entry under root: a file's bytes, a link's target (links are not followed), a folder's mark."""
+    seen = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, root)
+            if os.path.islink(p):
+                seen[rel] = ("link", os.readlink(p))
+            elif os.path.isfile(p):
+                with open(p, "rb") as f:
+                    seen[rel] = ("file", f.read())
+            else:
+                seen[rel] = ("dir",)
+    return seen
+
+
+def without(snap, folder):
+    """The entries of a snapshot outside `folder` (a path relative to the snapshot's root)."""
+    return {k: v for k, v in snap.items() if k != folder and not k.startswith(folder + os.sep)}
+
+
+def refused(proc, *fragments):
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and all(f in proc.stderr for f in fragments), proc.stderr
+
+
+def test_a_foreign_config_json_with_a_file_list_is_not_trusted(tmp_path):
+    # another tool's folder: its config.json lists files, but carries no experiments.py format marker
+    out = tmp_path / "p"
+    out.mkdir()
+    (out / "data.csv").write_text("a,b\n1,2\n")
+    (out / "model.pt").write_bytes(b"\x00weights")
+    (out / "config.json").write_text(json.dumps({"files": ["data.csv", "model.pt", "config.json"], "lr": 0.1}))
+    before = snapshot(tmp_path)
+    for extra in ([], ["--keep-others"]):
+        refused(stub_cli("stub-a", "--out", out, "--overwrite", *extra), "no record written by experiments.py")
+    # a record with the marker but another tool's name, or a file list naming other files, is not trusted either
+    for forged in (dict(format=ex.FORMAT, tool="other.py", format_version=ex.FORMAT_VERSION, experiments={}),
+                   dict(format=ex.FORMAT, tool=ex.TOOL, format_version=ex.FORMAT_VERSION,
+                        experiments={"stub-a": {"files": ["data.csv"]}})):
+        (out / "config.json").write_text(json.dumps(forged))
+        refused(stub_cli("stub-a", "--out", out, "--overwrite"), "no record written by experiments.py")
+    (out / "config.json").write_text(json.dumps({"files": ["data.csv", "model.pt", "config.json"], "lr": 0.1}))
+    assert snapshot(tmp_path) == before
+
+
+def test_a_users_file_named_like_an_output_is_never_replaced(tmp_path):
+    out = tmp_path / "p"
+    assert stub_cli("stub-a", "--out", out).returncode == 0
+    (out / "stub-a_mine.csv").write_text("my own table")      # the name of one of stub-a's outputs
+    (out / "notes.md").write_text("mine")
+    before = snapshot(tmp_path)
+    refused(stub_cli("stub-a", "--out", out, "--overwrite", "--keep-others"), "stub-a_mine.csv", "not replacing")
+    assert snapshot(tmp_path) == before
+    # another experiment's run leaves it be (with --keep-others), and says nothing of it in the record
+    assert stub_cli("stub-b", "--out", out, "--overwrite", "--keep-others").returncode == 0
+    assert (out / "stub-a_mine.csv").read_text() == "my own table" and (out / "notes.md").read_text() == "mine"
+    assert "stub-a_mine.csv" not in json.loads((out / "config.json").read_text())["files"]
+
+
+@pytest.mark.parametrize("link", ["stub-a.csv", "stub-a_table.csv", "config.json", "summary.md", ".experiments.lock"])
+def test_no_output_is_written_through_a_symbolic_link(tmp_path, link):
+    # an earlier run's file replaced by a link to a file outside --out: refused, the outside file untouched
+    out = tmp_path / "p"
+    assert stub_cli("stub-a", "--out", out).returncode == 0
+    outside = tmp_path / "precious.txt"
+    outside.write_text("outside --out")
+    (out / link).unlink()
+    (out / link).symlink_to(outside)
+    before = snapshot(tmp_path)
+    proc = stub_cli("stub-a", "--out", out, "--overwrite", "--keep-others")
+    refused(proc, link)
+    assert snapshot(tmp_path) == before
+
+
+def test_two_runs_into_one_folder_the_second_is_refused_while_the_first_holds_it(tmp_path):
+    out, go = tmp_path / "p", tmp_path / "go"
+    first = stub_cli("stub-a", "--out", out, env=dict(STUB_WAIT=str(go)), wait=False)
+    try:
+        for line in first.stdout:                  # until stub-a runs, holding the folder
+            if "READY" in line:
+                break
+        second = stub_cli("stub-b", "--out", out, "--overwrite")
+        refused(second, "in use by another experiments.py run", ".experiments.lock")
+    finally:
+        go.write_text("")
+        stdout, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0, stdout + stderr
+    record = json.loads((out / "config.json").read_text())
+    assert record["status"] == "complete" and list(record["experiments"]) == ["stub-a"]
+    assert sorted(os.listdir(out)) == sorted(record["files"] + [".experiments.lock"])
+    # the lock is released with the run: a later run may replace the first one's files
+    assert stub_cli("stub-a", "--out", out, "--overwrite").returncode == 0
+
+
+def test_overwrite_of_a_subset_replaces_only_those_experiments_and_keeps_the_others(tmp_path):
+    out = tmp_path / "p"
+    assert stub_cli("stub-a", "stub-b", "--out", out).returncode == 0
+    first = json.loads((out / "config.json").read_text())
+    b_files = {f: (out / f).read_bytes() for f in first["experiments"]["stub-b"]["files"]}
+    (out / "stub-a.csv").write_text("stale")
+    proc = stub_cli("stub-a", "--out", out, "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((out / "config.json").read_text())
+    assert record["experiments"]["stub-b"] == first["experiments"]["stub-b"]   # kept, with its provenance
+    assert {f: (out / f).read_bytes() for f in b_files} == b_files
+    assert (out / "stub-a.csv").read_text() != "stale" and record["completed"] == ["stub-a"]
+    assert set(record["files"]) == {"config.json", "summary.md", "stub-a.csv", "stub-a_table.csv", "stub-b.csv",
+                                    "stub-b_table.csv"}
+    assert "Kept from earlier runs" in (out / "summary.md").read_text()
+
+
+def test_threads_below_one_names_the_true_minimum_and_help_shows_out_and_overwrite():
+    proc = run_cli("noise", "--threads", "-1")
+    refused(proc, "--threads", ">= 1")
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and "default: results" in proc.stdout and "--overwrite" in proc.stdout
+    assert "only the files of the experiments named" in " ".join(proc.stdout.split())
