@@ -551,3 +551,161 @@ def test_threads_below_one_names_the_true_minimum_and_help_shows_out_and_overwri
     proc = run_cli("--help")
     assert proc.returncode == 0 and "default: results" in proc.stdout and "--overwrite" in proc.stdout
     assert "only the files of the experiments named" in " ".join(proc.stdout.split())
+
+
+# ---------------------------------------------------------------------------------------------
+# The verdict logic, on stub runs: each check on both sides of its threshold, each NO VERDICT case
+# ---------------------------------------------------------------------------------------------
+
+def done(loss=1.0):
+    return run(loss, grad_norm=ex.GRAD_TOL)                  # converged: |grad| <= GRAD_TOL, at equality
+
+
+def stalled(loss=1.0):
+    return run(loss, grad_norm=2 * ex.GRAD_TOL)
+
+
+# theory 1, se 0.25, k 4: tolerance exactly 1.0 (binary fractions: every comparison below is exact)
+@pytest.mark.parametrize("check,measured,verdict", [
+    ("two-sided", 2.0, "PASS"), ("two-sided", 0.0, "PASS"), ("two-sided", 2.0 + 1e-9, "FAIL"),
+    ("two-sided", -1e-9, "FAIL"), ("two-sided", 1.0, "PASS"),
+    ("at least (one-sided)", 0.0, "PASS"), ("at least (one-sided)", -1e-9, "FAIL"), ("at least (one-sided)", 9.0, "PASS"),
+    ("at most (one-sided)", 2.0, "PASS"), ("at most (one-sided)", 2.0 + 1e-9, "FAIL"), ("at most (one-sided)", -9.0, "PASS"),
+    ("above (one-sided)", 2.0, "PASS"), ("above (one-sided)", 2.0 - 1e-9, "FAIL"), ("above (one-sided)", 0.5, "FAIL")])
+def test_judge_each_check_at_and_past_its_tolerance(check, measured, verdict):
+    fields = ex.judge(check, measured, 1.0, se=0.25, k=4.0, runs=[done()])
+    assert fields["verdict"] == verdict and fields["tolerance"] == 1.0 and fields["k"] == 4.0
+    assert fields["check"] == check and fields["converged"] is True and fields["why"] == ""
+    assert fields["theory"] == 1.0 and fields["measured"] == measured and fields["se"] == 0.25
+
+
+def test_judge_tolerance_is_k_se_plus_slack_elementwise():
+    fields = ex.judge("two-sided", [1.5, 3.0], [1.0, 1.0], se=[0.125, 0.5], k=4.0, slack=0.0)
+    assert fields["verdict"] == ex.PASS and list(fields["tolerance"]) == [0.5, 2.0]
+    # one element past its own tolerance fails the row, though it is within the other's
+    assert ex.judge("two-sided", [1.5 + 1e-9, 1.0], [1.0, 1.0], se=[0.125, 0.5], k=4.0)["verdict"] == ex.FAIL
+    assert ex.judge("at most (one-sided)", 1.25, 1.0, se=0.0, k=0.0, slack=0.25)["verdict"] == ex.PASS
+    assert ex.judge("at most (one-sided)", 1.25 + 1e-9, 1.0, se=0.0, k=0.0, slack=0.25)["verdict"] == ex.FAIL
+    with pytest.raises(ValueError, match="unknown check"):
+        ex.judge("roughly", 1.0, 1.0)
+
+
+@pytest.mark.parametrize("runs,verdict", [
+    ([done()], "PASS"), ([stalled()], "NO VERDICT"), ([done(), stalled()], "NO VERDICT"),
+    ([stalled(), done()], "NO VERDICT"), ([run(1.0, grad_norm=0.0, interrupted=True)], "NO VERDICT"),
+    ([done(), done()], "PASS"), ([], "PASS")])
+def test_a_claim_gets_no_verdict_when_any_model_it_reads_did_not_converge(runs, verdict):
+    fields = ex.judge("two-sided", 1.0, 1.0, se=0.1, runs=runs)
+    assert fields["verdict"] == verdict
+    assert (fields["why"] != "") == (verdict == ex.NO_VERDICT)
+    # a failing comparison from an unconverged model is no verdict either, not FAIL
+    assert ex.judge("two-sided", 5.0, 1.0, se=0.1, runs=runs)["verdict"] == ("FAIL" if verdict == "PASS" else verdict)
+    assert ex.info(runs)["verdict"] == ("INFO" if verdict == "PASS" else verdict)
+
+
+def test_converged_is_the_gradient_test_at_its_boundary_and_never_an_interrupted_run():
+    assert ex.converged(run(1.0, grad_norm=ex.GRAD_TOL)) and not ex.converged(run(1.0, grad_norm=ex.GRAD_TOL * (1 + 1e-12)))
+    assert not ex.converged(run(1.0, grad_norm=0.0, interrupted=True))
+    assert "1 of 2 trained models" in ex.unconverged([done(), stalled()]) and ex.unconverged([done()]) == ""
+
+
+def test_blocked_claims_and_decided_properties():
+    assert ex.decide(True, [done()], blocked="none reached")["verdict"] == ex.NO_VERDICT
+    assert ex.decide(True, [done()], blocked="none reached")["why"] == "none reached"
+    assert ex.decide(True)["verdict"] == ex.PASS and ex.decide(False)["verdict"] == ex.FAIL
+    assert ex.decide(None)["verdict"] == ex.INFO and ex.decide(None)["check"] is None
+    row = ex.full_run_only("c", "too slow")
+    assert row["verdict"] == ex.INFO and row["why"] == "full run only: too slow" and list(row)[:10] == list(ex.FIELDS)[1:]
+
+
+def optimum_model(a_star, Si, scale=1.0, grad_norm=0.0):
+    P, Q = ir.sparse_params(scale * np.asarray(a_star)[:, None, None] * Si)
+    return dict(P=P, Q=Q, grad_norm=grad_norm, interrupted=False, loss=None)
+
+
+@pytest.mark.parametrize("scale,grad_norm,verdicts", [
+    (1.0, 0.0, ["PASS", "PASS"]),                  # the exact family optimum itself
+    (1.2, 0.0, ["PASS", "FAIL"]),                  # converged elsewhere (higher): the batch side fails it
+    (1.0, 1.0, ["NO VERDICT", "NO VERDICT"])])     # not converged: no verdict on either side
+def test_optimum_checks_are_two_sided(scale, grad_norm, verdicts):
+    # a model that stopped above the optimum passes "does not beat f*" on fresh prompts; the batch
+    # side (its loss <= the optimum model's on its own batch) is what catches it
+    rng = np.random.default_rng(7)
+    L, n, d = 2, 10, 3
+    a_star, _, f_star = ex.family_optimum(L, n, d)
+    Sigma, Si, Z, y = ex.paper_data(rng, 400, n, d=d, kappa=4.0)
+    Zv, yv = ir.sample_prompts(rng, 4000, n, Sigma, Si)
+    res = optimum_model(a_star, Si, scale, grad_norm)
+    res["loss"] = ir.in_context_loss(res["P"], res["Q"], Z, y)
+    rows, (mean, se) = ex.optimum_checks("x", res, Z, y, Zv, yv, a_star, f_star, Si)
+    assert [r["verdict"] for r in rows] == verdicts
+    assert rows[0]["check"] == "at least (one-sided)" and rows[1]["check"] == "at most (one-sided)"
+    assert rows[0]["measured"] == mean and rows[0]["se"] == se and rows[0]["theory"] == f_star
+
+
+def test_an_experiment_reads_the_convergence_of_the_runs_its_claims_use():
+    # noise's rows each read one trained model: at |grad| = GRAD_TOL they are decided, just above it
+    # every checked row is NO VERDICT (the model and its numbers otherwise the same)
+    class Graded(ex.Context):
+        grad = ex.GRAD_TOL
+
+        def train_gauss_newton(self, *a, **k):
+            return dict(super().train_gauss_newton(*a, **k), grad_norm=self.grad)
+    decided, _ = ex.noise(Graded(rng=np.random.default_rng(0), quick=True))
+    Graded.grad = ex.GRAD_TOL * 1.01
+    undecided, _ = ex.noise(Graded(rng=np.random.default_rng(0), quick=True))
+    assert all(r["verdict"] in (ex.PASS, ex.FAIL) for r in decided)
+    assert all(r["verdict"] == ex.NO_VERDICT and r["why"] for r in undecided)
+    assert [r["measured"] for r in decided] == [r["measured"] for r in undecided]
+
+
+def test_threads_reach_every_icl_fast_call(monkeypatch):
+    seen = []
+    for fn in ("train_lbfgs", "train_gauss_newton", "sandwich_covariance", "identifiable_hessian",
+               "loss_and_grad_gram"):
+        monkeypatch.setattr(ex.fast, fn, lambda *a, _fn=fn, **k: seen.append((_fn, k.get("threads"))) or
+                            dict(interrupted=False))
+    ctx = ex.Context(rng=np.random.default_rng(0), threads=3)
+    ctx.train_lbfgs(None, None, 1), ctx.train_gauss_newton(None, None, 1), ctx.sandwich_covariance("sparse", {}, None, None)
+    ctx.identifiable_hessian("full", {}, None, None), ctx.loss_and_grad_gram(None, None, None, None, None, 1)
+    assert seen == [(fn, 3) for fn in ("train_lbfgs", "train_gauss_newton", "sandwich_covariance",
+                                       "identifiable_hessian", "loss_and_grad_gram")]
+
+
+def test_threads_option_reaches_the_context_and_streams_do_not_depend_on_the_other_experiments(tmp_path, monkeypatch):
+    got = {}
+
+    def spy(name):
+        return lambda ctx: (got.setdefault(name, []).append((ctx.threads, ctx.rng.random())) or [ex.row("x", ex.INFO)], {})
+    monkeypatch.setitem(ex.EXPERIMENTS, "spy-a", (spy("a"), "t"))
+    monkeypatch.setitem(ex.EXPERIMENTS, "spy-b", (spy("b"), "t"))
+    assert ex.main(["spy-a", "spy-b", "--threads", "2", "--out", str(tmp_path / "1")]) == 0
+    assert ex.main(["spy-b", "--out", str(tmp_path / "2")]) == 0
+    assert ex.main(["spy-b", "spy-a", "--seed", "1", "--out", str(tmp_path / "3")]) == 0
+    (t_a, _), = got["a"][:1]
+    assert t_a == 2 and got["b"][0][0] == 2 and got["b"][1][0] is None
+    # spy-b draws the same number alone or after spy-a; another seed draws another
+    assert got["b"][0][1] == got["b"][1][1] != got["b"][2][1] and got["a"][0][1] != got["b"][0][1]
+
+
+@pytest.mark.parametrize("outcome", ["complete", "interrupted"])
+def test_main_restores_the_callers_signal_handlers(tmp_path, monkeypatch, outcome):
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    def body(ctx):
+        if outcome == "interrupted":
+            raise KeyboardInterrupt
+        return [ex.row("x", ex.INFO)], {}
+    monkeypatch.setitem(ex.EXPERIMENTS, "body", (body, "t"))
+    before = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = ex.main(["body", "--out", str(tmp_path / "o")])
+        assert {s: signal.getsignal(s) for s in before} == {s: mine for s in before}
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    record = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert record["status"] == outcome and status == (0 if outcome == "complete" else 128 + signal.SIGINT)
