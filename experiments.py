@@ -1,12 +1,22 @@
 """The paper's experiments and its reviewers' questions, each a self-checking claim.
 
-    python experiments.py [names...] [--quick] [--seed S] [--out DIR] [--list]
+    python experiments.py [names...] [--quick] [--seed S] [--out DIR] [--overwrite] [--list]
 
 Every experiment states claims, computes the theory side with icl_ref's closed forms and the
-measured side with icl_ref's trained models, and prints a table claim / theory / measured /
-verdict. Verdicts: PASS or FAIL for checked claims (each with its computed tolerance), INFO for
-findings that are reported, not checked. The exit status is 1 when a checked claim fails.
---out DIR receives config.json, one CSV per experiment (and per extra table), summary.md and,
+measured side with icl_ref's trained models, and returns one record per claim: the fields FIELDS
+(experiment, claim, theory, measured, se, k, tolerance, check, verdict, converged, why) and named
+extras, all numbers or lists of numbers. The printed table, summary.md, the CSVs and the figures
+are rendered from these fields. Verdicts:
+  PASS / FAIL  a checked claim (its `check` says how: two-sided |measured - theory| <= tolerance,
+               or one-sided and named so; tolerance = k se + slack, k printed in the row);
+  INFO         a finding reported, not checked; also a claim the --quick sizes cannot decide,
+               reported once with why = "full run only: ...";
+  NO VERDICT   a checked claim or finding whose trained models did not all converge (|grad| >
+               GRAD_TOL, or interrupted), or, for a model trained from several starts, when no start
+               reached the reference loss (all stopped at higher stationary points); `why` says which.
+The run ends with a tally line; the exit status is 1 when a checked claim fails.
+--out DIR receives config.json (the run's record: format marker, options, versions, status and each
+experiment's files and provenance), one CSV per experiment (and per extra table), summary.md and,
 when matplotlib is importable, PNG figures. Setups: [A] §4.3, §5.1 and App. D; the math is in MATH.md.
 "The rebuttal" is the authors' response to the NeurIPS 2023 reviewers (on OpenReview).
 """
@@ -405,7 +415,7 @@ def three_layer_sparse(ctx):
         order = np.argsort(a_hat)
         rows.append(row(f"seed {s}: fitted a_l (sorted) = exact family optimum (Lemma 4: as a multiset), L-BFGS",
                         **judge("two-sided", a_hat[order], a_star, se[order], runs=[res]),
-                        seed=s, loss=res["loss"], f_star=f_star, nit=res["nit"], seconds=res["wall_time"],
+                        seed=s, B=B, loss=res["loss"], f_star=f_star, nit=res["nit"], seconds=res["wall_time"],
                         grad_norm=res["grad_norm"]))
         same = permutation_distance(gn["coords"]["A"], A)
         rows.append(row(f"seed {s}: Gauss-Newton from the same start: the same stationary point? (relative "
@@ -426,6 +436,20 @@ def three_layer_blocks(ctx):
     quick, log = ctx.quick, ctx.log
     B, seeds, maxiter, max_nfev = (1000, 1, 100, 60) if quick else (20000, 3, 3000, 400)
     d, n, L = 5, 20, 3
+    if quick:
+        # the exact property is decided at any size; the rest needs the 24-start search for the blocks
+        # family optimum (~10 s) and L-BFGS runs of ~1500 iterations
+        rng = np.random.default_rng([ctx.seed, 100])
+        Sigma, Si, Z, y = paper_data(rng, B, n)
+        init = {"A": 0.1 * rng.standard_normal((L, d, d)), "B": 0.1 * rng.standard_normal((L, d, d))}
+        lb = ctx.train_lbfgs(Z, y, L, "blocks", init=init, maxiter=maxiter, maxcor=300)
+        moved = not np.array_equal(lb["coords"]["B"][-1], init["B"][-1])
+        return [row("seed 0: B_(L-1) never moves under L-BFGS (footnote 4: it does not enter the loss)",
+                    **decide(not moved, measured=moved), seed=0),
+                full_run_only("the trained blocks model (L-BFGS and Gauss-Newton, 3 seeds) against the exact blocks "
+                              "family optimum: fitted (a_l, b_l), population basin, Gauss-Newton spectrum; f* at n = 10 "
+                              "and 20 against the notebook's loss", "the blocks family optimum's 24-start search "
+                              "(~10 s) and L-BFGS runs of ~1500 iterations")], {"heatmaps": [], "optimum": []}
     a_star, b_star, f_star = family_optimum(L, n, d, blocks=True)
     # L-BFGS keeps 300 pairs, twice the 150 coordinates (the authors' notebook keeps 600): with
     # train_lbfgs's default 20 it had |grad| ~1e-4 after 3000 iterations here, with 300 it
@@ -592,7 +616,7 @@ def depth(ctx):
 @experiment("icl-curve", "Fig. 6 (App. D): test loss vs number of in-context examples n")
 def icl_curve(ctx):
     rng, quick, log = ctx.rng, ctx.quick, ctx.log
-    B, ns, maxiter = (1500, [5, 20], 300) if quick else (20000, [2, 5, 10, 20], 1500)
+    B, ns = (1500, [2, 5, 10, 20]) if quick else (20000, [2, 4, 5, 8, 10, 15, 20, 30])
     d, L = 5, 3
     Sigma, _ = ir.rotated_covariance(rng)
     Si = np.linalg.inv(Sigma)
@@ -1204,33 +1228,25 @@ def markdown_table(rows):
     return "\n".join(lines)
 
 
-def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None, groups=None):
-    """Heat maps in rows (grid: a list of rows of matrices) with the values written in. Panels in
-    the same column group (groups: a label per column, default one group) share one symmetric colour
-    scale, shown by one colourbar per group; values on dark cells are written in white."""
-    groups = groups or [""] * len(grid[0])
-    scale = {g: max(np.max(np.abs(row[c])) for row in grid for c, gc in enumerate(groups) if gc == g) or 1.0
-             for g in groups}
-    fig, axes = plt.subplots(len(grid), len(grid[0]), figsize=(2.5 * len(grid[0]) + 1.2, 2.5 * len(grid) + 0.8),
-                             squeeze=False)
-    images = {}
-    for r, (row, row_titles) in enumerate(zip(grid, titles)):
-        for c, (ax, M, title) in enumerate(zip(axes[r], row, row_titles)):
-            v = scale[groups[c]]
-            images[groups[c]] = ax.imshow(M, cmap="RdBu_r", vmin=-v, vmax=v)
+def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
+    """Heat maps in rows (grid: a list of rows of matrices) with the values written in. Every panel has
+    its own symmetric colour scale and colour bar (so a small matrix is not left white beside a large
+    one); values on dark cells are written in white. Constrained layout: no label overprints another."""
+    fig, axes = plt.subplots(len(grid), len(grid[0]), figsize=(2.9 * len(grid[0]), 2.5 * len(grid) + 0.9),
+                             squeeze=False, layout="constrained")
+    for r, (row_, row_titles) in enumerate(zip(grid, titles)):
+        for c, (ax, M, title) in enumerate(zip(axes[r], row_, row_titles)):
+            v = float(np.max(np.abs(M))) or 1.0
+            image = ax.imshow(M, cmap="RdBu_r", vmin=-v, vmax=v)
             for (i, j), x in np.ndenumerate(M):
-                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=7,
+                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=6,
                         color="white" if abs(x) > 0.55 * v else "black")
             ax.set_title(title, fontsize=9)
             ax.set(xticks=[], yticks=[])
+            fig.colorbar(image, ax=ax, shrink=0.75)
         if row_labels:
-            axes[r][0].set_ylabel(row_labels[r], fontsize=9)
+            axes[r][0].set_ylabel(row_labels[r], fontsize=8)
     fig.suptitle(suptitle, fontsize=10)
-    fig.tight_layout()
-    for g, image in images.items():
-        cols = [c for c, gc in enumerate(groups) if gc == g]
-        fig.colorbar(image, ax=[axes[r][c] for r in range(len(grid)) for c in cols], shrink=0.8,
-                     label=f"entry of {g}" if g else "entry")
     return save(fig, suffix)
 
 
@@ -1243,11 +1259,17 @@ def heat_matrices(table, **match):
             for l in layers]
 
 
+def plural(k, word):
+    return f"{k} {word}" + ("" if k == 1 else "s")
+
+
 def figures(out, name, rows, tables):
-    """PNG figures of the paper's pictures that an experiment reproduces, each with the paper's values
-    or the exact theory beside the measured ones (matplotlib, optional). Returns ([(path, caption)],
-    a note for the run or None): the caption says what to look at; without matplotlib the note says
-    once how to get figures."""
+    """PNG figures of the paper's pictures that an experiment reproduces, drawn from its rows' and
+    tables' fields, with the exact theory beside the measured values (matplotlib, optional). Titles
+    and captions say what this run showed: its seed and start counts, which runs converged (a "not
+    converged" style in the legend), and a claim only where the run's rows decided it. Returns
+    ([(file name, caption)], a note for the run or None): without matplotlib the note says once how
+    to get figures."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1255,133 +1277,155 @@ def figures(out, name, rows, tables):
     except ImportError:
         return [], "No figures: matplotlib is not installed (python3 -m pip install matplotlib, or pip install .[plot])."
     made = []
-    path = lambda suffix: suffix
 
     def save(fig, suffix):
         filename = f"{name}{suffix}.png"
         with out.create(filename, binary=True) as f:
-            fig.savefig(f, format="png", dpi=90, bbox_inches="tight")
+            fig.savefig(f, format="png", dpi=90)
         plt.close(fig)
         return filename
+    k_se = fmt(K_SE)
     if name == "three-layer-sparse":
         curve, a_star = tables["curve"], [o["a_star"] for o in tables["optimum"]]
-        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-        for s, style in zip(sorted({c["seed"] for c in curve}), ("-", "--", ":")):
+        fits = [r for r in rows if r["claim"].startswith(f"seed {r.get('seed')}: fitted a_l")]
+        ok = {r["seed"]: bool(r["converged"]) for r in fits}
+        seeds = sorted(ok)
+        fig, ax = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+        for s, style in zip(seeds, ("-", "--", ":", "-.")):
             cs = [c for c in curve if c["seed"] == s]
-            ax[0].semilogy([c["iteration"] for c in cs], [c["loss"] for c in cs], style, label=f"seed {s}")
-        cs = [c for c in curve if c["seed"] == 0]
-        for l, style in zip(range(3), ("-", "--", ":")):
+            ax[0].semilogy([c["iteration"] for c in cs], [c["loss"] for c in cs], style,
+                           color="C0" if ok[s] else "0.6", label=f"seed {s}" + ("" if ok[s] else " (not converged)"))
+        f_star = fits[0]["f_star"]
+        ax[0].axhline(f_star, color="k", lw=0.8, label=f"population $f^*$ of the exact family optimum, {f_star:.4f}")
+        ax[0].set(xlabel="L-BFGS iteration", ylabel="batch loss (log scale)",
+                  title=f"batch loss, {plural(len(seeds), 'seed')}")
+        cs = [c for c in curve if c["seed"] == seeds[0]]
+        for l, style in zip(range(len(a_star)), ("-", "--", ":")):
             ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_Sigma_inv"] for c in cs], "C0" + style,
-                       label=f"dist(A_{l}, Sigma^-1)")
+                       label=rf"dist($A_{l}$, $\Sigma^{{-1}}$)")
             ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_I"] for c in cs], "C3" + style,
-                       label=f"dist(A_{l}, I)")
-        f_star = rows[0].get("f_star")
-        if f_star:
-            ax[0].axhline(f_star, color="k", lw=0.8, label=f"exact family optimum {f_star:.4f} (population)")
-        ax[0].set(xlabel="L-BFGS iteration", ylabel="batch loss (log scale)", title="loss, three seeds")
-        ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance (0 = a multiple)", ylim=(0, 1),
-                  title="seed 0: A_l's distance to multiples")
+                       label=rf"dist($A_{l}$, $I$)")
+        ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance (0: a multiple)", ylim=(0, 1),
+                  title=f"seed {seeds[0]}: distance of each $A_l$ to multiples" + ("" if ok[seeds[0]] else
+                                                                                 " (not converged)"))
         ax[0].legend(fontsize=8)
         ax[1].legend(fontsize=7, ncol=2)
-        fig.suptitle("[A] Fig. 1: three sparse layers, d = 5, n = 20, B = 20000")
-        fig.tight_layout()
-        made.append((save(fig, path("")), "Fig. 1: the batch loss falls to the exact family optimum's level and "
-                     "every A_l becomes a multiple of Sigma^-1 (blue to 0), not of I (red stays high)."))
-        mats = heat_matrices(tables["heatmaps"], seed=0)
-        fitted = {f["layer"]: f["a_hat"] for f in tables["fitted"] if f["seed"] == 0}
-        made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted a = {fitted[l]:.2f}" for l in range(len(mats))]],
-                               "[A] Fig. 2: Sigma^1/2 A_l Sigma^1/2 after training (seed 0)\nexact family optimum: "
-                               + ", ".join(f"{a:.2f}" for a in a_star) + " times I, in some layer order",
-                               save, "_heatmaps", groups=["Sigma^1/2 A_l Sigma^1/2"] * len(mats)),
-                     "Fig. 2: each whitened A_l is close to a multiple of I; the fitted multiples (the "
-                     "experiment's table) match the exact family optimum up to the layers' order."))
+        fig.suptitle(f"[A] Fig. 1: three sparse layers, d = 5, n = 20, B = {fits[0]['B']}")
+        last = cs[-1]
+        to_inv = [last[f"dist_A{l}_Sigma_inv"] for l in range(len(a_star))]
+        to_id = [last[f"dist_A{l}_I"] for l in range(len(a_star))]
+        made.append((save(fig, ""), f"Fig. 1: the batch loss per L-BFGS iteration beside the population optimum f* "
+                     f"(a batch's loss can end below it); seed {seeds[0]}'s A_l end at relative distance "
+                     f"{fmt(to_inv, 2)} from multiples of Sigma^-1 (blue) and {fmt(to_id, 2)} from multiples of I "
+                     "(red)" + ("" if all(ok.values()) else "; grey: a seed that did not converge") + "."))
+        mats = heat_matrices(tables["heatmaps"], seed=seeds[0])
+        fitted = {f["layer"]: f["a_hat"] for f in tables["fitted"] if f["seed"] == seeds[0]}
+        verdict = fits[0]["verdict"]
+        made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted $a$ = {fitted[l]:.2f}" for l in range(len(mats))]],
+                               rf"[A] Fig. 2: $\Sigma^{{1/2}} A_l \Sigma^{{1/2}}$ after training (seed {seeds[0]})"
+                               "\nexact family optimum: " + ", ".join(f"{a:.2f}" for a in a_star)
+                               + " times $I$, in some layer order", save, "_heatmaps"),
+                     f"Fig. 2: each whitened A_l of seed {seeds[0]}; its fitted multiples against the exact family "
+                     f"optimum (the experiment's first row): {verdict}"
+                     + (f" within {k_se} SE." if verdict in (PASS, FAIL) else f" ({fits[0]['why']}).")))
     elif name == "three-layer-blocks":
         opt = tables["optimum"]
-        basins = {(r["seed"], r["trainer"]): r["basin_loss"] for r in rows if "basin_loss" in r}
+        basins = {(r["seed"], r["trainer"]): r for r in rows if "basin_loss" in r}
         grid, titles, labels = [], [], []
         for (s, trainer) in sorted(basins):
             A = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="A")
             Bm = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="B")
             grid.append(A + Bm)
-            titles.append([f"A_{l} (a* {o['a_star']:.2f})" for l, o in enumerate(opt)]
-                          + [f"B_{l} (b* {o['b_star']:.2f})" if l < len(opt) - 1 else f"B_{l} (never enters)"
+            titles.append([rf"$A_{l}$ ($a^*$ {o['a_star']:.2f})" for l, o in enumerate(opt)]
+                          + [rf"$B_{l}$ ($b^*$ {o['b_star']:.2f})" if l < len(opt) - 1 else rf"$B_{l}$ (never enters)"
                              for l, o in enumerate(opt)])
-            where = "global" if basins[s, trainer] <= opt[0]["f_star"] * (1 + 1e-9) else "other"
-            labels.append(f"seed {s}, {trainer}\nbasin: {where} (f {basins[s, trainer]:.3e})")
+            r = basins[s, trainer]
+            labels.append(f"seed {s}, {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
+                          f"(f {r['basin_loss']:.3e})")
+        skipped = sorted({(r["seed"], r["trainer"]) for r in rows if "trainer" in r} - set(basins))
         if grid:
-            made.append((heat_grid(plt, grid, titles, "[A] Figs. 3-5: blocks model, converged runs: Sigma^1/2 A_l "
-                                   "Sigma^1/2 and B_l\ntitles: the global family optimum (f* = "
+            made.append((heat_grid(plt, grid, titles, r"[A] Figs. 3-5: blocks model, converged runs: $\Sigma^{1/2} A_l "
+                                   r"\Sigma^{1/2}$ and $B_l$" + f"\ntitles: the global family optimum ($f^*$ = "
                                    f"{opt[0]['f_star']:.3e}); rows: the population minimum each run's scalars descend to",
-                                   save, "_heatmaps", row_labels=labels, groups=["Sigma^1/2 A Sigma^1/2"] * len(opt)
-                                   + ["B"] * len(opt)),
-                         "Figs. 3-5: every converged run, both optimisers: the whitened A_l and the B_l (l < 2) "
-                         "are near multiples of I with the family optimum's scalars; B_2 keeps its random start "
-                         "(it never enters the loss); the row labels say which population minimum's basin each "
-                         "run is in."))
+                                   save, "_heatmaps", row_labels=labels),
+                         f"Figs. 3-5: the {plural(len(grid), 'converged run')} of this run: the whitened A_l and the B_l; "
+                         "B_2 keeps its random start (it never enters the loss); the row labels say which population "
+                         "minimum's basin each run is in"
+                         + (f"; not drawn (not converged): {', '.join(f'seed {s} {t}' for s, t in skipped)}."
+                            if skipped else ".")))
     elif name == "icl-curve":
         curve = tables["curve"]
         ns = [c["n"] for c in curve]
-        fig, ax = plt.subplots(figsize=(6.5, 4))
+        fig, ax = plt.subplots(figsize=(8.5, 4.2), layout="constrained")
         ax.errorbar(ns, [c["transformer"] for c in curve], [K_SE * c["transformer_se"] for c in curve], fmt="o-",
-                    label="3-layer transformer (test, +-4 SE)")
+                    label=f"3-layer transformer (test, ±{k_se} SE)")
+        bad = [c for c in curve if not c["converged"]]
+        if bad:
+            ax.plot([c["n"] for c in bad], [c["transformer"] for c in bad], "x", color="C3", ms=10, label="not converged")
         ax.plot(ns, [c["family_optimum"] for c in curve], "k--", label="exact family optimum (theory)")
         zero = []
-        for k, style in (("GD", "s:"), ("PGD", "^:"), ("OLS", "x:"), ("ridge", "d:")):
+        for key, style in (("GD", "s:"), ("PGD", "^:"), ("OLS", "x:"), ("ridge", "d:")):
             # noiseless labels: OLS and ridge are exactly 0 once n >= d, computed as rounding amplified by
             # the solve's condition number (seen: 3e-9 at n = d); below 1e-6 of the transformer's loss it
             # is that zero, not drawn (a baseline that is not 0 is O(1) here)
-            values = [c[k] if c[k] > 1e-6 * c["transformer"] else np.nan for c in curve]
+            values = [c[key] if c[key] > 1e-6 * c["transformer"] else np.nan for c in curve]
             if any(np.isnan(values)):
-                zero.append(k)
+                zero.append(key)
             if not all(np.isnan(values)):
-                ax.plot(ns, values, style, label=f"{k}-3" if k in ("GD", "PGD") else k)
-        ax.set(xlabel="in-context examples n", ylabel="test loss (log scale)", yscale="log", xticks=ns,
-               title="[A] Fig. 6: loss vs number of in-context examples")
-        if zero:
-            ax.text(0.02, 0.02, f"{' and '.join(zero)}: 0 where n >= d (noiseless labels), not drawn there",
-                    transform=ax.transAxes, fontsize=8)
-        ax.legend(fontsize=8)
-        made.append((save(fig, path("")), "Fig. 6: the trained transformer's test loss against n, beside the exact "
+                ax.plot(ns, values, style, label=f"{key}-3" if key in ("GD", "PGD") else key)
+        ax.set(xlabel="in-context examples $n$", ylabel="test loss (log scale)", yscale="log", xticks=ns,
+               title=f"[A] Fig. 6: loss vs number of in-context examples ({plural(len(ns), 'length')})")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))       # outside the axes: hides nothing
+        made.append((save(fig, ""), "Fig. 6: the trained transformer's test loss against n, beside the exact "
                      "family optimum and gradient-descent baselines" + (f"; {' and '.join(zero)} are exactly 0 on "
-                                                                         "noiseless labels once n >= d, not drawn there."
-                                                                         if zero else ".")))
+                                                                         "noiseless labels once n >= d, not drawn there"
+                                                                         if zero else "")
+                     + (f"; not converged at n = {', '.join(str(c['n']) for c in bad)}." if bad else ".")))
     elif name == "depth":
         rs = tables["curve"]
         Ls = [r["L"] for r in rs]
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(8, 4.2), layout="constrained")
         ax.errorbar(Ls, [r["transformer"] for r in rs], [K_SE * r["transformer_se"] for r in rs], fmt="o-",
-                    label="transformer (test, +-4 SE)")
+                    label=f"transformer (test, ±{k_se} SE)")
+        bad = [r for r in rs if not r["converged"]]
+        if bad:
+            ax.plot([r["L"] for r in bad], [r["transformer"] for r in bad], "x", color="C3", ms=10, label="not converged")
         ax.plot(Ls, [r["family_optimum"] for r in rs], "k--", label="exact family optimum (theory)")
-        ax.plot(Ls, [r["GD_loss"] for r in rs], "s:", label="GD-L, best constant step")
-        ax.plot(Ls, [r["PGD_loss"] for r in rs], "^:", label="Sigma^-1-PGD-L, best constant step")
-        ax.set(xlabel="layers L", ylabel="test loss (log scale)", yscale="log", xticks=Ls,
+        ax.plot(Ls, [r["GD_loss"] for r in rs], "s:", label="GD-$L$, best constant step")
+        ax.plot(Ls, [r["PGD_loss"] for r in rs], "^:", label=r"$\Sigma^{-1}$-PGD-$L$, best constant step")
+        ax.set(xlabel="layers $L$", ylabel="test loss (log scale)", yscale="log", xticks=Ls,
                title="[A] Fig. 7: loss vs number of layers")
-        ax.legend(fontsize=8)
-        made.append((save(fig, path("")), "Fig. 7: the trained transformer follows the exact family optimum as "
-                     "L grows and beats L steps of (preconditioned) gradient descent with the best constant step."))
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        checks = [r for r in rows if r["check"]]
+        made.append((save(fig, ""), "Fig. 7: the trained transformer's test loss against L, beside the exact family "
+                     "optimum and L steps of (preconditioned) gradient descent with the best constant step; the "
+                     f"experiment's checks of the optimum: {sum(r['verdict'] == PASS for r in checks)} of {len(checks)} "
+                     "PASS" + (f"; not converged at L = {', '.join(str(r['L']) for r in bad)}." if bad else ".")))
     elif name == "single-layer-landscape":
         table = tables["basins"]
         labels = list(dict.fromkeys(t["setting"] for t in table))
-        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels) + 2) + 2.5, 4))
+        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels) + 2) + 3, 4.2), layout="constrained")
         for k, (trainer, color) in enumerate((("Gauss-Newton", "C0"), ("L-BFGS", "C1"))):
             ts = [next(t for t in table if t["setting"] == s and t["trainer"] == trainer) for s in labels]
             x = np.arange(len(labels)) + 0.2 * (2 * k - 1)
-            ax.bar(x, [t["optimum"] / t["starts"] for t in ts], 0.4, color=color, label=f"{trainer}: reached the optimum")
-            ax.bar(x, [t["higher"] / t["starts"] for t in ts], 0.4, bottom=[t["optimum"] / t["starts"] for t in ts],
-                   color=color, alpha=0.35, hatch="//", label=f"{trainer}: a higher minimum")
+            opt_ = np.array([t["optimum"] / t["starts"] for t in ts])
+            high = np.array([t["higher"] / t["starts"] for t in ts])
+            nc = np.array([t["not_converged"] / t["starts"] for t in ts])
+            ax.bar(x, opt_, 0.4, color=color, label=f"{trainer}: reached the optimum")
+            ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.35, hatch="//", label=f"{trainer}: a higher minimum")
+            ax.bar(x, nc, 0.4, bottom=opt_ + high, color="0.85", edgecolor=color, label=f"{trainer}: not converged")
         ax.set(xticks=np.arange(len(labels)), xticklabels=labels, ylim=(0, 1.05), ylabel="fraction of random starts",
-               xlabel="setting (base: d = 3, n = 10, kappa = 4, init scale 0.3)",
-               title="One full layer: where training from random starts ends")
+               xlabel=r"setting (base: $d$ = 3, $n$ = 10, $\kappa$ = 4, init scale 0.3)",
+               title=f"One full layer: where training from {table[0]['starts']} random starts per setting ends")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))      # outside the axes: hides no bar
-        fig.tight_layout()
-        made.append((save(fig, path("")), "One full (P, Q) layer: the fraction of random starts that reach the batch "
-                     "optimum (solid) or stop at a higher local minimum (hatched), per setting and optimiser; the "
-                     "rest did not converge."))
-    elif name == "softmax-two-head":
+        made.append((save(fig, ""), "One full (P, Q) layer: per setting and optimiser, the fraction of random starts "
+                     "that reached the batch optimum (solid), stopped at a higher local minimum (hatched) or did not "
+                     "converge (grey)."))
+    elif name == "softmax-two-head" and tables["starts"]:
         starts = tables["starts"]
         lin_loss = rows[0]["measured"]                   # the linear baseline's test loss
         marker = {"random": "o", "rebuttal's construction": "*", "best 1 head + a small head": "s"}
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True, layout="constrained")
         for ax, act in zip(axes, ("softmax_all", "softmax")):
             for x, H in enumerate((1, 2)):
                 pts = [t for t in starts if t["activation"] == act and t["heads"] == H]
@@ -1391,17 +1435,20 @@ def figures(out, name, rows, tables):
                                 fmt=marker[kind], color="C0" if t["converged"] else "C3", ms=8)
             ax.axhline(lin_loss, color="k", ls="--")
             ax.set(xticks=[0, 1], xticklabels=["1 head", "2 heads"], xlim=(-0.6, 1.6),
-                   title={"softmax_all": "authors' softmax (all n+1 keys)", "softmax": "softmax over the n context keys"}[act])
+                   title={"softmax_all": "authors' softmax (all $n$+1 keys)",
+                          "softmax": "softmax over the $n$ context keys"}[act])
         handles = [plt.Line2D([], [], ls="", marker=m, color="gray", ms=8, label=f"start: {k}") for k, m in marker.items()]
         handles += [plt.Line2D([], [], ls="", marker="o", color="C0", label="converged"),
                     plt.Line2D([], [], ls="", marker="o", color="C3", label="not converged"),
                     plt.Line2D([], [], ls="--", color="k", label="trained linear layer")]
-        axes[0].set_ylabel("test loss (+-4 SE)")
+        axes[0].set_ylabel(f"test loss (±{k_se} SE)")
         fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer")
-        fig.tight_layout(rect=(0, 0.12, 1, 1))
-        fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=3)
-        made.append((save(fig, path("")), "Softmax heads: each start's test loss (stars: the rebuttal's own "
-                     "construction); two heads beat one but stay above the trained linear layer (dashed)."))
+        fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=3)
+        claims = {r["activation"]: r for r in rows if r["claim"].startswith(f"{r.get('activation')}: rebuttal's claim")}
+        said = "; ".join(f"{act}: the claim {r['holds']}" if r["verdict"] == INFO else f"{act}: no verdict ({r['why']})"
+                         for act, r in claims.items())
+        made.append((save(fig, ""), f"Softmax heads: each start's test loss (stars: the rebuttal's own construction; red: "
+                     f"not converged) against the trained linear layer (dashed). {said}."))
     return made, None
 
 
@@ -1744,14 +1791,14 @@ def run(args, names, out):
             for k, name in enumerate(names, 1):
                 fn, answers = EXPERIMENTS[name]
                 log(f"[{k}/{len(names)}] {name}: {answers}")
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 # the stream depends on the experiment's name, not its position: each reproduces alone
                 ctx = Context(rng=np.random.default_rng([args.seed, zlib.crc32(name.encode())]), seed=args.seed,
                               quick=args.quick, log=log, progress=args.progress, threads=args.threads)
                 with Heartbeat(log, name):
                     rows, tables = fn(ctx)
                 rows = [{"experiment": name, **r} for r in rows]
-                seconds = time.perf_counter() - t0
+                seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
                 out.remove_stale(name)
                 files = [f"{name}.csv"]
                 write_csv(out, f"{name}.csv", rows)
@@ -1763,12 +1810,13 @@ def run(args, names, out):
                 plot_note = plot_note or note
                 print(markdown_table(rows), flush=True)
                 experiments[name] = dict(files=files, status="complete", answers=answers, quick=args.quick,
-                                         seed=args.seed, run_started_utc=started, seconds=round(seconds, 1),
+                                         seed=args.seed, run_started_utc=started, seconds=round(seconds, 1), cpu_seconds=round(cpu, 1),
                                          sources_sha256=this_run["sources_sha256"], tally=tally(rows))
                 results[name] = (rows, pngs, seconds)
                 done.append(name)
                 write_record("running")
-                log(f"[{k}/{len(names)}] {name} done in {seconds:.1f} s")
+                log(f"[{k}/{len(names)}] {name} done in {seconds:.1f} s ({cpu:.1f} s of CPU); "
+                    f"{time.perf_counter() - start:.0f} s so far")
         except KeyboardInterrupt as e:
             stopped_by = "SIGTERM" if isinstance(e, Stopped) or term else "SIGINT (Ctrl-C)"
         if main_thread:
