@@ -1259,6 +1259,9 @@ def heat_matrices(table, **match):
             for l in layers]
 
 
+FIGURES = ("three-layer-sparse", "three-layer-blocks", "icl-curve", "depth", "single-layer-landscape", "softmax-two-head")
+
+
 def plural(k, word):
     return f"{k} {word}" + ("" if k == 1 else "s")
 
@@ -1270,6 +1273,8 @@ def figures(out, name, rows, tables):
     converged" style in the legend), and a claim only where the run's rows decided it. Returns
     ([(file name, caption)], a note for the run or None): without matplotlib the note says once how
     to get figures."""
+    if name not in FIGURES or (name == "softmax-two-head" and not tables["starts"]):
+        return [], None
     try:
         import matplotlib
         matplotlib.use("Agg")
