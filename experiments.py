@@ -195,7 +195,7 @@ class Context:
 def train_full(ctx, Z, y, L, rng, maxiter, heads=1, init_scale=0.3, max_nfev=500):
     """Full (P, Q): L-BFGS from a random start, then Gauss-Newton (max_nfev evaluations) from its end point. On this
     landscape either alone often stalls (runs drift along the free rescaling (gamma P, Q / gamma));
-    the pair converges more often, and state() says when it did not."""
+    the pair converges more often, and converged() says when it did not."""
     res = ctx.train_lbfgs(Z, y, L, "full", heads=heads, rng=rng, init_scale=init_scale, maxiter=maxiter)
     if converged(res):
         return res
@@ -1804,6 +1804,12 @@ def run(args, names, out):
                     rows, tables = fn(ctx)
                 rows = [{"experiment": name, **r} for r in rows]
                 seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+                # an experiment's files and its record entry are written whole: a signal meanwhile waits
+                held = []
+                if main_thread:
+                    outer = [signal.signal(sig, lambda signum, frame: held.append(signum))
+                             for sig in (signal.SIGINT, signal.SIGTERM)]
+                experiments.pop(name, None)            # its earlier files go now: the record must not list them
                 out.remove_stale(name)
                 files = [f"{name}.csv"]
                 write_csv(out, f"{name}.csv", rows)
@@ -1820,6 +1826,12 @@ def run(args, names, out):
                 results[name] = (rows, pngs, seconds)
                 done.append(name)
                 write_record("running")
+                if main_thread:
+                    signal.signal(signal.SIGINT, outer[0])
+                    signal.signal(signal.SIGTERM, outer[1])
+                if held:
+                    term.extend(s for s in held if s == signal.SIGTERM)
+                    raise Stopped() if signal.SIGTERM in held else KeyboardInterrupt()
                 log(f"[{k}/{len(names)}] {name} done in {seconds:.1f} s ({cpu:.1f} s of CPU); "
                     f"{time.perf_counter() - start:.0f} s so far")
         except KeyboardInterrupt as e:

@@ -750,3 +750,18 @@ def test_main_restores_the_callers_signal_handlers(tmp_path, monkeypatch, outcom
             signal.signal(s, h)
     record = json.loads((tmp_path / "o" / "config.json").read_text())
     assert record["status"] == outcome and status == (0 if outcome == "complete" else 128 + signal.SIGINT)
+
+
+def test_noise_draws_labels_with_the_variance_its_rows_name(monkeypatch):
+    # the claim is about the noise variance s2: the prompts must be drawn with standard deviation
+    # sqrt(s2), and the row's theory must be n / (n + 1 + d + s2) at that same s2 (Mahankali et al.)
+    drawn, real = [], ir.sample_prompts
+    monkeypatch.setattr(ex.ir, "sample_prompts", lambda *a, **k: drawn.append(k.get("noise_std", 0.0)) or real(*a, **k))
+    rows, _ = ex.noise(ex.Context(rng=np.random.default_rng(0), quick=True))
+    # a square root and a square: the variance comes back to within 2 ulp (4.4e-16 relative)
+    assert len(drawn) == len(rows) and all(math.isclose(r["noise_var"], s ** 2, rel_tol=4.5e-16)
+                                           for r, s in zip(rows, drawn))
+    n, d = 20, 5
+    # one division and a product apiece, each rounded once: a few ulp apart at most
+    assert all(math.isclose(r["theory"], n / (n + 1 + d + r["noise_var"]), rel_tol=1e-15) for r in rows)
+    assert all(r["check"] == "two-sided" and r["k"] == ex.K_SE and r["tolerance"] == ex.K_SE * r["se"] for r in rows)
