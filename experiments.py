@@ -1,27 +1,39 @@
 """The paper's experiments and its reviewers' questions, each a self-checking claim.
 
-    python experiments.py [names...] [--quick] [--seed S] [--out DIR] [--list]
+    python experiments.py [names...] [--quick] [--seed S] [--out DIR] [--overwrite] [--list]
 
 Every experiment states claims, computes the theory side with icl_ref's closed forms and the
-measured side with icl_ref's trained models, and prints a table claim / theory / measured /
-verdict. Verdicts: PASS or FAIL for checked claims (each with its computed tolerance), INFO for
-findings that are reported, not checked. The exit status is 1 when a checked claim fails.
---out DIR receives config.json, one CSV per experiment (and per extra table), summary.md and,
+measured side with icl_ref's trained models, and returns one record per claim: the fields FIELDS
+(experiment, claim, theory, measured, se, k, tolerance, check, verdict, converged, why) and named
+extras, all numbers or lists of numbers. The printed table, summary.md, the CSVs and the figures
+are rendered from these fields. Verdicts:
+  PASS / FAIL  a checked claim (its `check` says how: two-sided |measured - theory| <= tolerance,
+               or one-sided and named so; tolerance = k se + slack, k printed in the row);
+  INFO         a finding reported, not checked; also a claim the --quick sizes cannot decide,
+               reported once with why = "full run only: ...";
+  NO VERDICT   a checked claim or finding whose trained models did not all converge (|grad| >
+               GRAD_TOL, or interrupted), or, for a model trained from several starts, when no start
+               reached the reference loss (all stopped at higher stationary points); `why` says which.
+The run ends with a tally line; the exit status is 1 when a checked claim fails.
+--out DIR receives config.json (the run's record: format marker, options, versions, status and each
+experiment's files and provenance), one CSV per experiment (and per extra table), summary.md and,
 when matplotlib is importable, PNG figures. Setups: [A] §4.3, §5.1 and App. D; the math is in MATH.md.
 "The rebuttal" is the authors' response to the NeurIPS 2023 reviewers (on OpenReview).
 """
-import os
-
 import argparse
 import ast
 import csv
+import dataclasses
+import fcntl
 import functools
 import hashlib
 import itertools
 import json
 import math
+import os
 import platform
 import signal
+import stat
 import sys
 import threading
 import time
@@ -37,16 +49,28 @@ import icl_fast as fast
 import icl_ref as ir
 
 PASS, FAIL, INFO, NO_VERDICT = "PASS", "FAIL", "INFO", "NO VERDICT"
-Z_MC = 4.0            # Monte Carlo checks: |estimate - theory| <= 4 computed standard errors
+# Monte Carlo checks: within K_SE computed standard errors (k is a field of every such row). At 4 SE a
+# correct claim fails with probability 6e-5 per two-sided check (normal errors).
+K_SE = 4.0
 # A trained model is converged when the gradient norm of its batch loss is <= 1e-6: its loss is
 # then within |grad|^2 / (smallest curvature, >= 1e-3 here) ~ 1e-9 of the batch optimum, far below
 # every Monte Carlo error these experiments compare with. Verdicts use converged models only.
 GRAD_TOL = 1e-6
+# A trained loss "reached" a reference loss when it is at most this much above it, relative: converged
+# runs of one stationary point agree to ~1e-9 (|grad|^2 / curvature), distinct minima differ by > 1e-4.
+REACHED_RTOL = 1e-6
 EXPERIMENTS = {}
-THREADS = dict(threads=None)     # icl_fast's workers per evaluation (--threads; None: every core)
 # Two heads count as "opposite" when the cosine of their acting blocks is below -1/2 (at least 120
 # degrees apart): a cosine near 0 is orthogonal, not opposite.
 OPPOSITE = -0.5
+# How a row's measured value is checked against its theory (the `check` field); tolerance = k se + slack
+CHECKS = {"two-sided": "|measured - theory| <= tolerance",
+          "at least (one-sided)": "measured >= theory - tolerance",
+          "at most (one-sided)": "measured <= theory + tolerance",
+          "above (one-sided)": "measured >= theory + tolerance (a difference resolved by k SE)",
+          "holds": "the stated property holds exactly (to rounding)"}
+# The fields every row carries, in this order; an experiment adds named extras after them
+FIELDS = ("experiment", "claim", "theory", "measured", "se", "k", "tolerance", "check", "verdict", "converged", "why")
 
 
 def experiment(name, answers):
@@ -57,28 +81,69 @@ def experiment(name, answers):
     return register
 
 
-def row(claim, theory, measured, verdict, **columns):
-    return dict(claim=claim, theory=theory, measured=measured, verdict=verdict, **columns)
-
-
-def verdict(ok):
-    return PASS if ok else FAIL
-
-
 def converged(res):
     return not res["interrupted"] and res["grad_norm"] <= GRAD_TOL
 
 
-def state(res):
-    """How a training run ended, for the measured column."""
-    if converged(res):
-        return f"converged, |grad| {res['grad_norm']:.1e}"
-    return f"NOT CONVERGED (|grad| {res['grad_norm']:.1e}): no verdict"
+def row(claim, verdict, theory=None, measured=None, se=None, k=None, tolerance=None, check=None,
+        converged=None, why="", **extras):
+    """One claim's result as a record: numbers in fields, no prose beyond the claim and `why`."""
+    return dict(claim=claim, theory=theory, measured=measured, se=se, k=k, tolerance=tolerance, check=check,
+                verdict=verdict, converged=converged, why=why, **extras)
 
 
-def checked(ok, *runs):
-    """PASS/FAIL when every trained model in the claim converged, else NO VERDICT."""
-    return verdict(ok) if all(converged(r) for r in runs) else NO_VERDICT
+def unconverged(runs):
+    """Why a claim reading `runs` gets no verdict (a run not converged or interrupted), or ''."""
+    bad = [r for r in runs if not converged(r)]
+    if not bad:
+        return ""
+    return (f"{len(bad)} of {len(runs)} trained models this claim reads did not converge "
+            f"(|grad| {max(r['grad_norm'] for r in bad):.1e} > {GRAD_TOL:g})")
+
+
+def judge(check, measured, theory, se=0.0, k=K_SE, slack=0.0, runs=(), blocked=""):
+    """The verdict fields of a checked claim: PASS when `measured` meets `theory` by `check` (CHECKS)
+    within tolerance = k se + slack, elementwise for arrays, FAIL when not; NO VERDICT when a run the
+    claim reads did not converge or `blocked` gives another reason (the `why` field says which)."""
+    m, t = np.asarray(measured, dtype=float), np.asarray(theory, dtype=float)
+    tol = k * np.asarray(se, dtype=float) + slack
+    if check == "two-sided":
+        ok = np.all(np.abs(m - t) <= tol)
+    elif check == "at least (one-sided)":
+        ok = np.all(m >= t - tol)
+    elif check == "at most (one-sided)":
+        ok = np.all(m <= t + tol)
+    elif check == "above (one-sided)":
+        ok = np.all(m >= t + tol)
+    else:
+        raise ValueError(f"unknown check {check!r}")
+    return decide(bool(ok), runs, blocked, theory=theory, measured=measured, se=se, k=k,
+                  tolerance=tol if tol.ndim else float(tol), check=check)
+
+
+def decide(ok, runs=(), blocked="", check="holds", **fields):
+    """Verdict fields from a decided property `ok` (True/False; None: a finding, INFO): NO VERDICT
+    when `blocked` names a reason or a run in `runs` did not converge."""
+    why = blocked or unconverged(runs)
+    verdict = NO_VERDICT if why else INFO if ok is None else PASS if ok else FAIL
+    return dict(fields, check=None if ok is None else check, verdict=verdict,
+                converged=all(converged(r) for r in runs) if runs else None, why=why)
+
+
+def info(runs=(), blocked="", **fields):
+    """Fields of a reported finding: INFO, or NO VERDICT when its runs did not converge."""
+    return decide(None, runs, blocked, **fields)
+
+
+def full_run_only(claim, why, **extras):
+    """A claim the --quick sizes cannot decide: reported once, as INFO, saying so."""
+    return row(claim, INFO, why=f"full run only: {why}", **extras)
+
+
+def best_of(runs):
+    """The lowest-loss converged run, or when none converged the one with the smallest gradient."""
+    done = [r for r in runs if converged(r)]
+    return min(done, key=lambda r: r["loss"]) if done else min(runs, key=lambda r: r["grad_norm"])
 
 
 @functools.lru_cache(maxsize=16)
@@ -89,53 +154,78 @@ def family_optimum(*args, **kwargs):
 
 
 def fmt(x, digits=4):
+    """A field's value as the tables show it."""
+    if x is None:
+        return ""
     if isinstance(x, (list, tuple, np.ndarray)):
         return "[" + ", ".join(fmt(v, digits) for v in np.ravel(x)) + "]"
+    if isinstance(x, (bool, np.bool_)):
+        return "yes" if x else "no"
     return f"{x:.{digits}g}" if isinstance(x, (float, np.floating)) else str(x)
 
 
-def train_lbfgs(*args, **kwargs):
-    """icl_fast.train_lbfgs on --threads workers, except that a Ctrl-C stops the whole run."""
-    return stop_if_interrupted(fast.train_lbfgs(*args, **THREADS, **kwargs))
+@dataclasses.dataclass
+class Context:
+    """What an experiment receives: its own random stream, the run's options and where to report.
+    The trainers run on icl_fast with the run's --threads; a Ctrl-C stops the whole run (icl_ref's
+    trainers return their last iterate instead, which an experiment must not use)."""
+    rng: np.random.Generator
+    seed: int = 0
+    quick: bool = False
+    log: object = print
+    progress: int = 0
+    threads: int = None          # icl_fast's workers per evaluation (--threads; None: every core)
+
+    def train_lbfgs(self, *args, **kwargs):
+        return stop_if_interrupted(fast.train_lbfgs(*args, threads=self.threads, **kwargs))
+
+    def train_gauss_newton(self, *args, **kwargs):
+        return stop_if_interrupted(fast.train_gauss_newton(*args, threads=self.threads, **kwargs))
+
+    def sandwich_covariance(self, *args, **kwargs):
+        return fast.sandwich_covariance(*args, threads=self.threads, **kwargs)
+
+    def identifiable_hessian(self, *args, **kwargs):
+        return fast.identifiable_hessian(*args, threads=self.threads, **kwargs)
+
+    def loss_and_grad_gram(self, *args):
+        return fast.loss_and_grad_gram(*args, threads=self.threads)
 
 
-def train_gauss_newton(*args, **kwargs):
-    """icl_fast.train_gauss_newton on --threads workers, except that a Ctrl-C stops the whole run."""
-    return stop_if_interrupted(fast.train_gauss_newton(*args, **THREADS, **kwargs))
-
-
-def sandwich_covariance(*args, **kwargs):
-    """icl_fast.sandwich_covariance on --threads workers."""
-    return fast.sandwich_covariance(*args, **THREADS, **kwargs)
-
-
-def train_full(Z, y, L, rng, maxiter, heads=1, init_scale=0.3, max_nfev=500):
+def train_full(ctx, Z, y, L, rng, maxiter, heads=1, init_scale=0.3, max_nfev=500):
     """Full (P, Q): L-BFGS from a random start, then Gauss-Newton (max_nfev evaluations) from its end point. On this
     landscape either alone often stalls (runs drift along the free rescaling (gamma P, Q / gamma));
-    the pair converges more often, and state() says when it did not."""
-    res = train_lbfgs(Z, y, L, "full", heads=heads, rng=rng, init_scale=init_scale, maxiter=maxiter)
+    the pair converges more often, and converged() says when it did not."""
+    res = ctx.train_lbfgs(Z, y, L, "full", heads=heads, rng=rng, init_scale=init_scale, maxiter=maxiter)
     if converged(res):
         return res
-    return train_gauss_newton(Z, y, L, "full", heads=heads, init={"P": res["P"], "Q": res["Q"]}, max_nfev=max_nfev)
+    return ctx.train_gauss_newton(Z, y, L, "full", heads=heads, init={"P": res["P"], "Q": res["Q"]}, max_nfev=max_nfev)
 
 
-def starts_summary(runs, lowest=None, rtol=1e-6, what="the lowest batch loss"):
+def starts_summary(runs, lowest=None, rtol=REACHED_RTOL):
     """Several starts of one model, judged by their best: (the converged runs that reached the lowest
-    batch loss, sorted best first, and a sentence saying how the starts ended). `lowest` is the lowest
-    loss known (default: the lowest converged one; a run above it by more than rtol relative stopped
-    at a higher stationary point and never carries a verdict). Full (P, Q) has spurious local minima
-    (README finding 15), so one start is no evidence of the optimum."""
+    batch loss, sorted best first, and the fields saying how the starts ended: starts, reached,
+    lowest, higher (the losses of the converged starts above it), not_converged). `lowest` is the
+    lowest loss known (default: the lowest converged one; a run above it by more than rtol relative
+    stopped at a higher stationary point and never carries a verdict). Full (P, Q) has spurious
+    local minima (README finding 15), so one start is no evidence of the optimum."""
     done = sorted((r for r in runs if converged(r)), key=lambda r: r["loss"])
-    if not done:
-        return [], f"none of {len(runs)} starts converged"
     if lowest is None:
-        lowest = done[0]["loss"]
+        lowest = done[0]["loss"] if done else None
     reached = [r for r in done if r["loss"] <= lowest * (1 + rtol)]
-    higher = [f"{r['loss']:.5g}" for r in done if r["loss"] > lowest * (1 + rtol)]
-    text = (f"{len(reached)} of {len(runs)} starts reached {what} {lowest:.5g}"
-            + (f"; higher stationary points: {', '.join(higher)}" if higher else "")
-            + (f"; {len(runs) - len(done)} did not converge" if len(done) < len(runs) else ""))
-    return reached, text
+    return reached, dict(starts=len(runs), reached=len(reached), lowest=lowest,
+                         higher=[r["loss"] for r in done if r["loss"] > lowest * (1 + rtol)],
+                         not_converged=len(runs) - len(done))
+
+
+def not_reached(said):
+    """The NO VERDICT reason when no start reached the reference loss (starts_summary's fields), or ''."""
+    if said["reached"]:
+        return ""
+    if said["not_converged"] == said["starts"]:
+        return f"none of {said['starts']} starts converged"
+    return (f"none of {said['starts']} starts reached the reference loss {fmt(said['lowest'], 6)} "
+            f"({said['not_converged']} did not converge; the others stopped at higher stationary points)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,51 +323,52 @@ def scalar_fit(A, T, cov_block):
 
 @experiment("single-layer", "Theorem 1 (eq. 6); reviewer: does the scaled Gamma* approach Sigma^-1 as n grows?")
 def single_layer(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, ns, starts = (2000, [2, 10, 50], 2) if quick else (20000, [2, 5, 10, 20, 50], 4)
     Sigma, _ = ir.rotated_covariance(rng)
-    d, rows = Sigma.shape[0], []
+    rows = []
     for n in ns:
         Z, y = ir.sample_prompts(rng, B, n, Sigma)                     # Theorem 1: w* ~ N(0, I)
         G = ir.gamma_star(Sigma, n)
         L_star = ir.single_layer_population_loss(G, Sigma, n)
-        res = train_gauss_newton(Z, y, 1, "sparse", rng=rng)
-        cov = sandwich_covariance("sparse", res["coords"], Z, y)
+        res = ctx.train_gauss_newton(Z, y, 1, "sparse", rng=rng)
+        cov = ctx.sandwich_covariance("sparse", res["coords"], Z, y)
         loss = lambda X: ir.single_layer_population_loss(X, Sigma, n)
         excess = loss(res["coords"]["A"][0]) - L_star
-        bound = quadratic_excess_bound(loss, G, cov)
-        rows.append(row(f"n={n}: trained sparse Gamma has exact excess loss within sampling bound",
-                        f"L*={L_star:.5f}, excess<={bound:.2e}", f"excess={excess:.2e} ({state(res)})",
-                        checked(excess <= bound, res), n=n, L_star=L_star,
-                        excess=excess, bound=bound,
+        # the exact excess population loss of the trained Gamma is >= 0 and, the batch being finite,
+        # within the sampling bound: mean + 5 sd of its weighted chi-square law (k = 5, not K_SE: the
+        # law's right tail is heavier than a normal one's); both sides checked
+        bound = quadratic_excess_bound(loss, G, cov, sds=5.0)
+        rows.append(row(f"n={n}: trained sparse Gamma's exact excess loss over L* lies in [0, sampling bound]",
+                        **decide(0 <= excess <= bound, [res], theory=0.0, measured=excess, tolerance=bound,
+                                 k=5.0, check="0 <= measured <= tolerance (mean + k sd of its chi-square law)"),
+                        n=n, L_star=L_star, grad_norm=res["grad_norm"],
                         dist_to_gamma_star=ir.distance_to_multiple(res["coords"]["A"][0], G)))
         # full (P, Q) has spurious local minima (README finding 15): several starts, the verdict from
         # the best converged one, and only when it reached the batch optimum, which the full model
         # attains at or below the trained sparse model's batch loss (the sparse model is one of its points)
-        fulls = [train_gauss_newton(Z, y, 1, "full", rng=rng, init_scale=0.3) for _ in range(starts)]
-        reached, starts_said = starts_summary(fulls, lowest=res["loss"], rtol=1e-9,
-                                              what="the sparse model's batch loss or below,")
-        best = reached[0] if reached else None
+        fulls = [ctx.train_gauss_newton(Z, y, 1, "full", rng=rng, init_scale=0.3) for _ in range(starts)]
+        reached, said = starts_summary(fulls, lowest=res["loss"], rtol=1e-9)
+        best = reached[0] if reached else best_of(fulls)
         Zt, yt = ir.sample_prompts(rng, 4 * B, n, Sigma)
-        if best is None or not converged(res):
-            rows.append(row(f"n={n}: full (P, Q) cannot beat Gamma* (global optimum) on fresh prompts",
-                            f">= {L_star:.5f}", f"{starts_said}: no verdict", NO_VERDICT, n=n,
-                            starts=starts, reached=len(reached)))
-            continue
         mean, se = test_loss(best["P"], best["Q"], Zt, yt)
         star = ir.predict(*ir.sparse_params(G[None]), Zt)
         rel = math.sqrt(np.mean((ir.predict(best["P"], best["Q"], Zt) - star) ** 2) / np.mean(star ** 2))
-        rows.append(row(f"n={n}: full (P, Q) cannot beat Gamma* (global optimum) on fresh prompts",
-                        f">= {L_star:.5f}", f"best start: {mean:.5f} +- {se:.1e}; rel. pred. diff {rel:.3f} "
-                        f"({state(best)}); {starts_said}",
-                        checked(mean >= L_star - Z_MC * se, best), n=n, test_loss=mean, test_se=se,
-                        rel_prediction_diff=rel, starts=starts, reached=len(reached)))
+        # one-sided by its nature: no model beats the global optimum L* on fresh prompts; that training
+        # reaches it is the batch side, checked by `reached` (the sparse model's batch loss or below)
+        rows.append(row(f"n={n}: full (P, Q), best start, cannot beat Gamma* (the global optimum) on fresh prompts",
+                        **judge("at least (one-sided)", mean, L_star, se, runs=[res, best],
+                                blocked=not_reached(said)),
+                        n=n, rel_prediction_diff=rel, **said))
     dists = [ir.distance_to_multiple(ir.gamma_star(Sigma, n), np.linalg.inv(Sigma))
              for n in (2, 5, 10, 20, 50, 100, 1000, 10000)]
-    # Gamma* = Sigma^-1 + O(1/n) (MATH.md §8): ten times n should give a tenth of the distance
-    rows.append(row("dist(Gamma*(n), Sigma^-1), n = 2..10^4, decreases to 0 like 1/n (exact)",
-                    "monotone; dist(10^3)/dist(10^4) in (5, 20)", fmt(dists, 3),
-                    verdict(np.all(np.diff(dists) < 0) and 5 < dists[-2] / dists[-1] < 20)))
+    # Gamma* = Sigma^-1 + O(1/n) (MATH.md §8): ten times n gives a tenth of the distance, so the ratio
+    # dist(10^3)/dist(10^4) is 10 up to the O(1/n^2) terms; (5, 20) allows them a factor 2 either way
+    ratio = dists[-2] / dists[-1]
+    rows.append(row("dist(Gamma*(n), Sigma^-1), n = 2..10^4, decreases monotonically to 0 like 1/n (exact)",
+                    **decide(bool(np.all(np.diff(dists) < 0)) and 5 < ratio < 20, theory=10.0, measured=ratio,
+                             check="monotone and 5 < dist(10^3)/dist(10^4) < 20"),
+                    distances=dists))
     return rows, {}
 
 
@@ -292,18 +383,18 @@ def sqrtm_spd(S):
 
 @experiment("three-layer-sparse", "Theorem 3, Figs 1-2; reviewer: do the scalars repeat across restarts?")
 def three_layer_sparse(ctx):
-    quick, log = ctx["quick"], ctx["log"]
+    quick, log = ctx.quick, ctx.log
     B, seeds, maxiter = (3000, 1, 600) if quick else (20000, 3, 3000)
     d, n, L = 5, 20, 3
     a_star, _, f_star = family_optimum(L, n, d)
     rows, curve, heat, fitted = [], [], [], []
     for s in range(seeds):
-        rng = np.random.default_rng([ctx["seed"], s])
+        rng = np.random.default_rng([ctx.seed, s])
         Sigma, Si, Z, y = paper_data(rng, B, n)
         init = {"A": 0.1 * rng.standard_normal((L, d, d))}
-        res = train_lbfgs(Z, y, L, "sparse", init=init, maxiter=maxiter, keep_iterates=True,
-                          progress=ctx["progress"])
-        gn = train_gauss_newton(Z, y, L, "sparse", init=init, progress=ctx["progress"])
+        res = ctx.train_lbfgs(Z, y, L, "sparse", init=init, maxiter=maxiter, keep_iterates=True,
+                          progress=ctx.progress)
+        gn = ctx.train_gauss_newton(Z, y, L, "sparse", init=init, progress=ctx.progress)
         log(f"  seed {s}: L-BFGS loss {res['loss']:.6f} |grad| {res['grad_norm']:.1e} in {res['nit']} it, "
             f"{res['wall_time']:.1f} s; Gauss-Newton {gn['loss']:.6f} |grad| {gn['grad_norm']:.1e} in "
             f"{gn['nfev']} evaluations, {gn['wall_time']:.1f} s")
@@ -316,60 +407,71 @@ def three_layer_sparse(ctx):
         for l in range(L):
             for i, r in enumerate(R @ A[l] @ R):
                 heat.append(dict(seed=s, layer=l, row=i, **{f"c{j}": v for j, v in enumerate(r)}))
-        cov = sandwich_covariance("sparse", res["coords"], Z, y)
+        cov = ctx.sandwich_covariance("sparse", res["coords"], Z, y)
         fits = [scalar_fit(A[l], Si, cov[l * d * d:(l + 1) * d * d, l * d * d:(l + 1) * d * d])
                 for l in range(L)]
         a_hat, se = np.array([f[0] for f in fits]), np.array([f[1] for f in fits])
         fitted += [dict(seed=s, layer=l, a_hat=a_hat[l], se=se[l]) for l in range(L)]
         order = np.argsort(a_hat)
-        ok = np.all(np.abs(a_hat[order] - a_star) <= Z_MC * se[order])
-        dist = [ir.distance_to_multiple(A[l], Si) for l in range(L)]
-        rows.append(row(f"seed {s}: fitted a_l (sorted) = exact family optimum (Lemma 4: as a multiset)",
-                        fmt(a_star), f"{fmt(a_hat[order])} +- {fmt(Z_MC * se[order], 2)} (L-BFGS, {state(res)})",
-                        checked(ok, res), seed=s, loss=res["loss"], f_star=f_star, nit=res["nit"],
-                        seconds=res["wall_time"], grad_norm=res["grad_norm"]))
+        rows.append(row(f"seed {s}: fitted a_l (sorted) = exact family optimum (Lemma 4: as a multiset), L-BFGS",
+                        **judge("two-sided", a_hat[order], a_star, se[order], runs=[res]),
+                        seed=s, B=B, loss=res["loss"], f_star=f_star, nit=res["nit"], seconds=res["wall_time"],
+                        grad_norm=res["grad_norm"]))
         same = permutation_distance(gn["coords"]["A"], A)
-        gn_fit = sorted(ir.fitted_scalar(gn["coords"]["A"][l], Si) for l in range(L))
-        rows.append(row(f"seed {s}: Gauss-Newton from the same start: the same stationary point?",
-                        "-", f"rel. dist {same:.1e} (up to layer order); loss {gn['loss']:.6f} vs L-BFGS "
-                        f"{res['loss']:.6f}; a (sorted) {fmt(gn_fit)}; {gn['nfev']} evaluations, {gn['wall_time']:.1f} s "
-                        f"vs {res['nit']} it, {res['wall_time']:.1f} s ({state(gn)})",
-                        INFO if converged(res) and converged(gn) else NO_VERDICT, seed=s,
-                        gn_loss=gn["loss"], lbfgs_loss=res["loss"], rel_dist=same))
-        rows.append(row(f"seed {s}: A_l ~ a_l Sigma^-1 (dist), not ~ I",
-                        "dist(A, Sigma^-1) -> 0", f"dist(A,S^-1)={fmt(dist, 3)} dist(A,I)="
-                        f"{fmt([ir.distance_to_multiple(A[l]) for l in range(L)], 3)}", INFO, seed=s))
+        rows.append(row(f"seed {s}: Gauss-Newton from the same start: the same stationary point? (relative "
+                        "distance of the A_l, up to layer order)",
+                        **info([res, gn], measured=same), seed=s, gn_loss=gn["loss"], lbfgs_loss=res["loss"],
+                        rel_dist=same, gn_a_sorted=sorted(ir.fitted_scalar(gn["coords"]["A"][l], Si) for l in range(L)),
+                        gn_nfev=gn["nfev"], gn_seconds=gn["wall_time"], lbfgs_nit=res["nit"],
+                        lbfgs_seconds=res["wall_time"]))
+        rows.append(row(f"seed {s}: A_l ~ a_l Sigma^-1, not ~ I (relative distances to multiples)",
+                        **info([res], theory=0.0, measured=[ir.distance_to_multiple(A[l], Si) for l in range(L)]),
+                        seed=s, dist_A_I=[ir.distance_to_multiple(A[l]) for l in range(L)]))
     return rows, {"curve": curve, "heatmaps": heat, "fitted": fitted,
                   "optimum": [dict(layer=l, a_star=a_star[l]) for l in range(L)]}
 
 
 @experiment("three-layer-blocks", "Theorem 4, Figs 3-5; paper n=10 vs notebook N=20 (README, finding 7)")
 def three_layer_blocks(ctx):
-    quick, log = ctx["quick"], ctx["log"]
+    quick, log = ctx.quick, ctx.log
     B, seeds, maxiter, max_nfev = (1000, 1, 100, 60) if quick else (20000, 3, 3000, 400)
     d, n, L = 5, 20, 3
+    if quick:
+        # the exact property is decided at any size; the rest needs the 24-start search for the blocks
+        # family optimum (~10 s) and L-BFGS runs of ~1500 iterations
+        rng = np.random.default_rng([ctx.seed, 100])
+        Sigma, Si, Z, y = paper_data(rng, B, n)
+        init = {"A": 0.1 * rng.standard_normal((L, d, d)), "B": 0.1 * rng.standard_normal((L, d, d))}
+        lb = ctx.train_lbfgs(Z, y, L, "blocks", init=init, maxiter=maxiter, maxcor=300)
+        moved = not np.array_equal(lb["coords"]["B"][-1], init["B"][-1])
+        return [row("seed 0: B_(L-1) never moves under L-BFGS (footnote 4: it does not enter the loss)",
+                    **decide(not moved, measured=moved), seed=0),
+                full_run_only("the trained blocks model (L-BFGS and Gauss-Newton, 3 seeds) against the exact blocks "
+                              "family optimum: fitted (a_l, b_l), population basin, Gauss-Newton spectrum; f* at n = 10 "
+                              "and 20 against the notebook's loss", "the blocks family optimum's 24-start search "
+                              "(~10 s) and L-BFGS runs of ~1500 iterations")], {"heatmaps": [], "optimum": []}
     a_star, b_star, f_star = family_optimum(L, n, d, blocks=True)
     # L-BFGS keeps 300 pairs, twice the 150 coordinates (the authors' notebook keeps 600): with
     # train_lbfgs's default 20 it had |grad| ~1e-4 after 3000 iterations here, with 300 it
     # converges in ~1200-1700 (measured, seeds 0-2)
     rows, heat = [], []
     for s in range(seeds):
-        rng = np.random.default_rng([ctx["seed"], 100 + s])
+        rng = np.random.default_rng([ctx.seed, 100 + s])
         Sigma, Si, Z, y = paper_data(rng, B, n)
         # a small start, as the authors' code (std 1e-4) and [A] ("iid Gaussian") use
         init = {"A": 0.1 * rng.standard_normal((L, d, d)), "B": 0.1 * rng.standard_normal((L, d, d))}
         # the paper's claim is about what training finds: both optimisers from the same start
-        runs = {"Gauss-Newton": train_gauss_newton(Z, y, L, "blocks", init=init, max_nfev=max_nfev,
-                                                      progress=ctx["progress"]),
-                "L-BFGS": train_lbfgs(Z, y, L, "blocks", init=init, maxiter=maxiter, maxcor=300,
-                                         keep_iterates=True, progress=ctx["progress"])}
+        runs = {"Gauss-Newton": ctx.train_gauss_newton(Z, y, L, "blocks", init=init, max_nfev=max_nfev,
+                                                      progress=ctx.progress),
+                "L-BFGS": ctx.train_lbfgs(Z, y, L, "blocks", init=init, maxiter=maxiter, maxcor=300,
+                                         keep_iterates=True, progress=ctx.progress)}
         for name, res in runs.items():
             log(f"  seed {s} {name}: loss {res['loss']:.3e}, |grad| {res['grad_norm']:.1e}, "
                 f"{res['wall_time']:.1f} s, {res['message']}")
         lb = runs["L-BFGS"]
         moved = not np.array_equal(lb["coords"]["B"][-1], lb["iterates"][0]["B"][-1])
         rows.append(row(f"seed {s}: B_(L-1) never moves under L-BFGS (footnote 4: it does not enter the loss)",
-                        "B_2 = its initial value", "moved" if moved else "exactly", verdict(not moved), seed=s))
+                        **decide(not moved, measured=moved), seed=s))
         R = sqrtm_spd(Sigma)
         for name, res in runs.items():
             A, Bm = res["coords"]["A"], res["coords"]["B"]
@@ -378,47 +480,46 @@ def three_layer_blocks(ctx):
                     for i, r in enumerate(M):
                         heat.append(dict(seed=s, trainer=name, matrix=matrix, layer=l, row=i,
                                          **{f"c{j}": v for j, v in enumerate(r)}))
+            if quick and not converged(res):
+                rows.append(full_run_only(f"seed {s}, {name}: (a_l, b_l), basin and spectrum of the trained blocks model",
+                                          f"{res['nit']} iterations at quick size stop at |grad| "
+                                          f"{res['grad_norm']:.1e} > {GRAD_TOL:g}", seed=s, trainer=name))
+                continue
             a_hat = [ir.fitted_scalar(A[l], Si) for l in range(L)]
             b_hat = [ir.fitted_scalar(Bm[l], np.eye(d)) for l in range(L)]
-            rows.append(row(f"seed {s}, {name}: (a_l, b_l) vs exact family optimum; batch loss vs population f*",
-                            f"a*={fmt(a_star)} b*={fmt(b_star[:-1])} f*={f_star:.3e}",
-                            f"a={fmt(a_hat)} b={fmt(b_hat[:-1])} loss={res['loss']:.3e} ({state(res)})",
-                            INFO if converged(res) else NO_VERDICT,
-                            seed=s, trainer=name, loss=res["loss"], grad_norm=res["grad_norm"],
-                            seconds=res["wall_time"]))
+            rows.append(row(f"seed {s}, {name}: batch loss vs population f* of the exact family optimum; fitted (a_l, b_l)",
+                            **info([res], theory=f_star, measured=res["loss"]),
+                            seed=s, trainer=name, a_hat=a_hat, b_hat=b_hat[:-1], a_star=a_star, b_star=b_star[:-1],
+                            loss=res["loss"], grad_norm=res["grad_norm"], seconds=res["wall_time"],
+                            dist_A_Sigma_inv=[ir.distance_to_multiple(A[l], Si) for l in range(L)],
+                            dist_B_I=[ir.distance_to_multiple(Bm[l]) for l in range(L - 1)]))
             if converged(res):
                 # which population minimum of the exact family loss the fitted scalars belong to
                 a_loc, b_loc, f_loc = ir.family_local_minimum(a_hat, n, d, b=b_hat)
-                where = "the global optimum" if f_loc <= f_star * (1 + 1e-9) else "ANOTHER local minimum"
-                rows.append(row(f"seed {s}, {name}: the population basin of the fitted (a_l, b_l)",
-                                f"global: a*={fmt(a_star)} b*={fmt(b_star[:-1])} f*={f_star:.4e}",
-                                f"descends to a={fmt(a_loc)} b={fmt(b_loc[:-1])} f={f_loc:.4e}: {where}", INFO,
-                                seed=s, trainer=name, basin_loss=f_loc))
+                rows.append(row(f"seed {s}, {name}: the population minimum the fitted (a_l, b_l) descend to "
+                                "(global: within 1e-9 of f*, relative)",
+                                **info([res], theory=f_star, measured=f_loc), seed=s, trainer=name, basin_loss=f_loc,
+                                global_basin=bool(f_loc <= f_star * (1 + 1e-9)), a_basin=a_loc, b_basin=b_loc[:-1]))
                 # a certified stationary point: its Gauss-Newton matrix 2 J^T J / B over the free
                 # coordinates (B_{L-1} excluded: it never enters); all eigenvalues > 0 is a strict minimum
                 # of the Gauss-Newton model, with no other null direction in this structure
-                _, J = fast.residuals_and_jacobian(res["P"], res["Q"], Z, y, structure="blocks")
+                _, J = fast.residuals_and_jacobian(res["P"], res["Q"], Z, y, structure="blocks", threads=ctx.threads)
                 eig = np.linalg.eigvalsh(2 * J[:, :-d * d].T @ J[:, :-d * d] / B)
-                rows.append(row(f"seed {s}, {name}: the stationary point's Gauss-Newton spectrum (B_2 excluded)",
-                                "> 0 at a strict minimum", f"eigenvalues {eig[0]:.2e} .. {eig[-1]:.2e}, "
-                                f"{int(np.sum(eig < 1e-10 * eig[-1]))} below 1e-10 of the largest", INFO,
-                                seed=s, trainer=name, eig_min=eig[0], eig_max=eig[-1]))
-            rows.append(row(f"seed {s}, {name}: dist(A_l, Sigma^-1) and dist(B_l, I) (B_2 is irrelevant)",
-                            "-> 0 at the family optimum",
-                            f"A: {fmt([ir.distance_to_multiple(A[l], Si) for l in range(L)], 3)} "
-                            f"B: {fmt([ir.distance_to_multiple(Bm[l]) for l in range(L)], 3)}"
-                            + ("" if converged(res) else " (not converged)"), INFO if converged(res) else NO_VERDICT,
-                            seed=s, trainer=name))
+                rows.append(row(f"seed {s}, {name}: the stationary point's smallest Gauss-Newton eigenvalue (B_2 excluded; "
+                                "> 0 at a strict minimum)", **info([res], measured=eig[0]),
+                                seed=s, trainer=name, eig_min=eig[0], eig_max=eig[-1],
+                                eig_below_1e_10=int(np.sum(eig < 1e-10 * eig[-1]))))
     f10 = family_optimum(L, 10, d, blocks=True)[2]
-    rows.append(row("family optimum f* at n=10 (paper text) vs n=20 (notebook); notebook reached "
-                    "exp(-7.12) = 8.1e-4", f"n=10: {f10:.3e}, n=20: {f_star:.3e}", f"{math.exp(-7.12):.2e}", INFO))
+    rows.append(row("family optimum f* at n=20 (notebook) vs the loss the notebook reached, exp(-7.12); f* at n=10 "
+                    "(paper text) beside it", **info(theory=f_star, measured=math.exp(-7.12)),
+                    f_star_n10=f10, f_star_n20=f_star, notebook_log_loss=-7.12))
     return rows, {"heatmaps": heat, "optimum": [dict(layer=l, a_star=a_star[l], b_star=b_star[l], f_star=f_star)
                                                 for l in range(L)]}
 
 
 @experiment("two-layer-isotropic", "Theorem 2: a diagonal global minimiser exists; is it a multiple of I?")
 def two_layer_isotropic(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, inits, maxiter = (2000, 2, 400) if quick else (20000, 3, 2000)
     d, n = 5, 20
     Z, y = ir.sample_prompts(rng, B, n, np.eye(d))
@@ -426,29 +527,49 @@ def two_layer_isotropic(ctx):
     family = ir.in_context_loss(*ir.sparse_params(a[:, None, None] * np.eye(d)), Z, y)
     rows = []
     for k in range(inits):
-        res = train_lbfgs(Z, y, 2, rng=rng, init_scale=0.5, maxiter=maxiter)
+        res = ctx.train_lbfgs(Z, y, 2, rng=rng, init_scale=0.5, maxiter=maxiter)
         if not converged(res):                     # L-BFGS's point, polished to a small gradient
-            res = train_gauss_newton(Z, y, 2, init=res["coords"])
+            res = ctx.train_gauss_newton(Z, y, 2, init=res["coords"])
         A = res["coords"]["A"]
         # diagonal is a statement up to rotation (the data are isotropic): A_0, A_1 commute and are
         # symmetric; multiples of I is basis-free: dist(A_l, I) = 0
         comm = np.linalg.norm(A[0] @ A[1] - A[1] @ A[0]) / (np.linalg.norm(A[0]) * np.linalg.norm(A[1]))
         asym = max(np.linalg.norm(A_l - A_l.T) / np.linalg.norm(A_l) for A_l in A)
         eig = [np.linalg.eigvalsh((A_l + A_l.T) / 2) for A_l in A]
-        rows.append(row(f"init {k}: trained loss <= best scalar member (a*={fmt(a)}, f*={f_star:.4f}) on the "
-                        "same batch (slack 1e-9 for the stopping gradient)", f"<= {family:.5f}",
-                        f"{res['loss']:.5f} ({state(res)})",
-                        checked(res["loss"] <= family * (1 + 1e-9), res), init=k, loss=res["loss"]))
-        rows.append(row(f"init {k}: multiples of I, diagonal (commuting, symmetric) or neither?",
-                        "Theorem 2: diagonal exists", f"dist(A_l, I)={fmt([ir.distance_to_multiple(A_l) for A_l in A], 3)} "
-                        f"commutator {comm:.3f} asymmetry {asym:.3f} eig(A_0)={fmt(eig[0], 3)} eig(A_1)={fmt(eig[1], 3)}",
-                        INFO, init=k))
+        # one-sided by its nature: the scalar family is a subset of the sparse models, so the trained
+        # batch loss is at most the best scalar member's on the same batch (slack 1e-9 relative: the
+        # stopping gradient's |grad|^2 / curvature)
+        rows.append(row(f"init {k}: trained batch loss <= the best scalar member's (a*, the exact family optimum) "
+                        "on the same batch", **judge("at most (one-sided)", res["loss"], family, 0.0, k=0.0,
+                                                    slack=1e-9 * family, runs=[res]),
+                        init=k, loss=res["loss"], a_star=a, f_star=f_star))
+        rows.append(row(f"init {k}: multiples of I, diagonal (commuting, symmetric) or neither? (Theorem 2: a "
+                        "diagonal minimiser exists)", **info([res], measured=comm), init=k,
+                        dist_A0_I=ir.distance_to_multiple(A[0]), dist_A1_I=ir.distance_to_multiple(A[1]),
+                        commutator=comm, asymmetry=asym, eig_A0=eig[0], eig_A1=eig[1]))
     return rows, {}
 
 
 # ---------------------------------------------------------------------------------------------
 # 4-6. Depth, prompt length, conditioning
 # ---------------------------------------------------------------------------------------------
+
+def optimum_checks(label, res, Z, y, Zv, yv, a_star, f_star, Si, **extras):
+    """The two sides of "training finds the exact family optimum" (sparse A_l = a*_l Sigma^-1, [A]
+    Theorem 3 / MATH.md §10) for a trained sparse model `res`: on fresh prompts (Zv, yv) its test loss
+    is not below f* by more than K_SE standard errors (no model beats the global optimum; one-sided by
+    nature), and on its own batch (Z, y) its loss is at most the optimum model's (training reached the
+    optimum, not a higher point; slack 1e-9 relative: |grad|^2 / curvature at the stopping gradient).
+    Returns the two rows and the test loss (mean, se)."""
+    mean, se = test_loss(res["P"], res["Q"], Zv, yv)
+    L = len(a_star)
+    optimum = ir.in_context_loss(*ir.sparse_params(np.asarray(a_star)[:, None, None] * Si), Z, y)
+    return [row(f"{label}: trained transformer's test loss does not beat the exact family optimum f*",
+                **judge("at least (one-sided)", mean, f_star, se, runs=[res]), **extras),
+            row(f"{label}: trained batch loss <= the exact family optimum model's on the same batch (it reached "
+                "the optimum)", **judge("at most (one-sided)", res["loss"], optimum, 0.0, k=0.0,
+                                        slack=1e-9 * optimum, runs=[res]), **extras)], (mean, se)
+
 
 def baselines(Z_tune, y_tune, Z_test, y_test, L, Si, n, d):
     """Test losses of GD-L and Sigma^-1-PGD-L with the best constant step, OLS and Bayes ridge."""
@@ -466,38 +587,36 @@ def baselines(Z_tune, y_tune, Z_test, y_test, L, Si, n, d):
 
 @experiment("depth", "Fig. 7 (App. D): loss vs number of layers L, with GD / PGD / OLS baselines")
 def depth(ctx):
-    rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
+    rng, quick, log = ctx.rng, ctx.quick, ctx.log
     B, Ls, maxiter = (2000, [1, 2, 3], 400) if quick else (20000, [1, 2, 3, 4], 3000)
     d, n = 5, 20
     Sigma, Si, Z, y = paper_data(rng, B, n)
     Zt, yt = ir.sample_prompts(rng, B, n, Sigma, Si)
     Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
-    rows = []
+    rows, curve = [], []
     for L in Ls:
-        res = train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
-        mean, se = test_loss(res["P"], res["Q"], Zv, yv)
-        _, _, f_star = family_optimum(L, n, d)
+        res = ctx.train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
+        a_star, _, f_star = family_optimum(L, n, d)
+        checks, (mean, se) = optimum_checks(f"L={L}", res, Z, y, Zv, yv, a_star, f_star, Si, L=L)
         base = baselines(Zt, yt, Zv, yv, L, Si, n, d)
         a_drop = best_constant_step(Zt, yt, L, Si, drop_last=True)
         drop = mean_se((gd_predict(Zv, a_drop, L, Si, drop_last=True) - yv) ** 2)
         log(f"  L={L}: transformer {mean:.4f}, family optimum {f_star:.4f}")
-        rows.append(row(f"L={L}: trained transformer does not beat the exact family optimum",
-                        f">= {f_star:.4f}", f"{mean:.4f} +- {se:.1e} ({state(res)})",
-                        checked(mean >= f_star - Z_MC * se, res),
-                        L=L, transformer=mean, transformer_se=se, family_optimum=f_star,
-                        **{f"{k}_loss": v[0] for k, v in base.items()}))
-        rows.append(row(f"L={L}: baselines with all n examples (best constant step; authors' "
-                        "baselines dropped one)", f"PGD-{L} exact {base['PGD exact'][0]:.4f} "
-                        f"(a={base['PGD exact'][2]:.3f})",
-                        f"GD-{L} {base['GD'][0]:.4f}, PGD-{L} {base['PGD'][0]:.4f}, PGD-{L} on n-1 "
-                        f"{drop[0]:.4f}, OLS {base['OLS'][0]:.1e}, ridge {base['ridge'][0]:.1e}", INFO, L=L))
-    return rows, {}
+        rows += checks
+        curve.append(dict(L=L, transformer=mean, transformer_se=se, family_optimum=f_star, converged=converged(res),
+                          **{f"{k}_loss": v[0] for k, v in base.items()}, PGD_n_minus_1_loss=drop[0]))
+        rows.append(row(f"L={L}: PGD-{L} with the exact best constant step (population), beside the baselines with all "
+                        "n examples (best constant step on tuning prompts; the authors' baselines dropped one)",
+                        **info(theory=base["PGD exact"][0], measured=base["PGD"][0]), L=L,
+                        PGD_exact_step=base["PGD exact"][2], GD_loss=base["GD"][0], PGD_loss=base["PGD"][0],
+                        PGD_n_minus_1_loss=drop[0], OLS_loss=base["OLS"][0], ridge_loss=base["ridge"][0]))
+    return rows, {"curve": curve}
 
 
 @experiment("icl-curve", "Fig. 6 (App. D): test loss vs number of in-context examples n")
 def icl_curve(ctx):
-    rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
-    B, ns, maxiter = (1500, [5, 20], 300) if quick else (20000, [2, 5, 10, 20], 1500)
+    rng, quick, log = ctx.rng, ctx.quick, ctx.log
+    B, ns = (1500, [2, 5, 10, 20]) if quick else (20000, [2, 4, 5, 8, 10, 15, 20, 30])
     d, L = 5, 3
     Sigma, _ = ir.rotated_covariance(rng)
     Si = np.linalg.inv(Sigma)
@@ -506,48 +625,46 @@ def icl_curve(ctx):
         Z, y = ir.sample_prompts(rng, B, n, Sigma, Si)
         Zt, yt = ir.sample_prompts(rng, B, n, Sigma, Si)
         Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
-        res = train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
-        mean, se = test_loss(res["P"], res["Q"], Zv, yv)
+        res = ctx.train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
+        a_star, _, f_star = family_optimum(L, n, d)
+        checks, (mean, se) = optimum_checks(f"n={n}", res, Z, y, Zv, yv, a_star, f_star, Si, n=n)
         base = baselines(Zt, yt, Zv, yv, L, Si, n, d)
-        f_star = family_optimum(L, n, d)[2]
         log(f"  n={n}: transformer {mean:.4f}, family optimum {f_star:.4f}")
-        curve.append(dict(n=n, transformer=mean, transformer_se=se, family_optimum=f_star,
+        curve.append(dict(n=n, transformer=mean, transformer_se=se, family_optimum=f_star, converged=converged(res),
                           **{f"{k}": v[0] for k, v in base.items()}))
-        rows.append(row(f"n={n}: 3-layer transformer vs exact family optimum; GD-3, PGD-3, OLS, ridge",
-                        f"f*={f_star:.4f}", f"{mean:.4f} +- {se:.1e}; GD {base['GD'][0]:.4f} PGD "
-                        f"{base['PGD'][0]:.4f} OLS {base['OLS'][0]:.2e} ridge {base['ridge'][0]:.2e} ({state(res)})",
-                        checked(mean >= f_star - Z_MC * se, res), n=n))
+        rows += checks
     # a single layer trained at n = 20, tested at other lengths: exact formula vs Monte Carlo
     n_train = 20
     Z, y = ir.sample_prompts(rng, B, n_train, Sigma, Si)
-    G = train_gauss_newton(Z, y, 1, "sparse", rng=rng)["coords"]["A"][0]
+    one = ctx.train_gauss_newton(Z, y, 1, "sparse", rng=rng)
+    G = one["coords"]["A"][0]
     for M in (5, 10, 40):
         exact = ir.single_layer_population_loss(G, Sigma, M, Si)
         Zv, yv = ir.sample_prompts(rng, 5 * B, M, Sigma, Si)
         mean, se = test_loss(*ir.sparse_params(G[None]), Zv, yv)
+        # an identity for any Gamma (the trained one is just a point to evaluate it at): no convergence needed
         rows.append(row(f"1 layer trained at n=20, tested at n={M}: exact formula (M in K) = Monte Carlo",
-                        f"{exact:.4f}", f"{mean:.4f} +- {se:.1e}", verdict(abs(mean - exact) <= Z_MC * se)))
+                        **judge("two-sided", mean, exact, se), M=M))
     return rows, {"curve": curve}
 
 
 @experiment("conditioning", "reviewers: does A ~ Sigma^-1 hold across d and condition numbers?")
 def conditioning(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, ds, kappas, maxiter = (1500, [3, 5], [1, 100], 400) if quick else (5000, [3, 5, 8], [1, 10, 100], 1000)
     n, L = 20, 3
     rows = []
     for d, kappa in itertools.product(ds, kappas):
         Sigma, Si, Z, y = paper_data(rng, B, n, d=d, kappa=kappa)
         Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
-        res = train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
-        mean, se = test_loss(res["P"], res["Q"], Zv, yv)
-        f_star = family_optimum(L, n, d)[2]          # the same for every Sigma (MATH.md §10)
+        res = ctx.train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
+        a_star, _, f_star = family_optimum(L, n, d)          # the same for every Sigma (MATH.md §10)
         A = res["coords"]["A"]
-        rows.append(row(f"d={d}, kappa={kappa}: transformer does not beat the family optimum; distances",
-                        f">= {f_star:.4f}", f"{mean:.4f} +- {se:.1e}; dist(A,S^-1)="
-                        f"{fmt([ir.distance_to_multiple(A[l], Si) for l in range(L)], 2)} dist(A,I)="
-                        f"{fmt([ir.distance_to_multiple(A[l]) for l in range(L)], 2)} ({state(res)})",
-                        checked(mean >= f_star - Z_MC * se, res), d=d, kappa=kappa, loss=mean, f_star=f_star))
+        checks, (mean, se) = optimum_checks(
+            f"d={d}, kappa={kappa}", res, Z, y, Zv, yv, a_star, f_star, Si, d=d, kappa=kappa,
+            dist_A_Sigma_inv=[ir.distance_to_multiple(A[l], Si) for l in range(L)],
+            dist_A_I=[ir.distance_to_multiple(A[l]) for l in range(L)])
+        rows += checks
     return rows, {}
 
 
@@ -555,7 +672,7 @@ def conditioning(ctx):
 # 7-9. Optimisers and parametrisations
 # ---------------------------------------------------------------------------------------------
 
-def first_order(Z, y, A0, steps, lr, method, rng, batch=None):
+def first_order(ctx, Z, y, A0, steps, lr, method, rng, batch=None):
     """Adam (Kingma & Ba 2015, default betas) or momentum SGD on the sparse structure with
     icl_ref's gradient. Returns the final A, the full-batch loss per step and seconds per step."""
     n = Z.shape[2] - 1
@@ -563,7 +680,7 @@ def first_order(Z, y, A0, steps, lr, method, rng, batch=None):
     A, m, v, losses, start = A0.copy(), np.zeros_like(A0), np.zeros_like(A0), [], time.perf_counter()
     for t in range(1, steps + 1):
         idx = slice(None) if batch is None else rng.integers(0, len(y), batch)
-        loss, dP, dQ = fast.loss_and_grad_gram(*ir.sparse_params(A), S0[idx], q0[idx], y[idx], n, **THREADS)
+        loss, dP, dQ = ctx.loss_and_grad_gram(*ir.sparse_params(A), S0[idx], q0[idx], y[idx], n)
         g = ir.sparse_grad(dP, dQ)
         if method == "adam":
             m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g ** 2
@@ -572,7 +689,7 @@ def first_order(Z, y, A0, steps, lr, method, rng, batch=None):
             m = 0.9 * m + g
             A -= lr * m
         losses.append(loss if batch is None else
-                      fast.loss_and_grad_gram(*ir.sparse_params(A), S0, q0, y, n, **THREADS)[0])
+                      ctx.loss_and_grad_gram(*ir.sparse_params(A), S0, q0, y, n)[0])
     return A, np.array(losses), (time.perf_counter() - start) / steps
 
 
@@ -584,45 +701,48 @@ def permutation_distance(A, A_ref):
 
 @experiment("optimizers", "reviewer: why L-BFGS? iterations and time to 1% of its loss for Adam, SGD")
 def optimizers(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, steps = (500, 100) if quick else (5000, 2000)
     d, n, L = 5, 20, 3
     Sigma, Si, Z, y = paper_data(rng, B, n)
     A0 = 0.1 * rng.standard_normal((L, d, d))
-    res = train_lbfgs(Z, y, L, init={"A": A0}, maxiter=3000)
-    gn = train_gauss_newton(Z, y, L, init={"A": A0})
+    res = ctx.train_lbfgs(Z, y, L, init={"A": A0}, maxiter=3000)
+    gn = ctx.train_gauss_newton(Z, y, L, init={"A": A0})
     target = 1.01 * res["loss"]
-    rows = [row("L-BFGS-B from the shared init", "-", f"loss {res['loss']:.5f} in {res['nit']} it, "
-                f"{res['wall_time']:.2f} s ({state(res)})", INFO),
-            row("Gauss-Newton from the shared init", "-", f"loss {gn['loss']:.5f} in {gn['nfev']} evaluations, "
-                f"{gn['wall_time']:.2f} s ({state(gn)})", INFO)]
+    rows = [row(f"{name} from the shared init: batch loss, iterations ({unit}) and seconds",
+                **info([r], measured=r["loss"]), method=name, loss=r["loss"], nit=r["nit"], nfev=r["nfev"],
+                seconds=r["wall_time"], grad_norm=r["grad_norm"])
+            for name, unit, r in (("L-BFGS-B", "iterations", res), ("Gauss-Newton", "evaluations", gn))]
     for method, lr, batch in (("adam", 0.01, None), ("sgd", 0.002, 500)):
-        A, losses, sec = first_order(Z, y, A0, steps, lr, method, rng, batch)
+        A, losses, sec = first_order(ctx, Z, y, A0, steps, lr, method, rng, batch)
         hit = np.nonzero(losses <= target)[0]
-        reached = f"{hit[0] + 1} steps, {sec * (hit[0] + 1):.2f} s" if hit.size else f"not in {steps} steps"
-        rows.append(row(f"{method} (lr {lr}{', batch ' + str(batch) if batch else ', full batch'}) to within "
-                        "1% of the L-BFGS loss; same A_l up to layer order?",
-                        f"<= {target:.5f}", f"{reached}; final {losses[-1]:.5f}; rel. dist to L-BFGS A "
-                        f"{permutation_distance(A, res['coords']['A']):.3f}", INFO, method=method))
+        reached = int(hit[0] + 1) if hit.size else None
+        rows.append(row(f"{method} (lr {lr}{', batch ' + str(batch) if batch else ', full batch'}): the step where "
+                        "the full-batch loss is first within 1% of L-BFGS's (empty: not within the steps run); "
+                        "relative distance of its A_l to L-BFGS's, up to layer order",
+                        **info([res], theory=target, measured=losses[-1]), method=method, loss=losses[-1],
+                        target=target, steps=steps, reached_step=reached, lr=lr, batch=batch,
+                        seconds=None if reached is None else sec * reached,
+                        rel_dist=permutation_distance(A, res["coords"]["A"])))
     return rows, {}
 
 
-def factored_loss_and_grad(theta, L, S0, q0, y, n):
+def factored_loss_and_grad(theta, L, S0, q0, y, n, threads=None):
     """Loss and gradient over theta = pack([P, W_k, W_q]), each (L, 1, D, D), with
     Q_l = W_k^T W_q (eq. (3)): by the chain rule dW_k = W_q dQ^T and dW_q = W_k dQ."""
     D = S0.shape[-1]
     P, Wk, Wq = ir.unpack(theta, [(L, 1, D, D)] * 3)
-    loss, dP, dQ = fast.loss_and_grad_gram(P, Wk.transpose(0, 1, 3, 2) @ Wq, S0, q0, y, n, **THREADS)
+    loss, dP, dQ = fast.loss_and_grad_gram(P, Wk.transpose(0, 1, 3, 2) @ Wq, S0, q0, y, n, threads=threads)
     return loss, ir.pack([dP, Wq @ dQ.transpose(0, 1, 3, 2), Wk @ dQ])
 
 
-def train_factored(Z, y, L, rng, maxiter, scale=0.3):
+def train_factored(ctx, Z, y, L, rng, maxiter, scale=0.3):
     """L-BFGS-B over (P, W_k, W_q); returns P, Q = W_k^T W_q and scipy's result. The factored loss
     is flat along W_k -> G^-T W_k, W_q -> G W_q (any invertible G), so L-BFGS keeps a long memory
     (300 pairs; with SciPy's 10 the L = 2 run stopped at |grad| 2e-6 after 1500 iterations)."""
     D, n = Z.shape[1], Z.shape[2] - 1
     res = scipy.optimize.minimize(factored_loss_and_grad, scale * rng.standard_normal(3 * L * D * D),
-                                  args=(L, ir.gram(Z), Z[:, :, n], y, n), jac=True, method="L-BFGS-B",
+                                  args=(L, ir.gram(Z), Z[:, :, n], y, n, ctx.threads), jac=True, method="L-BFGS-B",
                                   options=dict(maxiter=maxiter, maxcor=300, ftol=0.0, gtol=1e-10))
     P, Wk, Wq = ir.unpack(res.x, [(L, 1, D, D)] * 3)
     return P, Wk.transpose(0, 1, 3, 2) @ Wq, res
@@ -630,59 +750,65 @@ def train_factored(Z, y, L, rng, maxiter, scale=0.3):
 
 @experiment("factored-qk", "reviewer: train Q = W_k^T W_q (standard parametrisation) vs the merged Q")
 def factored_qk(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, maxiter = (1000, 150) if quick else (5000, 1500)
     d, n = 5, 20
     Sigma, Si, Z, y = paper_data(rng, B, n)
     Zv, yv = ir.sample_prompts(rng, 4 * B, n, Sigma, Si)
     rows = []
     for L in (1, 2):
-        merged = train_full(Z, y, L, rng, maxiter)
-        P, Q, fac = train_factored(Z, y, L, rng, maxiter)
-        fac_grad = float(np.linalg.norm(fac.jac))
+        claim = f"L={L}: factored and merged Q reach the same batch loss and predictor"
+        if quick and L == 2:
+            rows.append(full_run_only(claim, f"the factored L = 2 model needs ~1500 L-BFGS iterations", L=L))
+            continue
+        merged = train_full(ctx, Z, y, L, rng, maxiter)
+        P, Q, fac = train_factored(ctx, Z, y, L, rng, maxiter)
+        # scipy's result as a run: converged by the same gradient test as icl_ref's trainers
+        factored = dict(loss=float(fac.fun), grad_norm=float(np.linalg.norm(fac.jac)), interrupted=False)
         y_m, y_f = ir.predict(merged["P"], merged["Q"], Zv), ir.predict(P, Q, Zv)
         rel = math.sqrt(np.mean((y_m - y_f) ** 2) / np.mean(y_m ** 2))
-        rows.append(row(f"L={L}: factored and merged Q reach the same loss and predictor",
-                        f"merged loss {merged['loss']:.5f} ({state(merged)})",
-                        f"factored loss {fac.fun:.5f} (|grad| {fac_grad:.1e}); rel. pred. diff {rel:.2e}",
-                        INFO if converged(merged) and fac_grad <= GRAD_TOL else NO_VERDICT, L=L,
-                        merged=merged["loss"], factored=float(fac.fun), rel_prediction_diff=rel))
+        rows.append(row(claim, **info([merged, factored], theory=merged["loss"], measured=factored["loss"]), L=L,
+                        merged=merged["loss"], factored=factored["loss"], factored_grad_norm=factored["grad_norm"],
+                        rel_prediction_diff=rel))
     return rows, {}
 
 
 @experiment("unconstrained", "authors' conjecture: with full P, Q, does A ~ Sigma^-1 still emerge?")
 def unconstrained(ctx):
-    rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
+    rng, quick, log = ctx.rng, ctx.quick, ctx.log
     B, max_nfev, starts = (1000, 30, 2) if quick else (10000, 500, 3)
     d, n, L = 5, 20, 3
+    if quick:
+        return [full_run_only("3 full layers (Gauss-Newton), the best of several starts: batch loss and the blocks "
+                              "that appear", "three full layers need ~500 Gauss-Newton evaluations from several starts")], {}
     Sigma, Si, Z, y = paper_data(rng, B, n)
     runs = []
     for k in range(starts):
-        runs.append(train_gauss_newton(Z, y, L, "full", rng=rng, init_scale=0.1, max_nfev=max_nfev,
-                                       progress=ctx["progress"]))
+        runs.append(ctx.train_gauss_newton(Z, y, L, "full", rng=rng, init_scale=0.1, max_nfev=max_nfev,
+                                           progress=ctx.progress))
         log(f"  start {k}: loss {runs[-1]['loss']:.3e}, |grad| {runs[-1]['grad_norm']:.1e}, "
             f"{runs[-1]['nfev']} evaluations, {runs[-1]['message']}")
     # the blocks that appear are read from the best start only (full (P, Q) has spurious minima)
     reached, said = starts_summary(runs)
-    res = reached[0] if reached else min(runs, key=lambda r: r["grad_norm"])
-    rows = [row("3 full layers (Gauss-Newton), the best of several starts: batch loss vs the sparse and blocks "
-                "family optima", f"sparse {family_optimum(L, n, d)[2]:.4f}, "
-                f"blocks {family_optimum(L, n, d, True)[2]:.2e}",
-                f"{res['loss']:.3e} ({state(res)}); {said}", INFO if reached else NO_VERDICT,
-                grad_norm=res["grad_norm"], starts=starts, reached=len(reached))]
+    res = reached[0] if reached else best_of(runs)
+    blocked = not_reached(said)
+    rows = [row("3 full layers (Gauss-Newton), the best of several starts: batch loss (theory: the blocks family "
+                "optimum f*, population; the sparse one beside it)",
+                **info([res], blocked, theory=family_optimum(L, n, d, True)[2], measured=res["loss"]),
+                sparse_f_star=family_optimum(L, n, d)[2], grad_norm=res["grad_norm"], **said)]
     for l in range(L):
         P, Q = res["P"][l, 0], res["Q"][l, 0]
         # the rescaling (P, Q) -> (cP, Q/c) is free: normalise by P's bottom-right entry
         c = P[d, d] if abs(P[d, d]) > 1e-8 else 1.0
-        rows.append(row(f"layer {l}: blocks that appear (after fixing P[d,d] = 1 by rescaling)",
-                        "Q[:d,:d] ~ -a Sigma^-1, P[:d,:d] ~ b I, other blocks ~ 0",
-                        f"dist(Q_xx, S^-1)={ir.distance_to_multiple(Q[:d, :d], Si):.3f} "
-                        f"a={-ir.fitted_scalar(Q[:d, :d] * c, Si):.3f} dist(P_xx, I)="
-                        f"{ir.distance_to_multiple(P[:d, :d]) if np.any(P[:d, :d]) else 0:.3f} "
-                        f"b={ir.fitted_scalar(P[:d, :d] / c, np.eye(d)):.3f} |P[d,:d]|={np.linalg.norm(P[d, :d] / c):.2e} "
-                        f"|P[:d,d]|={np.linalg.norm(P[:d, d] / c):.2e} |Q[d,:]|={np.linalg.norm(Q[d] * c):.2e} "
-                        f"|Q[:d,d]|={np.linalg.norm(Q[:d, d] * c):.2e}", INFO if converged(res) else NO_VERDICT,
-                        layer=l))
+        rows.append(row(f"layer {l}: blocks that appear (after fixing P[d,d] = 1 by rescaling): Q[:d,:d] ~ -a Sigma^-1, "
+                        "P[:d,:d] ~ b I, other blocks ~ 0? (measured: dist(Q_xx, Sigma^-1))",
+                        **info([res], blocked, theory=0.0, measured=ir.distance_to_multiple(Q[:d, :d], Si)), layer=l,
+                        dist_Qxx_Sigma_inv=ir.distance_to_multiple(Q[:d, :d], Si),
+                        a=-ir.fitted_scalar(Q[:d, :d] * c, Si),
+                        dist_Pxx_I=ir.distance_to_multiple(P[:d, :d]) if np.any(P[:d, :d]) else 0.0,
+                        b=ir.fitted_scalar(P[:d, :d] / c, np.eye(d)), norm_P_d_x=np.linalg.norm(P[d, :d] / c),
+                        norm_P_x_d=np.linalg.norm(P[:d, d] / c), norm_Q_d=np.linalg.norm(Q[d] * c),
+                        norm_Q_x_d=np.linalg.norm(Q[:d, d] * c)))
     return rows, {}
 
 
@@ -755,7 +881,7 @@ def value_row_split(P):
 
 @experiment("single-layer-landscape", "reviewers: does training find Theorem 1's optimum? spurious minima of full (P, Q)")
 def single_layer_landscape(ctx):
-    rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
+    rng, quick, log = ctx.rng, ctx.quick, ctx.log
     B, starts = (1000, 3) if quick else (2000, 12)
     base = dict(d=3, n=10, kappa=4.0, init=0.3)
     settings = [("base", base)] + ([] if quick else
@@ -767,10 +893,10 @@ def single_layer_landscape(ctx):
         # eigenvalues spread geometrically from 1 to kappa, rotated by a Haar U
         Sigma, _ = ir.rotated_covariance(rng, np.geomspace(1.0, s["kappa"], s["d"]) if s["kappa"] > 1 else np.ones(s["d"]))
         Z, y = ir.sample_prompts(rng, B, s["n"], Sigma)
-        sparse = train_gauss_newton(Z, y, 1, "sparse", init={"A": np.zeros((1, s["d"], s["d"]))})
+        sparse = ctx.train_gauss_newton(Z, y, 1, "sparse", init={"A": np.zeros((1, s["d"], s["d"]))})
         runs = {name: [trainer(Z, y, 1, "full", rng=rng, init_scale=s["init"], **options) for _ in range(starts)]
-                for name, trainer, options in (("Gauss-Newton", train_gauss_newton, {}),
-                                               ("L-BFGS", train_lbfgs, dict(maxiter=3000)))}
+                for name, trainer, options in (("Gauss-Newton", ctx.train_gauss_newton, {}),
+                                               ("L-BFGS", ctx.train_lbfgs, dict(maxiter=3000)))}
         done = [r for rs in runs.values() for r in rs if converged(r)]
         best = min([sparse["loss"]] + [r["loss"] for r in done])
         for name, rs in runs.items():
@@ -779,52 +905,55 @@ def single_layer_landscape(ctx):
             table.append(dict(setting=label, trainer=name, starts=starts, optimum=counts.get("optimum", 0),
                               higher=sum(v for k, v in counts.items() if k not in ("optimum", "not converged")),
                               not_converged=counts.get("not converged", 0), **s))
-            rows.append(row(f"{label}: {name}, {starts} starts (init {s['init']:g}): basins reached", f"optimum "
-                            f"{best:.4f} (batch)", ", ".join(f"{b}: {c}" for b, c in counts.items()), INFO,
-                            setting=label, trainer=name, optimum=counts.get("optimum", 0)))
+            rows.append(row(f"{label}: {name}, {starts} starts (init {s['init']:g}): how many reached the batch optimum "
+                            "(theory: its loss, the lowest found)", **info(theory=best, measured=counts.get("optimum", 0)),
+                            setting=label, trainer=name, starts=starts, optimum=counts.get("optimum", 0),
+                            higher_losses=sorted(r["loss"] for r in rs if converged(r) and basin_label(r["loss"], best)
+                                                 != "optimum"), not_converged=counts.get("not converged", 0)))
         log(f"  {label}: " + "; ".join(f"{t['trainer']} {t['optimum']}/{starts} optimum" for t in table[-2:]))
         spurious = [r for r in done if r["loss"] > best * (1 + 1e-3)]
         if label == "base" and spurious:
             certified = (Sigma, Z, y, min(spurious, key=lambda r: r["loss"]), min(done, key=lambda r: r["loss"]))
     if certified:
         Sigma, Z, y, high, low = certified
-        curv = fast.identifiable_hessian("full", dict(zip("PQ", balanced(high["P"], high["Q"]))), Z, y,
-                                         **THREADS)
+        curv = ctx.identifiable_hessian("full", dict(zip("PQ", balanced(high["P"], high["Q"]))), Z, y)
         # perturbation test: L-BFGS from the point moved by 1e-2 in a random direction returns to it
-        back = [train_lbfgs(Z, y, 1, "full", init={k: v + 1e-2 * rng.standard_normal(v.shape)
+        back = [ctx.train_lbfgs(Z, y, 1, "full", init={k: v + 1e-2 * rng.standard_normal(v.shape)
                                                    for k, v in high["coords"].items()}, maxiter=3000)["loss"]
                 for _ in range(3)]
-        rows.append(row("base: the lowest spurious point is a strict local minimum modulo the exact symmetries",
-                        "gradient 0, Hessian > 0 in the identifiable coordinates",
-                        f"loss {high['loss']:.5f} vs optimum {low['loss']:.5f} ({high['loss'] / low['loss']:.2f}x); "
-                        f"|gradient| {np.linalg.norm(curv['gradient']):.1e}; Hessian eigenvalues "
-                        f"{curv['eigenvalues'][0]:.2e} .. {curv['eigenvalues'][-1]:.2e} ({curv['symmetries']} symmetry "
-                        f"directions removed; at the balanced point of the rescaling); L-BFGS from 3 perturbations "
-                        f"(1e-2) returns to {fmt(back, 5)}",
-                        INFO, hessian_min=curv["eigenvalues"][0], loss=high["loss"]))
+        rows.append(row("base: the lowest spurious point is a strict local minimum modulo the exact symmetries (gradient 0, "
+                        "smallest Hessian eigenvalue in the identifiable coordinates > 0, at the balanced point of the "
+                        "rescaling; L-BFGS from 3 perturbations of 1e-2 returns to it)",
+                        **info([high, low], measured=curv["eigenvalues"][0]), loss=high["loss"], loss_optimum=low["loss"],
+                        gradient_norm=np.linalg.norm(curv["gradient"]), hessian_min=curv["eigenvalues"][0],
+                        hessian_max=curv["eigenvalues"][-1], symmetries=curv["symmetries"], perturbed_losses=back))
         # not an artefact of the batch: on an independent batch ten times larger, L-BFGS from both points
         # stays near them, the spurious one is again a strict minimum, and the gap between their losses
         # on fresh prompts is many standard errors of the paired difference
         n_base = base["n"]
         Z2, y2 = ir.sample_prompts(rng, 10 * B, n_base, Sigma)
-        again = {k: train_lbfgs(Z2, y2, 1, "full", init=r["coords"], maxiter=3000) for k, r in (("high", high), ("low", low))}
-        curv2 = fast.identifiable_hessian("full", dict(zip("PQ", balanced(again["high"]["P"], again["high"]["Q"]))),
-                                          Z2, y2, **THREADS)
+        again = {k: ctx.train_lbfgs(Z2, y2, 1, "full", init=r["coords"], maxiter=3000) for k, r in (("high", high), ("low", low))}
+        curv2 = ctx.identifiable_hessian("full", dict(zip("PQ", balanced(again["high"]["P"], again["high"]["Q"]))),
+                                          Z2, y2)
         Zt, yt = ir.sample_prompts(rng, 20 * B, n_base, Sigma)
         errs = {k: (ir.predict(r["P"], r["Q"], Zt) - yt) ** 2 for k, r in again.items()}
         (f_high, se_high), (f_low, se_low) = mean_se(errs["high"]), mean_se(errs["low"])
         gap, gap_se = mean_se(errs["high"] - errs["low"])
         moved = {k: math.sqrt(np.mean((ir.predict(again[k]["P"], again[k]["Q"], Zt) - ir.predict(r["P"], r["Q"], Zt)) ** 2)
                               / np.mean(ir.predict(r["P"], r["Q"], Zt) ** 2)) for k, r in (("high", high), ("low", low))}
-        rows.append(row(f"base: both points on an independent batch of {10 * B} prompts, tested on {20 * B} fresh ones",
-                        "the spurious minimum persists; its population loss is above the optimum's",
-                        f"retrained: spurious batch loss {again['high']['loss']:.4f} ({state(again['high'])}), Hessian "
-                        f"eigenvalues {curv2['eigenvalues'][0]:.2e} .. {curv2['eigenvalues'][-1]:.2e}; optimum "
-                        f"{again['low']['loss']:.4f}; predictions moved by {moved['high']:.3f} / {moved['low']:.3f} "
-                        f"(relative); fresh prompts: {f_high:.4f} +- {se_high:.1e} vs {f_low:.4f} +- {se_low:.1e}, gap "
-                        f"{gap / gap_se:.0f} SE of the paired difference",
-                        checked(curv2["eigenvalues"][0] > 0 and gap > Z_MC * gap_se, again["high"], again["low"]),
-                        test_high=f_high, test_low=f_low, hessian_min_independent=curv2["eigenvalues"][0]))
+        # one-sided by its nature (the spurious point is worse): the paired gap on fresh prompts exceeds
+        # k SE, and the retrained spurious point is again a strict minimum (smallest eigenvalue > 0)
+        gap_row = judge("above (one-sided)", gap, 0.0, gap_se, runs=[again["high"], again["low"]])
+        hessian_ok = curv2["eigenvalues"][0] > 0
+        rows.append(row(f"base: both points retrained on an independent batch of {10 * B} prompts: the spurious one is "
+                        f"again a strict minimum and worse on {20 * B} fresh prompts by more than k SE of the paired "
+                        "difference (measured: the gap)",
+                        **dict(gap_row, verdict=gap_row["verdict"] if gap_row["verdict"] != PASS or hessian_ok else FAIL,
+                               check="measured >= k se (paired gap) and smallest Hessian eigenvalue > 0"),
+                        gap_in_se=gap / gap_se, test_high=f_high, test_high_se=se_high, test_low=f_low, test_low_se=se_low,
+                        retrained_high=again["high"]["loss"], retrained_low=again["low"]["loss"],
+                        hessian_min_independent=curv2["eigenvalues"][0], hessian_max_independent=curv2["eigenvalues"][-1],
+                        moved_high=moved["high"], moved_low=moved["low"]))
         # the population loss itself, exactly: from both batch points, descend it and certify the end
         L_star = ir.single_layer_population_loss(ir.gamma_star(Sigma, n_base), Sigma, n_base)
         f_hi, g_hi, eig_hi, _ = population_minimum(high["P"], high["Q"], Sigma, n_base)
@@ -833,21 +962,21 @@ def single_layer_landscape(ctx):
         # (1e-6), a Hessian eigenvalue far above its second-difference error (~1e-6 here)
         ok = g_hi < 1e-6 and eig_hi[0] > 1e-4 and f_hi > L_star * (1 + 1e-3) and abs(f_lo - L_star) <= 1e-9 * L_star
         rows.append(row("base: the exact population loss (MATH.md §8) has a spurious strict local minimum where the "
-                        "batch one is", f"Theorem 1's optimum L* = {L_star:.6f}",
-                        f"from the spurious point: {f_hi:.6f} ({f_hi / L_star:.2f} L*), max |gradient| {g_hi:.1e}, "
-                        f"Hessian eigenvalues {eig_hi[0]:.2e} .. {eig_hi[-1]:.2e} (the rescaling removed, at its "
-                        f"balanced point); from the "
-                        f"optimum: {f_lo:.6f} (|gradient| {g_lo:.1e})", verdict(ok),
-                        population_spurious=f_hi, population_optimum=f_lo, population_hessian_min=eig_hi[0]))
-        rows.append(row("base: what the spurious minimum computes (the value row p = P[d, :], its x-part and label part)",
-                        f"optimum: |p_x|/|p_y| = {value_row_split(low['P']):.3f}, |Q_xx| = "
-                        f"{np.linalg.norm(low['Q'][0, 0, :-1, :-1] * low['P'][0, 0, -1, -1]):.3f}",
-                        f"spurious: |p_x|/|p_y| = {value_row_split(high['P']):.3f}, |Q_xx| = "
-                        f"{np.linalg.norm(high['Q'][0, 0, :-1, :-1] * high['P'][0, 0, -1, -1]):.3f} (both with p_y "
-                        "scaled to 1)" + (": it reads the covariates' Gram sum_i x_i x_i^T through p_x more than the "
-                                          "label-weighted sum_i y_i x_i through p_y"
-                                          if value_row_split(high["P"]) > 1 > value_row_split(low["P"]) else ""),
-                        INFO, split_spurious=value_row_split(high["P"]), split_optimum=value_row_split(low["P"])))
+                        "batch one is (measured: its loss; theory: Theorem 1's optimum L*; certified: max |gradient| < 1e-6, "
+                        "smallest Hessian eigenvalue > 1e-4, loss > 1.001 L*, and the optimum's descent ends at L* "
+                        "within 1e-9 relative)",
+                        **decide(ok, theory=L_star, measured=f_hi, check="certificate (see the claim)"),
+                        L_star=L_star, population_spurious=f_hi, population_optimum=f_lo, population_grad_max=g_hi,
+                        population_grad_max_optimum=g_lo, population_hessian_min=eig_hi[0],
+                        population_hessian_max=eig_hi[-1]))
+        # |p_x|/|p_y| > 1: the spurious point reads the covariates' Gram sum_i x_i x_i^T through p_x more
+        # than the label-weighted sum_i y_i x_i through p_y
+        rows.append(row("base: what the spurious minimum computes: |p_x|/|p_y| of the value row p = P[d, :] (theory: "
+                        "the optimum's), and |Q_xx| with p_y scaled to 1",
+                        **info(theory=value_row_split(low["P"]), measured=value_row_split(high["P"])),
+                        split_spurious=value_row_split(high["P"]), split_optimum=value_row_split(low["P"]),
+                        Qxx_spurious=np.linalg.norm(high["Q"][0, 0, :-1, :-1] * high["P"][0, 0, -1, -1]),
+                        Qxx_optimum=np.linalg.norm(low["Q"][0, 0, :-1, :-1] * low["P"][0, 0, -1, -1])))
     return rows, {"basins": table}
 
 
@@ -857,7 +986,7 @@ def single_layer_landscape(ctx):
 
 @experiment("noise", "Mahankali et al. 2023: learned step vs 1/(n+1+d+noise_var)")
 def noise(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, levels = (3000, [0.0, 2.0]) if quick else (20000, [0.0, 0.5, 1.0, 2.0, 4.0])
     d, n = 5, 20
     rows = []
@@ -865,20 +994,19 @@ def noise(ctx):
         Sigma = ir.rotated_covariance(rng)[0] if precond else np.eye(d)
         Si = np.linalg.inv(Sigma)
         Z, y = ir.sample_prompts(rng, B, n, Sigma, Si, noise_std=math.sqrt(s2))
-        res = train_gauss_newton(Z, y, 1, "sparse", rng=rng)
-        cov = sandwich_covariance("sparse", res["coords"], Z, y)
+        res = ctx.train_gauss_newton(Z, y, 1, "sparse", rng=rng)
+        cov = ctx.sandwich_covariance("sparse", res["coords"], Z, y)
         a_hat, se = scalar_fit(res["coords"]["A"][0], Si, cov)
         a_theory = n * ir.gd_step_size(n, d, s2)
         rows.append(row(f"noise_var={s2}, {'Sigma^-1-preconditioned' if precond else 'isotropic'}: "
-                        "n * step = n/(n+1+d+noise_var)", f"{a_theory:.4f}", f"{a_hat:.4f} +- {se:.1e} ({state(res)})",
-                        checked(abs(a_hat - a_theory) <= Z_MC * se, res),
-                        noise_var=s2, preconditioned=precond, a_hat=a_hat, a_theory=a_theory, se=se))
+                        "n * step = n/(n+1+d+noise_var)", **judge("two-sided", a_hat, a_theory, se, runs=[res]),
+                        noise_var=s2, preconditioned=precond))
     return rows, {}
 
 
 @experiment("multi-head", "rebuttal: a sum of heads equals one head with summed P and summed Q?")
 def multi_head(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, maxiter, max_nfev = (1000, 150, 40) if quick else (5000, 1000, 500)
     d, n = 5, 20
     Sigma, Si, Z, y = paper_data(rng, B, n)
@@ -886,20 +1014,28 @@ def multi_head(ctx):
     shared = ir.forward(np.stack([P1, P1], 1), np.stack([Q1, Q2], 1), Z)
     summed = ir.forward(P1[:, None], (Q1 + Q2)[:, None], Z)
     err = np.max(np.abs(shared - summed)) / np.max(np.abs(summed))
-    rows = [row("heads sharing P: sum of heads = one head (P, Q1 + Q2) (exact: linear in Q)", "0 (rounding)",
-                f"{err:.1e}", verdict(err <= 1e-12))]
+    # rounding: a few additions of O(1) terms, relative error ~1e-16 per operation; 1e-12 leaves 10^4 of room
+    rows = [row("heads sharing P: sum of heads = one head (P, Q1 + Q2) (exact: linear in Q; measured: the largest "
+                "relative difference)", **judge("at most (one-sided)", err, 0.0, 0.0, k=0.0, slack=1e-12))]
     P2 = 0.3 * rng.standard_normal((2, d + 1, d + 1))
     general = ir.forward(np.stack([P1, P2], 1), np.stack([Q1, Q2], 1), Z)
     summed = ir.forward((P1 + P2)[:, None], (Q1 + Q2)[:, None], Z)
     err = np.max(np.abs(general - summed)) / np.max(np.abs(summed))
+    # the cross terms are O(1) for random heads of scale 0.3: 1e-2 is far above rounding, far below O(1)
     rows.append(row("general heads: sum of heads != one head (P1+P2, Q1+Q2) (bilinear: cross terms "
-                    "P1 S Q2 + P2 S Q1)", "O(1) difference", f"{err:.2f}", verdict(err > 1e-2)))
+                    "P1 S Q2 + P2 S Q1; measured: the largest relative difference)",
+                    **judge("above (one-sided)", err, 0.0, 0.0, k=0.0, slack=1e-2)))
+    if quick:
+        rows.append(full_run_only("trained 1-head vs 2-head (full P, Q) batch loss, L = 1 and 2 (2 heads contain 1)",
+                                  "full (P, Q) with two heads needs ~500 Gauss-Newton evaluations"))
+        return rows, {}
     for L in (1, 2):
-        one = train_full(Z, y, L, rng, maxiter, heads=1, max_nfev=max_nfev)
-        two = train_full(Z, y, L, rng, maxiter, heads=2, max_nfev=max_nfev)
-        rows.append(row(f"L={L}: trained 1-head vs 2-head (full P, Q) batch loss (2 heads contain 1)",
-                        "2 heads <= 1 head", f"1 head {one['loss']:.5f} ({state(one)}), 2 heads "
-                        f"{two['loss']:.5f} ({state(two)})", INFO if converged(one) and converged(two) else NO_VERDICT,
+        one = train_full(ctx, Z, y, L, rng, maxiter, heads=1, max_nfev=max_nfev)
+        two = train_full(ctx, Z, y, L, rng, maxiter, heads=2, max_nfev=max_nfev)
+        # the 2-head model contains the 1-head one, so its optimum is at most as high; trained from
+        # random starts a spurious minimum can sit above: a finding, not a check
+        rows.append(row(f"L={L}: trained 2-head vs 1-head (full P, Q) batch loss (2 heads contain 1)",
+                        **info([one, two], theory=one["loss"], measured=two["loss"]),
                         L=L, one_head=one["loss"], two_heads=two["loss"]))
     return rows, {}
 
@@ -919,7 +1055,7 @@ def relu_prompts(rng, B, n, d, k):
 
 @experiment("nonlinear-targets", "Mahankali et al. 2023: ReLU-network targets, the optimum is still one GD step")
 def nonlinear_targets(ctx):
-    rng, quick = ctx["rng"], ctx["quick"]
+    rng, quick = ctx.rng, ctx.quick
     B, N_mc = (4000, 200_000) if quick else (20000, 1_000_000)
     d, n, k = 5, 20, 8
     # eta = E|beta|^2 / ((1/n) E[y^2 |x|^2] + (1 - 1/n) E|beta|^2), beta = E_x[x f(x)] = W^T v / (2 sqrt k)
@@ -932,16 +1068,17 @@ def nonlinear_targets(ctx):
     eta = beta2 / (m / n + (1 - 1 / n) * beta2)
     eta_se = eta ** 2 / beta2 * m_se / n                           # delta method in m
     Z, y = relu_prompts(rng, B, n, d, k)
-    res = train_gauss_newton(Z, y, 1, "sparse", rng=rng)
-    cov = sandwich_covariance("sparse", res["coords"], Z, y)
+    res = ctx.train_gauss_newton(Z, y, 1, "sparse", rng=rng)
+    cov = ctx.sandwich_covariance("sparse", res["coords"], Z, y)
     a_hat, se = scalar_fit(res["coords"]["A"][0], np.eye(d), cov)
-    tol = Z_MC * math.hypot(se, eta_se)
-    return [row("trained single layer = eta I with Mahankali's eta (both sides with computed errors)",
-                f"{eta:.4f} +- {eta_se:.1e}", f"{a_hat:.4f} +- {se:.1e} ({state(res)})",
-                checked(abs(a_hat - eta) <= tol, res), eta=eta, a_hat=a_hat),
-            row("trained Gamma is a multiple of I", "dist(Gamma, I) -> 0 as B grows",
-                f"{ir.distance_to_multiple(res['coords']['A'][0]):.3f}", INFO),
-            row("linear targets would give n/(n+d+1) instead", f"{n / (n + d + 1):.4f}", f"{a_hat:.4f}", INFO)], {}
+    # both sides carry a computed error: the difference's SE is their root sum of squares
+    return [row("trained single layer = eta I with Mahankali's eta (se: of the difference, both sides' errors)",
+                **judge("two-sided", a_hat, eta, math.hypot(se, eta_se), runs=[res]), eta=eta, eta_se=eta_se,
+                a_hat=a_hat, a_hat_se=se),
+            row("trained Gamma is a multiple of I (measured: dist(Gamma, I), -> 0 as B grows)",
+                **info([res], theory=0.0, measured=ir.distance_to_multiple(res["coords"]["A"][0]))),
+            row("linear targets would give n/(n+d+1) instead (theory) of the trained eta (measured)",
+                **info([res], theory=n / (n + d + 1), measured=a_hat))], {}
 
 
 def cosine(a, b):
@@ -950,7 +1087,7 @@ def cosine(a, b):
 
 @experiment("softmax-two-head", "rebuttal: two softmax heads learn the linear algorithm, with opposite signs")
 def softmax_two_head(ctx):
-    rng, quick, log = ctx["rng"], ctx["quick"], ctx["log"]
+    rng, quick, log = ctx.rng, ctx.quick, ctx.log
     B, B_test, starts, max_nfev = (500, 4000, 1, 50) if quick else (4000, 40000, 3, 600)
     d, n = 5, 10                                                 # n = 10: explicit attention is O(n^2)
     Z, y = ir.sample_prompts(rng, B, n, np.eye(d))              # isotropic: x, w* ~ N(0, I)
@@ -958,24 +1095,28 @@ def softmax_two_head(ctx):
     G = ir.gamma_star(np.eye(d), n)
     P_star, Q_star = ir.sparse_params(G[None])
     # the linear baseline from several starts, the best one used (full (P, Q) has spurious minima)
-    linears = [train_gauss_newton(Z, y, 1, "full", rng=rng, init_scale=0.3) for _ in range(starts + 1)]
-    reached, linear_said = starts_summary(linears)
-    linear = reached[0] if reached else min(linears, key=lambda r: r["grad_norm"])
+    linears = [ctx.train_gauss_newton(Z, y, 1, "full", rng=rng, init_scale=0.3) for _ in range(starts + 1)]
+    reached, said = starts_summary(linears)
+    linear = reached[0] if reached else best_of(linears)
     y_lin = ir.predict(linear["P"], linear["Q"], Zt)
     lin_loss = mean_se((y_lin - yt) ** 2)
     rows = [row("linear single layer, the best of several starts: test loss vs Theorem 1's population optimum "
                 f"(a trained model on a batch of {B} has excess O(p/B))",
-                f"{ir.single_layer_population_loss(G, np.eye(d), n):.4f}",
-                f"{lin_loss[0]:.4f} +- {lin_loss[1]:.1e} ({state(linear)}); {linear_said}",
-                INFO if reached else NO_VERDICT, starts=len(linears), reached=len(reached))]
+                **info([linear], not_reached(said), theory=ir.single_layer_population_loss(G, np.eye(d), n),
+                       measured=lin_loss[0], se=lin_loss[1]), **said)]
     table = []
+    if quick:
+        rows.append(full_run_only("softmax heads (both softmax forms), 1 and 2 heads from several starts and the "
+                                  "rebuttal's construction: the rebuttal's claim", "explicit-attention models need "
+                                  "~600 Gauss-Newton evaluations on 4000 prompts"))
+        return rows, {"starts": table}
     for act, keys in (("softmax_all", n + 1), ("softmax", n)):
         label = {"softmax_all": "authors' softmax (all n+1 keys, then mask)",
                  "softmax": "softmax over the n context keys"}[act]
 
         def run(H, kind, init):
-            res = train_gauss_newton(Z, y, 1, "full", heads=H, init=init, max_nfev=max_nfev, activation=act,
-                                     progress=ctx["progress"])
+            res = ctx.train_gauss_newton(Z, y, 1, "full", heads=H, init=init, max_nfev=max_nfev, activation=act,
+                                     progress=ctx.progress)
             y_hat = ir.predict_activation(res["P"], res["Q"], Zt, act)
             loss, se = mean_se((y_hat - yt) ** 2)
             rel = math.sqrt(np.mean((y_hat - y_lin) ** 2) / np.mean(y_lin ** 2))
@@ -1001,45 +1142,42 @@ def softmax_two_head(ctx):
                                        "Q": 0.3 * rng.standard_normal((1, 2, d + 1, d + 1))}) for k in range(starts)]
         twos += [run(2, "rebuttal's construction", construction), run(2, "best 1 head + a small head", padded)]
         y_c = ir.predict_activation(construction["P"], construction["Q"], Zt, act)
-        rows.append(row(f"{act}: the rebuttal's construction itself (eps = {eps}), untrained", f"linear {lin_loss[0]:.4f}",
-                        "test loss {:.4f} +- {:.1e}".format(*mean_se((y_c - yt) ** 2)), INFO, activation=act))
+        c_loss, c_se = mean_se((y_c - yt) ** 2)
+        rows.append(row(f"{act}: the rebuttal's construction itself (eps = {eps}), untrained: test loss (theory: the "
+                        "trained linear layer's)", **info(theory=lin_loss[0], measured=c_loss, se=c_se), activation=act))
         for H, runs in ((1, ones), (2, twos)):
             done = [t for t in table if t["activation"] == act and t["heads"] == H]
-            rows.append(row(f"{act}, {H} head(s): test losses over {len(done)} starts ({label})", "-",
-                            "; ".join(f"{t['start']}: {t['test_loss']:.3f}{'' if t['converged'] else ' (not converged)'}"
-                                      for t in done), INFO, activation=act, heads=H))
+            # a finding per start: converged or not is in its own fields, not a verdict
+            rows.append(row(f"{act}, {H} head(s): test losses over {len(done)} starts ({label})",
+                            **info(measured=[t["test_loss"] for t in done]), activation=act, heads=H,
+                            start_kinds=[t["start"] for t in done], converged_starts=[t["converged"] for t in done]))
         conv_one = [r for r, _ in ones if converged(r)]
         conv_two = [(r, yh) for r, yh in twos if converged(r)]
-        if not conv_one or not conv_two or not reached:
-            rows.append(row(f"{act}: rebuttal's claim (2 heads, opposite signs, the linear predictor)",
-                            "opposite signs, same predictor", "training failed: a model (1 head, 2 heads or the "
-                            "linear baseline) did not converge from any start", NO_VERDICT, activation=act))
+        claim = (f"{act}: rebuttal's claim: the best converged 2-head model has opposite heads (cosines < {OPPOSITE}) and "
+                 f"is the linear predictor (test loss within k SE of the paired difference, predictions within 10%)")
+        blocked = ("" if conv_one and conv_two else "no 1-head or no 2-head start converged") or not_reached(said)
+        if not blocked and min(r["loss"] for r, _ in conv_two) > min(r["loss"] for r in conv_one) * (1 + REACHED_RTOL):
+            # 2 heads contain 1 head: a best 2-head batch loss above the best 1-head one is a training failure
+            blocked = "the best converged 2-head batch loss is above the best 1-head one: training failed"
+        if blocked:
+            rows.append(row(claim, NO_VERDICT, why=blocked, activation=act))
             continue
         two, y_two = min(conv_two, key=lambda t: t[0]["loss"])
         best1 = min(r["loss"] for r in conv_one)
-        if two["loss"] > best1 * (1 + 1e-6):
-            rows.append(row(f"{act}: rebuttal's claim", "2 heads <= 1 head on the batch",
-                            f"best 2-head batch loss {two['loss']:.4f} > best 1-head {best1:.4f}: training failed",
-                            NO_VERDICT, activation=act))
-            continue
         P, Q = two["P"][0], two["Q"][0]
         cos_P, cos_Q = cosine(P[0, d], P[1, d]), cosine(Q[0, :, :d], Q[1, :, :d])   # the blocks that act
         two_loss = mean_se((y_two - yt) ** 2)
         # both models meet the same test prompts: the SE of the difference is that of the paired differences
         gap, gap_se = mean_se((y_two - yt) ** 2 - (y_lin - yt) ** 2)
         rel2 = math.sqrt(np.mean((y_two - y_lin) ** 2) / np.mean(y_lin ** 2))
-        parts = {f"P heads opposite (cos < {OPPOSITE})": cos_P < OPPOSITE,
-                 f"Q heads opposite (cos < {OPPOSITE})": cos_Q < OPPOSITE,
-                 f"test loss within {Z_MC:g} SE of linear (gap {gap / gap_se:+.1f} SE of the paired difference)":
-                     abs(gap) <= Z_MC * gap_se,
-                 "predictor within 10% of linear": rel2 < 0.1}
-        holds = "HOLDS" if all(parts.values()) else "HOLDS IN PART" if any(parts.values()) else "DOES NOT HOLD"
-        rows.append(row(f"{act}: rebuttal's claim: the best converged 2-head model has opposite heads and is the "
-                        "linear predictor", "opposite signs, same predictor",
-                        f"batch {two['loss']:.4f} (best 1 head {best1:.4f}); cos(P1,P2)={cos_P:.2f} cos(Q1,Q2)={cos_Q:.2f}; "
-                        f"test {two_loss[0]:.4f} +- {two_loss[1]:.1e} vs linear {lin_loss[0]:.4f}; rel. pred. diff "
-                        f"{rel2:.3f}; " + "; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in parts.items())
-                        + f" => claim {holds}", INFO, activation=act, cos_P=cos_P, cos_Q=cos_Q, holds=holds))
+        parts = dict(P_opposite=cos_P < OPPOSITE, Q_opposite=cos_Q < OPPOSITE,
+                     test_within_k_se=abs(gap) <= K_SE * gap_se, predictor_within_10pct=rel2 < 0.1)
+        holds = "holds" if all(parts.values()) else "holds in part" if any(parts.values()) else "does not hold"
+        # the claim has four parts; which hold is the finding (INFO), each part's test in its own field
+        rows.append(row(claim, **info([two, linear], theory=0.0, measured=gap, se=gap_se, k=K_SE), activation=act,
+                        gap_in_se=gap / gap_se, batch_two_heads=two["loss"], batch_one_head_best=best1, cos_P=cos_P,
+                        cos_Q=cos_Q, test_two_heads=two_loss[0], test_two_heads_se=two_loss[1], test_linear=lin_loss[0],
+                        rel_prediction_diff=rel2, **parts, holds=holds))
     return rows, {"starts": table}
 
 
@@ -1047,50 +1185,69 @@ def softmax_two_head(ctx):
 # Running, tables, files
 # ---------------------------------------------------------------------------------------------
 
-def write_csv(path, rows):
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
+def cell(value):
+    """A field's value in a CSV cell: numbers as Python writes them (repr, full precision), vectors as
+    JSON lists, None as an empty cell."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return json.dumps(np.asarray(value, dtype=object).tolist(), default=lambda x: x.item())
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def write_csv(out, filename, rows):
+    """rows (dicts) as the CSV `filename` in the run's folder `out` (an OutDir): one column per field,
+    FIELDS first when the rows are claims."""
+    keys = list(dict.fromkeys([k for k in FIELDS if any(k in r for r in rows)] + [k for r in rows for k in r]))
+    with out.create(filename) as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({k: cell(r.get(k)) for k in keys} for r in rows)
+
+
+def render(r):
+    """A row's cells as the printed table and summary.md show them, from its fields only."""
+    measured = fmt(r["measured"])
+    if r["se"] is not None:
+        measured += f" ± {fmt(r['se'], 2)}"
+    check = ""
+    if r["check"]:
+        check = r["check"]
+        if r["tolerance"] is not None:
+            check += f"; tolerance {fmt(r['tolerance'], 2)}" + (f" ({fmt(r['k'])} SE)" if r["k"] else "")
+    verdict = r["verdict"] + (f": {r['why']}" if r["why"] else "")
+    details = "; ".join(f"{k} {fmt(v)}" for k, v in r.items() if k not in FIELDS and v is not None)
+    return [r["claim"], fmt(r["theory"]), measured, check, verdict, details]
 
 
 def markdown_table(rows):
-    lines = ["| claim | theory | measured | verdict |", "|---|---|---|---|"]
-    lines += [f"| {r['claim']} | {r['theory']} | {r['measured']} | {r['verdict']} |" for r in rows]
+    lines = ["| claim | theory | measured | check | verdict | details |", "|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in render(r)) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def heat_grid(plt, grid, titles, suptitle, path, row_labels=None, groups=None):
-    """Heat maps in rows (grid: a list of rows of matrices) with the values written in. Panels in
-    the same column group (groups: a label per column, default one group) share one symmetric colour
-    scale, shown by one colourbar per group; values on dark cells are written in white."""
-    groups = groups or [""] * len(grid[0])
-    scale = {g: max(np.max(np.abs(row[c])) for row in grid for c, gc in enumerate(groups) if gc == g) or 1.0
-             for g in groups}
-    fig, axes = plt.subplots(len(grid), len(grid[0]), figsize=(2.5 * len(grid[0]) + 1.2, 2.5 * len(grid) + 0.8),
-                             squeeze=False)
-    images = {}
-    for r, (row, row_titles) in enumerate(zip(grid, titles)):
-        for c, (ax, M, title) in enumerate(zip(axes[r], row, row_titles)):
-            v = scale[groups[c]]
-            images[groups[c]] = ax.imshow(M, cmap="RdBu_r", vmin=-v, vmax=v)
+def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
+    """Heat maps in rows (grid: a list of rows of matrices) with the values written in. Every panel has
+    its own symmetric colour scale and colour bar (so a small matrix is not left white beside a large
+    one); values on dark cells are written in white. Constrained layout: no label overprints another."""
+    fig, axes = plt.subplots(len(grid), len(grid[0]), figsize=(2.9 * len(grid[0]), 2.5 * len(grid) + 0.9),
+                             squeeze=False, layout="constrained")
+    for r, (row_, row_titles) in enumerate(zip(grid, titles)):
+        for c, (ax, M, title) in enumerate(zip(axes[r], row_, row_titles)):
+            v = float(np.max(np.abs(M))) or 1.0
+            image = ax.imshow(M, cmap="RdBu_r", vmin=-v, vmax=v)
             for (i, j), x in np.ndenumerate(M):
-                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=7,
+                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=6,
                         color="white" if abs(x) > 0.55 * v else "black")
             ax.set_title(title, fontsize=9)
             ax.set(xticks=[], yticks=[])
+            fig.colorbar(image, ax=ax, shrink=0.75)
         if row_labels:
-            axes[r][0].set_ylabel(row_labels[r], fontsize=9)
+            axes[r][0].set_ylabel(row_labels[r], fontsize=8)
     fig.suptitle(suptitle, fontsize=10)
-    fig.tight_layout()
-    for g, image in images.items():
-        cols = [c for c, gc in enumerate(groups) if gc == g]
-        fig.colorbar(image, ax=[axes[r][c] for r in range(len(grid)) for c in cols], shrink=0.8,
-                     label=f"entry of {g}" if g else "entry")
-    fig.savefig(path, dpi=90, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save(fig, suffix)
 
 
 def heat_matrices(table, **match):
@@ -1102,11 +1259,22 @@ def heat_matrices(table, **match):
             for l in layers]
 
 
+FIGURES = ("three-layer-sparse", "three-layer-blocks", "icl-curve", "depth", "single-layer-landscape", "softmax-two-head")
+
+
+def plural(k, word):
+    return f"{k} {word}" + ("" if k == 1 else "s")
+
+
 def figures(out, name, rows, tables):
-    """PNG figures of the paper's pictures that an experiment reproduces, each with the paper's values
-    or the exact theory beside the measured ones (matplotlib, optional). Returns ([(path, caption)],
-    a note for the run or None): the caption says what to look at; without matplotlib the note says
-    once how to get figures."""
+    """PNG figures of the paper's pictures that an experiment reproduces, drawn from its rows' and
+    tables' fields, with the exact theory beside the measured values (matplotlib, optional). Titles
+    and captions say what this run showed: its seed and start counts, which runs converged (a "not
+    converged" style in the legend), and a claim only where the run's rows decided it. Returns
+    ([(file name, caption)], a note for the run or None): without matplotlib the note says once how
+    to get figures."""
+    if name not in FIGURES or (name == "softmax-two-head" and not tables["starts"]):
+        return [], None
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1114,175 +1282,207 @@ def figures(out, name, rows, tables):
     except ImportError:
         return [], "No figures: matplotlib is not installed (python3 -m pip install matplotlib, or pip install .[plot])."
     made = []
-    path = lambda suffix: os.path.join(out, f"{name}{suffix}.png")
 
-    def save(fig, p):
-        fig.savefig(p, dpi=90, bbox_inches="tight")
+    def save(fig, suffix):
+        filename = f"{name}{suffix}.png"
+        with out.create(filename, binary=True) as f:
+            fig.savefig(f, format="png", dpi=90)
         plt.close(fig)
-        return p
+        return filename
+    k_se = fmt(K_SE)
     if name == "three-layer-sparse":
         curve, a_star = tables["curve"], [o["a_star"] for o in tables["optimum"]]
-        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-        for s, style in zip(sorted({c["seed"] for c in curve}), ("-", "--", ":")):
+        fits = [r for r in rows if r["claim"].startswith(f"seed {r.get('seed')}: fitted a_l")]
+        ok = {r["seed"]: bool(r["converged"]) for r in fits}
+        seeds = sorted(ok)
+        fig, ax = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+        for s, style in zip(seeds, ("-", "--", ":", "-.")):
             cs = [c for c in curve if c["seed"] == s]
-            ax[0].semilogy([c["iteration"] for c in cs], [c["loss"] for c in cs], style, label=f"seed {s}")
-        cs = [c for c in curve if c["seed"] == 0]
-        for l, style in zip(range(3), ("-", "--", ":")):
+            ax[0].semilogy([c["iteration"] for c in cs], [c["loss"] for c in cs], style,
+                           color="C0" if ok[s] else "0.6", label=f"seed {s}" + ("" if ok[s] else " (not converged)"))
+        f_star = fits[0]["f_star"]
+        ax[0].axhline(f_star, color="k", lw=0.8, label=f"population $f^*$ of the exact family optimum, {f_star:.4f}")
+        ax[0].set(xlabel="L-BFGS iteration", ylabel="batch loss (log scale)",
+                  title=f"batch loss, {plural(len(seeds), 'seed')}")
+        cs = [c for c in curve if c["seed"] == seeds[0]]
+        for l, style in zip(range(len(a_star)), ("-", "--", ":")):
             ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_Sigma_inv"] for c in cs], "C0" + style,
-                       label=f"dist(A_{l}, Sigma^-1)")
+                       label=rf"dist($A_{l}$, $\Sigma^{{-1}}$)")
             ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_I"] for c in cs], "C3" + style,
-                       label=f"dist(A_{l}, I)")
-        f_star = rows[0].get("f_star")
-        if f_star:
-            ax[0].axhline(f_star, color="k", lw=0.8, label=f"exact family optimum {f_star:.4f} (population)")
-        ax[0].set(xlabel="L-BFGS iteration", ylabel="batch loss (log scale)", title="loss, three seeds")
-        ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance (0 = a multiple)", ylim=(0, 1),
-                  title="seed 0: A_l's distance to multiples")
+                       label=rf"dist($A_{l}$, $I$)")
+        ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance (0: a multiple)", ylim=(0, 1),
+                  title=f"seed {seeds[0]}: distance of each $A_l$ to multiples" + ("" if ok[seeds[0]] else
+                                                                                 " (not converged)"))
         ax[0].legend(fontsize=8)
         ax[1].legend(fontsize=7, ncol=2)
-        fig.suptitle("[A] Fig. 1: three sparse layers, d = 5, n = 20, B = 20000")
-        fig.tight_layout()
-        made.append((save(fig, path("")), "Fig. 1: the batch loss falls to the exact family optimum's level and "
-                     "every A_l becomes a multiple of Sigma^-1 (blue to 0), not of I (red stays high)."))
-        mats = heat_matrices(tables["heatmaps"], seed=0)
-        fitted = {f["layer"]: f["a_hat"] for f in tables["fitted"] if f["seed"] == 0}
-        made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted a = {fitted[l]:.2f}" for l in range(len(mats))]],
-                               "[A] Fig. 2: Sigma^1/2 A_l Sigma^1/2 after training (seed 0)\nexact family optimum: "
-                               + ", ".join(f"{a:.2f}" for a in a_star) + " times I, in some layer order",
-                               path("_heatmaps"), groups=["Sigma^1/2 A_l Sigma^1/2"] * len(mats)),
-                     "Fig. 2: each whitened A_l is close to a multiple of I; the fitted multiples (the "
-                     "experiment's table) match the exact family optimum up to the layers' order."))
+        fig.suptitle(f"[A] Fig. 1: three sparse layers, d = 5, n = 20, B = {fits[0]['B']}")
+        last = cs[-1]
+        to_inv = [last[f"dist_A{l}_Sigma_inv"] for l in range(len(a_star))]
+        to_id = [last[f"dist_A{l}_I"] for l in range(len(a_star))]
+        made.append((save(fig, ""), f"Fig. 1: the batch loss per L-BFGS iteration beside the population optimum f* "
+                     f"(a batch's loss can end below it); seed {seeds[0]}'s A_l end at relative distance "
+                     f"{fmt(to_inv, 2)} from multiples of Sigma^-1 (blue) and {fmt(to_id, 2)} from multiples of I "
+                     "(red)" + ("" if all(ok.values()) else "; grey: a seed that did not converge") + "."))
+        mats = heat_matrices(tables["heatmaps"], seed=seeds[0])
+        fitted = {f["layer"]: f["a_hat"] for f in tables["fitted"] if f["seed"] == seeds[0]}
+        verdict = fits[0]["verdict"]
+        made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted $a$ = {fitted[l]:.2f}" for l in range(len(mats))]],
+                               rf"[A] Fig. 2: $\Sigma^{{1/2}} A_l \Sigma^{{1/2}}$ after training (seed {seeds[0]})"
+                               "\nexact family optimum: " + ", ".join(f"{a:.2f}" for a in a_star)
+                               + " times $I$, in some layer order", save, "_heatmaps"),
+                     f"Fig. 2: each whitened A_l of seed {seeds[0]}; its fitted multiples against the exact family "
+                     f"optimum (the experiment's first row): {verdict}"
+                     + (f" within {k_se} SE." if verdict in (PASS, FAIL) else f" ({fits[0]['why']}).")))
     elif name == "three-layer-blocks":
         opt = tables["optimum"]
-        basins = {(r["seed"], r["trainer"]): r["basin_loss"] for r in rows if "basin_loss" in r}
+        basins = {(r["seed"], r["trainer"]): r for r in rows if "basin_loss" in r}
         grid, titles, labels = [], [], []
         for (s, trainer) in sorted(basins):
             A = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="A")
             Bm = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="B")
             grid.append(A + Bm)
-            titles.append([f"A_{l} (a* {o['a_star']:.2f})" for l, o in enumerate(opt)]
-                          + [f"B_{l} (b* {o['b_star']:.2f})" if l < len(opt) - 1 else f"B_{l} (never enters)"
+            titles.append([rf"$A_{l}$ ($a^*$ {o['a_star']:.2f})" for l, o in enumerate(opt)]
+                          + [rf"$B_{l}$ ($b^*$ {o['b_star']:.2f})" if l < len(opt) - 1 else rf"$B_{l}$ (never enters)"
                              for l, o in enumerate(opt)])
-            where = "global" if basins[s, trainer] <= opt[0]["f_star"] * (1 + 1e-9) else "other"
-            labels.append(f"seed {s}, {trainer}\nbasin: {where} (f {basins[s, trainer]:.3e})")
+            r = basins[s, trainer]
+            labels.append(f"seed {s}, {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
+                          f"(f {r['basin_loss']:.3e})")
+        skipped = sorted({(r["seed"], r["trainer"]) for r in rows if "trainer" in r} - set(basins))
         if grid:
-            made.append((heat_grid(plt, grid, titles, "[A] Figs. 3-5: blocks model, converged runs: Sigma^1/2 A_l "
-                                   "Sigma^1/2 and B_l\ntitles: the global family optimum (f* = "
+            made.append((heat_grid(plt, grid, titles, r"[A] Figs. 3-5: blocks model, converged runs: $\Sigma^{1/2} A_l "
+                                   r"\Sigma^{1/2}$ and $B_l$" + f"\ntitles: the global family optimum ($f^*$ = "
                                    f"{opt[0]['f_star']:.3e}); rows: the population minimum each run's scalars descend to",
-                                   path("_heatmaps"), row_labels=labels, groups=["Sigma^1/2 A Sigma^1/2"] * len(opt)
-                                   + ["B"] * len(opt)),
-                         "Figs. 3-5: every converged run, both optimisers: the whitened A_l and the B_l (l < 2) "
-                         "are near multiples of I with the family optimum's scalars; B_2 keeps its random start "
-                         "(it never enters the loss); the row labels say which population minimum's basin each "
-                         "run is in."))
+                                   save, "_heatmaps", row_labels=labels),
+                         f"Figs. 3-5: the {plural(len(grid), 'converged run')} of this run: the whitened A_l and the B_l; "
+                         "B_2 keeps its random start (it never enters the loss); the row labels say which population "
+                         "minimum's basin each run is in"
+                         + (f"; not drawn (not converged): {', '.join(f'seed {s} {t}' for s, t in skipped)}."
+                            if skipped else ".")))
     elif name == "icl-curve":
         curve = tables["curve"]
         ns = [c["n"] for c in curve]
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        ax.errorbar(ns, [c["transformer"] for c in curve], [Z_MC * c["transformer_se"] for c in curve], fmt="o-",
-                    label="3-layer transformer (test, +-4 SE)")
+        fig, ax = plt.subplots(figsize=(8.5, 4.2), layout="constrained")
+        ax.errorbar(ns, [c["transformer"] for c in curve], [K_SE * c["transformer_se"] for c in curve], fmt="o-",
+                    label=f"3-layer transformer (test, ±{k_se} SE)")
+        bad = [c for c in curve if not c["converged"]]
+        if bad:
+            ax.plot([c["n"] for c in bad], [c["transformer"] for c in bad], "x", color="C3", ms=10, label="not converged")
         ax.plot(ns, [c["family_optimum"] for c in curve], "k--", label="exact family optimum (theory)")
         zero = []
-        for k, style in (("GD", "s:"), ("PGD", "^:"), ("OLS", "x:"), ("ridge", "d:")):
+        for key, style in (("GD", "s:"), ("PGD", "^:"), ("OLS", "x:"), ("ridge", "d:")):
             # noiseless labels: OLS and ridge are exactly 0 once n >= d, computed as rounding amplified by
             # the solve's condition number (seen: 3e-9 at n = d); below 1e-6 of the transformer's loss it
             # is that zero, not drawn (a baseline that is not 0 is O(1) here)
-            values = [c[k] if c[k] > 1e-6 * c["transformer"] else np.nan for c in curve]
+            values = [c[key] if c[key] > 1e-6 * c["transformer"] else np.nan for c in curve]
             if any(np.isnan(values)):
-                zero.append(k)
+                zero.append(key)
             if not all(np.isnan(values)):
-                ax.plot(ns, values, style, label=f"{k}-3" if k in ("GD", "PGD") else k)
-        ax.set(xlabel="in-context examples n", ylabel="test loss (log scale)", yscale="log", xticks=ns,
-               title="[A] Fig. 6: loss vs number of in-context examples")
-        if zero:
-            ax.text(0.02, 0.02, f"{' and '.join(zero)}: 0 where n >= d (noiseless labels), not drawn there",
-                    transform=ax.transAxes, fontsize=8)
-        ax.legend(fontsize=8)
-        made.append((save(fig, path("")), "Fig. 6: the trained transformer's test loss against n, beside the exact "
+                ax.plot(ns, values, style, label=f"{key}-3" if key in ("GD", "PGD") else key)
+        ax.set(xlabel="in-context examples $n$", ylabel="test loss (log scale)", yscale="log", xticks=ns,
+               title=f"[A] Fig. 6: loss vs number of in-context examples ({plural(len(ns), 'length')})")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))       # outside the axes: hides nothing
+        made.append((save(fig, ""), "Fig. 6: the trained transformer's test loss against n, beside the exact "
                      "family optimum and gradient-descent baselines" + (f"; {' and '.join(zero)} are exactly 0 on "
-                                                                         "noiseless labels once n >= d, not drawn there."
-                                                                         if zero else ".")))
+                                                                         "noiseless labels once n >= d, not drawn there"
+                                                                         if zero else "")
+                     + (f"; not converged at n = {', '.join(str(c['n']) for c in bad)}." if bad else ".")))
     elif name == "depth":
-        rs = [r for r in rows if "transformer" in r]
+        rs = tables["curve"]
         Ls = [r["L"] for r in rs]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.errorbar(Ls, [r["transformer"] for r in rs], [Z_MC * r["transformer_se"] for r in rs], fmt="o-",
-                    label="transformer (test, +-4 SE)")
+        fig, ax = plt.subplots(figsize=(8, 4.2), layout="constrained")
+        ax.errorbar(Ls, [r["transformer"] for r in rs], [K_SE * r["transformer_se"] for r in rs], fmt="o-",
+                    label=f"transformer (test, ±{k_se} SE)")
+        bad = [r for r in rs if not r["converged"]]
+        if bad:
+            ax.plot([r["L"] for r in bad], [r["transformer"] for r in bad], "x", color="C3", ms=10, label="not converged")
         ax.plot(Ls, [r["family_optimum"] for r in rs], "k--", label="exact family optimum (theory)")
-        ax.plot(Ls, [r["GD_loss"] for r in rs], "s:", label="GD-L, best constant step")
-        ax.plot(Ls, [r["PGD_loss"] for r in rs], "^:", label="Sigma^-1-PGD-L, best constant step")
-        ax.set(xlabel="layers L", ylabel="test loss (log scale)", yscale="log", xticks=Ls,
+        ax.plot(Ls, [r["GD_loss"] for r in rs], "s:", label="GD-$L$, best constant step")
+        ax.plot(Ls, [r["PGD_loss"] for r in rs], "^:", label=r"$\Sigma^{-1}$-PGD-$L$, best constant step")
+        ax.set(xlabel="layers $L$", ylabel="test loss (log scale)", yscale="log", xticks=Ls,
                title="[A] Fig. 7: loss vs number of layers")
-        ax.legend(fontsize=8)
-        made.append((save(fig, path("")), "Fig. 7: the trained transformer follows the exact family optimum as "
-                     "L grows and beats L steps of (preconditioned) gradient descent with the best constant step."))
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        checks = [r for r in rows if r["check"]]
+        made.append((save(fig, ""), "Fig. 7: the trained transformer's test loss against L, beside the exact family "
+                     "optimum and L steps of (preconditioned) gradient descent with the best constant step; the "
+                     f"experiment's checks of the optimum: {sum(r['verdict'] == PASS for r in checks)} of {len(checks)} "
+                     "PASS" + (f"; not converged at L = {', '.join(str(r['L']) for r in bad)}." if bad else ".")))
     elif name == "single-layer-landscape":
         table = tables["basins"]
         labels = list(dict.fromkeys(t["setting"] for t in table))
-        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels) + 2) + 2.5, 4))
+        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels) + 2) + 3, 4.2), layout="constrained")
         for k, (trainer, color) in enumerate((("Gauss-Newton", "C0"), ("L-BFGS", "C1"))):
             ts = [next(t for t in table if t["setting"] == s and t["trainer"] == trainer) for s in labels]
             x = np.arange(len(labels)) + 0.2 * (2 * k - 1)
-            ax.bar(x, [t["optimum"] / t["starts"] for t in ts], 0.4, color=color, label=f"{trainer}: reached the optimum")
-            ax.bar(x, [t["higher"] / t["starts"] for t in ts], 0.4, bottom=[t["optimum"] / t["starts"] for t in ts],
-                   color=color, alpha=0.35, hatch="//", label=f"{trainer}: a higher minimum")
+            opt_ = np.array([t["optimum"] / t["starts"] for t in ts])
+            high = np.array([t["higher"] / t["starts"] for t in ts])
+            nc = np.array([t["not_converged"] / t["starts"] for t in ts])
+            ax.bar(x, opt_, 0.4, color=color, label=f"{trainer}: reached the optimum")
+            ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.35, hatch="//", label=f"{trainer}: a higher minimum")
+            ax.bar(x, nc, 0.4, bottom=opt_ + high, color="0.85", edgecolor=color, label=f"{trainer}: not converged")
         ax.set(xticks=np.arange(len(labels)), xticklabels=labels, ylim=(0, 1.05), ylabel="fraction of random starts",
-               xlabel="setting (base: d = 3, n = 10, kappa = 4, init scale 0.3)",
-               title="One full layer: where training from random starts ends")
+               xlabel=r"setting (base: $d$ = 3, $n$ = 10, $\kappa$ = 4, init scale 0.3)",
+               title=f"One full layer: where training from {table[0]['starts']} random starts per setting ends")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))      # outside the axes: hides no bar
-        fig.tight_layout()
-        made.append((save(fig, path("")), "One full (P, Q) layer: the fraction of random starts that reach the batch "
-                     "optimum (solid) or stop at a higher local minimum (hatched), per setting and optimiser; the "
-                     "rest did not converge."))
-    elif name == "softmax-two-head":
+        made.append((save(fig, ""), "One full (P, Q) layer: per setting and optimiser, the fraction of random starts "
+                     "that reached the batch optimum (solid), stopped at a higher local minimum (hatched) or did not "
+                     "converge (grey)."))
+    elif name == "softmax-two-head" and tables["starts"]:
         starts = tables["starts"]
-        lin = next(r for r in rows if r["claim"].startswith("linear single layer"))
-        lin_loss = float(lin["measured"].split()[0])
+        lin_loss = rows[0]["measured"]                   # the linear baseline's test loss
         marker = {"random": "o", "rebuttal's construction": "*", "best 1 head + a small head": "s"}
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True, layout="constrained")
         for ax, act in zip(axes, ("softmax_all", "softmax")):
             for x, H in enumerate((1, 2)):
                 pts = [t for t in starts if t["activation"] == act and t["heads"] == H]
                 for k, t in enumerate(pts):
                     kind = "random" if t["start"].startswith("random") else t["start"]
-                    ax.errorbar(x + 0.1 * (k - (len(pts) - 1) / 2), t["test_loss"], Z_MC * t["test_se"],
+                    ax.errorbar(x + 0.1 * (k - (len(pts) - 1) / 2), t["test_loss"], K_SE * t["test_se"],
                                 fmt=marker[kind], color="C0" if t["converged"] else "C3", ms=8)
             ax.axhline(lin_loss, color="k", ls="--")
             ax.set(xticks=[0, 1], xticklabels=["1 head", "2 heads"], xlim=(-0.6, 1.6),
-                   title={"softmax_all": "authors' softmax (all n+1 keys)", "softmax": "softmax over the n context keys"}[act])
+                   title={"softmax_all": "authors' softmax (all $n$+1 keys)",
+                          "softmax": "softmax over the $n$ context keys"}[act])
         handles = [plt.Line2D([], [], ls="", marker=m, color="gray", ms=8, label=f"start: {k}") for k, m in marker.items()]
         handles += [plt.Line2D([], [], ls="", marker="o", color="C0", label="converged"),
                     plt.Line2D([], [], ls="", marker="o", color="C3", label="not converged"),
                     plt.Line2D([], [], ls="--", color="k", label="trained linear layer")]
-        axes[0].set_ylabel("test loss (+-4 SE)")
+        axes[0].set_ylabel(f"test loss (±{k_se} SE)")
         fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer")
-        fig.tight_layout(rect=(0, 0.12, 1, 1))
-        fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=3)
-        made.append((save(fig, path("")), "Softmax heads: each start's test loss (stars: the rebuttal's own "
-                     "construction); two heads beat one but stay above the trained linear layer (dashed)."))
+        fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=3)
+        claims = {r["activation"]: r for r in rows if r["claim"].startswith(f"{r.get('activation')}: rebuttal's claim")}
+        said = "; ".join(f"{act}: the claim {r['holds']}" if r["verdict"] == INFO else f"{act}: no verdict ({r['why']})"
+                         for act, r in claims.items())
+        made.append((save(fig, ""), f"Softmax heads: each start's test loss (stars: the rebuttal's own construction; red: "
+                     f"not converged) against the trained linear layer (dashed). {said}."))
     return made, None
 
 
 def nonneg_int(text):
     """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return bounded_int(text, 0)
 
 
 def positive_int(text):
     """argparse type: an integer >= 1."""
-    value = nonneg_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return bounded_int(text, 1)
+
+
+def bounded_int(text, least):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
     return value
 
 
 RECORD = "config.json"              # the run's record: options, versions, status and the files it wrote
+SUMMARY = "summary.md"
+LOCK = ".experiments.lock"          # held (fcntl.flock) by the one run writing into a folder
+FORMAT = "icl_ref experiments record"
+FORMAT_VERSION = 2
+TOOL = "experiments.py"
 SOURCES = ("icl_ref.py", "icl_fast.py", "experiments.py")   # the code whose results a run records
 
 
@@ -1314,66 +1514,158 @@ def sources_digest(names=SOURCES):
     return h.hexdigest()
 
 
-def earlier_run_files(out):
-    """The files an earlier run wrote into out, from its record (RECORD lists them, itself included),
-    or None when out holds no readable record of a run of this script."""
+def output_of(name, filename):
+    """Whether `filename` is a name experiment `name` writes: name.csv, name.png or name_*."""
+    return filename in (f"{name}.csv", f"{name}.png") or filename.startswith(f"{name}_")
+
+
+class OutputError(Exception):
+    """--out cannot take this run's files; the message names the file and the reason."""
+
+
+def read_record(dfd):
+    """The record in the folder open at `dfd` when experiments.py wrote it (the format marker, the
+    tool's name, this format version and a well-formed per-experiment file list), else None. A
+    record file that is a symbolic link is not read."""
     try:
-        with open(os.path.join(out, RECORD)) as f:
+        fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, encoding="utf-8") as f:
             record = json.load(f)
-        files = record["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
-    if not (isinstance(files, list) and all(isinstance(x, str) and os.path.basename(x) == x for x in files)):
+    if not (isinstance(record, dict) and record.get("format") == FORMAT and record.get("tool") == TOOL
+            and record.get("format_version") == FORMAT_VERSION and isinstance(record.get("experiments"), dict)):
         return None
-    return set(files) | {RECORD}
+    for name, entry in record["experiments"].items():
+        files = entry.get("files") if isinstance(entry, dict) else None
+        if not (isinstance(files, list) and all(isinstance(f, str) and os.path.basename(f) == f and output_of(name, f)
+                                                for f in files)):
+            return None
+    return record
 
 
-def prepare_out(ap, out, overwrite, keep_others):
-    """Refuse an --out that cannot hold a fresh run (exit 2 via ap.error, nothing written). With
-    --overwrite, remove the files an earlier run wrote there (its record says which), and nothing
-    else: a directory that also holds other files is refused unless --keep-others says to leave
-    them as they are."""
-    if not out:
-        ap.error("--out must name a directory, got ''")
-    if os.path.exists(out) and not os.path.isdir(out):
-        ap.error(f"--out {out!r} exists and is not a directory")
-    present = set(os.listdir(out)) if os.path.isdir(out) else set()
-    if present:
+def owned_files(record):
+    """The files a trusted record says experiments.py wrote (the record and the summary included)."""
+    if record is None:
+        return set()
+    return {f for entry in record["experiments"].values() for f in entry["files"]} | {RECORD, SUMMARY}
+
+
+class OutDir:
+    """The --out folder of one run. Only this run writes there while it lives (a lock); a file is
+    created only where no file of that name exists (O_EXCL) and never through a symbolic link
+    (O_NOFOLLOW, relative to the folder's descriptor); what it replaces or removes is what a record
+    of experiments.py lists, regular files only. `check` refuses (OutputError) before anything is
+    written when the folder holds something this run must not touch."""
+
+    def __init__(self, path):
+        self.path = path
+        self.dfd = self.lock_fd = None
+        self.earlier = None            # the earlier run's trusted record, if any
+        self.stale = set()             # files of the earlier record this run replaces once it has their new versions
+
+    def show(self, name):
+        return os.path.join(self.path, name)
+
+    def open(self, names, overwrite, keep_others):
+        if not self.path:
+            raise OutputError("--out must name a directory, got ''")
+        if os.path.lexists(self.path) and not os.path.isdir(self.path):
+            raise OutputError(f"--out {self.path!r} exists and is not a directory")
+        if os.path.isdir(self.path):
+            self.dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            self.check(names, overwrite, keep_others)          # refuse before writing even the lock
+        else:
+            try:
+                os.makedirs(self.path)
+            except OSError as e:
+                raise OutputError(f"--out {self.path!r} cannot be created: {e.strerror}") from None
+            self.dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self.lock_fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=self.dfd)
+        except OSError as e:
+            raise OutputError(f"--out {self.path!r}: cannot open the lock file {self.show(LOCK)!r} "
+                              f"({e.strerror}; a symbolic link there is refused)") from None
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise OutputError(f"--out {self.path!r} is in use by another experiments.py run (it holds the lock "
+                              f"{self.show(LOCK)!r}): wait for it to finish, or name another directory") from None
+        self.check(names, overwrite, keep_others)              # again, now that no other run can write
+
+    def close(self):
+        for fd in (self.lock_fd, self.dfd):
+            if fd is not None:
+                os.close(fd)                                   # closing the lock file releases the lock
+        self.lock_fd = self.dfd = None
+
+    def check(self, names, overwrite, keep_others):
+        present = set(os.listdir(self.dfd)) - {LOCK}
+        self.earlier, self.stale = None, set()
+        if not present:
+            return
         if not overwrite:
-            ap.error(f"--out {out!r} is not empty: pass --overwrite to replace an earlier run's results, "
-                     "or name a new directory")
-        earlier = earlier_run_files(out)
-        if earlier is None:
-            ap.error(f"--out {out!r} holds files but no record of an earlier run ({RECORD} listing the files it "
-                     "wrote): not touching them; name a new directory")
-        others = sorted(present - earlier)
+            raise OutputError(f"--out {self.path!r} is not empty: pass --overwrite to replace an earlier run's "
+                              "results, or name a new directory")
+        record = read_record(self.dfd)
+        if record is None:
+            raise OutputError(f"--out {self.path!r} holds files but no record written by experiments.py ({RECORD} "
+                              f"with the format marker {FORMAT!r}): not touching them; name a new directory")
+        owned = owned_files(record)
+        for f in sorted(present & owned):
+            st = os.stat(f, dir_fd=self.dfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise OutputError(f"--out {self.path!r}: {self.show(f)!r} is not a regular file (a symbolic link or "
+                                  "a directory) although the earlier run's record lists it: not following or "
+                                  "replacing it; move it away or name a new directory")
+        ours = {f for n in names for f in record["experiments"].get(n, {}).get("files", [])}
+        for f in sorted(present - owned):
+            if f in (RECORD, SUMMARY) or any(output_of(n, f) for n in names):
+                raise OutputError(f"--out {self.path!r}: {self.show(f)!r} has the name of one of this run's outputs "
+                                  "but no earlier run of experiments.py wrote it: not replacing it; move it away "
+                                  "or name a new directory")
+        others = sorted(present - owned)
         if others and not keep_others:
-            ap.error(f"--out {out!r} holds files that no earlier run wrote ({', '.join(others[:3])}"
-                     f"{', ...' if len(others) > 3 else ''}): pass --keep-others to leave them there, or name a new "
-                     "directory")
-        for f in sorted(present & earlier):
-            if os.path.isfile(os.path.join(out, f)):
-                os.remove(os.path.join(out, f))
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, ".write-test")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        ap.error(f"--out {out!r} cannot be written: {e.strerror}")
+            raise OutputError(f"--out {self.path!r} holds files that no earlier run wrote ({', '.join(others[:3])}"
+                              f"{', ...' if len(others) > 3 else ''}): pass --keep-others to leave them there, or "
+                              "name a new directory")
+        self.earlier, self.stale = record, ours & present
+
+    def remove_stale(self, name):
+        """Remove the earlier run's files of experiment `name` (its new results are about to be written)."""
+        for f in sorted(self.stale):
+            if output_of(name, f):
+                st = os.stat(f, dir_fd=self.dfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OutputError(f"{self.show(f)!r} is no longer a regular file: not removing it")
+                os.unlink(f, dir_fd=self.dfd)
+                self.stale.discard(f)
+
+    def create(self, name, binary=False):
+        """A new file `name` in the folder, open for writing; never an existing file, never through a link."""
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.dfd)
+        except FileExistsError:
+            raise OutputError(f"{self.show(name)!r} appeared while this run was writing and is not this run's: "
+                              "not replacing it") from None
+        return os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8",
+                         **({} if binary else dict(newline="")))
+
+    def replace(self, name, text):
+        """Write `name` (the record or the summary, files of this tool) atomically: a new temporary file
+        renamed over it, so the name is replaced, never a file a link points to."""
+        tmp = f".{name}.{os.getpid()}.tmp"
+        with self.create(tmp) as f:
+            f.write(text)
+        os.replace(tmp, name, src_dir_fd=self.dfd, dst_dir_fd=self.dfd)
 
 
 class Stopped(KeyboardInterrupt):
     """SIGTERM, raised where the run is, so that it stops as a Ctrl-C does (the trainers return
     their last iterate, the run writes what completed)."""
-
-
-SIGTERM_SEEN = []          # the trainers turn the exception into a result: the run remembers the signal here
-
-
-def on_sigterm(signum, frame):
-    SIGTERM_SEEN.append(signum)
-    raise Stopped()
 
 
 def stop_if_interrupted(res):
@@ -1383,121 +1675,220 @@ def stop_if_interrupted(res):
     return res
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+HELP_EPILOG = f"""\
+--out: a new or empty directory, or (with --overwrite) one an earlier run of experiments.py wrote.
+--overwrite replaces only the files of the experiments named on this command line, as the earlier
+run's {RECORD} lists them (a record this script wrote: it carries "format": "{FORMAT}"); the other
+experiments' results stay, and stay in the record. It never replaces a file that no run of this
+script wrote, never writes through a symbolic link, and refuses a directory another run is
+writing into. Files of yours beside the results are refused unless --keep-others.
+Exit status: 0 every checked claim holds, 1 a claim failed, 2 bad arguments or --out refused
+(nothing written), 130 / 143 stopped by Ctrl-C / SIGTERM (the record says "interrupted")."""
+
+
+def parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=HELP_EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="experiments to run (default: all; a name given twice runs once)")
     ap.add_argument("--quick", action="store_true", help="reduced sizes (about a minute in all)")
-    ap.add_argument("--seed", type=nonneg_int, default=0, help="integer >= 0 (default 0)")
-    ap.add_argument("--out", default="results", help="directory for the results; must be new or empty")
+    ap.add_argument("--seed", type=nonneg_int, default=0, help="integer >= 0 (default: 0)")
+    ap.add_argument("--out", default="results", help="directory for the results (default: results)")
     ap.add_argument("--overwrite", action="store_true",
-                    help="replace an earlier run's results in --out (the files its config.json lists, nothing else)")
+                    help="replace the named experiments' files of an earlier run in --out (see below)")
     ap.add_argument("--keep-others", action="store_true",
-                    help="with --overwrite: leave files in --out that no earlier run wrote, instead of refusing")
+                    help="with --overwrite: leave files in --out that no run wrote, instead of refusing")
     ap.add_argument("--list", action="store_true", help="list the experiments and exit")
-    ap.add_argument("--progress", type=nonneg_int, default=0, help="print training progress every k steps")
+    ap.add_argument("--progress", type=nonneg_int, default=0,
+                    help="print training progress every k steps (default: 0, off)")
     ap.add_argument("--threads", type=positive_int, default=None,
-                    help="icl_fast's worker threads per evaluation (default: every core)")
+                    help="icl_fast's worker threads per evaluation, an integer >= 1 (default: every core)")
+    return ap
+
+
+class Heartbeat:
+    """While a `with Heartbeat(log, what)` block runs, a line every `every` seconds saying it still does."""
+
+    def __init__(self, log, what, every=10.0):
+        self.log, self.what, self.every = log, what, every
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.beat, daemon=True)
+
+    def beat(self):
+        start = time.perf_counter()
+        while not self.stop.wait(self.every):
+            self.log(f"  ... {self.what} still running ({time.perf_counter() - start:.0f} s)")
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def tally(rows):
+    """{verdict: count} over rows, every verdict present (0 when absent)."""
+    return {v: sum(r["verdict"] == v for r in rows) for v in (PASS, FAIL, INFO, NO_VERDICT)}
+
+
+def main(argv=None):
+    """The command line; returns the exit status. The caller's signal handlers are as they were after it."""
+    ap = parser()
     args = ap.parse_args(argv)
-    THREADS["threads"] = args.threads
     if args.list:
         for name, (_, answers) in EXPERIMENTS.items():
-            print(f"{name:20s} {answers}")
+            print(f"{name:24s} {answers}")
         return 0
     unknown = [n for n in args.names if n not in EXPERIMENTS]
     if unknown:
         ap.error(f"unknown experiment(s) {unknown}; --list shows the names")
     names = list(dict.fromkeys(args.names)) or list(EXPERIMENTS)
-    prepare_out(ap, args.out, args.overwrite, args.keep_others)
+    out = OutDir(args.out)
+    try:
+        out.open(names, args.overwrite, args.keep_others)
+    except OutputError as e:
+        out.close()
+        ap.error(str(e))
+    try:
+        return run(args, names, out)
+    finally:
+        out.close()
+
+
+def run(args, names, out):
     start = time.perf_counter()
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     def log(msg):
         print(f"[{time.perf_counter() - start:7.1f} s] {msg}", flush=True)
 
-    config = dict(argv=sys.argv, names=names, quick=args.quick, seed=args.seed, sources_sha256=sources_digest(),
-                  numpy=np.__version__,
-                  scipy=scipy.__version__, python=platform.python_version(),
-                  threadpoolctl=threadpoolctl.__version__, cores=len(os.sched_getaffinity(0))
-                  if hasattr(os, "sched_getaffinity") else os.cpu_count(), threads=args.threads)
-    written = []                     # every file this run writes, in the record as it is written
+    this_run = dict(argv=sys.argv, names=names, quick=args.quick, seed=args.seed, threads=args.threads,
+                    started_utc=started, sources_sha256=sources_digest(), numpy=np.__version__,
+                    scipy=scipy.__version__, python=platform.python_version(),
+                    threadpoolctl=threadpoolctl.__version__, cores=len(os.sched_getaffinity(0))
+                    if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    # the earlier run's experiments stay in the record until this run replaces them (an experiment's
+    # old files are removed only once its new results are ready)
+    experiments = dict(out.earlier["experiments"]) if out.earlier else {}
+    done, results = [], {}
 
-    def write(path_name, writer):
-        writer(os.path.join(args.out, path_name))
-        written.append(path_name)
+    def write_record(status, **extra):
+        files = sorted({f for e in experiments.values() for f in e["files"]} | {RECORD, SUMMARY})
+        record = dict(format=FORMAT, tool=TOOL, format_version=FORMAT_VERSION, status=status, **this_run,
+                      completed=list(done), experiments=experiments, files=files, **extra)
+        out.replace(RECORD, json.dumps(record, indent=2, default=float) + "\n")
 
-    def write_config(status, done, **extra):
-        with open(os.path.join(args.out, RECORD), "w") as f:
-            json.dump(dict(config, status=status, completed=done, files=sorted(set(written)), **extra), f, indent=2)
-    write_config("running", [])
-    summary, failed, done = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""], [], []
+    write_record("running")
     stopped_by, plot_note = None, None
     # SIGTERM stops the run as Ctrl-C does; while the results are written at the end, both wait
     main_thread = threading.current_thread() is threading.main_thread()
-    SIGTERM_SEEN.clear()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
-    try:
-        for name in names:
-            fn, answers = EXPERIMENTS[name]
-            log(f"{name}: {answers}")
-            t0 = time.perf_counter()
-            # the stream depends on the experiment's name, not its position: each reproduces alone
-            ctx = dict(rng=np.random.default_rng([args.seed, zlib.crc32(name.encode())]), seed=args.seed, quick=args.quick,
-                       log=log, progress=args.progress)
-            rows, tables = fn(ctx)
-            write(f"{name}.csv", lambda p: write_csv(p, rows))
-            for table, content in tables.items():
-                write(f"{name}_{table}.csv", lambda p: write_csv(p, content))
-            pngs, note = figures(args.out, name, rows, tables)
-            written.extend(os.path.basename(p) for p, _ in pngs)
-            plot_note = plot_note or note
-            table = markdown_table(rows)
-            print(table, flush=True)
-            summary += [f"## {name}", f"_{answers}_ ({time.perf_counter() - t0:.1f} s)", "", table, ""]
-            for p, caption in pngs:
-                summary += [f"![{name}]({os.path.basename(p)})", "", f"_{caption}_", ""]
-            failed += [f"{name}: {r['claim']}" for r in rows if r["verdict"] == FAIL]
-            done.append(name)
-            write_config("running", done)
-    except KeyboardInterrupt as e:
-        stopped_by = "SIGTERM" if isinstance(e, Stopped) or SIGTERM_SEEN else "SIGINT (Ctrl-C)"
+    term = []                   # the trainers turn the exception into a result: the run remembers the signal here
+
+    def on_sigterm(signum, frame):
+        term.append(signum)
+        raise Stopped()
+    previous_term = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
+    previous_int = signal.getsignal(signal.SIGINT) if main_thread else None
     late = []
-    if main_thread:
-        signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
-        previous_int = signal.signal(signal.SIGINT, lambda signum, frame: late.append(signum))
     try:
+        try:
+            for k, name in enumerate(names, 1):
+                fn, answers = EXPERIMENTS[name]
+                log(f"[{k}/{len(names)}] {name}: {answers}")
+                t0, cpu0 = time.perf_counter(), time.process_time()
+                # the stream depends on the experiment's name, not its position: each reproduces alone
+                ctx = Context(rng=np.random.default_rng([args.seed, zlib.crc32(name.encode())]), seed=args.seed,
+                              quick=args.quick, log=log, progress=args.progress, threads=args.threads)
+                with Heartbeat(log, name):
+                    rows, tables = fn(ctx)
+                rows = [{"experiment": name, **r} for r in rows]
+                seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+                # an experiment's files and its record entry are written whole: a signal meanwhile waits
+                held = []
+                if main_thread:
+                    outer = [signal.signal(sig, lambda signum, frame: held.append(signum))
+                             for sig in (signal.SIGINT, signal.SIGTERM)]
+                experiments.pop(name, None)            # its earlier files go now: the record must not list them
+                out.remove_stale(name)
+                files = [f"{name}.csv"]
+                write_csv(out, f"{name}.csv", rows)
+                for table, content in tables.items():
+                    files.append(f"{name}_{table}.csv")
+                    write_csv(out, files[-1], content)
+                pngs, note = figures(out, name, rows, tables)
+                files += [p for p, _ in pngs]
+                plot_note = plot_note or note
+                print(markdown_table(rows), flush=True)
+                experiments[name] = dict(files=files, status="complete", answers=answers, quick=args.quick,
+                                         seed=args.seed, run_started_utc=started, seconds=round(seconds, 1), cpu_seconds=round(cpu, 1),
+                                         sources_sha256=this_run["sources_sha256"], tally=tally(rows))
+                results[name] = (rows, pngs, seconds)
+                done.append(name)
+                write_record("running")
+                if main_thread:
+                    signal.signal(signal.SIGINT, outer[0])
+                    signal.signal(signal.SIGTERM, outer[1])
+                if held:
+                    term.extend(s for s in held if s == signal.SIGTERM)
+                    raise Stopped() if signal.SIGTERM in held else KeyboardInterrupt()
+                log(f"[{k}/{len(names)}] {name} done in {seconds:.1f} s ({cpu:.1f} s of CPU); "
+                    f"{time.perf_counter() - start:.0f} s so far")
+        except KeyboardInterrupt as e:
+            stopped_by = "SIGTERM" if isinstance(e, Stopped) or term else "SIGINT (Ctrl-C)"
+        if main_thread:
+            signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
+            signal.signal(signal.SIGINT, lambda signum, frame: late.append(signum))
+        rows = [r for rs, _, _ in results.values() for r in rs]
+        counts = tally(rows)
+        failed = [f"{r['experiment']}: {r['claim']}" for r in rows if r["verdict"] == FAIL]
+        summary = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""]
         if stopped_by:
             log(f"stopped by {stopped_by}: writing the experiments that completed, then stopping")
             what = (f"only {', '.join(done)} completed" if done else
                     "no experiment completed, so there are no results")
-            summary[1:1] = [f"**INTERRUPTED** by {stopped_by}: {what}; this is not a full run.", ""]
+            summary += [f"**INTERRUPTED** by {stopped_by}: {what}; this is not a full run.", ""]
+        summary += [tally_line(counts), ""]
+        for name, (rs, pngs, seconds) in results.items():
+            summary += [f"## {name}", f"_{EXPERIMENTS[name][1]}_ ({seconds:.1f} s)", "", markdown_table(rs), ""]
+            for p, caption in pngs:
+                summary += [f"![{name}]({p})", "", f"_{caption}_", ""]
+        kept = [n for n in experiments if n not in results]
+        if kept:
+            summary += ["## Kept from earlier runs", ""] + [
+                f"- {n}: {', '.join(experiments[n]['files'])} ({'quick' if experiments[n].get('quick') else 'full'}, "
+                f"seed {experiments[n].get('seed')}, run started {experiments[n].get('run_started_utc')})"
+                for n in kept] + [""]
         if plot_note:
             log(plot_note)
             summary += ["", plot_note]
         summary.append(f"Total {time.perf_counter() - start:.1f} s; numpy {np.__version__}, scipy {scipy.__version__}.")
         if failed:
             summary += ["", "## Failed claims", ""] + [f"- {f}" for f in failed]
-
-        def summary_md(path):
-            with open(path, "w") as f:
-                f.write("\n".join(summary) + "\n")
-        write("summary.md", summary_md)
+        out.replace(SUMMARY, "\n".join(summary) + "\n")
+        status = 128 + (signal.SIGTERM if stopped_by == "SIGTERM" else signal.SIGINT) if stopped_by else \
+            1 if failed else 0
         if stopped_by:
-            write_config("interrupted", done, stopped_by=stopped_by)
+            write_record("interrupted", stopped_by=stopped_by, tally=counts)
         else:
-            write_config("complete", done)
-        log(f"{'interrupted' if stopped_by else 'done'}; results in {args.out}/")
+            write_record("complete", tally=counts)
+        if failed:
+            print("FAILED claims:\n  " + "\n  ".join(failed), file=sys.stderr)
+        log(f"{tally_line(counts)}; {'INTERRUPTED, ' if stopped_by else ''}{len(done)} of {len(names)} experiments "
+            f"in {time.perf_counter() - start:.0f} s; exit status {status}; summary in {out.show(SUMMARY)}")
     finally:
         if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, previous_term)
             signal.signal(signal.SIGINT, previous_int)
-    if failed:
-        print("FAILED claims:\n  " + "\n  ".join(failed), file=sys.stderr)
-    if stopped_by:
-        return 128 + (signal.SIGTERM if stopped_by == "SIGTERM" else signal.SIGINT)
-    if late:
+    if not stopped_by and late:
         # every experiment had completed, so the record says complete; the exit status says a stop came
         log(f"{signal.Signals(late[0]).name} arrived while the results were written: they are complete; stopping")
         return 128 + late[0]
-    return 1 if failed else 0
+    return status
+
+
+def tally_line(counts):
+    return "tally: " + ", ".join(f"{c} {v}" for v, c in counts.items())
 
 
 if __name__ == "__main__":
