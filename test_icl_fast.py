@@ -129,7 +129,7 @@ def test_engine_has_the_methods_of_REFERENCE():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("H", [1, 2])
-@pytest.mark.parametrize("d", [1, 2, 5, 9, 12, 20])
+@pytest.mark.parametrize("d", [1, 2, 5, 9, pytest.param(12, marks=pytest.mark.slow), 20])
 def test_engine_equals_the_reference(d, H):
     # through icl_ref's public functions: lanes below the thresholds, REFERENCE's methods on the
     # chunks above; B = 700 makes several chunks in either
