@@ -670,5 +670,6 @@ def test_importing_the_engine_does_not_change_the_reference():
     import subprocess
     code = ("import sys, threading, icl_ref; "
             "print(threading.active_count(), 'threadpoolctl' in sys.modules, 'icl_fast' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                         check=True).stdout.split()
     assert out == ["1", "False", "False"]
