@@ -9,6 +9,7 @@ import pytest
 
 import icl_fast
 import icl_ref as ir
+import test_estimators
 import test_experiments
 import test_icl_fast
 import test_icl_ref
@@ -94,7 +95,7 @@ def listed(label):
 
 
 def test_math_md_names_only_functions_and_tests_that_exist():
-    tests = {n for m in (test_icl_ref, test_icl_fast, test_experiments) for n in dir(m) if n.startswith("test_")}
+    tests = {n for m in (test_icl_ref, test_icl_fast, test_experiments, test_estimators) for n in dir(m) if n.startswith("test_")}
     tests |= {n for n in globals() if n.startswith("test_")}
     for k, names in listed("Implemented by").items():
         assert names, f"MATH.md §{k} names no implementing function"
