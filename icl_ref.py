@@ -2004,7 +2004,8 @@ def ridge_predict(Z, lam=0.0, Sigma_w=None):
     X, y, x_q = _regression(Z)
     U, s, Vt = np.linalg.svd(X @ F, full_matrices=False)
     keep = s > (max(X.shape[1:]) * np.finfo(float).eps * s[:, :1] if lam == 0 else 0.0)
-    shrink = np.divide(s, s ** 2 + lam, out=np.zeros_like(s), where=keep)
+    # 1/s itself at lam = 0: s^2 underflows to 0 for prompts of scale below 1e-154
+    shrink = np.divide(*((1.0, s) if lam == 0 else (s, s ** 2 + lam)), out=np.zeros_like(s), where=keep)
     v = np.einsum("bkd,bk->bd", Vt, shrink * np.einsum("bnk,bn->bk", U, y))
     return np.einsum("bd,bd->b", v @ F.T, x_q)
 

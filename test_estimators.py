@@ -243,3 +243,33 @@ BAD = [
 def test_bad_input_is_refused_naming_the_argument(call, error, name):
     with pytest.raises(error, match=name):
         call()
+
+
+def test_estimators_work_under_a_strict_caller_at_any_scale():
+    # a caller's np.seterr(all="raise") must neither turn the library's own underflows into errors
+    # nor be changed by a call: prompts of scale 1e-120 to 1e-160 (squares of entries underflow) give the same
+    # numbers as under the default rules, and least squares is scale-free: exactly 1e-160 times the
+    # unit-scale prediction up to rounding (EXACT-like 1e-12: the same SVD of a scaled matrix)
+    rng = np.random.default_rng(7)
+    Z, _ = ir.sample_prompts(rng, 20, 6, np.eye(3), noise_std=0.1)
+    tasks = rng.standard_normal((5, 3))
+    calls = {
+        "ridge_predict": lambda: ir.ridge_predict(1e-160 * Z),
+        "bayes_predict": lambda: ir.bayes_predict(1e-120 * Z, noise_var=1e-250),
+        "dmmse_predict": lambda: ir.dmmse_predict(1e-120 * Z, tasks, 1e-250),
+        "ols_population_risk": lambda: ir.ols_population_risk(9, np.eye(3), noise_var=1e-300),
+        "monte_carlo_risk": lambda: ir.monte_carlo_risk(ir.ridge_predict, np.random.default_rng(0), 10, 6, 1e-120 * np.eye(3)),
+        "shifted_single_layer_loss": lambda: ir.shifted_single_layer_loss(np.eye(3), 1e-100 * np.eye(3), 6,
+                                                                          Sigma_query=1e-150 * np.eye(3)),
+    }
+    with np.errstate(under="ignore"):
+        expected = {name: call() for name, call in calls.items()}
+    old = np.seterr(all="raise")
+    try:
+        for name, call in calls.items():
+            assert np.array_equal(call(), expected[name]), name
+            assert np.geterr() == dict(divide="raise", over="raise", under="raise", invalid="raise"), name
+    finally:
+        np.seterr(**old)
+    assert np.all(np.isfinite(expected["ridge_predict"]))
+    assert_close(expected["ridge_predict"] / 1e-160, ir.ridge_predict(Z), rel=1e-12)
