@@ -247,9 +247,9 @@ def test_bad_input_is_refused_naming_the_argument(call, error, name):
 
 def test_estimators_work_under_a_strict_caller_at_any_scale():
     # a caller's np.seterr(all="raise") must neither turn the library's own underflows into errors
-    # nor be changed by a call: prompts of scale 1e-120 to 1e-160 (squares of entries underflow) give the same
-    # numbers as under the default rules, and least squares is scale-free: exactly 1e-160 times the
-    # unit-scale prediction up to rounding (EXACT-like 1e-12: the same SVD of a scaled matrix)
+    # nor be changed by a call: prompts of scale 1e-120 to 1e-160 (squares of entries underflow)
+    # give the same numbers as under the default rules; least squares is scale-free, 1e-160 times
+    # the unit-scale prediction (1e-12: the SVD of a matrix scaled by a constant, rounding only)
     rng = np.random.default_rng(7)
     Z, _ = ir.sample_prompts(rng, 20, 6, np.eye(3), noise_std=0.1)
     tasks = rng.standard_normal((5, 3))
