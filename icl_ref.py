@@ -241,11 +241,12 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
     batch, n = _int("batch", batch, 1), _int("n", n, 1)
     Sigma, F = _spd("Sigma", Sigma)
     d = Sigma.shape[0]
-    F_w = _task_covariance(Sigma_w, d)[1] if tasks is None else _pool(tasks, d, Sigma_w)
+    pool = None if tasks is None else _pool(tasks, d, Sigma_w)
+    F_w = _task_covariance(Sigma_w, d)[1] if pool is None else None
     noise_std = _nonneg("noise_std", noise_std)
     X = rng.standard_normal((batch, n + 1, d)) @ F.T                 # rows x_i ~ N(0, F F^T)
-    w_star = (rng.standard_normal((batch, d)) @ F_w.T if tasks is None
-              else F_w[rng.integers(F_w.shape[0], size=batch)])
+    w_star = (rng.standard_normal((batch, d)) @ F_w.T if pool is None
+              else pool[rng.integers(pool.shape[0], size=batch)])    # a uniformly drawn row per prompt
     labels = np.einsum("bid,bd->bi", X, w_star)
     if noise_std > 0:
         labels += noise_std * rng.standard_normal((batch, n + 1))
@@ -2027,7 +2028,8 @@ def dmmse_predict(Z, tasks, noise_var):
         y_hat = sum_k pi_k <w_k, x_q>,   pi_k proportional to exp(-|y - X w_k|^2 / (2 noise_var)),
 
     the log-weights (2 <X^T y, w_k> - w_k^T X^T X w_k) / (2 noise_var) (|y|^2 is common to every
-    k and cancels) normalised by log-sum-exp, so no weight under- or overflows at any noise_var.
+    k and cancels) normalised by log-sum-exp: the largest weight is exp(0) = 1, so the sum neither
+    overflows nor underflows to 0, however small noise_var (while the log-weights are finite).
     Z: (B, d+1, n+1); tasks: (K, d); noise_var > 0. Returns y_hat (B,).
     """
     Z = _prompts(Z)
