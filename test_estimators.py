@@ -199,9 +199,21 @@ def test_shifted_loss_without_shift_is_theorem_1s_and_bayes_beats_every_ridge():
     rng = np.random.default_rng(6)
     d, n, s2 = 4, 7, 0.3
     Sigma, Sigma_w, G = spd(rng, d), spd(rng, d), rng.standard_normal((d, d))
+    loss = lambda G, S_q: ir.shifted_single_layer_loss(G, Sigma, n, Sigma_w, s2, Sigma_query=S_q)
     # the same number by the two names (one formula: any difference is a dropped argument)
-    assert ir.shifted_single_layer_loss(G, Sigma, n, Sigma_w, s2, Sigma_query=Sigma) == \
-        ir.single_layer_population_loss(G, Sigma, n, Sigma_w, s2)
+    assert loss(G, Sigma) == ir.single_layer_population_loss(G, Sigma, n, Sigma_w, s2)
+    # the loss less the query's noise is linear in Sigma_query (x_q enters as x_q x_q^T only): EXACT
+    # 1e-12, a sum of a few traces
+    other = spd(rng, d)
+    parts = [loss(G, S) - s2 for S in (Sigma, 3 * Sigma, other, Sigma + other)]
+    assert abs(parts[1] - 3 * parts[0]) <= 1e-12 * parts[1]
+    assert abs(parts[3] - parts[0] - parts[2]) <= 1e-12 * parts[3]
+    # gamma_star of the context is the best layer for every query covariance: the loss is a quadratic
+    # in Gamma with a positive definite curvature, so every step away raises it
+    S_q = spd(rng, d, 0.1, 5.0)
+    best = ir.gamma_star(Sigma, n, Sigma_w, s2)
+    for E in rng.standard_normal((5, d, d)):
+        assert loss(best + 1e-3 * E, S_q) > loss(best, S_q) < loss(best - 1e-3 * E, S_q)
     # the posterior mean minimises the risk among all predictors: on common prompts, ridge at a
     # tenth and ten times the noise, and without the prior's metric, each does worse on average
     Z, y = ir.sample_prompts(rng, 20000, n, Sigma, Sigma_w, noise_std=np.sqrt(s2))
