@@ -197,6 +197,25 @@ def _task_covariance(Sigma_w, d):
     return (np.eye(d), np.eye(d)) if Sigma_w is None else _spd("Sigma_w", Sigma_w, d)
 
 
+def _pool(tasks, d, Sigma_w=None):
+    """tasks as a float64 (K, d) pool with K >= 1, refused beside a Sigma_w (one task law at a time)."""
+    if Sigma_w is not None:
+        raise ValueError("give Sigma_w or tasks, not both: w_star is drawn from the pool when tasks is given")
+    tasks = _array("tasks", tasks, 2)
+    if tasks.shape[0] < 1 or tasks.shape[1] != d:
+        raise ValueError(f"tasks must have shape (K, {d}) with K >= 1, got {tasks.shape}")
+    return tasks
+
+
+def _task_moment(Sigma_w, tasks, d):
+    """E[w_star w_star^T], (d, d): Sigma_w (SPD, the identity when None) or, for a pool (K, d), its
+    second moment (1/K) sum_k w_k w_k^T, which may be singular (MATH.md §15)."""
+    if tasks is None:
+        return _task_covariance(Sigma_w, d)[0]
+    tasks = _pool(tasks, d, Sigma_w)
+    return tasks.T @ tasks / tasks.shape[0]
+
+
 def _check_structure(structure):
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
@@ -207,15 +226,16 @@ def _check_structure(structure):
 # ---------------------------------------------------------------------------------------------
 
 @_numpy_rules
-def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_star=False):
+def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_star=False, tasks=None):
     """Draw B prompts of linear regression, [A] §2 with the data model of [A] Table 1.
 
     x_i ~ N(0, Sigma) iid for i = 0..n (the last is the query), w_star ~ N(0, Sigma_w) per prompt
     (identity by default), y_i = <w_star, x_i> + noise_std * N(0, 1). Gaussians are drawn through
-    the Cholesky factor F of Sigma (x = F g), never `multivariate_normal`.
+    the Cholesky factor F of Sigma (x = F g), never `multivariate_normal`. With a finite pool
+    `tasks` (K, d), w_star is instead a uniformly drawn row of the pool (MATH.md §15).
 
     Parameters: rng (numpy.random.Generator), batch = B >= 1, n >= 1, Sigma (d, d) SPD,
-    Sigma_w (d, d) SPD or None, noise_std >= 0.
+    Sigma_w (d, d) SPD or None, noise_std >= 0, tasks (K, d) or None (not with Sigma_w).
     Returns Z (B, d+1, n+1) with the query label slot Z[:, d, n] = 0, and y (B,) the query's label
     (noise included when noise_std > 0); with return_w_star also w_star (B, d).
     MATH.md §1.
@@ -224,10 +244,12 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
     batch, n = _int("batch", batch, 1), _int("n", n, 1)
     Sigma, F = _spd("Sigma", Sigma)
     d = Sigma.shape[0]
-    F_w = _task_covariance(Sigma_w, d)[1]
+    pool = None if tasks is None else _pool(tasks, d, Sigma_w)
+    F_w = _task_covariance(Sigma_w, d)[1] if pool is None else None
     noise_std = _nonneg("noise_std", noise_std)
     X = rng.standard_normal((batch, n + 1, d)) @ F.T                 # rows x_i ~ N(0, F F^T)
-    w_star = rng.standard_normal((batch, d)) @ F_w.T
+    w_star = (rng.standard_normal((batch, d)) @ F_w.T if pool is None
+              else pool[rng.integers(pool.shape[0], size=batch)])    # a uniformly drawn row per prompt
     labels = np.einsum("bid,bd->bi", X, w_star)
     if noise_std > 0:
         labels += noise_std * rng.standard_normal((batch, n + 1))
@@ -1248,36 +1270,33 @@ def preconditioned_gd(X, y, A):
     return W[0] if single else W
 
 
-def _single_layer_moments(Sigma, n, Sigma_w, noise_var):
-    """(Sigma, Sigma_w, K, E[h w^T]) of MATH.md §8, with h = (1/n) sum_i y_i x_i."""
-    n = _int("n", n, 1)
-    Sigma = _spd("Sigma", Sigma)[0]
-    d = Sigma.shape[0]
-    Sigma_w = _task_covariance(Sigma_w, d)[0]
-    noise_var = _nonneg("noise_var", noise_var)
-    K = ((n + 1) / n) * Sigma @ Sigma_w @ Sigma + ((np.trace(Sigma_w @ Sigma) + noise_var) / n) * Sigma
-    return Sigma, Sigma_w, K, Sigma @ Sigma_w
+def _single_layer_moments(Sigma, n, M, noise_var):
+    """(K, E[h w^T]) of MATH.md §8, h = (1/n) sum_i y_i x_i, for checked Sigma (d, d), n, noise_var
+    and M = E[w_star w_star^T] (d, d), which enters only through this second moment (MATH.md §15)."""
+    K = ((n + 1) / n) * Sigma @ M @ Sigma + ((np.trace(M @ Sigma) + noise_var) / n) * Sigma
+    return K, Sigma @ M
 
 
 @_numpy_rules
-def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0):
+def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
     """Optimal single-layer preconditioner, Theorem 1 of [A] generalised (MATH.md §8):
 
         Gamma* = K^-1 Sigma Sigma_w,
         K = ((n+1)/n) Sigma Sigma_w Sigma + ((tr(Sigma_w Sigma) + noise_var)/n) Sigma.
 
     With Sigma_w = I and no noise, Gamma* = ((1 + 1/n) Sigma + (tr Sigma / n) I)^-1, eq. (6).
-    Sigma, Sigma_w: (d, d) SPD; n >= 1; noise_var >= 0 (context label noise). Returns (d, d);
-    the optimal layer is sparse_params(Gamma*[None]).
+    Sigma, Sigma_w: (d, d) SPD; n >= 1; noise_var >= 0 (context label noise). With a pool tasks
+    (K, d) in place of Sigma_w, Sigma_w is the pool's second moment: the layer trained on prompts
+    from that pool (MATH.md §15). Returns (d, d); the optimal layer is sparse_params(Gamma*[None]).
     """
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
-    Sigma_w = _task_covariance(Sigma_w, Sigma.shape[0])[0]
+    M = _task_moment(Sigma_w, tasks, Sigma.shape[0])
     noise_var = _nonneg("noise_var", noise_var)
-    # scale-free: with Sigma = c S and Sigma_w = w W (max entries 1), Gamma* = K'^-1 S W / c, where K'
+    # scale-free: with Sigma = c S and M = w W (max entries 1), Gamma* = K'^-1 S W / c, where K'
     # is K of (S, W) with the noise noise_var / (c w); no under- or overflow at any scale of Sigma
-    c, w = np.max(np.abs(Sigma)), np.max(np.abs(Sigma_w))
-    _, _, K, E_hw = _single_layer_moments(Sigma / c, n, Sigma_w / w, noise_var / (c * w))
+    c, w = np.max(np.abs(Sigma)), np.max(np.abs(M)) or 1.0          # w = 0: a pool of zero tasks
+    K, E_hw = _single_layer_moments(Sigma / c, n, M / w, noise_var / (c * w))
     G = np.linalg.solve(K, E_hw) / c
     _finite({"Gamma*": G}, Sigma=Sigma)
     return G
@@ -1292,17 +1311,10 @@ def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, q
 
     for x ~ N(0, Sigma), w* ~ N(0, Sigma_w), context labels with noise of variance noise_var, and a
     query label with the same noise when query_noise (as sample_prompts draws it).
-    Gamma: (d, d), any (not only symmetric). Returns a float.
+    Gamma: (d, d), any (not only symmetric). Returns a float. The query from another covariance,
+    a pool of tasks: shifted_single_layer_loss (MATH.md §15).
     """
-    Sigma, Sigma_w, K, E_hw = _single_layer_moments(Sigma, n, Sigma_w, noise_var)
-    Gamma = _array("Gamma", Gamma, 2)
-    if Gamma.shape != Sigma.shape:
-        raise ValueError(f"Gamma must have shape {Sigma.shape} to match Sigma, got {Gamma.shape}")
-    with np.errstate(over="ignore", invalid="ignore"):
-        loss = (np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
-                + np.trace(Sigma @ Sigma_w) + (noise_var if query_noise else 0.0))
-    _finite({"the loss": loss}, Gamma=Gamma, Sigma=Sigma)
-    return float(loss)
+    return shifted_single_layer_loss(Gamma, Sigma, n, Sigma_w, noise_var, query_noise)
 
 
 MAX_FULL_LAYER_D = 8     # the exact rule over w* below has 4^d nodes
@@ -1961,6 +1973,176 @@ def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="line
              c * n * dPt @ np.swapaxes(Wo, -1, -2), c * n * np.swapaxes(Wv, -1, -2) @ dPt]
     out = [np.concatenate(list(np.moveaxis(g, 1, 0)), axis=2 if i < 3 else 1) for i, g in enumerate(grads)]
     return tuple(o.sum(axis=0) if tied else o for o in out)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8c. Estimators, task pools and shift (MATH.md §15)
+#
+# What a trained layer is compared with: estimators that read a prompt's context (X, y) and its
+# query x_q from the paper's layout Z and predict y_hat = <w_hat, x_q>; their risks, exact where a
+# closed form exists and by Monte Carlo where not; the exact loss of one layer away from the
+# distribution it was trained on.
+# ---------------------------------------------------------------------------------------------
+
+def _regression(Z):
+    """(X (B, n, d), y (B, n), x_q (B, d)) of prompts Z (B, d+1, n+1): the context and the query."""
+    d, n = Z.shape[1] - 1, Z.shape[2] - 1
+    return np.swapaxes(Z[:, :d, :n], 1, 2), Z[:, d, :n], Z[:, :d, n]
+
+
+@_numpy_rules
+def ridge_predict(Z, lam=0.0, Sigma_w=None):
+    """Ridge regression on each prompt's context, evaluated at its query (MATH.md §15):
+
+        w_hat = argmin_w |y - X w|^2 + lam w^T Sigma_w^-1 w,   y_hat = <w_hat, x_q>,
+
+    computed as w = F v, v = V diag(s / (s^2 + lam)) U^T y from the SVD U diag(s) V^T of X F
+    (F the Cholesky factor of Sigma_w, the identity by default). lam = 0 is least squares: OLS for
+    n >= d, the minimum-norm interpolant (in the metric Sigma_w^-1) for n < d; singular values
+    below max(n, d) eps s_max then count as zero, as in numpy's pinv. lam = noise_var is
+    bayes_predict. Z: (B, d+1, n+1); lam >= 0; Sigma_w (d, d) SPD or None. Returns y_hat (B,).
+    """
+    Z = _prompts(Z)
+    lam = _nonneg("lam", lam)
+    F = _task_covariance(Sigma_w, Z.shape[1] - 1)[1]
+    X, y, x_q = _regression(Z)
+    U, s, Vt = np.linalg.svd(X @ F, full_matrices=False)
+    keep = s > (max(X.shape[1:]) * np.finfo(float).eps * s[:, :1] if lam == 0 else 0.0)
+    # 1/s itself at lam = 0: s^2 underflows to 0 for prompts of scale below 1e-154
+    shrink = np.divide(*((1.0, s) if lam == 0 else (s, s ** 2 + lam)), out=np.zeros_like(s), where=keep)
+    v = np.einsum("bkd,bk->bd", Vt, shrink * np.einsum("bnk,bn->bk", U, y))
+    return np.einsum("bd,bd->b", v @ F.T, x_q)
+
+
+@_numpy_rules
+def bayes_predict(Z, Sigma_w=None, noise_var=0.0):
+    """The posterior mean of y_q for w_star ~ N(0, Sigma_w) and label noise N(0, noise_var): the
+    Bayes-optimal prediction under squared loss for that prior, whatever the law of the covariates.
+    It is ridge_predict(Z, noise_var, Sigma_w) (MATH.md §15); noise_var = 0 interpolates.
+    Z: (B, d+1, n+1). Returns y_hat (B,)."""
+    return ridge_predict(Z, _nonneg("noise_var", noise_var), Sigma_w)
+
+
+@_numpy_rules
+def dmmse_predict(Z, tasks, noise_var):
+    """The posterior mean of y_q when w_star is a uniformly drawn row of the pool tasks (K, d) and
+    the labels carry noise N(0, noise_var) (MATH.md §15):
+
+        y_hat = sum_k pi_k <w_k, x_q>,   pi_k proportional to exp(-|y - X w_k|^2 / (2 noise_var)),
+
+    the log-weights (2 <X^T y, w_k> - w_k^T X^T X w_k) / (2 noise_var) (|y|^2 is common to every
+    k and cancels) normalised by log-sum-exp: the largest weight is exp(0) = 1, so the sum neither
+    overflows nor underflows to 0, however small noise_var (while the log-weights are finite).
+    Z: (B, d+1, n+1); tasks: (K, d); noise_var > 0. Returns y_hat (B,).
+    """
+    Z = _prompts(Z)
+    tasks = _pool(tasks, Z.shape[1] - 1)
+    if _nonneg("noise_var", noise_var) == 0:
+        raise ValueError("noise_var must be > 0: without noise the posterior over the pool is not a density")
+    X, y, x_q = _regression(Z)
+    K, d = tasks.shape
+    y_hat = np.empty(Z.shape[0])
+    step = max(1, 2 ** 22 // (K * d))                      # (step, K, d) temporaries of at most 32 MB
+    for b in range(0, Z.shape[0], step):
+        Xc, yc = X[b:b + step], y[b:b + step]
+        quad = np.einsum("bkd,kd->bk", tasks @ (np.swapaxes(Xc, 1, 2) @ Xc), tasks)
+        log_pi = (2 * np.einsum("bnd,bn->bd", Xc, yc) @ tasks.T - quad) / (2 * noise_var)
+        pi = np.exp(log_pi - np.max(log_pi, axis=1, keepdims=True))
+        y_hat[b:b + step] = np.sum(pi * (x_q[b:b + step] @ tasks.T), axis=1) / np.sum(pi, axis=1)
+    return y_hat
+
+
+def _isotropic(S):
+    """The c of S = c I, or None when S is not a multiple of the identity (to 1e-12 of its scale)."""
+    c = np.trace(S) / S.shape[0]
+    return c if np.max(np.abs(S - c * np.eye(S.shape[0]))) <= 1e-12 * abs(c) else None
+
+
+@_numpy_rules
+def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True):
+    """Exact E (y_hat - y_q)^2 of least squares, ridge_predict(Z, 0), where it has a closed form
+    (MATH.md §15), for x ~ N(0, Sigma), w_star ~ N(0, Sigma_w), label noise of variance noise_var:
+
+        n >= d:  noise_var d / (n - d - 1)                        (n > d + 1 when noise_var > 0)
+        n <  d:  c s (d - n) + noise_var n / (d - n - 1)          (Sigma = c I, Sigma_w = s I;
+                                                                    n < d - 1 when noise_var > 0)
+
+    plus noise_var when query_noise. Elsewhere the risk is infinite (n in d-1..d+1 with noise) or
+    has no closed form (n < d, anisotropic): a ValueError points to monte_carlo_risk.
+    Returns a float.
+    """
+    n = _int("n", n, 1)
+    Sigma = _spd("Sigma", Sigma)[0]
+    d = Sigma.shape[0]
+    Sigma_w = _task_covariance(Sigma_w, d)[0]
+    noise_var = _nonneg("noise_var", noise_var)
+    if noise_var > 0 and d - 1 <= n <= d + 1:
+        raise ValueError(f"n must be < d - 1 or > d + 1 when noise_var > 0: the risk of least squares is "
+                         f"infinite at n = {n}, d = {d}")
+    query = noise_var if query_noise else 0.0
+    if n >= d:
+        return float(noise_var * d / (n - d - 1) if noise_var > 0 else 0.0) + query
+    c, s = _isotropic(Sigma), _isotropic(Sigma_w)
+    if c is None or s is None:
+        raise ValueError("Sigma and Sigma_w must be multiples of the identity for n < d: the risk of the "
+                         "minimum-norm interpolant has no closed form otherwise; use monte_carlo_risk")
+    return float(c * s * (d - n) + (noise_var * n / (d - n - 1) if noise_var > 0 else 0.0)) + query
+
+
+@_numpy_rules
+def monte_carlo_risk(predict, rng, batch, n, Sigma, Sigma_w=None, noise_var=0.0, tasks=None):
+    """E (predict(Z) - y_q)^2 by Monte Carlo over prompts from sample_prompts (query noise included),
+    with its standard error std / sqrt(batch) (MATH.md §15). predict: a function of Z (b, d+1, n+1)
+    returning (b,), called on chunks of at most 4096 prompts. batch >= 2; the other arguments as
+    sample_prompts (noise_var = noise_std^2). Returns (risk, standard error).
+    """
+    if not callable(predict):
+        raise TypeError(f"predict must be a function of Z, got {type(predict).__name__}")
+    _rng(rng)
+    batch = _int("batch", batch, 2)
+    noise_std = math.sqrt(_nonneg("noise_var", noise_var))
+    errors = []
+    for b in range(0, batch, 4096):
+        Z, y = sample_prompts(rng, min(4096, batch - b), n, Sigma, Sigma_w, noise_std, tasks=tasks)
+        y_hat = _array("predict(Z)", predict(Z), 1)
+        if y_hat.shape != y.shape:
+            raise ValueError(f"predict(Z) must have shape {y.shape}, got {y_hat.shape}")
+        errors.append((y_hat - y) ** 2)
+    errors = np.concatenate(errors)
+    return float(np.mean(errors)), float(np.std(errors, ddof=1) / math.sqrt(batch))
+
+
+@_numpy_rules
+def shifted_single_layer_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, query_noise=True,
+                              Sigma_query=None, tasks=None):
+    """Exact E (y_hat - y_q)^2 of the one-layer sparse model with A_0 = Gamma, any (d, d) (trained at
+    another length, covariance or task law), on prompts of n context examples x_i ~ N(0, Sigma),
+    a query x_q ~ N(0, Sigma_query) (Sigma when None), w_star with second moment
+    M = E[w_star w_star^T] (Sigma_w, SPD, or the pool's (1/K) sum_k w_k w_k^T for tasks (K, d)) and
+    label noise of variance noise_var (MATH.md §8, §15):
+
+        L = tr(Sigma_q Gamma^T K Gamma) - 2 tr(Sigma_q Gamma^T Sigma M) + tr(Sigma_q M)
+            + noise_var [if query_noise],
+        K = ((n+1)/n) Sigma M Sigma + ((tr(M Sigma) + noise_var)/n) Sigma.
+
+    The layer divides by the prompt's own n (MATH.md §2). At Sigma_query = Sigma and a Gaussian
+    w_star it is single_layer_population_loss. Returns a float.
+    """
+    n = _int("n", n, 1)
+    Sigma = _spd("Sigma", Sigma)[0]
+    d = Sigma.shape[0]
+    M = _task_moment(Sigma_w, tasks, d)
+    noise_var = _nonneg("noise_var", noise_var)
+    S_q = Sigma if Sigma_query is None else _spd("Sigma_query", Sigma_query, d)[0]
+    Gamma = _array("Gamma", Gamma, 2)
+    if Gamma.shape != Sigma.shape:
+        raise ValueError(f"Gamma must have shape {Sigma.shape} to match Sigma, got {Gamma.shape}")
+    K, E_hw = _single_layer_moments(Sigma, n, M, noise_var)
+    with np.errstate(over="ignore", invalid="ignore"):
+        loss = (np.trace(S_q @ Gamma.T @ K @ Gamma) - 2 * np.trace(S_q @ Gamma.T @ E_hw)
+                + np.trace(S_q @ M) + (noise_var if query_noise else 0.0))
+    _finite({"the loss": loss}, Gamma=Gamma, Sigma=Sigma)
+    return float(loss)
 
 
 # ---------------------------------------------------------------------------------------------

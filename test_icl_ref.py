@@ -371,6 +371,14 @@ def _strict_calls():
         "grads_to_authors": lambda: ir.grads_to_authors(P * tiny, Q),
         "params_from_von_oswald": lambda: ir.params_from_von_oswald(
             *(np.eye(3)[None] * tiny for _ in range(4)), 6),
+        "ridge_predict": lambda: ir.ridge_predict(Z * tiny ** 1.4),
+        "bayes_predict": lambda: ir.bayes_predict(Z * tiny, noise_var=tiny ** 2),
+        "dmmse_predict": lambda: ir.dmmse_predict(Z * tiny, np.eye(2), tiny ** 2),
+        "ols_population_risk": lambda: ir.ols_population_risk(9, np.eye(2) * tiny, noise_var=0.1),
+        "monte_carlo_risk": lambda: ir.monte_carlo_risk(ir.ridge_predict, np.random.default_rng(0), 10, 6,
+                                                        np.eye(2) * tiny ** 2),
+        "shifted_single_layer_loss": lambda: ir.shifted_single_layer_loss(G, np.eye(2) * tiny, 6,
+                                                                          Sigma_query=2 * tiny * np.eye(2)),
         "grads_to_von_oswald": lambda: ir.grads_to_von_oswald(
             P[:1] * tiny, Q[:1], *(np.eye(3)[None] for _ in range(4)), 6),
     }
