@@ -360,7 +360,9 @@ def landscape_table():
 
 
 def landscape_count():
-    return f"{len(landscape_minima()[0])} strict local minima"
+    minima = landscape_minima()[0]
+    bound = math.ceil(math.log10(max(m["max_gradient"] for m in minima)))     # the next power of ten above
+    return f"{len(minima)} strict local minima (gradient below $10^{{{bound}}}$"
 
 
 def landscape_starts():
