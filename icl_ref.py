@@ -50,6 +50,7 @@ from fractions import Fraction
 
 import numpy as np
 import scipy
+import scipy.integrate
 import scipy.linalg
 import scipy.optimize
 
@@ -1606,10 +1607,12 @@ def _family_loss_at_nodes(theta, L, blocks, nodes, weights, n, noise_var):
     return f, np.r_[da + dg * b, dg[:-1] * a[:-1]] if blocks else da
 
 
-def _family_descent(L, n, d, blocks, noise_var):
+def _family_descent(L, n, d, blocks, noise_var, tied=False):
     """theta0 -> scipy's L-BFGS-B result on the family loss at the exact Gauss nodes (MATH.md §10),
-    theta = (a (L,), b (L-1,) with blocks), with the gradient of _family_loss_at_nodes. Refuses
-    families whose exact loss needs moments beyond MAX_MOMENT_ORDER."""
+    theta = (a (L,), b (L-1,) with blocks), with the gradient of _family_loss_at_nodes; tied:
+    theta = (a, b with blocks) shared by the layers, theta_layers = E theta with a 0/1 matrix E,
+    so the gradient is E^T (the layers' gradient), their sum (MATH.md §14). Refuses families whose
+    exact loss needs moments beyond MAX_MOMENT_ORDER."""
     degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, MATH.md §10
     if 2 * degree > MAX_MOMENT_ORDER:
         raise ValueError(f"L must be <= {3 if blocks else MAX_MOMENT_ORDER // 2} for the "
@@ -1617,8 +1620,15 @@ def _family_descent(L, n, d, blocks, noise_var):
                          f"up to order 2 deg p = {2 * degree} > {MAX_MOMENT_ORDER}, got L = {L}")
     nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
     args = (L, blocks, nodes, weights, n, noise_var)
-    return lambda theta0: scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=args, jac=True,
-                                                  method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12))
+    E = np.eye(2 * L - 1 if blocks else L)
+    if tied:                               # a column of ones per shared scalar: theta_layers = E theta
+        E = scipy.linalg.block_diag(np.ones((L, 1)), *([np.ones((L - 1, 1))] if blocks else []))
+
+    def fun(theta):
+        f, g = _family_loss_at_nodes(E @ theta, *args)
+        return f, E.T @ g
+    return lambda theta0: scipy.optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
+                                                  options=dict(ftol=1e-15, gtol=1e-12))
 
 
 def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
@@ -1995,6 +2005,111 @@ def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="line
              c * n * dPt @ np.swapaxes(Wo, -1, -2), c * n * np.swapaxes(Wv, -1, -2) @ dPt]
     out = [np.concatenate(list(np.moveaxis(g, 1, 0)), axis=2 if i < 3 else 1) for i, g in enumerate(grads)]
     return tuple(o.sum(axis=0) if tied else o for o in out)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8b. Beyond the paper: looped models and gradient flow (MATH.md §14)
+# ---------------------------------------------------------------------------------------------
+
+@_numpy_rules
+def optimal_tied_family(L, n, d, blocks=False, noise_var=0.0, starts=8, rng=None):
+    """Best looped member of the families of Theorems 3 and 4: A_l = a Sigma^-1 for every l (and
+    B_l = b I with blocks), one (a, b) applied L times, by multi-start L-BFGS-B on the exact
+    Gauss rule (as optimal_family_scalars) with the layers' gradient summed (MATH.md §14).
+    Noiseless sparse: the loss is strictly convex in a, so its minimiser is unique. Starts
+    a ~ U(0, 2), b ~ U(0, 1.5) from rng (default seed 0). Returns (a, b or None, loss): floats,
+    b NaN when L = 1 (B_0 never enters), loss = family_population_loss at (a 1_L, b 1_L).
+    """
+    L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
+    noise_var = _nonneg("noise_var", noise_var)
+    starts = _int("starts", starts, 1)
+    _rng(rng, optional=True)
+    rng = np.random.default_rng(0) if rng is None else rng
+    descend = _family_descent(L, n, d, blocks, noise_var, tied=True)
+    best = min((descend(np.r_[rng.uniform(0, 2), rng.uniform(0, 1.5, 1 if blocks else 0)])
+                for _ in range(starts)), key=lambda res: res.fun)
+    a = float(best.x[0])
+    b = (float(best.x[1]) if L > 1 else math.nan) if blocks else None
+    loss = family_population_loss(np.full(L, a), n, d, None if b is None else np.full(L, b), noise_var=noise_var)
+    return a, b, loss
+
+
+def _one_layer_field(u, U, Sigma, K, E_hw):
+    """(L - L(0), dL/du, dL/dU) of the layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] through
+    Gamma = u U: grad_Gamma = 2 (K Gamma Sigma - E[h w^T] Sigma) (MATH.md §8, §14)."""
+    Gamma = u * U
+    G = 2 * (K @ Gamma @ Sigma - E_hw @ Sigma)
+    excess = np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
+    return excess, float(np.sum(G * U)), u * G
+
+
+@_numpy_rules
+def one_layer_population_grad(u, U, Sigma, n, Sigma_w=None):
+    """Exact population loss of one layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] (noiseless
+    labels; Zhang, Frei and Bartlett's value scalar and key-query block) and its gradient in (u, U),
+    the chain rule of single_layer_population_loss through Gamma = u U (MATH.md §14).
+    u: float; U: (d, d); Sigma, Sigma_w: (d, d) SPD. Returns (loss, du (float), dU (d, d)); the
+    gradient of full_layer_population_loss in every other entry of (P, Q) is 0 there (MATH.md §14).
+    """
+    u = float(_array("u", u, 0))
+    Sigma, Sigma_w, K, E_hw = _single_layer_moments(Sigma, n, Sigma_w, 0.0)
+    U = _array("U", U, 2)
+    if U.shape != Sigma.shape:
+        raise ValueError(f"U must have shape {Sigma.shape} to match Sigma, got {U.shape}")
+    excess, du, dU = _one_layer_field(u, U, Sigma, K, E_hw)
+    return float(excess + np.trace(Sigma @ Sigma_w)), du, dU
+
+
+@_numpy_rules
+def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1e-12):
+    """Gradient flow d(u, U)/dt = -grad L of the exact one-layer population loss (icl_ref's loss, a
+    mean without 1/2) from Zhang, Frei and Bartlett's initialisation (MATH.md §14):
+
+        u(0) = sigma,  U(0) = sigma Theta Theta^T / |Theta Theta^T|_F,
+
+    i.e. P(0) = sigma e_d e_d^T, Q(0) = -sigma [[Theta Theta^T, 0], [0, 0]] (their W^PV, W^KQ with
+    |Theta Theta^T|_F = 1; the flow keeps every other entry of (P, Q) at 0). Integrated by
+    scipy.integrate.solve_ivp (DOP853, rtol, atol = rtol * 1e-3 of the state's scale) on the
+    gradient of one_layer_population_grad.
+    Sigma, Sigma_w: (d, d) SPD; n >= 1; sigma > 0; t: increasing times >= 0, (T,); Theta: (d, d),
+    nonzero (default I). Returns a dict: t (T,), u (T,), U (T, d, d), Gamma (T, d, d) = u U (the
+    effective preconditioner: y_hat = h^T Gamma x_q), loss (T,), invariant (T,) = u^2 - |U|_F^2
+    (conserved; 0 here), sigma_bound = sqrt(2 / (sqrt(d) |Gamma*^-1|_2)) with Gamma* =
+    gamma_star(Sigma, n, Sigma_w) (for Sigma_w = I the initial scale below which their Theorem 4.1
+    proves convergence), nfev.
+    """
+    Sigma, Sigma_w, K, E_hw = _single_layer_moments(Sigma, n, Sigma_w, 0.0)
+    d = Sigma.shape[0]
+    sigma = _nonneg("sigma", sigma)
+    if sigma == 0:
+        raise ValueError("sigma must be > 0: (u, U) = 0 is a critical point of the loss, where the flow stays")
+    t = _array("t", t, 1)
+    if t.size < 1 or t[0] < 0 or np.any(np.diff(t) <= 0):
+        raise ValueError(f"t must be a non-empty increasing vector of times >= 0, got {t}")
+    Theta = np.eye(d) if Theta is None else _array("Theta", Theta, 2)
+    if Theta.shape != (d, d) or not np.any(Theta):
+        raise ValueError(f"Theta must be a nonzero ({d}, {d}) matrix, got shape {Theta.shape}")
+    M = Theta @ Theta.T
+    y0 = sigma * np.r_[1.0, (M / np.linalg.norm(M)).ravel()]
+
+    def field(_, y):
+        _, du, dU = _one_layer_field(y[0], y[1:].reshape(d, d), Sigma, K, E_hw)
+        return -np.r_[du, dU.ravel()]
+    ys = y0[:, None]
+    if t[-1] > 0:
+        sol = scipy.integrate.solve_ivp(field, (0.0, t[-1]), y0, method="DOP853", t_eval=t, rtol=rtol,
+                                        atol=rtol * 1e-3 * sigma)
+        if not sol.success:
+            raise ValueError(f"solve_ivp failed: {sol.message}")
+        ys = sol.y
+    u, U = ys[0], ys[1:].T.reshape(-1, d, d)
+    Gamma = u[:, None, None] * U
+    base = np.trace(Sigma @ Sigma_w)
+    loss = np.array([base + _one_layer_field(1.0, G, Sigma, K, E_hw)[0] for G in Gamma])
+    gamma_inv = np.linalg.solve(E_hw, K)                       # Gamma*^-1 = (Sigma Sigma_w)^-1 K
+    return dict(t=t, u=u, U=U, Gamma=Gamma, loss=loss, invariant=u ** 2 - np.sum(U ** 2, axis=(1, 2)),
+                sigma_bound=math.sqrt(2 / (math.sqrt(d) * np.linalg.norm(gamma_inv, 2))),
+                nfev=int(sol.nfev) if t[-1] > 0 else 0)
 
 
 # ---------------------------------------------------------------------------------------------

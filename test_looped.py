@@ -9,6 +9,7 @@ Tolerances, each with its reason:
 """
 import numpy as np
 import pytest
+import scipy.optimize
 
 import icl_ref as ir
 
@@ -96,3 +97,141 @@ def test_tied_trainers_return_one_layer_and_agree():
     # each is within |grad| / lambda_min of the minimum; here |grad| <= 1e-6 and the Hessian's
     # smallest eigenvalue is 0.054 (five-point differences of the gradient): 2e-5 apart at most
     np.testing.assert_allclose(gn["coords"]["A"], lb["coords"]["A"], rtol=0, atol=4e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The exact optimum of the tied families
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L", [2])
+def test_tied_sparse_optimum_matches_a_scalar_search_on_the_exact_loss(L):
+    # the other side: Brent's method on family_population_loss (exact rationals, no Gauss rule,
+    # no gradient); Brent brackets the minimiser to xtol = 1e-10, and where f is flat its rounding
+    # (1e-16 f) moves the argmin by sqrt(1e-16 f / f'') ~ 1e-8: 1e-6 relative
+    a, b, loss = ir.optimal_tied_family(L, 20, 5)
+    res = scipy.optimize.minimize_scalar(lambda s: ir.family_population_loss(np.full(L, s), 20, 5),
+                                         bracket=(0.1, 0.5, 1.5), tol=1e-10)
+    assert b is None
+    assert abs(a - res.x) <= 1e-6 * abs(res.x)
+    assert abs(loss - res.fun) <= EXACT * res.fun
+
+
+def test_tied_blocks_optimum_is_a_strict_minimum_of_the_exact_loss():
+    # the other side: family_population_loss in exact rationals (no Gauss rule, no gradient code),
+    # differentiated by five-point differences at h = 1e-4 in (a, b) (tied over both layers): the
+    # descent stops at |grad| <= 1e-12 on the nodes; the stencil errs by rounding, ~1e-12 f / h,
+    # and truncation (h^4/30) f^(5) with f^(5) ~ 1e6 here (the loss has degree 8 in b): 1e-8
+    a, b, loss = ir.optimal_tied_family(2, 20, 5, blocks=True)
+    f = lambda v: ir.family_population_loss([v[0]] * 2, 20, 5, b=[v[1]] * 2)
+    x, h = np.array([a, b]), 1e-4
+    assert abs(f(x) - loss) <= EXACT * loss
+    assert np.max(np.abs(five_point(f, x, h))) <= 1e-8
+    E = h * np.eye(2)
+    hess = [[(f(x + e + g) - f(x + e - g) - f(x - e + g) + f(x - e - g)) / (4 * h * h) for g in E] for e in E]
+    assert np.all(np.linalg.eigvalsh(hess) > 0)
+
+
+@pytest.mark.parametrize("blocks, Ls", [(False, [1, 2]), (True, [2])])
+def test_tied_optimum_is_a_restriction_of_the_untied_family(blocks, Ls):
+    # tying restricts the family, so the tied minimum can only be higher; one layer ties nothing
+    for L in Ls:
+        tied = ir.optimal_tied_family(L, 20, 5, blocks=blocks)[2]
+        untied = ir.optimal_family_scalars(L, 20, 5, blocks=blocks, starts=4)[2]
+        assert tied >= untied * (1 - EXACT)
+        if L == 1:
+            assert abs(tied - untied) <= EXACT * untied
+
+
+def test_tied_family_inputs_are_checked():
+    with pytest.raises(TypeError, match="L"):
+        ir.optimal_tied_family(2.0, 20, 5)
+    with pytest.raises(ValueError, match="noise_var"):
+        ir.optimal_tied_family(2, 20, 5, noise_var=-1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient flow of one layer from Zhang, Frei and Bartlett's initialisation
+# ---------------------------------------------------------------------------------------------
+
+def zfb_point(u, U):
+    """P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] as (1, 1, D, D) arrays, built by hand."""
+    d = U.shape[0]
+    P, Q = np.zeros((2, 1, 1, d + 1, d + 1))
+    P[0, 0, d, d] = u
+    Q[0, 0, :d, :d] = -U
+    return P, Q
+
+
+def test_one_layer_population_gradient_matches_finite_differences_of_the_full_layer_loss():
+    # full_layer_population_loss (Gauss-Hermite over w*, any P, Q) is a quartic in (P, Q), on which
+    # the five-point stencil is exact: only rounding (~1e-12 relative) separates the two sides.
+    # Every other entry of P, Q has zero gradient: the flow never leaves the (u, U) slice.
+    rng = np.random.default_rng(5)
+    Sigma = ir.rotated_covariance(rng, (1.0, 0.4))[0]
+    Sigma_w = ir.rotated_covariance(rng, (1.5, 0.7))[0]
+    u, U = 0.8, rng.standard_normal((2, 2))
+    loss, du, dU = ir.one_layer_population_grad(u, U, Sigma, 7, Sigma_w)
+    P, Q = zfb_point(u, U)
+
+    def full(theta):
+        return ir.full_layer_population_loss(*theta.reshape(2, 1, 1, 3, 3), Sigma, 7, Sigma_w)
+
+    numeric = five_point(full, np.r_[P.ravel(), Q.ravel()]).reshape(2, 3, 3)
+    expected = np.zeros((2, 3, 3))
+    expected[0, 2, 2], expected[1, :2, :2] = du, -dU
+    assert np.linalg.norm(numeric - expected) <= FD_VEC * np.linalg.norm(expected)
+    assert abs(loss - ir.full_layer_population_loss(P, Q, Sigma, 7, Sigma_w)) <= EXACT * loss
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_gradient_flow_ends_at_gamma_star_and_keeps_its_invariant(inside):
+    # one start below the initial scale of [Z] Theorem 4.1 and one at three times it: both reach
+    # Gamma* (here; the theorem promises only the first). DOP853 at rtol 1e-12 and t = 400, where
+    # the slowest mode has decayed by e^-60: 1e-8 relative is what the integrator can hold
+    rng = np.random.default_rng(6)
+    Sigma = ir.rotated_covariance(rng, (1.0, 0.5))[0]
+    G_star = ir.gamma_star(Sigma, 10)
+    # their bound sqrt(2 / (sqrt(d) |Gamma|_2)), Gamma = (1 + 1/n) Sigma + (tr Sigma / n) I = Gamma*^-1
+    bound = np.sqrt(2 / (np.sqrt(2) * np.linalg.norm(1.1 * Sigma + np.trace(Sigma) / 10 * np.eye(2), 2)))
+    sigma = 0.5 * bound if inside else 3 * bound
+    flow = ir.one_layer_gradient_flow(Sigma, 10, sigma, np.linspace(0, 400, 81), Theta=rng.standard_normal((2, 2)))
+    assert abs(flow["sigma_bound"] - bound) <= EXACT * bound
+    assert np.linalg.norm(flow["Gamma"][-1] - G_star) <= 1e-8 * np.linalg.norm(G_star)
+    assert np.max(np.abs(flow["invariant"])) <= 1e-9 * sigma ** 2      # rtol 1e-12 per step, ~1e4 steps
+    assert np.all(np.diff(flow["loss"]) <= 1e-12)                        # a gradient flow never climbs
+    assert abs(flow["loss"][-1] - ir.single_layer_population_loss(G_star, Sigma, 10)) <= EXACT
+
+
+def gd_on_batches(Sigma, n, sigma, eta, steps, R, B, seed, engine=None):
+    """Gradient descent with step eta on R independent batches of B prompts, full (P, Q) with
+    icl_ref's gradient, from P = sigma e_d e_d^T, Q = -sigma [[I / sqrt(d), 0], [0, 0]]; returns the
+    effective Gamma = P_dd (-Q_xx) of every batch at every step, (R, steps + 1, d, d)."""
+    rng = np.random.default_rng(seed)
+    d = Sigma.shape[0]
+    out = np.empty((R, steps + 1, d, d))
+    for r in range(R):
+        Z, y = ir.sample_prompts(rng, B, n, Sigma)
+        S0, q0 = ir.gram(Z), Z[:, :, n].copy()
+        P, Q = zfb_point(sigma, sigma * np.eye(d) / np.sqrt(d))
+        for k in range(steps + 1):
+            out[r, k] = P[0, 0, d, d] * -Q[0, 0, :d, :d]
+            if k < steps:
+                _, dP, dQ = ir.loss_and_grad_gram(P, Q, S0, q0, y, n, engine=engine)
+                P, Q = P - eta * dP, Q - eta * dQ
+    return out
+
+
+def test_gradient_descent_on_batches_follows_the_flow():
+    # R = 6 batches of 3000 prompts, step 0.02 to t = 2: the batches' mean Gamma within Z_MC of its
+    # standard error (from the batches' spread, ~0.02) of the flow at 5 times. The step's own error
+    # (GD on the population loss against the flow, computed below) is ~0.003, far inside.
+    rng = np.random.default_rng(7)
+    Sigma = ir.rotated_covariance(rng, (1.0, 0.5))[0]
+    eta, steps, R = 0.02, 100, 6
+    G = gd_on_batches(Sigma, 10, 0.3, eta, steps, R, 3000, seed=8)
+    flow = ir.one_layer_gradient_flow(Sigma, 10, 0.3, eta * np.arange(steps + 1))["Gamma"]
+    se = G.std(axis=0, ddof=1) / np.sqrt(R)
+    for k in (20, 40, 60, 80, 100):
+        assert np.all(np.abs(G[:, k].mean(axis=0) - flow[k]) <= Z_MC * se[k]), k
+    # and the statistic sees a wrong time: the flow one fifth later is far outside
+    assert np.any(np.abs(G[:, 20].mean(axis=0) - flow[24]) > Z_MC * se[20])
