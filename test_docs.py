@@ -12,6 +12,7 @@ import icl_ref as ir
 import test_experiments
 import test_icl_fast
 import test_icl_ref
+import test_looped
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -94,7 +95,8 @@ def listed(label):
 
 
 def test_math_md_names_only_functions_and_tests_that_exist():
-    tests = {n for m in (test_icl_ref, test_icl_fast, test_experiments) for n in dir(m) if n.startswith("test_")}
+    tests = {n for m in (test_icl_ref, test_icl_fast, test_experiments, test_looped) for n in dir(m)
+             if n.startswith("test_")}
     tests |= {n for n in globals() if n.startswith("test_")}
     for k, names in listed("Implemented by").items():
         assert names, f"MATH.md §{k} names no implementing function"
