@@ -236,7 +236,7 @@ def main(argv=None):
         ax1.set(xlabel="layers L", ylabel="population loss", title="sparse family, n = 20, d = 5")
         ax1.legend()
         for name, f in flows.items():
-            ax2.semilogx(t[1:], f["loss"][1:], label=f"sigma {name} [Z]'s bound")
+            ax2.loglog(t[1:], f["loss"][1:], label=f"sigma {name} [Z]'s bound")
         ax2.set(xlabel="t (icl_ref's loss, no 1/2)", ylabel="population loss", title="one-layer gradient flow")
         ax2.legend()
         fig.tight_layout()
