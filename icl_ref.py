@@ -195,6 +195,12 @@ def _task_covariance(Sigma_w, d):
     return (np.eye(d), np.eye(d)) if Sigma_w is None else _spd("Sigma_w", Sigma_w, d)
 
 
+def _tied(tied):
+    if not isinstance(tied, (bool, np.bool_)):
+        raise TypeError(f"tied must be True or False, got {type(tied).__name__}")
+    return bool(tied)
+
+
 def _check_structure(structure):
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
@@ -877,12 +883,6 @@ def structure_shapes(structure, L, d, H=1, tied=False):
     if structure == "blocks":
         return {"A": (L, d, d), "B": (L, d, d)}
     return {"A": (L, d, d)}
-
-
-def _tied(tied):
-    if not isinstance(tied, (bool, np.bool_)):
-        raise TypeError(f"tied must be True or False, got {type(tied).__name__}")
-    return bool(tied)
 
 
 def structure_to_PQ(structure, coords, L=None):

@@ -202,6 +202,20 @@ def test_gradient_flow_ends_at_gamma_star_and_keeps_its_invariant(inside):
     assert abs(flow["loss"][-1] - ir.single_layer_population_loss(G_star, Sigma, 10)) <= EXACT
 
 
+def test_gradient_flow_inputs_are_checked():
+    Sigma = np.eye(2)
+    with pytest.raises(ValueError, match="sigma"):
+        ir.one_layer_gradient_flow(Sigma, 10, 0.0, [0.0, 1.0])
+    with pytest.raises(ValueError, match="t must"):
+        ir.one_layer_gradient_flow(Sigma, 10, 0.1, [1.0, 0.5])
+    with pytest.raises(ValueError, match="Theta"):
+        ir.one_layer_gradient_flow(Sigma, 10, 0.1, [1.0], Theta=np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="U must"):
+        ir.one_layer_population_grad(1.0, np.eye(3), Sigma, 10)
+    with pytest.raises(TypeError, match="u must"):
+        ir.one_layer_population_grad("1", np.eye(2), Sigma, 10)
+
+
 def gd_on_batches(Sigma, n, sigma, eta, steps, R, B, seed, engine=None):
     """Gradient descent with step eta on R independent batches of B prompts, full (P, Q) with
     icl_ref's gradient, from P = sigma e_d e_d^T, Q = -sigma [[I / sqrt(d), 0], [0, 0]]; returns the
@@ -235,3 +249,17 @@ def test_gradient_descent_on_batches_follows_the_flow():
         assert np.all(np.abs(G[:, k].mean(axis=0) - flow[k]) <= Z_MC * se[k]), k
     # and the statistic sees a wrong time: the flow one fifth later is far outside
     assert np.any(np.abs(G[:, 20].mean(axis=0) - flow[24]) > Z_MC * se[20])
+
+
+@pytest.mark.slow
+def test_gradient_descent_on_large_batches_follows_the_flow():
+    # the acceptance size: R = 8 batches of B = 50000, step 0.01 to t = 4. The step's own error
+    # (population descent against the flow) is at most 0.7 SE here (examples/looped_depth.py)
+    rng = np.random.default_rng(9)
+    Sigma = ir.rotated_covariance(rng, (1.0, 0.5))[0]
+    eta, steps, R = 0.01, 400, 8
+    G = gd_on_batches(Sigma, 10, 0.3, eta, steps, R, 50000, seed=10)
+    flow = ir.one_layer_gradient_flow(Sigma, 10, 0.3, eta * np.arange(steps + 1))["Gamma"]
+    se = G.std(axis=0, ddof=1) / np.sqrt(R)
+    for k in (80, 160, 240, 320, 400):
+        assert np.all(np.abs(G[:, k].mean(axis=0) - flow[k]) <= Z_MC * se[k]), k
