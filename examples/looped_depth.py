@@ -19,7 +19,7 @@ Three parts, each printing a table and PASS/FAIL lines decided from the numbers 
    times: within 4 standard errors of the batches' mean.
 
 Writes DIR/looped_depth.csv (parts 1-2), DIR/one_layer_flow.csv (part 3) and, with matplotlib,
-DIR/looped_depth.png. Two to four minutes on two cores (most of it training at the paper's size).
+DIR/looped_depth.png. About 60 s of CPU, most of it training at the paper's size.
 """
 import argparse
 import csv
