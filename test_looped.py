@@ -263,3 +263,22 @@ def test_gradient_descent_on_large_batches_follows_the_flow():
     se = G.std(axis=0, ddof=1) / np.sqrt(R)
     for k in (80, 160, 240, 320, 400):
         assert np.all(np.abs(G[:, k].mean(axis=0) - flow[k]) <= Z_MC * se[k]), k
+
+
+@pytest.mark.slow
+def test_family_point_is_a_saddle_of_the_tied_sparse_loss_at_four_layers():
+    # MATH.md §14: at L = 4 the antisymmetric second difference of the tied sparse loss at a*_L I
+    # (whitened) is negative. Monte Carlo with common prompts (the predictor of icl_ref's forward
+    # pass, not the family's Gauss rule): below -Z_MC standard errors, and positive at L = 1
+    rng = np.random.default_rng(11)
+    Z, y = ir.sample_prompts(rng, 400000, 20, np.eye(5))
+    K = rng.standard_normal((5, 5))
+    K = (K - K.T) / np.linalg.norm(K - K.T)
+    for L, sign in ((1, 1), (4, -1)):
+        a = ir.optimal_tied_family(L, 20, 5)[0]
+
+        def sq(A):
+            P, Q = ir.structure_to_PQ("sparse", {"A": A[None]}, L=L)
+            return (ir.predict(P, Q, Z) - y) ** 2
+        dd = (sq(a * np.eye(5) + 0.3 * K) + sq(a * np.eye(5) - 0.3 * K)) / 2 - sq(a * np.eye(5))
+        assert sign * dd.mean() > Z_MC * dd.std(ddof=1) / np.sqrt(dd.size), L
