@@ -50,6 +50,7 @@ from fractions import Fraction
 
 import numpy as np
 import scipy
+import scipy.integrate
 import scipy.linalg
 import scipy.optimize
 
@@ -214,6 +215,12 @@ def _task_moment(Sigma_w, tasks, d):
         return _task_covariance(Sigma_w, d)[0]
     tasks = _pool(tasks, d, Sigma_w)
     return tasks.T @ tasks / tasks.shape[0]
+
+
+def _tied(tied):
+    if not isinstance(tied, (bool, np.bool_)):
+        raise TypeError(f"tied must be True or False, got {type(tied).__name__}")
+    return bool(tied)
 
 
 def _check_structure(structure):
@@ -599,9 +606,12 @@ def loss_and_grad(P, Q, Z, y, engine=None):
     return loss, dP, dQ
 
 
-def _check_structure_of(structure, P, Q):
+def _check_structure_of(structure, P, Q, tied=False):
     """A ValueError unless P, Q have the form of `structure` (one head, the fixed entries of (8) or
-    (11)): the Jacobian's columns in that structure's coordinates assume it."""
+    (11); with tied, every layer equal): the Jacobian's columns in that structure's coordinates
+    assume it."""
+    if _tied(tied) and not (np.all(P == P[:1]) and np.all(Q == Q[:1])):
+        raise ValueError("P, Q must have every layer equal for tied=True (one (P, Q) applied L times)")
     if structure == "full":
         return
     if P.shape[1] != 1:
@@ -615,35 +625,37 @@ def _check_structure_of(structure, P, Q):
                          "use structure='full' for other parameters")
 
 
-def _jacobian_rows(structure, JP, JQ):
+def _jacobian_rows(structure, JP, JQ, tied=False):
     """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
-    coordinates: the chain rules of structure_grad applied to every row at once (MATH.md §5)."""
+    coordinates (tied: one layer's): the chain rules of structure_grad applied to every row at once
+    (MATH.md §5, §14)."""
     B = JP.shape[0]
-    return np.concatenate([g.reshape(B, -1) for g in _structure_grad(structure, JP, JQ).values()], axis=1)
+    return np.concatenate([g.reshape(B, -1) for g in _structure_grad(structure, JP, JQ, tied).values()], axis=1)
 
 
 @_numpy_rules
-def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=None):
+def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=None, tied=False):
     """Residuals r_b = Z_L[b, d, n] + y_b and their Jacobian from the Gram form (MATH.md §3.1).
 
     Arguments as loss_and_grad_gram. Each prompt's row is the reverse pass seeded with 1 for that
     prompt alone, e.g. dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb and dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
     structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
     or "blocks" (P, Q of that form, H = 1) maps each row through the structure's chain rule (pack
-    order of structure_shapes). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
+    order of structure_shapes). tied: every layer of P, Q equal; J's columns are the one layer's
+    coordinates (MATH.md §14). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
     """
     _check_structure(structure)
     P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
-    _check_structure_of(structure, P, Q)
+    _check_structure_of(structure, P, Q, tied)
     with np.errstate(over="ignore", invalid="ignore"):
         r, JP, JQ = _engine(engine).jacobian_gram(P, Q, S0, q0, y, n)
-        J = _jacobian_rows(structure, JP, JQ)
+        J = _jacobian_rows(structure, JP, JQ, tied)
     _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, S0=S0)
     return r, J
 
 
 @_numpy_rules
-def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", engine=None):
+def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", engine=None, tied=False):
     """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p), MATH.md §3.1.
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). structure "full" gives J in (P, Q) coordinates
@@ -651,16 +663,16 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
     structure's own coordinates (pack order of structure_shapes). The loss is mean(r^2) and its
     gradient 2 J^T r / B. J holds B p floats (B = 200000, p = 150: 240 MB). activation: one of
     ACTIVATIONS; other than "linear" the rows come from the explicit attention (MATH.md §4).
-    engine as loss_and_grad_gram. A result that is not finite is a ValueError saying that float64
-    overflowed.
+    engine as loss_and_grad_gram; tied as residuals_and_jacobian_gram. A result that is not finite
+    is a ValueError saying that float64 overflowed.
     """
     _check_structure(structure)
     _check_activation(activation)
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
-    _check_structure_of(structure, P, Q)
+    _check_structure_of(structure, P, Q, tied)
     with np.errstate(over="ignore", invalid="ignore"):
         r, JP, JQ = _evaluator(engine, Z, y, activation, jacobian=True)(P, Q)
-        J = _jacobian_rows(structure, JP, JQ)
+        J = _jacobian_rows(structure, JP, JQ, tied)
     _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, Z=Z)
     return r, J
 
@@ -883,11 +895,12 @@ def unpack(theta, shapes):
     return [part.reshape(s) for part, s in zip(np.split(theta, cuts), shapes)]
 
 
-def structure_shapes(structure, L, d, H=1):
+def structure_shapes(structure, L, d, H=1, tied=False):
     """Names and shapes of a structure's own coordinates: sparse A; blocks A, B; full P, Q.
-    MATH.md §5."""
+    tied: one layer's coordinates (leading axis 1), applied L times (MATH.md §5, §14). MATH.md §5."""
     _check_structure(structure)
     L, d, H = _int("L", L, 1), _int("d", d, 1), _int("H", H, 1)
+    L = 1 if _tied(tied) else L
     if structure != "full" and H != 1:
         raise ValueError(f"heads must be 1 for structure {structure!r} (one P, Q per layer), got {H}")
     if structure == "full":
@@ -897,33 +910,47 @@ def structure_shapes(structure, L, d, H=1):
     return {"A": (L, d, d)}
 
 
-def structure_to_PQ(structure, coords):
-    """(P, Q) of a structure's coordinates (a dict as from structure_shapes). MATH.md §5."""
+def structure_to_PQ(structure, coords, L=None):
+    """(P, Q) of a structure's coordinates (a dict as from structure_shapes). L: None (coords hold
+    every layer), or for a weight-tied model the number of layers: coords hold one layer (leading
+    axis 1) and that (P, Q) is applied L times (MATH.md §14). MATH.md §5."""
     _check_structure(structure)
     keys = {"sparse": {"A"}, "blocks": {"A", "B"}, "full": {"P", "Q"}}[structure]
     if not isinstance(coords, dict) or set(coords) != keys:
         raise ValueError(f"coords must be a dict with the keys {sorted(keys)} for structure {structure!r}")
     if structure == "sparse":
-        return sparse_params(coords["A"])
-    if structure == "blocks":
-        return block_params(coords["A"], coords["B"])
-    return _params(coords["P"], coords["Q"], ("coords['P']", "coords['Q']"))
+        P, Q = sparse_params(coords["A"])
+    elif structure == "blocks":
+        P, Q = block_params(coords["A"], coords["B"])
+    else:
+        P, Q = _params(coords["P"], coords["Q"], ("coords['P']", "coords['Q']"))
+    if L is None:
+        return P, Q
+    L = _int("L", L, 1)
+    if P.shape[0] != 1:
+        raise ValueError(f"tied coords must hold one layer (leading axis 1) to repeat L = {L} times, "
+                         f"got {P.shape[0]} layers")
+    return np.repeat(P, L, axis=0), np.repeat(Q, L, axis=0)
 
 
-def structure_grad(structure, dP, dQ):
-    """The gradient in a structure's own coordinates, a dict keyed like structure_shapes. MATH.md §5."""
+def structure_grad(structure, dP, dQ, tied=False):
+    """The gradient in a structure's own coordinates, a dict keyed like structure_shapes. tied: the
+    coordinates are shared by every layer, so their gradient is the sum of the L layers' (the chain
+    rule of the repetition, MATH.md §14), with a leading axis 1. MATH.md §5."""
     _check_structure(structure)
-    if structure == "sparse":
-        return {"A": sparse_grad(dP, dQ)}
-    if structure == "blocks":
-        dA, dB = block_grad(dP, dQ)
-        return {"A": dA, "B": dB}
-    return dict(zip("PQ", _params(dP, dQ, ("dP", "dQ"))))
+    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
+    if structure != "full" and dP.shape[1] != 1:
+        raise ValueError(f"dP, dQ must have one head, shape (L, 1, D, D), for the structures (8) and (11); "
+                         f"got {dP.shape}")
+    return _structure_grad(structure, dP, dQ, _tied(tied))
 
 
-def _structure_grad(structure, dP, dQ):
+def _structure_grad(structure, dP, dQ, tied=False):
     """structure_grad without the checks, for (dP, dQ) of shape (..., L, H, D, D) (a leading axis
-    of prompts for the Jacobian's rows): the chain rules of block_grad act on the last four axes."""
+    of prompts for the Jacobian's rows): the chain rules of block_grad act on the last four axes;
+    tied sums over the layer axis."""
+    if tied:
+        dP, dQ = dP.sum(axis=-4, keepdims=True), dQ.sum(axis=-4, keepdims=True)
     if structure == "full":
         return {"P": dP, "Q": dQ}
     out = {"A": -dQ[..., 0, :-1, :-1]}
@@ -988,15 +1015,17 @@ class _Run:
     its scale c, the start in those units, the coordinates <-> flat vector, progress lines and the
     result (MATH.md §6)."""
 
-    def __init__(self, Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine):
+    def __init__(self, Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine,
+                 tied=False):
         _check_structure(structure)
         _check_activation(activation)
         layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
         Z = _prompts(Z)
         y = _labels(y, Z.shape[0])
         self.structure, self.activation, self.engine = structure, activation, engine
+        self.tied, self.layers = _tied(tied), layers
         self.progress = _int("progress", progress, 0)
-        self.shapes = structure_shapes(structure, layers, Z.shape[1] - 1, heads)
+        self.shapes = structure_shapes(structure, layers, Z.shape[1] - 1, heads, self.tied)
         self.c = _data_scale(Z)
         self.Z, self.y = Z / self.c, y / self.c
         self.theta0 = pack(_start(structure, self.shapes, init, init_scale, rng, self.c).values())
@@ -1008,7 +1037,11 @@ class _Run:
         return _rescaled(coords, self.c ** -2) if user_units else coords
 
     def PQ(self, theta):
-        return structure_to_PQ(self.structure, self.coords(theta))
+        return structure_to_PQ(self.structure, self.coords(theta), self.layers if self.tied else None)
+
+    def grad(self, dP, dQ):
+        """The flat gradient in the structure's coordinates (tied: summed over the layers)."""
+        return np.concatenate([g.ravel() for g in _structure_grad(self.structure, dP, dQ, self.tied).values()])
 
     def say(self, what, k, loss, grad):
         if self.progress and k % self.progress == 0:
@@ -1017,8 +1050,8 @@ class _Run:
 
     def result(self, theta, loss, grad, history, options, outcome, success, **extra):
         coords = self.coords(theta, user_units=True)
-        P, Q = structure_to_PQ(self.structure, coords)
-        return dict(structure=self.structure, coords=coords, P=P, Q=Q, loss=self.c ** 2 * float(loss),
+        P, Q = structure_to_PQ(self.structure, coords, self.layers if self.tied else None)
+        return dict(structure=self.structure, tied=self.tied, coords=coords, P=P, Q=Q, loss=self.c ** 2 * float(loss),
                     grad_norm=_norm(grad), scale=self.c, success=bool(success),
                     wall_time=time.perf_counter() - self.start, scipy_version=scipy.__version__,
                     history=self.c ** 2 * np.array(history), options=options, **outcome, **extra)
@@ -1029,7 +1062,7 @@ _INTERRUPTED = dict(nfev=None, status=None, interrupted=True)
 @_numpy_rules
 def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
                 rng=None, maxiter=2000, maxfun=None, maxcor=20, ftol=0.0, gtol=1e-8,
-                maxls=50, progress=0, keep_iterates=False, activation="linear", engine=None):
+                maxls=50, progress=0, keep_iterates=False, activation="linear", engine=None, tied=False):
     """Minimise the in-context loss on the fixed batch (Z, y) with scipy's L-BFGS-B (MATH.md §6).
 
     Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in {"sparse", "blocks", "full"},
@@ -1045,9 +1078,11 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     ["iterates"], a list of dicts, initial point first). activation: "linear" (the paper's layer;
     S_0 = Z M Z^T is formed once and each evaluation costs O(B L H D^3)) or one of ACTIVATIONS
     (explicit attention, O(B L H n^2 D)). engine as loss_and_grad_gram (icl_fast's trainers pass
-    theirs: the same numbers, on several cores).
+    theirs: the same numbers, on several cores). tied: one layer's coordinates (structure_shapes
+    with tied=True) applied `layers` times, the looped model of MATH.md §14; its gradient is the
+    sum of the layers'.
 
-    Returns a dict: structure, coords (the structure's own arrays), P, Q, loss, grad_norm (the
+    Returns a dict: structure, tied, coords (the structure's own arrays), P, Q, loss, grad_norm (the
     gradient's Euclidean norm; gtol bounds its largest entry), scale (c, MATH.md §6), nit, nfev, success, status, message,
     interrupted, wall_time, scipy_version, history (the loss after each iteration, the initial loss
     first) and options. success is icl_ref's own verdict: the returned point's loss and gradient are
@@ -1062,7 +1097,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                    maxfun=5 * maxiter if maxfun is None else _int("maxfun", maxfun, 1),
                    maxcor=_int("maxcor", maxcor, 1), ftol=_nonneg("ftol", ftol),
                    gtol=_nonneg("gtol", gtol), maxls=_int("maxls", maxls, 1))
-    run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine)
+    run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
     evaluate = _evaluator(engine, run.Z, run.y, activation)
     last, history, failed = {}, [], [0]
 
@@ -1072,7 +1107,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
         if np.all(np.isfinite(theta)):
             with np.errstate(over="ignore", invalid="ignore"):
                 loss, dP, dQ = evaluate(*run.PQ(theta))
-            grad = np.concatenate([g.ravel() for g in _structure_grad(structure, dP, dQ).values()])
+            grad = run.grad(dP, dQ)
             if math.isfinite(loss) and np.all(np.isfinite(grad)):
                 last.update(theta=theta.copy(), loss=loss, grad=grad)
                 return loss, grad
@@ -1123,15 +1158,16 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                       **({"iterates": iterates} if keep_iterates else {}))
 
 
-def _fixed_coordinates(structure, shapes, query_label_zero=True):
+def _fixed_coordinates(structure, shapes, query_label_zero=True, tied_layers=1):
     """Boolean mask (pack order) of the coordinates that never reach the loss (MATH.md §6): blocks
     B_{L-1} ([A] footnote 4); for full P, Q the x-rows of the last layer's P and, for one layer
     when every query's label slot is 0 (query_label_zero), the last column of Q (it multiplies
-    that slot)."""
+    that slot). Tied coordinates serving tied_layers > 1 layers all reach it through the earlier
+    layers (MATH.md §14)."""
     masks = {k: np.zeros(s, dtype=bool) for k, s in shapes.items()}
-    if structure == "blocks":
+    if tied_layers == 1 and structure == "blocks":
         masks["B"][-1] = True
-    elif structure == "full":
+    elif tied_layers == 1 and structure == "full":
         masks["P"][-1, :, :-1, :] = True
         if query_label_zero and shapes["Q"][0] == 1:
             masks["Q"][0, :, :, -1] = True
@@ -1153,7 +1189,8 @@ def _reduced_least_squares(r, J):
 
 @_numpy_rules
 def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
-                       rng=None, max_nfev=500, gtol=1e-8, progress=0, activation="linear", engine=None):
+                       rng=None, max_nfev=500, gtol=1e-8, progress=0, activation="linear", engine=None,
+                       tied=False):
     """Minimise the in-context loss on (Z, y) by Gauss-Newton with a trust region (MATH.md §6).
 
     scipy.optimize.least_squares on the residuals r / sqrt(B) (method "dogbox" for the sparse and
@@ -1164,14 +1201,15 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) are held at their initial
     values (result["fixed"] counts them). Converged means a small gradient: grad_norm =
     |2 J^T r / B| over the free coordinates <= gtol. history holds the loss after each accepted
-    decrease; nit counts evaluations. Returns train_lbfgs's dict (success, scale and Ctrl-C as
-    there) plus fixed.
+    decrease; nit counts evaluations. tied as train_lbfgs (every tied coordinate is free for
+    layers > 1). Returns train_lbfgs's dict (success, scale and Ctrl-C as there) plus fixed.
     """
     options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
-    run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine)
+    run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
     B = run.Z.shape[0]
     jacobian = _evaluator(engine, run.Z, run.y, activation, jacobian=True)
-    free = ~_fixed_coordinates(structure, run.shapes, query_label_zero=not np.any(run.Z[:, -1, -1]))
+    free = ~_fixed_coordinates(structure, run.shapes, query_label_zero=not np.any(run.Z[:, -1, -1]),
+                               tied_layers=run.layers if run.tied else 1)
     root_B = math.sqrt(B)
 
     def full(x):
@@ -1190,7 +1228,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
             return cache
         with np.errstate(over="ignore", invalid="ignore"):
             r, JP, JQ = jacobian(*run.PQ(full(x)))
-            J = _jacobian_rows(structure, JP, JQ)[:, free]
+            J = _jacobian_rows(structure, JP, JQ, run.tied)[:, free]
         if not (np.all(np.isfinite(r)) and np.all(np.isfinite(J))):
             return cache
         cache["f"], cache["R"] = _engine(engine).reduced_least_squares(r / root_B, J / root_B)
@@ -1584,10 +1622,12 @@ def _family_loss_at_nodes(theta, L, blocks, nodes, weights, n, noise_var):
     return f, np.r_[da + dg * b, dg[:-1] * a[:-1]] if blocks else da
 
 
-def _family_descent(L, n, d, blocks, noise_var):
+def _family_descent(L, n, d, blocks, noise_var, tied=False):
     """theta0 -> scipy's L-BFGS-B result on the family loss at the exact Gauss nodes (MATH.md §10),
-    theta = (a (L,), b (L-1,) with blocks), with the gradient of _family_loss_at_nodes. Refuses
-    families whose exact loss needs moments beyond MAX_MOMENT_ORDER."""
+    theta = (a (L,), b (L-1,) with blocks), with the gradient of _family_loss_at_nodes; tied:
+    theta = (a, b with blocks) shared by the layers, theta_layers = E theta with a 0/1 matrix E,
+    so the gradient is E^T (the layers' gradient), their sum (MATH.md §14). Refuses families whose
+    exact loss needs moments beyond MAX_MOMENT_ORDER."""
     degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, MATH.md §10
     if 2 * degree > MAX_MOMENT_ORDER:
         raise ValueError(f"L must be <= {3 if blocks else MAX_MOMENT_ORDER // 2} for the "
@@ -1595,8 +1635,15 @@ def _family_descent(L, n, d, blocks, noise_var):
                          f"up to order 2 deg p = {2 * degree} > {MAX_MOMENT_ORDER}, got L = {L}")
     nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
     args = (L, blocks, nodes, weights, n, noise_var)
-    return lambda theta0: scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=args, jac=True,
-                                                  method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12))
+    E = np.eye(2 * L - 1 if blocks else L)
+    if tied:                               # a column of ones per shared scalar: theta_layers = E theta
+        E = scipy.linalg.block_diag(np.ones((L, 1)), *([np.ones((L - 1, 1))] if blocks else []))
+
+    def fun(theta):
+        f, g = _family_loss_at_nodes(E @ theta, *args)
+        return f, E.T @ g
+    return lambda theta0: scipy.optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
+                                                  options=dict(ftol=1e-15, gtol=1e-12))
 
 
 def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
@@ -1973,6 +2020,119 @@ def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="line
              c * n * dPt @ np.swapaxes(Wo, -1, -2), c * n * np.swapaxes(Wv, -1, -2) @ dPt]
     out = [np.concatenate(list(np.moveaxis(g, 1, 0)), axis=2 if i < 3 else 1) for i, g in enumerate(grads)]
     return tuple(o.sum(axis=0) if tied else o for o in out)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8b. Beyond the paper: looped models and gradient flow (MATH.md §14)
+# ---------------------------------------------------------------------------------------------
+
+@_numpy_rules
+def optimal_tied_family(L, n, d, blocks=False, noise_var=0.0, starts=8, rng=None):
+    """Best looped member of the families of Theorems 3 and 4: A_l = a Sigma^-1 for every l (and
+    B_l = b I with blocks), one (a, b) applied L times, by multi-start L-BFGS-B on the exact
+    Gauss rule (as optimal_family_scalars) with the layers' gradient summed (MATH.md §14).
+    Noiseless sparse: the loss is strictly convex in a, so its minimiser is unique. Starts
+    a ~ U(0, 2), b ~ U(0, 1.5) from rng (default seed 0). Returns (a, b or None, loss): floats,
+    b NaN when L = 1 (B_0 never enters), loss = family_population_loss at (a 1_L, b 1_L).
+    """
+    L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
+    noise_var = _nonneg("noise_var", noise_var)
+    starts = _int("starts", starts, 1)
+    _rng(rng, optional=True)
+    rng = np.random.default_rng(0) if rng is None else rng
+    descend = _family_descent(L, n, d, blocks, noise_var, tied=True)
+    best = min((descend(np.r_[rng.uniform(0, 2), rng.uniform(0, 1.5, 1 if blocks else 0)])
+                for _ in range(starts)), key=lambda res: res.fun)
+    a = float(best.x[0])
+    b = (float(best.x[1]) if L > 1 else math.nan) if blocks else None
+    loss = family_population_loss(np.full(L, a), n, d, None if b is None else np.full(L, b), noise_var=noise_var)
+    return a, b, loss
+
+
+def _one_layer_field(u, U, Sigma, K, E_hw):
+    """(L - L(0), dL/du, dL/dU) of the layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] through
+    Gamma = u U: grad_Gamma = 2 (K Gamma Sigma - E[h w^T] Sigma) (MATH.md §8, §14)."""
+    Gamma = u * U
+    G = 2 * (K @ Gamma @ Sigma - E_hw @ Sigma)
+    excess = np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
+    return excess, float(np.sum(G * U)), u * G
+
+
+def _noiseless_moments(Sigma, n, Sigma_w):
+    """(Sigma, Sigma_w, K, E[h w^T]) of MATH.md §8, checked, for noiseless labels."""
+    n = _int("n", n, 1)
+    Sigma = _spd("Sigma", Sigma)[0]
+    Sigma_w = _task_covariance(Sigma_w, Sigma.shape[0])[0]
+    return (Sigma, Sigma_w, *_single_layer_moments(Sigma, n, Sigma_w, 0.0))
+
+
+@_numpy_rules
+def one_layer_population_grad(u, U, Sigma, n, Sigma_w=None):
+    """Exact population loss of one layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] (noiseless
+    labels; Zhang, Frei and Bartlett's value scalar and key-query block) and its gradient in (u, U),
+    the chain rule of single_layer_population_loss through Gamma = u U (MATH.md §14).
+    u: float; U: (d, d); Sigma, Sigma_w: (d, d) SPD. Returns (loss, du (float), dU (d, d)); the
+    gradient of full_layer_population_loss in every other entry of (P, Q) is 0 there (MATH.md §14).
+    """
+    u = float(_array("u", u, 0))
+    Sigma, Sigma_w, K, E_hw = _noiseless_moments(Sigma, n, Sigma_w)
+    U = _array("U", U, 2)
+    if U.shape != Sigma.shape:
+        raise ValueError(f"U must have shape {Sigma.shape} to match Sigma, got {U.shape}")
+    excess, du, dU = _one_layer_field(u, U, Sigma, K, E_hw)
+    return float(excess + np.trace(Sigma @ Sigma_w)), du, dU
+
+
+@_numpy_rules
+def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1e-12):
+    """Gradient flow d(u, U)/dt = -grad L of the exact one-layer population loss (icl_ref's loss, a
+    mean without 1/2) from Zhang, Frei and Bartlett's initialisation (MATH.md §14):
+
+        u(0) = sigma,  U(0) = sigma Theta Theta^T / |Theta Theta^T|_F,
+
+    i.e. P(0) = sigma e_d e_d^T, Q(0) = -sigma [[Theta Theta^T, 0], [0, 0]] (their W^PV, W^KQ with
+    |Theta Theta^T|_F = 1; the flow keeps every other entry of (P, Q) at 0). Integrated by
+    scipy.integrate.solve_ivp (DOP853, rtol, atol = rtol * 1e-3 of the state's scale) on the
+    gradient of one_layer_population_grad.
+    Sigma, Sigma_w: (d, d) SPD; n >= 1; sigma > 0; t: increasing times >= 0, (T,); Theta: (d, d),
+    nonzero (default I). Returns a dict: t (T,), u (T,), U (T, d, d), Gamma (T, d, d) = u U (the
+    effective preconditioner: y_hat = h^T Gamma x_q), loss (T,), invariant (T,) = u^2 - |U|_F^2
+    (conserved; 0 here), sigma_bound = sqrt(2 / (sqrt(d) |Gamma*^-1|_2)) with Gamma* =
+    gamma_star(Sigma, n, Sigma_w) (for Sigma_w = I the initial scale below which their Theorem 4.1
+    proves convergence), nfev.
+    """
+    Sigma, Sigma_w, K, E_hw = _noiseless_moments(Sigma, n, Sigma_w)
+    d = Sigma.shape[0]
+    sigma = _nonneg("sigma", sigma)
+    if sigma == 0:
+        raise ValueError("sigma must be > 0: (u, U) = 0 is a critical point of the loss, where the flow stays")
+    t = _array("t", t, 1)
+    if t.size < 1 or t[0] < 0 or np.any(np.diff(t) <= 0):
+        raise ValueError(f"t must be a non-empty increasing vector of times >= 0, got {t}")
+    Theta = np.eye(d) if Theta is None else _array("Theta", Theta, 2)
+    if Theta.shape != (d, d) or not np.any(Theta):
+        raise ValueError(f"Theta must be a nonzero ({d}, {d}) matrix, got shape {Theta.shape}")
+    M = Theta @ Theta.T
+    y0 = sigma * np.r_[1.0, (M / np.linalg.norm(M)).ravel()]
+
+    def field(_, y):
+        _, du, dU = _one_layer_field(y[0], y[1:].reshape(d, d), Sigma, K, E_hw)
+        return -np.r_[du, dU.ravel()]
+    ys = y0[:, None]
+    if t[-1] > 0:
+        sol = scipy.integrate.solve_ivp(field, (0.0, t[-1]), y0, method="DOP853", t_eval=t, rtol=rtol,
+                                        atol=rtol * 1e-3 * sigma)
+        if not sol.success:
+            raise ValueError(f"solve_ivp failed: {sol.message}")
+        ys = sol.y
+    u, U = ys[0], ys[1:].T.reshape(-1, d, d)
+    Gamma = u[:, None, None] * U
+    base = np.trace(Sigma @ Sigma_w)
+    loss = np.array([base + _one_layer_field(1.0, G, Sigma, K, E_hw)[0] for G in Gamma])
+    gamma_inv = np.linalg.solve(E_hw, K)                       # Gamma*^-1 = (Sigma Sigma_w)^-1 K
+    return dict(t=t, u=u, U=U, Gamma=Gamma, loss=loss, invariant=u ** 2 - np.sum(U ** 2, axis=(1, 2)),
+                sigma_bound=math.sqrt(2 / (math.sqrt(d) * np.linalg.norm(gamma_inv, 2))),
+                nfev=int(sol.nfev) if t[-1] > 0 else 0)
 
 
 # ---------------------------------------------------------------------------------------------

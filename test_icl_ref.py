@@ -379,6 +379,9 @@ def _strict_calls():
                                                         np.eye(2) * tiny ** 2),
         "shifted_single_layer_loss": lambda: ir.shifted_single_layer_loss(G, np.eye(2) * tiny, 6,
                                                                           Sigma_query=2 * tiny * np.eye(2)),
+        "optimal_tied_family": lambda: ir.optimal_tied_family(2, 6, 2, starts=1, rng=np.random.default_rng(0)),
+        "one_layer_population_grad": lambda: ir.one_layer_population_grad(tiny, G * tiny, np.eye(2), 6),
+        "one_layer_gradient_flow": lambda: ir.one_layer_gradient_flow(np.eye(2) * tiny, 6, 0.1, [0.0, 1.0]),
         "grads_to_von_oswald": lambda: ir.grads_to_von_oswald(
             P[:1] * tiny, Q[:1], *(np.eye(3)[None] for _ in range(4)), 6),
     }
