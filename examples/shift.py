@@ -1,7 +1,7 @@
 """Shift: a trained single layer at other prompt lengths, covariances and task laws, against ridge
 tuned at each and the Bayes predictor.
 
-    python examples/shift.py [--quick] [--out DIR]
+    python examples/shift.py [--quick] [--out DIR] [--overwrite]
 
 One layer (Theorem 1's sparse form) is trained by L-BFGS on 20000 prompts with d = 5, n = 20,
 x ~ N(0, I), w ~ N(0, I), label noise of variance 0.25, and tested, unchanged, at other lengths n,
@@ -16,20 +16,27 @@ unlike the context's. For each shift:
 - Bayes: the posterior mean for the shifted task prior (bayes_predict), on the same prompts;
 - OLS: its exact risk where one exists (n > d + 1, the query like the context).
 
-Prints the table and PASS/FAIL rows with their tolerances; writes DIR/shift.csv and, with
-matplotlib, DIR/shift.png (the length shift). --quick: 4000 test prompts and a smaller grid. The
-full run takes about 1.2 minutes on 2 cores.
+Prints the table and PASS/FAIL rows with their tolerances; writes DIR/shift.csv, with matplotlib
+DIR/shift.png (the length shift), and DIR/shift.json: the run's provenance (tools/records.py), the
+SHA-256 of those files, the rows and the verdicts. It never replaces a file it did not write (it
+refuses before computing; --overwrite replaces an earlier run's files that its shift.json lists
+unchanged). --quick: 4000 test prompts and a smaller grid. The full run takes about 1.2 minutes on
+2 cores.
 """
 import argparse
 import csv
+import io
 import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 import icl_ref as ir                                        # noqa: E402
+import records                                              # noqa: E402  (the --out folder and the record)
 
 D, N_TRAIN, NOISE = 5, 20, 0.25
 LENGTHS = (5, 10, 20, 40, 80, 160)
@@ -86,6 +93,7 @@ def run(test_batch, lambdas, seed=0):
 
 
 def report(rows, out):
+    """Print the table; write the CSV and the figure into `out` (a records.OutFolder)."""
     print(f"{'shift':>20} {'layer exact':>12} {'layer MC':>16} {'z':>6} {'best layer':>11} {'ridge tuned':>16}"
           f" {'Bayes':>16} {'OLS exact':>10}")
     for r in rows:
@@ -93,10 +101,11 @@ def report(rows, out):
         print(f"{r['shift']:>20} {r['layer_exact']:12.4f} {r['layer_mc']:9.4f}+-{r['layer_mc_se']:.4f} {z:6.2f} "
               f"{r['best_layer']:11.4f} {r['ridge_tuned']:9.4f}+-{r['ridge_tuned_se']:.4f} "
               f"{r['bayes']:9.4f}+-{r['bayes_se']:.4f} {r['ols']:10.4f}")
-    with open(os.path.join(out, "shift.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    f = io.StringIO(newline="")
+    w = csv.DictWriter(f, list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    out.write("shift.csv", f.getvalue())
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -111,12 +120,18 @@ def report(rows, out):
     ax.set(xscale="log", yscale="log", xlabel="n (test prompt length)", ylabel="E (y_hat - y)^2")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "shift.png"), dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    out.write("shift.png", png.getvalue())
 
 
 def claims(rows, L_star):
+    """Print the PASS/FAIL rows; return them as [[outcome, claim], ...]."""
+    verdicts = []
+
     def verdict(ok, claim):
-        print(f"{'PASS' if ok else 'FAIL'}  {claim}")
+        verdicts.append(["PASS" if ok else "FAIL", claim])
+        print(f"{verdicts[-1][0]}  {claim}")
     at_train = next(r for r in rows if r["shift"] == f"n = {N_TRAIN}")
     z = [abs(r["layer_mc"] - r["layer_exact"]) / r["layer_mc_se"] for r in rows]
     verdict(max(z) <= 4, f"the exact shifted loss agrees with Monte Carlo through the transformer within 4 SE at all "
@@ -135,18 +150,25 @@ def claims(rows, L_star):
     verdict(at_train["layer_exact"] <= 1.1 * at_train["ridge_tuned"],
             f"at its training length the layer nearly matches tuned ridge, within 10% "
             f"({at_train['layer_exact']:.4f} vs {at_train['ridge_tuned']:.4f})")
+    return verdicts, max(z)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of an earlier run that its shift.json lists unchanged")
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    out = records.OutFolder(args.out, "examples/shift.py", "shift.json", ["shift.csv", "shift.png"], args.overwrite)
     start = time.time()
     rows, L_star = (run(4000, 2.0 ** np.arange(-2, 3)) if args.quick else run(20000, 2.0 ** np.arange(-4, 5)))
-    report(rows, args.out)
-    claims(rows, L_star)
+    report(rows, out)
+    verdicts, z_max = claims(rows, L_star)
+    argv = sys.argv[1:] if argv is None else argv
+    print(out.write_record(dict(
+        provenance=records.provenance("examples/shift.py", argv, ["icl_ref.py", "examples/shift.py"]),
+        quick=args.quick, L_star=L_star, max_abs_z=z_max, verdicts=verdicts, rows=rows)))
     print(f"{time.time() - start:.0f} s")
 
 

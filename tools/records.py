@@ -27,6 +27,7 @@ import os
 import platform
 import re
 import shlex
+import stat
 import subprocess
 import sys
 import time
@@ -133,6 +134,99 @@ def code_changes(prov):
 
 
 # ---------------------------------------------------------------------------------------------
+# A script's --out folder: its files and its record there
+# ---------------------------------------------------------------------------------------------
+
+def plain(x):
+    """x with numpy scalars and arrays as Python values and NaN as None, so a record is strict JSON."""
+    if isinstance(x, dict):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    if hasattr(x, "tolist"):
+        return plain(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+class OutFolder:
+    """The --out folder of a script that writes the files `names` and its record `record` there.
+    Made before the script computes anything, it refuses (SystemExit naming the file) when a name is
+    taken by something it may not replace: a symbolic link or other non-regular file always; any file
+    without `overwrite`; with it, any file but the record of this `tool` and the files that record
+    lists with their SHA-256 unchanged (so a user's file, or one edited since, is never replaced). It
+    checks again just before the first write; files are created with O_EXCL | O_NOFOLLOW relative to
+    the folder, so no link is written through and a file that appears meanwhile is not replaced."""
+
+    def __init__(self, path, tool, record, names, overwrite=False):
+        self.path, self.tool, self.record, self.names = path, tool, record, list(names)
+        self.overwrite, self.outputs, self.ours = overwrite, {}, None
+        os.makedirs(path, exist_ok=True)
+        self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        self.check()
+
+    def refuse(self, names, why):
+        raise SystemExit(f"{', '.join(os.path.join(self.path, n) for n in names)}: {why}: not replacing "
+                         "it; move it away or name another --out")
+
+    def read(self, name):
+        with os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self.dfd), "rb") as f:
+            return f.read()
+
+    def check(self):
+        """The names taken in the folder, each one this run may replace (else it refuses)."""
+        present = {}
+        for n in self.names + [self.record]:
+            try:
+                present[n] = os.stat(n, dir_fd=self.dfd, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                pass
+        odd = [n for n, mode in present.items() if not stat.S_ISREG(mode)]
+        if odd:
+            self.refuse(odd, "a symbolic link or not a regular file")
+        if present and not self.overwrite:
+            self.refuse(present, f"exists (--overwrite replaces the files of an earlier run of {self.tool} "
+                                 f"that its {self.record} lists unchanged)")
+        listed = {}
+        if present:
+            try:
+                earlier = json.loads(self.read(self.record))
+                if earlier["provenance"]["tool"] == self.tool:
+                    listed = dict(earlier["outputs"], **{self.record: None})
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        foreign = [n for n in present if n not in listed or
+                   (n != self.record and hashlib.sha256(self.read(n)).hexdigest() != listed[n])]
+        if foreign:
+            self.refuse(foreign, f"not written by {self.tool}, or changed since (its record {self.record} "
+                                 "does not list it with its SHA-256)")
+        return set(present)
+
+    def write(self, name, data):
+        """Write the file `name` (str or bytes); the record lists its SHA-256."""
+        if self.ours is None:                   # the folder may have changed while the script computed
+            self.ours = self.check()
+        data = data.encode("utf-8") if isinstance(data, str) else data
+        if name in self.ours:
+            os.unlink(name, dir_fd=self.dfd)
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.dfd)
+        except FileExistsError:
+            self.refuse([name], "appeared while the script ran")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        if name != self.record:
+            self.outputs[name] = hashlib.sha256(data).hexdigest()
+
+    def write_record(self, record):
+        """Write the record (a dict, with "provenance"), listing the files written, last."""
+        self.write(self.record, json.dumps(plain(dict(record, outputs=self.outputs)), indent=1, allow_nan=False) + "\n")
+        os.close(self.dfd)
+        return os.path.join(self.path, self.record)
+
+
+# ---------------------------------------------------------------------------------------------
 # The records
 # ---------------------------------------------------------------------------------------------
 
@@ -167,6 +261,11 @@ RECORDS = {r.name: r for r in [
     Record("blocks_basins", "docs/blocks_basins.json", "tools/blocks_basins.py", ["--starts", "20", "--seed", "0"]),
     Record("benchmarks", "docs/benchmarks.json", "tools/benchmarks.py"),
     Record("float32_tolerances", "docs/float32_tolerances.json", "examples/float32_tolerances.py", ["--record"]),
+    Record("looped_depth", "docs/looped_depth.json", "examples/looped_depth.py", ["--out", "docs", "--overwrite"],
+           outputs_key="outputs"),
+    Record("task_diversity", "docs/task_diversity.json", "examples/task_diversity.py",
+           ["--out", "docs", "--overwrite"], outputs_key="outputs"),
+    Record("shift", "docs/shift.json", "examples/shift.py", ["--out", "docs", "--overwrite"], outputs_key="outputs"),
 ]}
 # the tables of the full run (experiments.py, copied by tools/docs_figures.py) come with the figures' record
 CSV_RECORD = "figures"
@@ -653,7 +752,8 @@ def check():
     return 1 if findings else 0
 
 
-ORDER = ["figures", "blocks_landscape", "blocks_basins", "float32_tolerances", "benchmarks"]
+ORDER = ["figures", "blocks_landscape", "blocks_basins", "float32_tolerances", "looped_depth", "task_diversity",
+         "shift", "benchmarks"]
 
 
 def refresh(names):
