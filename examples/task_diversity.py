@@ -1,6 +1,6 @@
 """Task diversity: linear transformers trained on a finite pool of K tasks, against dMMSE and ridge.
 
-    python examples/task_diversity.py [--quick] [--out DIR]
+    python examples/task_diversity.py [--quick] [--out DIR] [--overwrite]
 
 Prompts as Raventós, Paul, Chen and Ganguli (NeurIPS 2023): d = 8, n = 16 context examples,
 x ~ N(0, I), label noise of variance 0.25; the pool's K tasks are drawn from N(0, I) (the pools are
@@ -17,23 +17,38 @@ K = 1, 2, 4, ..., 4096 each model is tested on prompts from its pool and on fres
 
 Monte Carlo uses 20000 prompts per entry, 4000 for dMMSE (it costs K d^2 per prompt); +- is one
 standard error.
-Prints the table and PASS/FAIL rows, each with its tolerance; writes DIR/task_diversity.csv and, with
-matplotlib, DIR/task_diversity.png. --quick: d = 4, n = 8, K <= 256, smaller batches (seconds).
+Prints the table and PASS/FAIL rows, each with its tolerance; writes DIR/task_diversity.csv, with
+matplotlib DIR/task_diversity.png, and DIR/task_diversity.json: the run's provenance
+(tools/records.py), the SHA-256 of those files, the rows, the exact optima, the verdicts and the
+summary the README quotes. It never replaces a file it did not write (it refuses before computing;
+--overwrite replaces an earlier run's files that its task_diversity.json lists unchanged). --quick: d = 4, n = 8, K <= 256, smaller batches (seconds).
 The full run takes about 2.5 minutes on 2 cores.
 """
 import argparse
 import csv
+import io
 import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 import icl_ref as ir                                        # noqa: E402
+import records                                              # noqa: E402  (the --out folder and the record)
 
 FULL = dict(d=8, n=16, noise_var=0.25, K_max=4096, train_batch=8192, maxiter=100, test_batch=20000, dmmse_batch=4000)
 QUICK = dict(d=4, n=8, noise_var=0.25, K_max=256, train_batch=1024, maxiter=30, test_batch=2000, dmmse_batch=1000)
+
+
+VERDICTS = []           # [outcome, claim] of every claim printed, for the record
+
+
+def say(outcome, claim):
+    VERDICTS.append([outcome, claim])
+    print(f"{outcome}  {claim}")
 
 
 def verdict(value, bound, se, claim=None):
@@ -41,7 +56,7 @@ def verdict(value, bound, se, claim=None):
     UNDECIDED (the Monte Carlo error straddles the bound). Printed with the claim when one is given."""
     outcome = "PASS" if value + 4 * se <= bound else "FAIL" if value - 4 * se > bound else "UNDECIDED"
     if claim:
-        print(f"{outcome}  {claim}")
+        say(outcome, claim)
     return outcome
 
 
@@ -79,6 +94,7 @@ def run(d, n, noise_var, K_max, train_batch, maxiter, test_batch, dmmse_batch, s
 
 
 def report(rows, L1_prior, L3_prior, out):
+    """Print the table; write the CSV and the figure into `out` (a records.OutFolder)."""
     cols = ["L1_pool", "L1_fresh", "L3_pool", "L3_fresh", "dmmse_pool", "dmmse_fresh", "ridge_pool", "ridge_fresh"]
     print(f"{'K':>5} " + " ".join(f"{c:>16}" for c in cols))
     for r in rows:
@@ -87,10 +103,11 @@ def report(rows, L1_prior, L3_prior, out):
     print(f"unbounded prior: one layer {L1_prior:.4f} (exact), three-layer sparse family optimum {L3_prior:.4f} (exact)")
     print("three layers converged (L-BFGS to |grad| <= 1e-8): "
           + ", ".join(f"K = {r['K']}: {r['L3_converged']}" for r in rows if "L3_converged" in r))
-    with open(os.path.join(out, "task_diversity.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, ["K"] + [k for c in cols for k in (c, c + "_se")] + ["L3_converged"], restval="")
-        w.writeheader()
-        w.writerows(rows)
+    f = io.StringIO(newline="")
+    w = csv.DictWriter(f, ["K"] + [k for c in cols for k in (c, c + "_se")] + ["L3_converged"], restval="")
+    w.writeheader()
+    w.writerows(rows)
+    out.write("task_diversity.csv", f.getvalue())
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -107,11 +124,14 @@ def report(rows, L1_prior, L3_prior, out):
     axes[0].set_ylabel("E (y_hat - y)^2")
     axes[1].legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "task_diversity.png"), dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    out.write("task_diversity.png", png.getvalue())
 
 
 def claims(rows, L1_prior, L3_prior):
-    """PASS/FAIL rows, each a claim "value <= bound" decided against the Monte Carlo error of value."""
+    """PASS/FAIL rows, each a claim "value <= bound" decided against the Monte Carlo error of value;
+    returns the summary numbers the README quotes besides the rows."""
     first, last = rows[0], rows[-1]
     L3 = [r for r in rows if "L3_fresh" in r][-1]
 
@@ -128,13 +148,13 @@ def claims(rows, L1_prior, L3_prior):
             f"exact optimum for the unbounded prior ({L3['L3_fresh']:.4f} vs {L3_prior:.4f}; 10% for training on "
             "a finite batch)")
     gap = abs(L3["L3_pool"] - L3["L3_fresh"])
-    print(f"{'PASS' if gap <= 4 * np.hypot(L3['L3_pool_se'], L3['L3_fresh_se']) else 'FAIL'}  three layers at "
-          f"K = {L3['K']}: pool and fresh-task losses agree within 4 combined SE (no memorisation: "
-          f"{L3['L3_pool']:.4f}, {L3['L3_fresh']:.4f})")
+    say('PASS' if gap <= 4 * np.hypot(L3['L3_pool_se'], L3['L3_fresh_se']) else 'FAIL', f"three layers at "
+        f"K = {L3['K']}: pool and fresh-task losses agree within 4 combined SE (no memorisation: "
+        f"{L3['L3_pool']:.4f}, {L3['L3_fresh']:.4f})")
     small = [verdict(r["dmmse_pool"] - r["ridge_pool"], 0.0, np.hypot(r["ridge_pool_se"], r["dmmse_pool_se"]))
              for r in rows if r["K"] <= 16]
-    print(f"{'PASS' if all(v == 'PASS' for v in small) else 'FAIL' if 'FAIL' in small else 'UNDECIDED'}  dMMSE "
-          "memorises small pools: its pool risk is below ridge's at every K <= 16 (4 SE)")
+    say('PASS' if all(v == 'PASS' for v in small) else 'FAIL' if 'FAIL' in small else 'UNDECIDED', "dMMSE "
+        "memorises small pools: its pool risk is below ridge's at every K <= 16 (4 SE)")
     for name in ("L1", "L3", "dmmse"):
         excess, se = ratio(name, "ridge_fresh")
         r = L3 if name == "L3" else last
@@ -145,18 +165,29 @@ def claims(rows, L1_prior, L3_prior):
     print(f"transition: the three-layer model's fresh-task loss is within 10% of its K = {L3['K']} value from "
           f"K = {near} on; dMMSE's fresh-task risk is {last['dmmse_fresh'] / last['ridge_fresh']:.2f} x ridge's "
           f"at K = {last['K']}")
+    return dict(L3_K=L3["K"], L3_settled_from_K=near, L3_excess=L3["L3_fresh"] / L3_prior - 1,
+                dmmse_over_ridge_fresh=last["dmmse_fresh"] / last["ridge_fresh"])
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of an earlier run that its task_diversity.json lists unchanged")
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    out = records.OutFolder(args.out, "examples/task_diversity.py", "task_diversity.json",
+                            ["task_diversity.csv", "task_diversity.png"], args.overwrite)
     start = time.time()
-    rows, L1_prior, L3_prior = run(**(QUICK if args.quick else FULL))
-    report(rows, L1_prior, L3_prior, args.out)
-    claims(rows, L1_prior, L3_prior)
+    settings = QUICK if args.quick else FULL
+    rows, L1_prior, L3_prior = run(**settings)
+    report(rows, L1_prior, L3_prior, out)
+    del VERDICTS[:]
+    summary = claims(rows, L1_prior, L3_prior)
+    argv = sys.argv[1:] if argv is None else argv
+    print(out.write_record(dict(
+        provenance=records.provenance("examples/task_diversity.py", argv, ["icl_ref.py", "examples/task_diversity.py"]),
+        settings=settings, L1_prior=L1_prior, L3_prior=L3_prior, summary=summary, verdicts=VERDICTS, rows=rows)))
     print(f"{time.time() - start:.0f} s")
 
 
