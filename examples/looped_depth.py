@@ -1,6 +1,6 @@
 """Looped (weight-tied) linear transformers and the gradient flow of one layer (MATH.md §14).
 
-    python3 examples/looped_depth.py [--out DIR] [--seed S]
+    python3 examples/looped_depth.py [--out DIR] [--seed S] [--overwrite]
 
 Three parts, each printing a table and PASS/FAIL lines decided from the numbers printed:
 
@@ -18,11 +18,15 @@ Three parts, each printing a table and PASS/FAIL lines decided from the numbers 
    batches of B = 50000 prompts with icl_ref's gradient of the full (P, Q), against the flow at 5
    times: within 4 standard errors of the batches' mean.
 
-Writes DIR/looped_depth.csv (parts 1-2), DIR/one_layer_flow.csv (part 3) and, with matplotlib,
-DIR/looped_depth.png. About 60 s of CPU, most of it training at the paper's size.
+Writes DIR/looped_depth.csv (parts 1-2), DIR/one_layer_flow.csv (part 3), with matplotlib
+DIR/looped_depth.png, and DIR/looped_depth.json: the run's provenance (tools/records.py), the SHA-256
+of those files, the rows, the flow's numbers and the verdicts. It never replaces a file it did not
+write (it refuses before computing; --overwrite replaces an earlier run's files that its
+looped_depth.json lists unchanged). About 60 s of CPU, most of it training at the paper's size.
 """
 import argparse
 import csv
+import io
 import math
 import os
 import sys
@@ -30,17 +34,20 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 import icl_ref as ir  # noqa: E402
+import records  # noqa: E402  (the --out folder and the record)
 
 N, D = 20, 5
 Z_MC = 4.0          # a sampled quantity within 4 standard errors (false alarm 6e-5 for a Gaussian)
-verdicts = []
+verdicts = []           # [outcome, claim] of every check, for the record
 
 
 def verdict(ok, claim):
-    verdicts.append(bool(ok))
-    print(f"{'PASS' if ok else 'FAIL'}  {claim}")
+    verdicts.append(["PASS" if ok else "FAIL", claim])
+    print(f"{verdicts[-1][0]}  {claim}")
 
 
 def exact_families(L_max=4):
@@ -152,8 +159,8 @@ def flow_and_descent(rng, B=50000, R=8, eta=0.01, steps=400, sigma=0.3):
     Sigma, _ = ir.rotated_covariance(rng, (1.0, 0.5))
     G_star = ir.gamma_star(Sigma, n)
     t = np.r_[0.0, np.geomspace(0.01, 400, 200)]
-    flows = {}
-    bound = ir.one_layer_gradient_flow(Sigma, n, 1.0, [0.0])["sigma_bound"]
+    flows, summary = {}, dict(d=d, n=n, eta=eta, R=R, B=B, sigma_descent=sigma, starts=[], descent=[])
+    bound = summary["sigma_bound"] = ir.one_layer_gradient_flow(Sigma, n, 1.0, [0.0])["sigma_bound"]
     print(f"\nOne layer (d = {d}, n = {n}): gradient flow from [Z]'s start, their bound sigma < {bound:.4f}")
     for name, s in (("inside", 0.05), ("outside", 3 * bound)):
         flows[name] = f = ir.one_layer_gradient_flow(Sigma, n, s, t)
@@ -162,6 +169,9 @@ def flow_and_descent(rng, B=50000, R=8, eta=0.01, steps=400, sigma=0.3):
         print(f"  sigma = {s:.4f} ({name}): loss {f['loss'][0]:.4f} -> {f['loss'][-1]:.6f}, half-way at t = "
               f"{plateau:.2f}, |Gamma(400) - Gamma*| / |Gamma*| = {err:.1e}, max |u^2 - |U|^2| = "
               f"{np.max(np.abs(f['invariant'])):.1e}")
+        summary["starts"].append(dict(start=name, sigma=s, loss_first=f["loss"][0], loss_last=f["loss"][-1],
+                                      half_way_t=plateau, rel_err_end=err,
+                                      invariant_max=np.max(np.abs(f["invariant"]))))
         verdict(err <= 1e-8, f"the flow from sigma = {s:.4f} ({name} the bound) ends at gamma_star to 1e-8")
 
     # descent: icl_fast's engine when it runs (the same numbers, faster), else the reference
@@ -197,34 +207,41 @@ def flow_and_descent(rng, B=50000, R=8, eta=0.01, steps=400, sigma=0.3):
         z = np.max(np.abs(mean[k] - flow[k]) / se[k])
         step = np.max(np.abs(euler[k] - flow[k]) / se[k])
         print(f"    t = {times[k]:5.2f}: |z| <= {z:5.2f}   step error {step:5.2f} SE   SE <= {np.max(se[k]):.1e}")
+        summary["descent"].append(dict(t=times[k], max_abs_z=z, step_error_in_se=step, se_max=np.max(se[k])))
         verdict(z <= Z_MC, f"t = {times[k]:.2f}: descent on batches matches the flow within 4 standard errors")
-    return flows, t
+    return flows, t, summary
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=".", help="directory for the CSV files and the figure")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of an earlier run that its looped_depth.json lists unchanged")
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    out = records.OutFolder(args.out, "examples/looped_depth.py", "looped_depth.json",
+                            ["looped_depth.csv", "one_layer_flow.csv", "looped_depth.png"], args.overwrite)
+    del verdicts[:]
     start = time.perf_counter()
     rng = np.random.default_rng(args.seed)
     families = exact_families()
     trained = trained_tied(rng)
     curvature = curvature_at_the_family_point(rng)
-    flows, t = flow_and_descent(rng)
-    with open(os.path.join(args.out, "looped_depth.csv"), "w", newline="") as f:
-        keys = sorted({k for r in families + trained + curvature for k in r})
-        w = csv.DictWriter(f, ["part"] + keys)
-        w.writeheader()
-        for part, rows in (("exact", families), ("trained", trained), ("curvature", curvature)):
-            for r in rows:
-                w.writerow(dict(part=part, **r))
-    with open(os.path.join(args.out, "one_layer_flow.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["t"] + [f"loss_{name}" for name in flows])
-        for i, ti in enumerate(t):
-            w.writerow([ti] + [flows[name]["loss"][i] for name in flows])
+    flows, t, flow = flow_and_descent(rng)
+    f = io.StringIO(newline="")
+    keys = sorted({k for r in families + trained + curvature for k in r})
+    w = csv.DictWriter(f, ["part"] + keys)
+    w.writeheader()
+    for part, rows in (("exact", families), ("trained", trained), ("curvature", curvature)):
+        for r in rows:
+            w.writerow(dict(part=part, **r))
+    out.write("looped_depth.csv", f.getvalue())
+    f = io.StringIO(newline="")
+    w = csv.writer(f)
+    w.writerow(["t"] + [f"loss_{name}" for name in flows])
+    for i, ti in enumerate(t):
+        w.writerow([ti] + [flows[name]["loss"][i] for name in flows])
+    out.write("one_layer_flow.csv", f.getvalue())
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -240,11 +257,19 @@ def main(argv=None):
         ax2.set(xlabel="t (icl_ref's loss, no 1/2)", ylabel="population loss", title="one-layer gradient flow")
         ax2.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "looped_depth.png"), dpi=120)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=120)
+        out.write("looped_depth.png", png.getvalue())
     except ImportError:
         print("matplotlib not installed: no figure")
-    print(f"\n{sum(verdicts)} of {len(verdicts)} checks passed in {time.perf_counter() - start:.0f} s")
-    return 0 if all(verdicts) else 1
+    passed = sum(v == "PASS" for v, _ in verdicts)
+    argv = sys.argv[1:] if argv is None else argv
+    print(out.write_record(dict(
+        provenance=records.provenance("examples/looped_depth.py", argv, ["icl_ref.py", "examples/looped_depth.py"]),
+        seed=args.seed, checks_passed=passed, checks=len(verdicts), verdicts=verdicts, exact=families,
+        trained=trained, curvature=curvature, flow=flow)))
+    print(f"\n{passed} of {len(verdicts)} checks passed in {time.perf_counter() - start:.0f} s")
+    return 0 if passed == len(verdicts) else 1
 
 
 if __name__ == "__main__":
