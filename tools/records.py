@@ -162,8 +162,11 @@ class OutFolder:
     def __init__(self, path, tool, record, names, overwrite=False):
         self.path, self.tool, self.record, self.names = path, tool, record, list(names)
         self.overwrite, self.outputs, self.ours = overwrite, {}, None
-        os.makedirs(path, exist_ok=True)
-        self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.makedirs(path, exist_ok=True)
+            self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise SystemExit(f"--out {path}: {e.strerror}") from None
         self.check()
 
     def refuse(self, names, why):
