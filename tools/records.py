@@ -15,6 +15,9 @@ by their content (test_docs.py), and `check` tells when a refresh is due.
 README.md and MATH.md quote records between `<!-- begin NAME -->` and `<!-- end NAME -->`; `render`
 writes each block from the record's fields (BLOCKS below), so a quoted number is never typed by hand.
 A block whose record lacks a field is left as it is and reported.
+
+Scripts that write a folder of results and their record there (examples/looped_depth.py,
+task_diversity.py, shift.py) do it through OutFolder, which never replaces a file they did not write.
 """
 import argparse
 import ast
