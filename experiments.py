@@ -1210,7 +1210,7 @@ def write_csv(out, filename, rows):
 def render(r):
     """A row's cells as the printed table and summary.md show them, from its fields only."""
     measured = fmt(r["measured"])
-    if r["se"] is not None:
+    if r["se"] is not None and np.any(np.asarray(r["se"]) != 0):      # se 0: an exact quantity
         measured += f" ± {fmt(r['se'], 2)}"
     check = ""
     if r["check"]:

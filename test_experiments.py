@@ -765,3 +765,19 @@ def test_noise_draws_labels_with_the_variance_its_rows_name(monkeypatch):
     # one division and a product apiece, each rounded once: a few ulp apart at most
     assert all(math.isclose(r["theory"], n / (n + 1 + d + r["noise_var"]), rel_tol=1e-15) for r in rows)
     assert all(r["check"] == "two-sided" and r["k"] == ex.K_SE and r["tolerance"] == ex.K_SE * r["se"] for r in rows)
+
+
+def test_a_claim_on_two_trained_models_reads_both(monkeypatch):
+    # factored-qk's L = 1 row compares the merged model (icl_fast's trainers) with the factored one
+    # (scipy directly): the merged run reported as not converged must leave the row without a verdict
+    class MergedStalls(ex.Context):
+        def train_lbfgs(self, *a, **k):
+            return dict(super().train_lbfgs(*a, **k), grad_norm=1.0)
+
+        def train_gauss_newton(self, *a, **k):
+            return dict(super().train_gauss_newton(*a, **k), grad_norm=1.0)
+    rows, _ = ex.factored_qk(MergedStalls(rng=np.random.default_rng(0), quick=True))
+    one = next(r for r in rows if r.get("L") == 1)
+    # the factored model converged (scipy's own run), the merged one did not: 1 of the 2
+    assert one["verdict"] == ex.NO_VERDICT and "1 of 2 trained models" in one["why"] and one["converged"] is False
+    assert [r["why"].startswith("full run only") for r in rows] == [False, True]     # L = 2 at quick size
