@@ -1849,6 +1849,10 @@ def run(args, names, out):
                     "no experiment completed, so there are no results")
             summary += [f"**INTERRUPTED** by {stopped_by}: {what}; this is not a full run.", ""]
         summary += [tally_line(counts), ""]
+        deferred = [r for r in rows if r["why"].startswith("full run only")]
+        if deferred:
+            summary += ["Full run only (the --quick sizes cannot decide these; reported as INFO):", ""]
+            summary += [f"- {r['experiment']}: {r['claim']}" for r in deferred] + [""]
         for name, (rs, pngs, seconds) in results.items():
             summary += [f"## {name}", f"_{EXPERIMENTS[name][1]}_ ({seconds:.1f} s)", "", markdown_table(rs), ""]
             for p, caption in pngs:
