@@ -1752,6 +1752,9 @@ def main(argv=None):
         ap.error(str(e))
     try:
         return run(args, names, out)
+    except OutputError as e:          # a file appeared under an output's name mid-run: the record stays "running"
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
     finally:
         out.close()
 

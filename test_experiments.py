@@ -781,3 +781,18 @@ def test_a_claim_on_two_trained_models_reads_both(monkeypatch):
     # the factored model converged (scipy's own run), the merged one did not: 1 of the 2
     assert one["verdict"] == ex.NO_VERDICT and "1 of 2 trained models" in one["why"] and one["converged"] is False
     assert [r["why"].startswith("full run only") for r in rows] == [False, True]     # L = 2 at quick size
+
+
+def test_a_file_appearing_under_an_outputs_name_mid_run_is_left_alone_and_the_run_never_looks_complete(tmp_path, cli):
+    out = tmp_path / "p"
+
+    def intruder(ctx):                      # a file of someone else's appears while the experiment runs
+        (out / "stub-c.csv").write_text("theirs")
+        return [ex.row("x", ex.INFO)], {}
+    ex.EXPERIMENTS["stub-c"] = (intruder, "t")
+    try:
+        status, err = cli("stub-c", "--out", out)
+    finally:
+        del ex.EXPERIMENTS["stub-c"]
+    assert status == 2 and "stub-c.csv" in err and (out / "stub-c.csv").read_text() == "theirs"
+    assert json.loads((out / "config.json").read_text())["status"] == "running"
