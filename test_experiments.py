@@ -673,7 +673,8 @@ def test_optimum_checks_are_two_sided(scale, grad_norm, verdicts):
     # side (its loss <= the optimum model's on its own batch) is what catches it
     rng = np.random.default_rng(7)
     L, n, d = 2, 10, 3
-    a_star, _, f_star = ex.family_optimum(L, n, d)
+    # 2 starts of the family search find the same optimum here as the default 24, in a twentieth of the time
+    a_star, _, f_star = ex.family_optimum(L, n, d, starts=2)
     Sigma, Si, Z, y = ex.paper_data(rng, 400, n, d=d, kappa=4.0)
     Zv, yv = ir.sample_prompts(rng, 4000, n, Sigma, Si)
     res = optimum_model(a_star, Si, scale, grad_norm)
