@@ -1,6 +1,6 @@
 """Measure float32 errors of a PyTorch linear transformer against icl_ref's float64, over a grid.
 
-    python examples/float32_tolerances.py            (needs torch: pip install torch==2.13.0)
+    python examples/float32_tolerances.py            (needs torch: pip install torch)
     python examples/float32_tolerances.py --record   (also writes docs/float32_tolerances.json)
 
 Model: the authors' layout (examples/test_torch_linear_transformer.py), evaluated in float32 on

@@ -421,7 +421,7 @@ def float32_readme():
     rec = record("float32_tolerances")
     grid, worst = rec["grid"], [rec["overall"][k] for k in KINDS]
     return (f"(d in {{{', '.join(map(str, grid['d']))}}}, n in {{{', '.join(map(str, grid['n']))}}}, "
-            f"L = {grid['L'][0]}..{grid['L'][-1]}; torch {rec['versions']['torch'].split('+')[0]}) erred at worst "
+            f"L = {grid['L'][0]}..{grid['L'][-1]}; torch {RECORDS['float32_tolerances'].provenance(rec)['versions']['torch'].split('+')[0]}) erred at worst "
             f"by {short(worst[0])} (Z_L), {short(worst[1])} (loss) and {short(worst[2])} (gradient), relative. "
             f"Suggested `rtol` (5x, rounded up): {', '.join(f'1e{e}' for e in float32_exponents())}")
 
