@@ -156,29 +156,22 @@ def python_blocks(text, after):
 
 
 def test_readme_api_examples_run_as_written():
-    # every line of README's API and speed examples runs, on a smaller batch (20000 -> 200 prompts);
-    # the placeholders a user would bring (another implementation's arrays) are made here
+    # every line of README's API and speed examples runs as written, each block defining its own
+    # inputs, on a smaller batch (20000 -> 200 prompts)
     import numpy as np
     readme = read("README.md")
     blocks = python_blocks(readme, "## API, one example each") + python_blocks(readme, "## Speed: icl_fast")
     assert len(blocks) == 2
-    case = ir.reference_cases()[0]
-    rng = np.random.default_rng(0)
-    W = np.tile(np.eye(6), (3, 1, 1))
-    namespace = dict(allparam=0.1 * rng.standard_normal((3, 1, 2, 5, 5)),
-                     Z_rows=ir.tokens_as_rows(ir.sample_prompts(rng, 8, 20, np.eye(5))[0]),
-                     W_q=W, W_k=W, W_v=0.1 * W, W_o=W, n=20, H=1, L=3,
-                     my_Z_L=ir.forward(case["P"], case["Q"], case["Z"]),
-                     my_loss=ir.in_context_loss(case["P"], case["Q"], case["Z"], case["y"]))
     # the slowest calls run shorter (their results are not what this test checks): L-BFGS to 50
     # iterations, the family optimum from 2 starts
     import functools
     from unittest import mock
     with mock.patch.object(ir, "train_lbfgs", functools.partial(ir.train_lbfgs, maxiter=50)), \
             mock.patch.object(ir, "optimal_family_scalars", functools.partial(ir.optimal_family_scalars, starts=2)):
-        for block in blocks:
+        namespaces = [{} for _ in blocks]                # each block on its own
+        for block, namespace in zip(blocks, namespaces):
             exec(compile(block.replace("20000", "200"), "README.md", "exec"), namespace)
-    assert namespace["found"] == {"small-full": {"Z_L": "agrees", "loss": "agrees"}}
+    assert namespaces[0]["found"] == {"small-full": {"Z_L": "agrees", "loss": "agrees"}}
 
 
 # ---------------------------------------------------------------------------------------------
