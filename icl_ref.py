@@ -168,6 +168,14 @@ def _labels(y, B):
     return y
 
 
+def _batch(structure, activation, Z, y):
+    """Z (B, D, n+1) and y (B,) checked as a training batch, with the structure and activation named."""
+    _choice("structure", structure, STRUCTURES)
+    _choice("activation", activation, ACTIVATIONS)
+    Z = _prompts(Z)
+    return Z, _labels(y, Z.shape[0])
+
+
 def _model_inputs(P, Q, Z, *y):
     """P, Q (L, H, D, D), Z (B, D, n+1) and, when given, y (B,), checked as one call's inputs."""
     P, Q = _params(P, Q)
@@ -223,9 +231,11 @@ def _tied(tied):
     return bool(tied)
 
 
-def _check_structure(structure):
-    if structure not in STRUCTURES:
-        raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
+def _choice(name, value, choices):
+    """value if it is one of the strings `choices`, else a ValueError naming `name`."""
+    if not (isinstance(value, str) and value in choices):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,7 +654,7 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=Non
     order of structure_shapes). tied: every layer of P, Q equal; J's columns are the one layer's
     coordinates (MATH.md §14). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
     """
-    _check_structure(structure)
+    _choice("structure", structure, STRUCTURES)
     P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
     _check_structure_of(structure, P, Q, tied)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -666,8 +676,8 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
     engine as loss_and_grad_gram; tied as residuals_and_jacobian_gram. A result that is not finite
     is a ValueError saying that float64 overflowed.
     """
-    _check_structure(structure)
-    _check_activation(activation)
+    _choice("structure", structure, STRUCTURES)
+    _choice("activation", activation, ACTIVATIONS)
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
     _check_structure_of(structure, P, Q, tied)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -694,18 +704,13 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
 ACTIVATIONS = ("linear", "relu", "softmax", "softmax_all")
 
 
-def _check_activation(activation):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-
-
 @_numpy_rules
 def attention_forward(P_h, Q_h, Z, activation):
     """One head: out = (1/n) P Z M sigma(Z^T Q Z). P_h, Q_h: (D, D); Z: (B, D, n+1).
     Returns out (B, D, n+1) and the cache for attention_backward. The activation is checked; the
     arrays are not (forward_activation and loss_and_grad_activation check theirs): it assumes float64
     P_h, Q_h of shape (D, D) matching Z. MATH.md §4."""
-    _check_activation(activation)
+    _choice("activation", activation, ACTIVATIONS)
     n = Z.shape[2] - 1
     E = Z.transpose(0, 2, 1) @ Q_h @ Z                         # E[i, j] = z_i^T Q z_j
     if activation == "linear":
@@ -790,7 +795,7 @@ def _activation_pass(P, Q, Z, y, activation, jacobian=False):
 def forward_activation(P, Q, Z, activation="relu"):
     """Z_L of L layers Z <- Z + sum_h P_h Z M sigma(Z^T Q_h Z) / n ([A] §6). Shapes as forward.
     MATH.md §4."""
-    _check_activation(activation)
+    _choice("activation", activation, ACTIVATIONS)
     P, Q, Z = _model_inputs(P, Q, Z)
     with np.errstate(over="ignore", invalid="ignore"):
         Z_L = _activation_pass(P, Q, Z, np.zeros(Z.shape[0]), activation)[3]
@@ -807,7 +812,7 @@ def predict_activation(P, Q, Z, activation="relu"):
 def loss_and_grad_activation(P, Q, Z, y, activation="relu", engine=None):
     """(loss, dP, dQ) for the attention of forward_activation, by hand-written reverse mode; engine
     as loss_and_grad_gram. MATH.md §4."""
-    _check_activation(activation)
+    _choice("activation", activation, ACTIVATIONS)
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
     with np.errstate(over="ignore", invalid="ignore"):
         loss, dP, dQ, _ = _engine(engine).activation_pass(P, Q, Z, y, activation)
@@ -898,7 +903,7 @@ def unpack(theta, shapes):
 def structure_shapes(structure, L, d, H=1, tied=False):
     """Names and shapes of a structure's own coordinates: sparse A; blocks A, B; full P, Q.
     tied: one layer's coordinates (leading axis 1), applied L times (MATH.md §5, §14). MATH.md §5."""
-    _check_structure(structure)
+    _choice("structure", structure, STRUCTURES)
     L, d, H = _int("L", L, 1), _int("d", d, 1), _int("H", H, 1)
     L = 1 if _tied(tied) else L
     if structure != "full" and H != 1:
@@ -914,7 +919,7 @@ def structure_to_PQ(structure, coords, L=None):
     """(P, Q) of a structure's coordinates (a dict as from structure_shapes). L: None (coords hold
     every layer), or for a weight-tied model the number of layers: coords hold one layer (leading
     axis 1) and that (P, Q) is applied L times (MATH.md §14). MATH.md §5."""
-    _check_structure(structure)
+    _choice("structure", structure, STRUCTURES)
     keys = {"sparse": {"A"}, "blocks": {"A", "B"}, "full": {"P", "Q"}}[structure]
     if not isinstance(coords, dict) or set(coords) != keys:
         raise ValueError(f"coords must be a dict with the keys {sorted(keys)} for structure {structure!r}")
@@ -937,7 +942,7 @@ def structure_grad(structure, dP, dQ, tied=False):
     """The gradient in a structure's own coordinates, a dict keyed like structure_shapes. tied: the
     coordinates are shared by every layer, so their gradient is the sum of the L layers' (the chain
     rule of the repetition, MATH.md §14), with a leading axis 1. MATH.md §5."""
-    _check_structure(structure)
+    _choice("structure", structure, STRUCTURES)
     dP, dQ = _params(dP, dQ, ("dP", "dQ"))
     if structure != "full" and dP.shape[1] != 1:
         raise ValueError(f"dP, dQ must have one head, shape (L, 1, D, D), for the structures (8) and (11); "
@@ -1017,11 +1022,8 @@ class _Run:
 
     def __init__(self, Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine,
                  tied=False):
-        _check_structure(structure)
-        _check_activation(activation)
+        Z, y = _batch(structure, activation, Z, y)
         layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
-        Z = _prompts(Z)
-        y = _labels(y, Z.shape[0])
         self.structure, self.activation, self.engine = structure, activation, engine
         self.tied, self.layers = _tied(tied), layers
         self.progress = _int("progress", progress, 0)
@@ -1665,15 +1667,23 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     ([A] footnote 4). For the sparse family a is sorted (the loss is symmetric, Lemma 4).
     MATH.md §10.
     """
+    best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng)
+    return _family_result(best.x, L, n, d, blocks, noise_var, sort=not blocks)
+
+
+def _family_search(L, n, d, blocks, noise_var, starts, rng, tied=False):
+    """The lowest of `starts` descents of the exact family loss (_family_descent) from a ~ U(0, 2),
+    b ~ U(0, 1.5) drawn from rng (default seed 0), one (a, b) per layer or, tied, one for all;
+    returns it and the checked (L, n, d, noise_var)."""
     L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
     starts = _int("starts", starts, 1)
-    _rng(rng, optional=True)
-    rng = np.random.default_rng(0) if rng is None else rng
-    descend = _family_descent(L, n, d, blocks, noise_var)
-    best = min((descend(np.r_[rng.uniform(0, 2, L), rng.uniform(0, 1.5, L - 1) if blocks else []])
+    rng = np.random.default_rng(0) if _rng(rng, optional=True) is None else rng
+    descend = _family_descent(L, n, d, blocks, noise_var, tied=tied)
+    k = 1 if tied else L
+    best = min((descend(np.r_[rng.uniform(0, 2, k), rng.uniform(0, 1.5, (1 if tied else L - 1) if blocks else 0)])
                 for _ in range(starts)), key=lambda res: res.fun)
-    return _family_result(best.x, L, n, d, blocks, noise_var, sort=not blocks)
+    return best, (L, n, d, noise_var)
 
 
 @_numpy_rules
@@ -1751,7 +1761,7 @@ def symmetry_directions(structure, coords, query_label_zero=True):
       (P_lh, -Q_lh) among them (h = g).
 
     The sparse structure has none (k = 0). Returns an array (p, k)."""
-    _check_structure(structure)
+    _choice("structure", structure, STRUCTURES)
     P, Q = structure_to_PQ(structure, coords)
     L, H = P.shape[:2]
     shapes = structure_shapes(structure, L, P.shape[-1] - 1, H)
@@ -1810,10 +1820,7 @@ def identifiable_hessian(structure, coords, Z, y, h=1e-5, activation="linear", e
     Returns a dict: basis U (p, m), gradient (m,) = U^T grad, hessian (m, m), eigenvalues (m,)
     ascending, symmetries k = p - m (the directions removed).
     """
-    _check_structure(structure)
-    _check_activation(activation)
-    Z = _prompts(Z)
-    y = _labels(y, Z.shape[0])
+    Z, y = _batch(structure, activation, Z, y)
     h = _nonneg("h", h)
     if h == 0:
         raise ValueError("h must be > 0 (the step of the central differences of the gradient)")
@@ -1842,10 +1849,7 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     with an eigenvalue <= 0 there is a ValueError), for gradients that are not heavy-tailed
     (MATH.md §10-§11). Returns a (p, p) array in pack order.
     """
-    _check_structure(structure)
-    _check_activation(activation)
-    Z = _prompts(Z)
-    y = _labels(y, Z.shape[0])
+    Z, y = _batch(structure, activation, Z, y)
     chunks = _int("chunks", chunks, 2)
     names, shapes, theta0 = _check_coords(structure, coords, Z)
     if activation != "linear" and Z.shape[0] < 2 * chunks:
@@ -2035,14 +2039,7 @@ def optimal_tied_family(L, n, d, blocks=False, noise_var=0.0, starts=8, rng=None
     a ~ U(0, 2), b ~ U(0, 1.5) from rng (default seed 0). Returns (a, b or None, loss): floats,
     b NaN when L = 1 (B_0 never enters), loss = family_population_loss at (a 1_L, b 1_L).
     """
-    L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
-    noise_var = _nonneg("noise_var", noise_var)
-    starts = _int("starts", starts, 1)
-    _rng(rng, optional=True)
-    rng = np.random.default_rng(0) if rng is None else rng
-    descend = _family_descent(L, n, d, blocks, noise_var, tied=True)
-    best = min((descend(np.r_[rng.uniform(0, 2), rng.uniform(0, 1.5, 1 if blocks else 0)])
-                for _ in range(starts)), key=lambda res: res.fun)
+    best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng, tied=True)
     a = float(best.x[0])
     b = (float(best.x[1]) if L > 1 else math.nan) if blocks else None
     loss = family_population_loss(np.full(L, a), n, d, None if b is None else np.full(L, b), noise_var=noise_var)
