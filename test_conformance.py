@@ -780,3 +780,16 @@ def test_the_kit_works_under_a_strict_caller_and_leaves_its_settings(tmp_path):
         assert np.geterr() == dict(divide="raise", over="raise", under="raise", invalid="raise")
     finally:
         np.seterr(**old)
+
+
+@pytest.mark.slow
+def test_the_examples_run_and_their_expected_failures_are_the_cases_they_name():
+    # examples/test_numpy_per_case.py: the linear cases pass one per test, the nonlinear ones are
+    # expected failures (strict), and the one-call form passes with skip=
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.join(ROOT, "examples", "test_numpy_per_case.py")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "10 passed, 4 xfailed" in proc.stdout
