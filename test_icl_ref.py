@@ -10,6 +10,7 @@ Tolerances, each with its reason:
     Z_MC   = 4      Monte Carlo: |estimate - exact| <= 4 standard errors computed from the samples
 Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
 """
+import functools
 import inspect
 import math
 import os
@@ -30,6 +31,11 @@ FD_H = 1e-4
 FD_ABS = 1e-8
 FD_H2 = 1e-6       # two-point differences (directional checks): truncation h^2 f''' ~ 1e-12
 Z_MC = 4.0
+
+
+# the exact family optima (deterministic: seed 0) are searched once per process and shared by the
+# tests that compare with them
+family_optimum = functools.lru_cache(maxsize=None)(ir.optimal_family_scalars)
 
 
 def random_params(rng, L, H, d, scale=0.4):
@@ -1270,7 +1276,7 @@ def test_family_loss_L1_closed_form_and_optimum():
     for a in (0.3, 0.77, 1.4):
         assert ir.family_population_loss([a], n, d) == pytest.approx(
             d - 2 * a * d + a ** 2 * d * (n + d + 1) / n, rel=EXACT)
-    a, b, loss = ir.optimal_family_scalars(1, n, d)
+    a, b, loss = family_optimum(1, n, d)
     assert b is None
     assert a[0] == pytest.approx(n / (n + d + 1), rel=1e-7)       # L-BFGS-B optimum, gtol 1e-12
     assert loss == pytest.approx(d * (d + 1) / (n + d + 1), rel=1e-12)   # error in a enters squared
@@ -1300,7 +1306,7 @@ def test_family_loss_L2_explicit_polynomial_and_permutation_symmetry():
 
 def test_family_optimum_two_layer_reference_values():
     # Theorem 2 (MATH.md §10, the scalar family at L = 2): n = 20, d = 5 gives a = {0.5154, 1.2496}, f = 0.36124
-    a, _, loss = ir.optimal_family_scalars(2, 20, 5)
+    a, _, loss = family_optimum(2, 20, 5)
     assert_allclose(a, [0.5154, 1.2496], atol=5e-5)       # the reference prints 4 decimals
     assert loss == pytest.approx(0.36124, abs=5e-6)
 
@@ -1330,7 +1336,7 @@ def test_theorems_3_and_4_full_gradient_vanishes_at_family_optimum(blocks):
     n, d, L = 40, 3, 2
     Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.25, 2.0])
     Si = np.linalg.inv(Sigma)
-    a, b, loss = ir.optimal_family_scalars(L, n, d, blocks=blocks)
+    a, b, loss = family_optimum(L, n, d, blocks=blocks)
     coords = {"A": a[:, None, None] * Si}
     if blocks:
         coords["B"] = np.nan_to_num(b, nan=1.0)[:, None, None] * np.eye(d)
@@ -1354,7 +1360,7 @@ def test_theorem2_two_layer_isotropic_training_beats_or_matches_best_scalar_fami
     rng = np.random.default_rng(60)
     d, n, B = 3, 10, 20_000
     Z, y = ir.sample_prompts(rng, B, n, np.eye(d))
-    a, _, _ = ir.optimal_family_scalars(2, n, d)
+    a, _, _ = family_optimum(2, n, d)
     family_batch_loss = ir.in_context_loss(*ir.sparse_params(a[:, None, None] * np.eye(d)), Z, y)
     for seed in range(3):
         # gtol 1e-6: the loss is ~0.35, so a step that lowers it by less than eps * 0.35 ~ 1e-16 is
@@ -1377,7 +1383,7 @@ def test_paper_experiment_three_layer_sparse_reaches_family_optimum(seed):
     assert res["success"], res["message"]
     A = res["coords"]["A"]
     cov = ir.sandwich_covariance("sparse", res["coords"], Z, y)
-    a_star, _, _ = ir.optimal_family_scalars(L, n, d)
+    a_star, _, _ = family_optimum(L, n, d)
     a_hat, se = np.empty(L), np.empty(L)
     for l in range(L):
         e = np.zeros((L, d, d))
@@ -1575,11 +1581,11 @@ def test_optimal_family_scalars_with_noise():
     # MATH.md §10: L = 1 has the closed form a* = n/(n+d+1+s2) (§8's Mahankali step); at L = 2 the
     # returned point is stationary for the noisy loss and differs from the noiseless optimum
     n, d, s2 = 20, 5, 2.0
-    a, _, loss = ir.optimal_family_scalars(1, n, d, noise_var=s2)
+    a, _, loss = family_optimum(1, n, d, noise_var=s2)
     assert a[0] == pytest.approx(n / (n + d + 1 + s2), rel=1e-7)          # L-BFGS-B, gtol 1e-12
     assert loss == pytest.approx(d * (d + 1 + s2) / (n + d + 1 + s2) + s2, rel=1e-12)
-    a2, _, _ = ir.optimal_family_scalars(2, n, d, noise_var=s2)
-    a0, _, _ = ir.optimal_family_scalars(2, n, d)
+    a2, _, _ = family_optimum(2, n, d, noise_var=s2)
+    a0, _, _ = family_optimum(2, n, d)
     f = lambda x: ir.family_population_loss(x, n, d, noise_var=s2)
     h = 1e-6
     grad = [(f(a2 + h * e) - f(a2 - h * e)) / (2 * h) for e in np.eye(2)]
@@ -1587,7 +1593,7 @@ def test_optimal_family_scalars_with_noise():
     assert np.min(np.abs(a2 - a0)) > 0.01                                 # noise moves the optimum
     # the blocks family with noise: the optimiser's objective (the Gauss rule at the nodes, its own
     # recursion for r) must be stationary for the exact rational loss
-    a, b, _ = ir.optimal_family_scalars(2, n, d, blocks=True, noise_var=s2)
+    a, b, _ = family_optimum(2, n, d, blocks=True, noise_var=s2)
     g = lambda x: ir.family_population_loss(x[:2], n, d, b=[x[2], np.nan], noise_var=s2)
     x = np.r_[a, b[0]]
     grad = [(g(x + h * e) - g(x - h * e)) / (2 * h) for e in np.eye(3)]
@@ -1622,7 +1628,7 @@ def test_blocks_family_has_a_second_local_minimum():
     # optimum f* = 9.613e-4, a strict local minimum near a = (0.34, 2.86, 7.64), b = (0.88, 0.35);
     # two of three converged Gauss-Newton runs of three-layer-blocks land in its basin
     n, d = 20, 5
-    a_g, b_g, f_g = ir.optimal_family_scalars(3, n, d, blocks=True)
+    a_g, b_g, f_g = family_optimum(3, n, d, blocks=True)
     a, b, f = ir.family_local_minimum([0.39, 3.28, 8.53], n, d, b=[0.89, 0.35, np.nan])
     assert f > f_g * 1.03 and np.abs(b[1] - b_g[1]) > 0.1                # a different point, 5% worse
     x = np.r_[a, b[:2]]
