@@ -765,3 +765,14 @@ def test_noise_draws_labels_with_the_variance_its_rows_name(monkeypatch):
     # one division and a product apiece, each rounded once: a few ulp apart at most
     assert all(math.isclose(r["theory"], n / (n + 1 + d + r["noise_var"]), rel_tol=1e-15) for r in rows)
     assert all(r["check"] == "two-sided" and r["k"] == ex.K_SE and r["tolerance"] == ex.K_SE * r["se"] for r in rows)
+
+
+def test_the_documented_thresholds_decide_rows():
+    # the module's documented contract in numbers: converged at |grad| <= 1e-6 (not 1e-5), Monte Carlo
+    # checks at 4 SE (a difference of 3 SE passes, 5 SE fails), reached within 1e-6 relative (a loss
+    # 1e-5 above the lowest is another stationary point); the values are binary-exact or far from the cut
+    assert ex.converged(run(1.0, grad_norm=1e-6)) and not ex.converged(run(1.0, grad_norm=2e-6))
+    assert ex.judge("two-sided", 3.0, 0.0, se=1.0)["verdict"] == ex.PASS
+    assert ex.judge("two-sided", 5.0, 0.0, se=1.0)["verdict"] == ex.FAIL
+    reached, said = ex.starts_summary([done(1.0), done(1.0 + 1e-7), done(1.0 + 1e-5)])
+    assert [r["loss"] for r in reached] == [1.0, 1.0 + 1e-7] and said["higher"] == [1.0 + 1e-5]

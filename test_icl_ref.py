@@ -1054,6 +1054,21 @@ def test_gauss_newton_reads_the_query_label_slot_for_the_coordinates_it_holds():
     assert ir.train_gauss_newton(Z, y, 1, structure="full", init=init, max_nfev=3)["fixed"] == 3 * 4
 
 
+
+def test_lbfgs_interrupted_at_a_converged_point_is_not_a_success():
+    # SciPy's own test stops L-BFGS-B at a converged iterate, so Ctrl-C can only land while it still
+    # runs: a stand-in for the solver evaluates the start (gradient exactly 0 <= gtol), reports it as an
+    # iterate and is interrupted. The last iterate is returned, interrupted, and success is False
+    rng, Z, y = small_problem(seed=196, B=20, n=5)
+
+    def interrupted(fun, x0, callback=None, **kwargs):
+        fun(x0)
+        callback(x0)
+        raise KeyboardInterrupt
+    with mock.patch.object(scipy.optimize, "minimize", interrupted):
+        res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, engine=_stub_engine(0.0))
+    assert res["interrupted"] and res["grad_norm"] == 0.0 and not res["success"] and res["nit"] == 1
+
 # ---------------------------------------------------------------------------------------------
 # 7. Closed forms: Lemma 1, Theorem 1, Mahankali et al., Wishart moments, Theorems 3-5 (MATH.md §7-§10)
 # ---------------------------------------------------------------------------------------------
