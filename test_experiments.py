@@ -776,3 +776,90 @@ def test_the_documented_thresholds_decide_rows():
     assert ex.judge("two-sided", 5.0, 0.0, se=1.0)["verdict"] == ex.FAIL
     reached, said = ex.starts_summary([done(1.0), done(1.0 + 1e-7), done(1.0 + 1e-5)])
     assert [r["loss"] for r in reached] == [1.0, 1.0 + 1e-7] and said["higher"] == [1.0 + 1e-5]
+
+
+def test_the_converged_field_and_the_se_of_a_mean():
+    # converged says whether every run the row reads converged, not whether one did; the standard
+    # error of a mean uses the sample standard deviation (ddof 1): for 1, 2, 3 it is 1 / sqrt(3)
+    # (one square root and one division apart: 1e-15 relative)
+    assert ex.info([done(), stalled()])["converged"] is False and ex.info([done(), done()])["converged"] is True
+    mean, se = ex.mean_se([1.0, 2.0, 3.0])
+    assert mean == 2.0 and se == pytest.approx(1 / math.sqrt(3), rel=1e-15)
+
+
+def test_noise_rows_are_drawn_with_the_covariance_they_name(monkeypatch):
+    # a row marked preconditioned is drawn with a rotated Sigma (not I) and fitted against Sigma^-1;
+    # an isotropic row with Sigma = I exactly
+    drawn, real = [], ir.sample_prompts
+    monkeypatch.setattr(ex.ir, "sample_prompts", lambda rng, B, n, Sigma, *a, **k: drawn.append(Sigma) or
+                        real(rng, B, n, Sigma, *a, **k))
+    rows, _ = ex.noise(ex.Context(rng=np.random.default_rng(0), quick=True))
+    assert len(drawn) == len(rows)
+    for r, Sigma in zip(rows, drawn):
+        assert np.array_equal(Sigma, np.eye(5)) != r["preconditioned"]
+
+
+def test_quick_reaches_the_experiments_and_a_ctrl_c_during_a_later_experiment_stops_the_run(tmp_path, monkeypatch):
+    # --quick is what the experiments receive; between experiments Ctrl-C is the caller's again, so a
+    # SIGINT in the second experiment stops the run there (record: interrupted, the first completed)
+    import signal
+    import time
+    seen = []
+
+    def first(ctx):
+        seen.append(ctx.quick)
+        return [ex.row("x", ex.INFO)], {}
+
+    def second(ctx):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)                                # the signal arrives within this wait
+        return [ex.row("y", ex.INFO)], {}
+    monkeypatch.setitem(ex.EXPERIMENTS, "first", (first, "t"))
+    monkeypatch.setitem(ex.EXPERIMENTS, "second", (second, "t"))
+    status = ex.main(["first", "second", "--quick", "--out", str(tmp_path / "o")])
+    record = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert seen == [True] and status == 128 + signal.SIGINT
+    assert record["status"] == "interrupted" and record["completed"] == ["first"]
+
+
+def test_output_names_and_the_record_checks(tmp_path):
+    # an experiment owns name.csv, name.png and name_*, nothing else that starts with its name; a
+    # record is trusted only with the marker, the tool, this version and a file list of the named
+    # experiments' own outputs in the folder itself, read without following a link
+    assert ex.output_of("noise", "noise_table.csv") and not ex.output_of("noise", "noise-floor.txt")
+    good = dict(format=ex.FORMAT, tool=ex.TOOL, format_version=ex.FORMAT_VERSION,
+                experiments={"noise": {"files": ["noise.csv", "noise_x.csv"]}})
+    variants = {"good": good, "no marker": dict(good, format="other"), "old version": dict(good, format_version=1),
+                "foreign file": dict(good, experiments={"noise": {"files": ["thesis.tex"]}}),
+                "path": dict(good, experiments={"noise": {"files": ["noise_/../../x.csv"]}})}
+    for label, record in variants.items():
+        folder = tmp_path / label.replace(" ", "-")
+        folder.mkdir()
+        (folder / ex.RECORD).write_text(json.dumps(record))
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert (ex.read_record(dfd) is not None) == (label == "good"), label
+        finally:
+            os.close(dfd)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(tmp_path / "good" / ex.RECORD, linked / ex.RECORD)
+    dfd = os.open(linked, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert ex.read_record(dfd) is None
+    finally:
+        os.close(dfd)
+
+
+def test_outdir_creates_only_new_files(tmp_path):
+    # a file that appeared meanwhile is refused, not truncated
+    out = ex.OutDir(str(tmp_path / "o"))
+    out.open(["noise"], overwrite=False, keep_others=False)
+    try:
+        with out.create("noise.csv") as f:
+            f.write("mine")
+        with pytest.raises(ex.OutputError, match="appeared"):
+            out.create("noise.csv")
+    finally:
+        out.close()
+    assert (tmp_path / "o" / "noise.csv").read_text() == "mine"
