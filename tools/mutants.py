@@ -11,7 +11,7 @@ function or text is no longer in the code "no longer applies": it is reported, a
 says so, until it is updated or removed. Equivalent mutants (that cannot change any result) are
 listed apart, with the reason, and not run.
 
-    python3 tools/mutants.py                    # all mutants, 2 at a time (about an hour on 2 cores)
+    python3 tools/mutants.py                    # all mutants, 2 at a time (hours on 2 cores)
     python3 tools/mutants.py -k chunk,jac       # those whose name contains "chunk" or "jac"
     python3 tools/mutants.py --only predict-sign,mask-includes-query
     python3 tools/mutants.py --list             # each mutant, where it applies, and whether it still does
