@@ -230,6 +230,18 @@ def test_thread_count_does_not_change_results():
         assert_identical(*jac)
 
 
+
+@TWO_CORES
+def test_the_work_that_reaches_the_workers_counts_every_head():
+    # B L H D^3: with two heads the threshold is met at half the prompts of one head
+    P, Q, Z, y = problem(133, 3000, 5, L=2, H=2, scale=0.1)
+    args = (P, Q, *gram_form(Z), y, Z.shape[2] - 1)
+    B = -(-fast.PARALLEL_MIN_WORK // (2 * 2 * 6 ** 3))        # the first batch size at the threshold
+    for b in (B - 1, B):
+        chunk = (*args[:2], *(a[:b] for a in args[2:5]), args[5])
+        seen = threads_running(fast, "lanes_forward", lambda: fast.engine(2).loss_and_grad_gram(*chunk))
+        assert (seen == {threading.current_thread().name}) == (b < B), (b, seen)
+
 # ---------------------------------------------------------------------------------------------
 # icl_ref's public functions, checks and trainers
 # ---------------------------------------------------------------------------------------------
