@@ -1084,18 +1084,19 @@ def test_init_history_and_progress_are_in_the_callers_units(capsys):
     # data times 2^-20 (an exact power of two, c = 2^-20 here): an init dict is read in the caller's
     # units, and the history and the progress lines report the loss in them (the first entry is the
     # loss at that init; 1e-12: one evaluation in rescaled units, mapped back exactly, then rounded;
-    # the printed loss has 7 significant digits: 5e-7 relative)
+    # the printed loss has 7 significant digits: 5e-7 relative; the losses are ~1e-12 here, so no
+    # absolute tolerance)
     rng, Z, y = small_problem(seed=198, B=40, n=6)
     Zs, ys = Z * 2.0 ** -20, y * 2.0 ** -20
     A0 = 0.3 * rng.standard_normal((1, 3, 3))
     start = ir.in_context_loss(*ir.sparse_params(A0), Zs, ys)
     res = ir.train_gauss_newton(Zs, ys, 1, init={"A": A0}, max_nfev=2)
-    assert res["scale"] == 2.0 ** -20 and res["history"][0] == pytest.approx(start, rel=1e-12)
+    assert res["scale"] == 2.0 ** -20 and res["history"][0] == pytest.approx(start, rel=1e-12, abs=0)
     capsys.readouterr()
     res = ir.train_lbfgs(Zs, ys, 1, init={"A": A0}, maxiter=2, progress=1)
-    assert res["scale"] == 2.0 ** -20 and res["history"][0] == pytest.approx(start, rel=1e-12)
+    assert res["scale"] == 2.0 ** -20 and res["history"][0] == pytest.approx(start, rel=1e-12, abs=0)
     printed = [float(line.split()[3]) for line in capsys.readouterr().err.splitlines()]
-    assert printed and all(p == pytest.approx(h, rel=5e-7) for p, h in zip(printed, res["history"][1:]))
+    assert printed and all(p == pytest.approx(h, rel=5e-7, abs=0) for p, h in zip(printed, res["history"][1:]))
 
 
 def test_gauss_newton_solves_through_the_engine_given():
