@@ -784,7 +784,7 @@ def test_the_converged_field_and_the_se_of_a_mean():
     # (one square root and one division apart: 1e-15 relative)
     assert ex.info([done(), stalled()])["converged"] is False and ex.info([done(), done()])["converged"] is True
     mean, se = ex.mean_se([1.0, 2.0, 3.0])
-    assert mean == 2.0 and se == pytest.approx(1 / math.sqrt(3), rel=1e-15)
+    assert mean == 2.0 and math.isclose(se, 1 / math.sqrt(3), rel_tol=1e-15)
 
 
 def test_noise_rows_are_drawn_with_the_covariance_they_name(monkeypatch):
