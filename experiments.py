@@ -1210,7 +1210,7 @@ def write_csv(out, filename, rows):
 def render(r):
     """A row's cells as the printed table and summary.md show them, from its fields only."""
     measured = fmt(r["measured"])
-    if r["se"] is not None:
+    if r["se"] is not None and np.any(np.asarray(r["se"]) != 0):      # se 0: an exact quantity
         measured += f" ± {fmt(r['se'], 2)}"
     check = ""
     if r["check"]:
@@ -1752,6 +1752,9 @@ def main(argv=None):
         ap.error(str(e))
     try:
         return run(args, names, out)
+    except OutputError as e:          # a file appeared under an output's name mid-run: the record stays "running"
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
     finally:
         out.close()
 
@@ -1849,6 +1852,10 @@ def run(args, names, out):
                     "no experiment completed, so there are no results")
             summary += [f"**INTERRUPTED** by {stopped_by}: {what}; this is not a full run.", ""]
         summary += [tally_line(counts), ""]
+        deferred = [r for r in rows if r["why"].startswith("full run only")]
+        if deferred:
+            summary += ["Full run only (the --quick sizes cannot decide these; reported as INFO):", ""]
+            summary += [f"- {r['experiment']}: {r['claim']}" for r in deferred] + [""]
         for name, (rs, pngs, seconds) in results.items():
             summary += [f"## {name}", f"_{EXPERIMENTS[name][1]}_ ({seconds:.1f} s)", "", markdown_table(rs), ""]
             for p, caption in pngs:

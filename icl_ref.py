@@ -50,6 +50,7 @@ from fractions import Fraction
 
 import numpy as np
 import scipy
+import scipy.integrate
 import scipy.linalg
 import scipy.optimize
 
@@ -167,6 +168,14 @@ def _labels(y, B):
     return y
 
 
+def _batch(structure, activation, Z, y):
+    """Z (B, D, n+1) and y (B,) checked as a training batch, with the structure and activation named."""
+    _choice("structure", structure, STRUCTURES)
+    _choice("activation", activation, ACTIVATIONS)
+    Z = _prompts(Z)
+    return Z, _labels(y, Z.shape[0])
+
+
 def _model_inputs(P, Q, Z, *y):
     """P, Q (L, H, D, D), Z (B, D, n+1) and, when given, y (B,), checked as one call's inputs."""
     P, Q = _params(P, Q)
@@ -197,9 +206,36 @@ def _task_covariance(Sigma_w, d):
     return (np.eye(d), np.eye(d)) if Sigma_w is None else _spd("Sigma_w", Sigma_w, d)
 
 
-def _check_structure(structure):
-    if structure not in STRUCTURES:
-        raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
+def _pool(tasks, d, Sigma_w=None):
+    """tasks as a float64 (K, d) pool with K >= 1, refused beside a Sigma_w (one task law at a time)."""
+    if Sigma_w is not None:
+        raise ValueError("give Sigma_w or tasks, not both: w_star is drawn from the pool when tasks is given")
+    tasks = _array("tasks", tasks, 2)
+    if tasks.shape[0] < 1 or tasks.shape[1] != d:
+        raise ValueError(f"tasks must have shape (K, {d}) with K >= 1, got {tasks.shape}")
+    return tasks
+
+
+def _task_moment(Sigma_w, tasks, d):
+    """E[w_star w_star^T], (d, d): Sigma_w (SPD, the identity when None) or, for a pool (K, d), its
+    second moment (1/K) sum_k w_k w_k^T, which may be singular (MATH.md §15)."""
+    if tasks is None:
+        return _task_covariance(Sigma_w, d)[0]
+    tasks = _pool(tasks, d, Sigma_w)
+    return tasks.T @ tasks / tasks.shape[0]
+
+
+def _tied(tied):
+    if not isinstance(tied, (bool, np.bool_)):
+        raise TypeError(f"tied must be True or False, got {type(tied).__name__}")
+    return bool(tied)
+
+
+def _choice(name, value, choices):
+    """value if it is one of the strings `choices`, else a ValueError naming `name`."""
+    if not (isinstance(value, str) and value in choices):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,15 +243,16 @@ def _check_structure(structure):
 # ---------------------------------------------------------------------------------------------
 
 @_numpy_rules
-def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_star=False):
+def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_star=False, tasks=None):
     """Draw B prompts of linear regression, [A] §2 with the data model of [A] Table 1.
 
     x_i ~ N(0, Sigma) iid for i = 0..n (the last is the query), w_star ~ N(0, Sigma_w) per prompt
     (identity by default), y_i = <w_star, x_i> + noise_std * N(0, 1). Gaussians are drawn through
-    the Cholesky factor F of Sigma (x = F g), never `multivariate_normal`.
+    the Cholesky factor F of Sigma (x = F g), never `multivariate_normal`. With a finite pool
+    `tasks` (K, d), w_star is instead a uniformly drawn row of the pool (MATH.md §15).
 
     Parameters: rng (numpy.random.Generator), batch = B >= 1, n >= 1, Sigma (d, d) SPD,
-    Sigma_w (d, d) SPD or None, noise_std >= 0.
+    Sigma_w (d, d) SPD or None, noise_std >= 0, tasks (K, d) or None (not with Sigma_w).
     Returns Z (B, d+1, n+1) with the query label slot Z[:, d, n] = 0, and y (B,) the query's label
     (noise included when noise_std > 0); with return_w_star also w_star (B, d).
     MATH.md §1.
@@ -224,10 +261,12 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
     batch, n = _int("batch", batch, 1), _int("n", n, 1)
     Sigma, F = _spd("Sigma", Sigma)
     d = Sigma.shape[0]
-    F_w = _task_covariance(Sigma_w, d)[1]
+    pool = None if tasks is None else _pool(tasks, d, Sigma_w)
+    F_w = _task_covariance(Sigma_w, d)[1] if pool is None else None
     noise_std = _nonneg("noise_std", noise_std)
     X = rng.standard_normal((batch, n + 1, d)) @ F.T                 # rows x_i ~ N(0, F F^T)
-    w_star = rng.standard_normal((batch, d)) @ F_w.T
+    w_star = (rng.standard_normal((batch, d)) @ F_w.T if pool is None
+              else pool[rng.integers(pool.shape[0], size=batch)])    # a uniformly drawn row per prompt
     labels = np.einsum("bid,bd->bi", X, w_star)
     if noise_std > 0:
         labels += noise_std * rng.standard_normal((batch, n + 1))
@@ -577,9 +616,12 @@ def loss_and_grad(P, Q, Z, y, engine=None):
     return loss, dP, dQ
 
 
-def _check_structure_of(structure, P, Q):
+def _check_structure_of(structure, P, Q, tied=False):
     """A ValueError unless P, Q have the form of `structure` (one head, the fixed entries of (8) or
-    (11)): the Jacobian's columns in that structure's coordinates assume it."""
+    (11); with tied, every layer equal): the Jacobian's columns in that structure's coordinates
+    assume it."""
+    if _tied(tied) and not (np.all(P == P[:1]) and np.all(Q == Q[:1])):
+        raise ValueError("P, Q must have every layer equal for tied=True (one (P, Q) applied L times)")
     if structure == "full":
         return
     if P.shape[1] != 1:
@@ -593,35 +635,37 @@ def _check_structure_of(structure, P, Q):
                          "use structure='full' for other parameters")
 
 
-def _jacobian_rows(structure, JP, JQ):
+def _jacobian_rows(structure, JP, JQ, tied=False):
     """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
-    coordinates: the chain rules of structure_grad applied to every row at once (MATH.md §5)."""
+    coordinates (tied: one layer's): the chain rules of structure_grad applied to every row at once
+    (MATH.md §5, §14)."""
     B = JP.shape[0]
-    return np.concatenate([g.reshape(B, -1) for g in _structure_grad(structure, JP, JQ).values()], axis=1)
+    return np.concatenate([g.reshape(B, -1) for g in _structure_grad(structure, JP, JQ, tied).values()], axis=1)
 
 
 @_numpy_rules
-def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=None):
+def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=None, tied=False):
     """Residuals r_b = Z_L[b, d, n] + y_b and their Jacobian from the Gram form (MATH.md §3.1).
 
     Arguments as loss_and_grad_gram. Each prompt's row is the reverse pass seeded with 1 for that
     prompt alone, e.g. dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb and dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
     structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
     or "blocks" (P, Q of that form, H = 1) maps each row through the structure's chain rule (pack
-    order of structure_shapes). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
+    order of structure_shapes). tied: every layer of P, Q equal; J's columns are the one layer's
+    coordinates (MATH.md §14). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
     """
-    _check_structure(structure)
+    _choice("structure", structure, STRUCTURES)
     P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
-    _check_structure_of(structure, P, Q)
+    _check_structure_of(structure, P, Q, tied)
     with np.errstate(over="ignore", invalid="ignore"):
         r, JP, JQ = _engine(engine).jacobian_gram(P, Q, S0, q0, y, n)
-        J = _jacobian_rows(structure, JP, JQ)
+        J = _jacobian_rows(structure, JP, JQ, tied)
     _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, S0=S0)
     return r, J
 
 
 @_numpy_rules
-def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", engine=None):
+def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", engine=None, tied=False):
     """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p), MATH.md §3.1.
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). structure "full" gives J in (P, Q) coordinates
@@ -629,16 +673,16 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
     structure's own coordinates (pack order of structure_shapes). The loss is mean(r^2) and its
     gradient 2 J^T r / B. J holds B p floats (B = 200000, p = 150: 240 MB). activation: one of
     ACTIVATIONS; other than "linear" the rows come from the explicit attention (MATH.md §4).
-    engine as loss_and_grad_gram. A result that is not finite is a ValueError saying that float64
-    overflowed.
+    engine as loss_and_grad_gram; tied as residuals_and_jacobian_gram. A result that is not finite
+    is a ValueError saying that float64 overflowed.
     """
-    _check_structure(structure)
-    _check_activation(activation)
+    _choice("structure", structure, STRUCTURES)
+    _choice("activation", activation, ACTIVATIONS)
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
-    _check_structure_of(structure, P, Q)
+    _check_structure_of(structure, P, Q, tied)
     with np.errstate(over="ignore", invalid="ignore"):
         r, JP, JQ = _evaluator(engine, Z, y, activation, jacobian=True)(P, Q)
-        J = _jacobian_rows(structure, JP, JQ)
+        J = _jacobian_rows(structure, JP, JQ, tied)
     _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, Z=Z)
     return r, J
 
@@ -660,18 +704,13 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
 ACTIVATIONS = ("linear", "relu", "softmax", "softmax_all")
 
 
-def _check_activation(activation):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-
-
 @_numpy_rules
 def attention_forward(P_h, Q_h, Z, activation):
     """One head: out = (1/n) P Z M sigma(Z^T Q Z). P_h, Q_h: (D, D); Z: (B, D, n+1).
     Returns out (B, D, n+1) and the cache for attention_backward. The activation is checked; the
     arrays are not (forward_activation and loss_and_grad_activation check theirs): it assumes float64
     P_h, Q_h of shape (D, D) matching Z. MATH.md §4."""
-    _check_activation(activation)
+    _choice("activation", activation, ACTIVATIONS)
     n = Z.shape[2] - 1
     E = Z.transpose(0, 2, 1) @ Q_h @ Z                         # E[i, j] = z_i^T Q z_j
     if activation == "linear":
@@ -756,7 +795,7 @@ def _activation_pass(P, Q, Z, y, activation, jacobian=False):
 def forward_activation(P, Q, Z, activation="relu"):
     """Z_L of L layers Z <- Z + sum_h P_h Z M sigma(Z^T Q_h Z) / n ([A] §6). Shapes as forward.
     MATH.md §4."""
-    _check_activation(activation)
+    _choice("activation", activation, ACTIVATIONS)
     P, Q, Z = _model_inputs(P, Q, Z)
     with np.errstate(over="ignore", invalid="ignore"):
         Z_L = _activation_pass(P, Q, Z, np.zeros(Z.shape[0]), activation)[3]
@@ -773,7 +812,7 @@ def predict_activation(P, Q, Z, activation="relu"):
 def loss_and_grad_activation(P, Q, Z, y, activation="relu", engine=None):
     """(loss, dP, dQ) for the attention of forward_activation, by hand-written reverse mode; engine
     as loss_and_grad_gram. MATH.md §4."""
-    _check_activation(activation)
+    _choice("activation", activation, ACTIVATIONS)
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
     with np.errstate(over="ignore", invalid="ignore"):
         loss, dP, dQ, _ = _engine(engine).activation_pass(P, Q, Z, y, activation)
@@ -861,11 +900,12 @@ def unpack(theta, shapes):
     return [part.reshape(s) for part, s in zip(np.split(theta, cuts), shapes)]
 
 
-def structure_shapes(structure, L, d, H=1):
+def structure_shapes(structure, L, d, H=1, tied=False):
     """Names and shapes of a structure's own coordinates: sparse A; blocks A, B; full P, Q.
-    MATH.md §5."""
-    _check_structure(structure)
+    tied: one layer's coordinates (leading axis 1), applied L times (MATH.md §5, §14). MATH.md §5."""
+    _choice("structure", structure, STRUCTURES)
     L, d, H = _int("L", L, 1), _int("d", d, 1), _int("H", H, 1)
+    L = 1 if _tied(tied) else L
     if structure != "full" and H != 1:
         raise ValueError(f"heads must be 1 for structure {structure!r} (one P, Q per layer), got {H}")
     if structure == "full":
@@ -875,33 +915,47 @@ def structure_shapes(structure, L, d, H=1):
     return {"A": (L, d, d)}
 
 
-def structure_to_PQ(structure, coords):
-    """(P, Q) of a structure's coordinates (a dict as from structure_shapes). MATH.md §5."""
-    _check_structure(structure)
+def structure_to_PQ(structure, coords, L=None):
+    """(P, Q) of a structure's coordinates (a dict as from structure_shapes). L: None (coords hold
+    every layer), or for a weight-tied model the number of layers: coords hold one layer (leading
+    axis 1) and that (P, Q) is applied L times (MATH.md §14). MATH.md §5."""
+    _choice("structure", structure, STRUCTURES)
     keys = {"sparse": {"A"}, "blocks": {"A", "B"}, "full": {"P", "Q"}}[structure]
     if not isinstance(coords, dict) or set(coords) != keys:
         raise ValueError(f"coords must be a dict with the keys {sorted(keys)} for structure {structure!r}")
     if structure == "sparse":
-        return sparse_params(coords["A"])
-    if structure == "blocks":
-        return block_params(coords["A"], coords["B"])
-    return _params(coords["P"], coords["Q"], ("coords['P']", "coords['Q']"))
+        P, Q = sparse_params(coords["A"])
+    elif structure == "blocks":
+        P, Q = block_params(coords["A"], coords["B"])
+    else:
+        P, Q = _params(coords["P"], coords["Q"], ("coords['P']", "coords['Q']"))
+    if L is None:
+        return P, Q
+    L = _int("L", L, 1)
+    if P.shape[0] != 1:
+        raise ValueError(f"tied coords must hold one layer (leading axis 1) to repeat L = {L} times, "
+                         f"got {P.shape[0]} layers")
+    return np.repeat(P, L, axis=0), np.repeat(Q, L, axis=0)
 
 
-def structure_grad(structure, dP, dQ):
-    """The gradient in a structure's own coordinates, a dict keyed like structure_shapes. MATH.md §5."""
-    _check_structure(structure)
-    if structure == "sparse":
-        return {"A": sparse_grad(dP, dQ)}
-    if structure == "blocks":
-        dA, dB = block_grad(dP, dQ)
-        return {"A": dA, "B": dB}
-    return dict(zip("PQ", _params(dP, dQ, ("dP", "dQ"))))
+def structure_grad(structure, dP, dQ, tied=False):
+    """The gradient in a structure's own coordinates, a dict keyed like structure_shapes. tied: the
+    coordinates are shared by every layer, so their gradient is the sum of the L layers' (the chain
+    rule of the repetition, MATH.md §14), with a leading axis 1. MATH.md §5."""
+    _choice("structure", structure, STRUCTURES)
+    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
+    if structure != "full" and dP.shape[1] != 1:
+        raise ValueError(f"dP, dQ must have one head, shape (L, 1, D, D), for the structures (8) and (11); "
+                         f"got {dP.shape}")
+    return _structure_grad(structure, dP, dQ, _tied(tied))
 
 
-def _structure_grad(structure, dP, dQ):
+def _structure_grad(structure, dP, dQ, tied=False):
     """structure_grad without the checks, for (dP, dQ) of shape (..., L, H, D, D) (a leading axis
-    of prompts for the Jacobian's rows): the chain rules of block_grad act on the last four axes."""
+    of prompts for the Jacobian's rows): the chain rules of block_grad act on the last four axes;
+    tied sums over the layer axis."""
+    if tied:
+        dP, dQ = dP.sum(axis=-4, keepdims=True), dQ.sum(axis=-4, keepdims=True)
     if structure == "full":
         return {"P": dP, "Q": dQ}
     out = {"A": -dQ[..., 0, :-1, :-1]}
@@ -966,15 +1020,14 @@ class _Run:
     its scale c, the start in those units, the coordinates <-> flat vector, progress lines and the
     result (MATH.md §6)."""
 
-    def __init__(self, Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine):
-        _check_structure(structure)
-        _check_activation(activation)
+    def __init__(self, Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine,
+                 tied=False):
+        Z, y = _batch(structure, activation, Z, y)
         layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
-        Z = _prompts(Z)
-        y = _labels(y, Z.shape[0])
         self.structure, self.activation, self.engine = structure, activation, engine
+        self.tied, self.layers = _tied(tied), layers
         self.progress = _int("progress", progress, 0)
-        self.shapes = structure_shapes(structure, layers, Z.shape[1] - 1, heads)
+        self.shapes = structure_shapes(structure, layers, Z.shape[1] - 1, heads, self.tied)
         self.c = _data_scale(Z)
         self.Z, self.y = Z / self.c, y / self.c
         self.theta0 = pack(_start(structure, self.shapes, init, init_scale, rng, self.c).values())
@@ -986,7 +1039,11 @@ class _Run:
         return _rescaled(coords, self.c ** -2) if user_units else coords
 
     def PQ(self, theta):
-        return structure_to_PQ(self.structure, self.coords(theta))
+        return structure_to_PQ(self.structure, self.coords(theta), self.layers if self.tied else None)
+
+    def grad(self, dP, dQ):
+        """The flat gradient in the structure's coordinates (tied: summed over the layers)."""
+        return np.concatenate([g.ravel() for g in _structure_grad(self.structure, dP, dQ, self.tied).values()])
 
     def say(self, what, k, loss, grad):
         if self.progress and k % self.progress == 0:
@@ -995,8 +1052,8 @@ class _Run:
 
     def result(self, theta, loss, grad, history, options, outcome, success, **extra):
         coords = self.coords(theta, user_units=True)
-        P, Q = structure_to_PQ(self.structure, coords)
-        return dict(structure=self.structure, coords=coords, P=P, Q=Q, loss=self.c ** 2 * float(loss),
+        P, Q = structure_to_PQ(self.structure, coords, self.layers if self.tied else None)
+        return dict(structure=self.structure, tied=self.tied, coords=coords, P=P, Q=Q, loss=self.c ** 2 * float(loss),
                     grad_norm=_norm(grad), scale=self.c, success=bool(success),
                     wall_time=time.perf_counter() - self.start, scipy_version=scipy.__version__,
                     history=self.c ** 2 * np.array(history), options=options, **outcome, **extra)
@@ -1007,7 +1064,7 @@ _INTERRUPTED = dict(nfev=None, status=None, interrupted=True)
 @_numpy_rules
 def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
                 rng=None, maxiter=2000, maxfun=None, maxcor=20, ftol=0.0, gtol=1e-8,
-                maxls=50, progress=0, keep_iterates=False, activation="linear", engine=None):
+                maxls=50, progress=0, keep_iterates=False, activation="linear", engine=None, tied=False):
     """Minimise the in-context loss on the fixed batch (Z, y) with scipy's L-BFGS-B (MATH.md §6).
 
     Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in {"sparse", "blocks", "full"},
@@ -1023,9 +1080,11 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     ["iterates"], a list of dicts, initial point first). activation: "linear" (the paper's layer;
     S_0 = Z M Z^T is formed once and each evaluation costs O(B L H D^3)) or one of ACTIVATIONS
     (explicit attention, O(B L H n^2 D)). engine as loss_and_grad_gram (icl_fast's trainers pass
-    theirs: the same numbers, on several cores).
+    theirs: the same numbers, on several cores). tied: one layer's coordinates (structure_shapes
+    with tied=True) applied `layers` times, the looped model of MATH.md §14; its gradient is the
+    sum of the layers'.
 
-    Returns a dict: structure, coords (the structure's own arrays), P, Q, loss, grad_norm (the
+    Returns a dict: structure, tied, coords (the structure's own arrays), P, Q, loss, grad_norm (the
     gradient's Euclidean norm; gtol bounds its largest entry), scale (c, MATH.md §6), nit, nfev, success, status, message,
     interrupted, wall_time, scipy_version, history (the loss after each iteration, the initial loss
     first) and options. success is icl_ref's own verdict: the returned point's loss and gradient are
@@ -1040,7 +1099,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                    maxfun=5 * maxiter if maxfun is None else _int("maxfun", maxfun, 1),
                    maxcor=_int("maxcor", maxcor, 1), ftol=_nonneg("ftol", ftol),
                    gtol=_nonneg("gtol", gtol), maxls=_int("maxls", maxls, 1))
-    run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine)
+    run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
     evaluate = _evaluator(engine, run.Z, run.y, activation)
     last, history, failed = {}, [], [0]
 
@@ -1050,7 +1109,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
         if np.all(np.isfinite(theta)):
             with np.errstate(over="ignore", invalid="ignore"):
                 loss, dP, dQ = evaluate(*run.PQ(theta))
-            grad = np.concatenate([g.ravel() for g in _structure_grad(structure, dP, dQ).values()])
+            grad = run.grad(dP, dQ)
             if math.isfinite(loss) and np.all(np.isfinite(grad)):
                 last.update(theta=theta.copy(), loss=loss, grad=grad)
                 return loss, grad
@@ -1101,15 +1160,16 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                       **({"iterates": iterates} if keep_iterates else {}))
 
 
-def _fixed_coordinates(structure, shapes, query_label_zero=True):
+def _fixed_coordinates(structure, shapes, query_label_zero=True, tied_layers=1):
     """Boolean mask (pack order) of the coordinates that never reach the loss (MATH.md §6): blocks
     B_{L-1} ([A] footnote 4); for full P, Q the x-rows of the last layer's P and, for one layer
     when every query's label slot is 0 (query_label_zero), the last column of Q (it multiplies
-    that slot)."""
+    that slot). Tied coordinates serving tied_layers > 1 layers all reach it through the earlier
+    layers (MATH.md §14)."""
     masks = {k: np.zeros(s, dtype=bool) for k, s in shapes.items()}
-    if structure == "blocks":
+    if tied_layers == 1 and structure == "blocks":
         masks["B"][-1] = True
-    elif structure == "full":
+    elif tied_layers == 1 and structure == "full":
         masks["P"][-1, :, :-1, :] = True
         if query_label_zero and shapes["Q"][0] == 1:
             masks["Q"][0, :, :, -1] = True
@@ -1131,7 +1191,8 @@ def _reduced_least_squares(r, J):
 
 @_numpy_rules
 def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
-                       rng=None, max_nfev=500, gtol=1e-8, progress=0, activation="linear", engine=None):
+                       rng=None, max_nfev=500, gtol=1e-8, progress=0, activation="linear", engine=None,
+                       tied=False):
     """Minimise the in-context loss on (Z, y) by Gauss-Newton with a trust region (MATH.md §6).
 
     scipy.optimize.least_squares on the residuals r / sqrt(B) (method "dogbox" for the sparse and
@@ -1142,14 +1203,15 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) are held at their initial
     values (result["fixed"] counts them). Converged means a small gradient: grad_norm =
     |2 J^T r / B| over the free coordinates <= gtol. history holds the loss after each accepted
-    decrease; nit counts evaluations. Returns train_lbfgs's dict (success, scale and Ctrl-C as
-    there) plus fixed.
+    decrease; nit counts evaluations. tied as train_lbfgs (every tied coordinate is free for
+    layers > 1). Returns train_lbfgs's dict (success, scale and Ctrl-C as there) plus fixed.
     """
     options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
-    run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine)
+    run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
     B = run.Z.shape[0]
     jacobian = _evaluator(engine, run.Z, run.y, activation, jacobian=True)
-    free = ~_fixed_coordinates(structure, run.shapes, query_label_zero=not np.any(run.Z[:, -1, -1]))
+    free = ~_fixed_coordinates(structure, run.shapes, query_label_zero=not np.any(run.Z[:, -1, -1]),
+                               tied_layers=run.layers if run.tied else 1)
     root_B = math.sqrt(B)
 
     def full(x):
@@ -1168,7 +1230,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
             return cache
         with np.errstate(over="ignore", invalid="ignore"):
             r, JP, JQ = jacobian(*run.PQ(full(x)))
-            J = _jacobian_rows(structure, JP, JQ)[:, free]
+            J = _jacobian_rows(structure, JP, JQ, run.tied)[:, free]
         if not (np.all(np.isfinite(r)) and np.all(np.isfinite(J))):
             return cache
         cache["f"], cache["R"] = _engine(engine).reduced_least_squares(r / root_B, J / root_B)
@@ -1248,36 +1310,33 @@ def preconditioned_gd(X, y, A):
     return W[0] if single else W
 
 
-def _single_layer_moments(Sigma, n, Sigma_w, noise_var):
-    """(Sigma, Sigma_w, K, E[h w^T]) of MATH.md §8, with h = (1/n) sum_i y_i x_i."""
-    n = _int("n", n, 1)
-    Sigma = _spd("Sigma", Sigma)[0]
-    d = Sigma.shape[0]
-    Sigma_w = _task_covariance(Sigma_w, d)[0]
-    noise_var = _nonneg("noise_var", noise_var)
-    K = ((n + 1) / n) * Sigma @ Sigma_w @ Sigma + ((np.trace(Sigma_w @ Sigma) + noise_var) / n) * Sigma
-    return Sigma, Sigma_w, K, Sigma @ Sigma_w
+def _single_layer_moments(Sigma, n, M, noise_var):
+    """(K, E[h w^T]) of MATH.md §8, h = (1/n) sum_i y_i x_i, for checked Sigma (d, d), n, noise_var
+    and M = E[w_star w_star^T] (d, d), which enters only through this second moment (MATH.md §15)."""
+    K = ((n + 1) / n) * Sigma @ M @ Sigma + ((np.trace(M @ Sigma) + noise_var) / n) * Sigma
+    return K, Sigma @ M
 
 
 @_numpy_rules
-def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0):
+def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
     """Optimal single-layer preconditioner, Theorem 1 of [A] generalised (MATH.md §8):
 
         Gamma* = K^-1 Sigma Sigma_w,
         K = ((n+1)/n) Sigma Sigma_w Sigma + ((tr(Sigma_w Sigma) + noise_var)/n) Sigma.
 
     With Sigma_w = I and no noise, Gamma* = ((1 + 1/n) Sigma + (tr Sigma / n) I)^-1, eq. (6).
-    Sigma, Sigma_w: (d, d) SPD; n >= 1; noise_var >= 0 (context label noise). Returns (d, d);
-    the optimal layer is sparse_params(Gamma*[None]).
+    Sigma, Sigma_w: (d, d) SPD; n >= 1; noise_var >= 0 (context label noise). With a pool tasks
+    (K, d) in place of Sigma_w, Sigma_w is the pool's second moment: the layer trained on prompts
+    from that pool (MATH.md §15). Returns (d, d); the optimal layer is sparse_params(Gamma*[None]).
     """
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
-    Sigma_w = _task_covariance(Sigma_w, Sigma.shape[0])[0]
+    M = _task_moment(Sigma_w, tasks, Sigma.shape[0])
     noise_var = _nonneg("noise_var", noise_var)
-    # scale-free: with Sigma = c S and Sigma_w = w W (max entries 1), Gamma* = K'^-1 S W / c, where K'
+    # scale-free: with Sigma = c S and M = w W (max entries 1), Gamma* = K'^-1 S W / c, where K'
     # is K of (S, W) with the noise noise_var / (c w); no under- or overflow at any scale of Sigma
-    c, w = np.max(np.abs(Sigma)), np.max(np.abs(Sigma_w))
-    _, _, K, E_hw = _single_layer_moments(Sigma / c, n, Sigma_w / w, noise_var / (c * w))
+    c, w = np.max(np.abs(Sigma)), np.max(np.abs(M)) or 1.0          # w = 0: a pool of zero tasks
+    K, E_hw = _single_layer_moments(Sigma / c, n, M / w, noise_var / (c * w))
     G = np.linalg.solve(K, E_hw) / c
     _finite({"Gamma*": G}, Sigma=Sigma)
     return G
@@ -1292,17 +1351,10 @@ def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, q
 
     for x ~ N(0, Sigma), w* ~ N(0, Sigma_w), context labels with noise of variance noise_var, and a
     query label with the same noise when query_noise (as sample_prompts draws it).
-    Gamma: (d, d), any (not only symmetric). Returns a float.
+    Gamma: (d, d), any (not only symmetric). Returns a float. The query from another covariance,
+    a pool of tasks: shifted_single_layer_loss (MATH.md §15).
     """
-    Sigma, Sigma_w, K, E_hw = _single_layer_moments(Sigma, n, Sigma_w, noise_var)
-    Gamma = _array("Gamma", Gamma, 2)
-    if Gamma.shape != Sigma.shape:
-        raise ValueError(f"Gamma must have shape {Sigma.shape} to match Sigma, got {Gamma.shape}")
-    with np.errstate(over="ignore", invalid="ignore"):
-        loss = (np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
-                + np.trace(Sigma @ Sigma_w) + (noise_var if query_noise else 0.0))
-    _finite({"the loss": loss}, Gamma=Gamma, Sigma=Sigma)
-    return float(loss)
+    return shifted_single_layer_loss(Gamma, Sigma, n, Sigma_w, noise_var, query_noise)
 
 
 MAX_FULL_LAYER_D = 8     # the exact rule over w* below has 4^d nodes
@@ -1572,10 +1624,12 @@ def _family_loss_at_nodes(theta, L, blocks, nodes, weights, n, noise_var):
     return f, np.r_[da + dg * b, dg[:-1] * a[:-1]] if blocks else da
 
 
-def _family_descent(L, n, d, blocks, noise_var):
+def _family_descent(L, n, d, blocks, noise_var, tied=False):
     """theta0 -> scipy's L-BFGS-B result on the family loss at the exact Gauss nodes (MATH.md §10),
-    theta = (a (L,), b (L-1,) with blocks), with the gradient of _family_loss_at_nodes. Refuses
-    families whose exact loss needs moments beyond MAX_MOMENT_ORDER."""
+    theta = (a (L,), b (L-1,) with blocks), with the gradient of _family_loss_at_nodes; tied:
+    theta = (a, b with blocks) shared by the layers, theta_layers = E theta with a 0/1 matrix E,
+    so the gradient is E^T (the layers' gradient), their sum (MATH.md §14). Refuses families whose
+    exact loss needs moments beyond MAX_MOMENT_ORDER."""
     degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, MATH.md §10
     if 2 * degree > MAX_MOMENT_ORDER:
         raise ValueError(f"L must be <= {3 if blocks else MAX_MOMENT_ORDER // 2} for the "
@@ -1583,8 +1637,15 @@ def _family_descent(L, n, d, blocks, noise_var):
                          f"up to order 2 deg p = {2 * degree} > {MAX_MOMENT_ORDER}, got L = {L}")
     nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
     args = (L, blocks, nodes, weights, n, noise_var)
-    return lambda theta0: scipy.optimize.minimize(_family_loss_at_nodes, theta0, args=args, jac=True,
-                                                  method="L-BFGS-B", options=dict(ftol=1e-15, gtol=1e-12))
+    E = np.eye(2 * L - 1 if blocks else L)
+    if tied:                               # a column of ones per shared scalar: theta_layers = E theta
+        E = scipy.linalg.block_diag(np.ones((L, 1)), *([np.ones((L - 1, 1))] if blocks else []))
+
+    def fun(theta):
+        f, g = _family_loss_at_nodes(E @ theta, *args)
+        return f, E.T @ g
+    return lambda theta0: scipy.optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
+                                                  options=dict(ftol=1e-15, gtol=1e-12))
 
 
 def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
@@ -1606,15 +1667,23 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     ([A] footnote 4). For the sparse family a is sorted (the loss is symmetric, Lemma 4).
     MATH.md §10.
     """
+    best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng)
+    return _family_result(best.x, L, n, d, blocks, noise_var, sort=not blocks)
+
+
+def _family_search(L, n, d, blocks, noise_var, starts, rng, tied=False):
+    """The lowest of `starts` descents of the exact family loss (_family_descent) from a ~ U(0, 2),
+    b ~ U(0, 1.5) drawn from rng (default seed 0), one (a, b) per layer or, tied, one for all;
+    returns it and the checked (L, n, d, noise_var)."""
     L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
     starts = _int("starts", starts, 1)
-    _rng(rng, optional=True)
-    rng = np.random.default_rng(0) if rng is None else rng
-    descend = _family_descent(L, n, d, blocks, noise_var)
-    best = min((descend(np.r_[rng.uniform(0, 2, L), rng.uniform(0, 1.5, L - 1) if blocks else []])
+    rng = np.random.default_rng(0) if _rng(rng, optional=True) is None else rng
+    descend = _family_descent(L, n, d, blocks, noise_var, tied=tied)
+    k = 1 if tied else L
+    best = min((descend(np.r_[rng.uniform(0, 2, k), rng.uniform(0, 1.5, (1 if tied else L - 1) if blocks else 0)])
                 for _ in range(starts)), key=lambda res: res.fun)
-    return _family_result(best.x, L, n, d, blocks, noise_var, sort=not blocks)
+    return best, (L, n, d, noise_var)
 
 
 @_numpy_rules
@@ -1692,7 +1761,7 @@ def symmetry_directions(structure, coords, query_label_zero=True):
       (P_lh, -Q_lh) among them (h = g).
 
     The sparse structure has none (k = 0). Returns an array (p, k)."""
-    _check_structure(structure)
+    _choice("structure", structure, STRUCTURES)
     P, Q = structure_to_PQ(structure, coords)
     L, H = P.shape[:2]
     shapes = structure_shapes(structure, L, P.shape[-1] - 1, H)
@@ -1751,10 +1820,7 @@ def identifiable_hessian(structure, coords, Z, y, h=1e-5, activation="linear", e
     Returns a dict: basis U (p, m), gradient (m,) = U^T grad, hessian (m, m), eigenvalues (m,)
     ascending, symmetries k = p - m (the directions removed).
     """
-    _check_structure(structure)
-    _check_activation(activation)
-    Z = _prompts(Z)
-    y = _labels(y, Z.shape[0])
+    Z, y = _batch(structure, activation, Z, y)
     h = _nonneg("h", h)
     if h == 0:
         raise ValueError("h must be > 0 (the step of the central differences of the gradient)")
@@ -1783,10 +1849,7 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     with an eigenvalue <= 0 there is a ValueError), for gradients that are not heavy-tailed
     (MATH.md §10-§11). Returns a (p, p) array in pack order.
     """
-    _check_structure(structure)
-    _check_activation(activation)
-    Z = _prompts(Z)
-    y = _labels(y, Z.shape[0])
+    Z, y = _batch(structure, activation, Z, y)
     chunks = _int("chunks", chunks, 2)
     names, shapes, theta0 = _check_coords(structure, coords, Z)
     if activation != "linear" and Z.shape[0] < 2 * chunks:
@@ -1961,6 +2024,282 @@ def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="line
              c * n * dPt @ np.swapaxes(Wo, -1, -2), c * n * np.swapaxes(Wv, -1, -2) @ dPt]
     out = [np.concatenate(list(np.moveaxis(g, 1, 0)), axis=2 if i < 3 else 1) for i, g in enumerate(grads)]
     return tuple(o.sum(axis=0) if tied else o for o in out)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8b. Beyond the paper: looped models and gradient flow (MATH.md §14)
+# ---------------------------------------------------------------------------------------------
+
+@_numpy_rules
+def optimal_tied_family(L, n, d, blocks=False, noise_var=0.0, starts=8, rng=None):
+    """Best looped member of the families of Theorems 3 and 4: A_l = a Sigma^-1 for every l (and
+    B_l = b I with blocks), one (a, b) applied L times, by multi-start L-BFGS-B on the exact
+    Gauss rule (as optimal_family_scalars) with the layers' gradient summed (MATH.md §14).
+    Noiseless sparse: the loss is strictly convex in a, so its minimiser is unique. Starts
+    a ~ U(0, 2), b ~ U(0, 1.5) from rng (default seed 0). Returns (a, b or None, loss): floats,
+    b NaN when L = 1 (B_0 never enters), loss = family_population_loss at (a 1_L, b 1_L).
+    """
+    best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng, tied=True)
+    a = float(best.x[0])
+    b = (float(best.x[1]) if L > 1 else math.nan) if blocks else None
+    loss = family_population_loss(np.full(L, a), n, d, None if b is None else np.full(L, b), noise_var=noise_var)
+    return a, b, loss
+
+
+def _one_layer_field(u, U, Sigma, K, E_hw):
+    """(L - L(0), dL/du, dL/dU) of the layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] through
+    Gamma = u U: grad_Gamma = 2 (K Gamma Sigma - E[h w^T] Sigma) (MATH.md §8, §14)."""
+    Gamma = u * U
+    G = 2 * (K @ Gamma @ Sigma - E_hw @ Sigma)
+    excess = np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
+    return excess, float(np.sum(G * U)), u * G
+
+
+def _noiseless_moments(Sigma, n, Sigma_w):
+    """(Sigma, Sigma_w, K, E[h w^T]) of MATH.md §8, checked, for noiseless labels."""
+    n = _int("n", n, 1)
+    Sigma = _spd("Sigma", Sigma)[0]
+    Sigma_w = _task_covariance(Sigma_w, Sigma.shape[0])[0]
+    return (Sigma, Sigma_w, *_single_layer_moments(Sigma, n, Sigma_w, 0.0))
+
+
+@_numpy_rules
+def one_layer_population_grad(u, U, Sigma, n, Sigma_w=None):
+    """Exact population loss of one layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] (noiseless
+    labels; Zhang, Frei and Bartlett's value scalar and key-query block) and its gradient in (u, U),
+    the chain rule of single_layer_population_loss through Gamma = u U (MATH.md §14).
+    u: float; U: (d, d); Sigma, Sigma_w: (d, d) SPD. Returns (loss, du (float), dU (d, d)); the
+    gradient of full_layer_population_loss in every other entry of (P, Q) is 0 there (MATH.md §14).
+    """
+    u = float(_array("u", u, 0))
+    Sigma, Sigma_w, K, E_hw = _noiseless_moments(Sigma, n, Sigma_w)
+    U = _array("U", U, 2)
+    if U.shape != Sigma.shape:
+        raise ValueError(f"U must have shape {Sigma.shape} to match Sigma, got {U.shape}")
+    excess, du, dU = _one_layer_field(u, U, Sigma, K, E_hw)
+    return float(excess + np.trace(Sigma @ Sigma_w)), du, dU
+
+
+@_numpy_rules
+def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1e-12):
+    """Gradient flow d(u, U)/dt = -grad L of the exact one-layer population loss (icl_ref's loss, a
+    mean without 1/2) from Zhang, Frei and Bartlett's initialisation (MATH.md §14):
+
+        u(0) = sigma,  U(0) = sigma Theta Theta^T / |Theta Theta^T|_F,
+
+    i.e. P(0) = sigma e_d e_d^T, Q(0) = -sigma [[Theta Theta^T, 0], [0, 0]] (their W^PV, W^KQ with
+    |Theta Theta^T|_F = 1; the flow keeps every other entry of (P, Q) at 0). Integrated by
+    scipy.integrate.solve_ivp (DOP853, rtol, atol = rtol * 1e-3 of the state's scale) on the
+    gradient of one_layer_population_grad.
+    Sigma, Sigma_w: (d, d) SPD; n >= 1; sigma > 0; t: increasing times >= 0, (T,); Theta: (d, d),
+    nonzero (default I). Returns a dict: t (T,), u (T,), U (T, d, d), Gamma (T, d, d) = u U (the
+    effective preconditioner: y_hat = h^T Gamma x_q), loss (T,), invariant (T,) = u^2 - |U|_F^2
+    (conserved; 0 here), sigma_bound = sqrt(2 / (sqrt(d) |Gamma*^-1|_2)) with Gamma* =
+    gamma_star(Sigma, n, Sigma_w) (for Sigma_w = I the initial scale below which their Theorem 4.1
+    proves convergence), nfev.
+    """
+    Sigma, Sigma_w, K, E_hw = _noiseless_moments(Sigma, n, Sigma_w)
+    d = Sigma.shape[0]
+    sigma = _nonneg("sigma", sigma)
+    if sigma == 0:
+        raise ValueError("sigma must be > 0: (u, U) = 0 is a critical point of the loss, where the flow stays")
+    t = _array("t", t, 1)
+    if t.size < 1 or t[0] < 0 or np.any(np.diff(t) <= 0):
+        raise ValueError(f"t must be a non-empty increasing vector of times >= 0, got {t}")
+    Theta = np.eye(d) if Theta is None else _array("Theta", Theta, 2)
+    if Theta.shape != (d, d) or not np.any(Theta):
+        raise ValueError(f"Theta must be a nonzero ({d}, {d}) matrix, got shape {Theta.shape}")
+    M = Theta @ Theta.T
+    y0 = sigma * np.r_[1.0, (M / np.linalg.norm(M)).ravel()]
+
+    def field(_, y):
+        _, du, dU = _one_layer_field(y[0], y[1:].reshape(d, d), Sigma, K, E_hw)
+        return -np.r_[du, dU.ravel()]
+    ys = y0[:, None]
+    if t[-1] > 0:
+        sol = scipy.integrate.solve_ivp(field, (0.0, t[-1]), y0, method="DOP853", t_eval=t, rtol=rtol,
+                                        atol=rtol * 1e-3 * sigma)
+        if not sol.success:
+            raise ValueError(f"solve_ivp failed: {sol.message}")
+        ys = sol.y
+    u, U = ys[0], ys[1:].T.reshape(-1, d, d)
+    Gamma = u[:, None, None] * U
+    base = np.trace(Sigma @ Sigma_w)
+    loss = np.array([base + _one_layer_field(1.0, G, Sigma, K, E_hw)[0] for G in Gamma])
+    gamma_inv = np.linalg.solve(E_hw, K)                       # Gamma*^-1 = (Sigma Sigma_w)^-1 K
+    return dict(t=t, u=u, U=U, Gamma=Gamma, loss=loss, invariant=u ** 2 - np.sum(U ** 2, axis=(1, 2)),
+                sigma_bound=math.sqrt(2 / (math.sqrt(d) * np.linalg.norm(gamma_inv, 2))),
+                nfev=int(sol.nfev) if t[-1] > 0 else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8c. Estimators, task pools and shift (MATH.md §15)
+#
+# What a trained layer is compared with: estimators that read a prompt's context (X, y) and its
+# query x_q from the paper's layout Z and predict y_hat = <w_hat, x_q>; their risks, exact where a
+# closed form exists and by Monte Carlo where not; the exact loss of one layer away from the
+# distribution it was trained on.
+# ---------------------------------------------------------------------------------------------
+
+def _regression(Z):
+    """(X (B, n, d), y (B, n), x_q (B, d)) of prompts Z (B, d+1, n+1): the context and the query."""
+    d, n = Z.shape[1] - 1, Z.shape[2] - 1
+    return np.swapaxes(Z[:, :d, :n], 1, 2), Z[:, d, :n], Z[:, :d, n]
+
+
+@_numpy_rules
+def ridge_predict(Z, lam=0.0, Sigma_w=None):
+    """Ridge regression on each prompt's context, evaluated at its query (MATH.md §15):
+
+        w_hat = argmin_w |y - X w|^2 + lam w^T Sigma_w^-1 w,   y_hat = <w_hat, x_q>,
+
+    computed as w = F v, v = V diag(s / (s^2 + lam)) U^T y from the SVD U diag(s) V^T of X F
+    (F the Cholesky factor of Sigma_w, the identity by default). lam = 0 is least squares: OLS for
+    n >= d, the minimum-norm interpolant (in the metric Sigma_w^-1) for n < d; singular values
+    below max(n, d) eps s_max then count as zero, as in numpy's pinv. lam = noise_var is
+    bayes_predict. Z: (B, d+1, n+1); lam >= 0; Sigma_w (d, d) SPD or None. Returns y_hat (B,).
+    """
+    Z = _prompts(Z)
+    lam = _nonneg("lam", lam)
+    F = _task_covariance(Sigma_w, Z.shape[1] - 1)[1]
+    X, y, x_q = _regression(Z)
+    U, s, Vt = np.linalg.svd(X @ F, full_matrices=False)
+    keep = s > (max(X.shape[1:]) * np.finfo(float).eps * s[:, :1] if lam == 0 else 0.0)
+    # 1/s itself at lam = 0: s^2 underflows to 0 for prompts of scale below 1e-154
+    shrink = np.divide(*((1.0, s) if lam == 0 else (s, s ** 2 + lam)), out=np.zeros_like(s), where=keep)
+    v = np.einsum("bkd,bk->bd", Vt, shrink * np.einsum("bnk,bn->bk", U, y))
+    return np.einsum("bd,bd->b", v @ F.T, x_q)
+
+
+@_numpy_rules
+def bayes_predict(Z, Sigma_w=None, noise_var=0.0):
+    """The posterior mean of y_q for w_star ~ N(0, Sigma_w) and label noise N(0, noise_var): the
+    Bayes-optimal prediction under squared loss for that prior, whatever the law of the covariates.
+    It is ridge_predict(Z, noise_var, Sigma_w) (MATH.md §15); noise_var = 0 interpolates.
+    Z: (B, d+1, n+1). Returns y_hat (B,)."""
+    return ridge_predict(Z, _nonneg("noise_var", noise_var), Sigma_w)
+
+
+@_numpy_rules
+def dmmse_predict(Z, tasks, noise_var):
+    """The posterior mean of y_q when w_star is a uniformly drawn row of the pool tasks (K, d) and
+    the labels carry noise N(0, noise_var) (MATH.md §15):
+
+        y_hat = sum_k pi_k <w_k, x_q>,   pi_k proportional to exp(-|y - X w_k|^2 / (2 noise_var)),
+
+    the log-weights (2 <X^T y, w_k> - w_k^T X^T X w_k) / (2 noise_var) (|y|^2 is common to every
+    k and cancels) normalised by log-sum-exp: the largest weight is exp(0) = 1, so the sum neither
+    overflows nor underflows to 0, however small noise_var (while the log-weights are finite).
+    Z: (B, d+1, n+1); tasks: (K, d); noise_var > 0. Returns y_hat (B,).
+    """
+    Z = _prompts(Z)
+    tasks = _pool(tasks, Z.shape[1] - 1)
+    if _nonneg("noise_var", noise_var) == 0:
+        raise ValueError("noise_var must be > 0: without noise the posterior over the pool is not a density")
+    X, y, x_q = _regression(Z)
+    K, d = tasks.shape
+    y_hat = np.empty(Z.shape[0])
+    step = max(1, 2 ** 22 // (K * d))                      # (step, K, d) temporaries of at most 32 MB
+    for b in range(0, Z.shape[0], step):
+        Xc, yc = X[b:b + step], y[b:b + step]
+        quad = np.einsum("bkd,kd->bk", tasks @ (np.swapaxes(Xc, 1, 2) @ Xc), tasks)
+        log_pi = (2 * np.einsum("bnd,bn->bd", Xc, yc) @ tasks.T - quad) / (2 * noise_var)
+        pi = np.exp(log_pi - np.max(log_pi, axis=1, keepdims=True))
+        y_hat[b:b + step] = np.sum(pi * (x_q[b:b + step] @ tasks.T), axis=1) / np.sum(pi, axis=1)
+    return y_hat
+
+
+def _isotropic(S):
+    """The c of S = c I, or None when S is not a multiple of the identity (to 1e-12 of its scale)."""
+    c = np.trace(S) / S.shape[0]
+    return c if np.max(np.abs(S - c * np.eye(S.shape[0]))) <= 1e-12 * abs(c) else None
+
+
+@_numpy_rules
+def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True):
+    """Exact E (y_hat - y_q)^2 of least squares, ridge_predict(Z, 0), where it has a closed form
+    (MATH.md §15), for x ~ N(0, Sigma), w_star ~ N(0, Sigma_w), label noise of variance noise_var:
+
+        n >= d:  noise_var d / (n - d - 1)                        (n > d + 1 when noise_var > 0)
+        n <  d:  c s (d - n) + noise_var n / (d - n - 1)          (Sigma = c I, Sigma_w = s I;
+                                                                    n < d - 1 when noise_var > 0)
+
+    plus noise_var when query_noise. Elsewhere the risk is infinite (n in d-1..d+1 with noise) or
+    has no closed form (n < d, anisotropic): a ValueError points to monte_carlo_risk.
+    Returns a float.
+    """
+    n = _int("n", n, 1)
+    Sigma = _spd("Sigma", Sigma)[0]
+    d = Sigma.shape[0]
+    Sigma_w = _task_covariance(Sigma_w, d)[0]
+    noise_var = _nonneg("noise_var", noise_var)
+    if noise_var > 0 and d - 1 <= n <= d + 1:
+        raise ValueError(f"n must be < d - 1 or > d + 1 when noise_var > 0: the risk of least squares is "
+                         f"infinite at n = {n}, d = {d}")
+    query = noise_var if query_noise else 0.0
+    if n >= d:
+        return float(noise_var * d / (n - d - 1) if noise_var > 0 else 0.0) + query
+    c, s = _isotropic(Sigma), _isotropic(Sigma_w)
+    if c is None or s is None:
+        raise ValueError("Sigma and Sigma_w must be multiples of the identity for n < d: the risk of the "
+                         "minimum-norm interpolant has no closed form otherwise; use monte_carlo_risk")
+    return float(c * s * (d - n) + (noise_var * n / (d - n - 1) if noise_var > 0 else 0.0)) + query
+
+
+@_numpy_rules
+def monte_carlo_risk(predict, rng, batch, n, Sigma, Sigma_w=None, noise_var=0.0, tasks=None):
+    """E (predict(Z) - y_q)^2 by Monte Carlo over prompts from sample_prompts (query noise included),
+    with its standard error std / sqrt(batch) (MATH.md §15). predict: a function of Z (b, d+1, n+1)
+    returning (b,), called on chunks of at most 4096 prompts. batch >= 2; the other arguments as
+    sample_prompts (noise_var = noise_std^2). Returns (risk, standard error).
+    """
+    if not callable(predict):
+        raise TypeError(f"predict must be a function of Z, got {type(predict).__name__}")
+    _rng(rng)
+    batch = _int("batch", batch, 2)
+    noise_std = math.sqrt(_nonneg("noise_var", noise_var))
+    errors = []
+    for b in range(0, batch, 4096):
+        Z, y = sample_prompts(rng, min(4096, batch - b), n, Sigma, Sigma_w, noise_std, tasks=tasks)
+        y_hat = _array("predict(Z)", predict(Z), 1)
+        if y_hat.shape != y.shape:
+            raise ValueError(f"predict(Z) must have shape {y.shape}, got {y_hat.shape}")
+        errors.append((y_hat - y) ** 2)
+    errors = np.concatenate(errors)
+    return float(np.mean(errors)), float(np.std(errors, ddof=1) / math.sqrt(batch))
+
+
+@_numpy_rules
+def shifted_single_layer_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, query_noise=True,
+                              Sigma_query=None, tasks=None):
+    """Exact E (y_hat - y_q)^2 of the one-layer sparse model with A_0 = Gamma, any (d, d) (trained at
+    another length, covariance or task law), on prompts of n context examples x_i ~ N(0, Sigma),
+    a query x_q ~ N(0, Sigma_query) (Sigma when None), w_star with second moment
+    M = E[w_star w_star^T] (Sigma_w, SPD, or the pool's (1/K) sum_k w_k w_k^T for tasks (K, d)) and
+    label noise of variance noise_var (MATH.md §8, §15):
+
+        L = tr(Sigma_q Gamma^T K Gamma) - 2 tr(Sigma_q Gamma^T Sigma M) + tr(Sigma_q M)
+            + noise_var [if query_noise],
+        K = ((n+1)/n) Sigma M Sigma + ((tr(M Sigma) + noise_var)/n) Sigma.
+
+    The layer divides by the prompt's own n (MATH.md §2). At Sigma_query = Sigma and a Gaussian
+    w_star it is single_layer_population_loss. Returns a float.
+    """
+    n = _int("n", n, 1)
+    Sigma = _spd("Sigma", Sigma)[0]
+    d = Sigma.shape[0]
+    M = _task_moment(Sigma_w, tasks, d)
+    noise_var = _nonneg("noise_var", noise_var)
+    S_q = Sigma if Sigma_query is None else _spd("Sigma_query", Sigma_query, d)[0]
+    Gamma = _array("Gamma", Gamma, 2)
+    if Gamma.shape != Sigma.shape:
+        raise ValueError(f"Gamma must have shape {Sigma.shape} to match Sigma, got {Gamma.shape}")
+    K, E_hw = _single_layer_moments(Sigma, n, M, noise_var)
+    with np.errstate(over="ignore", invalid="ignore"):
+        loss = (np.trace(S_q @ Gamma.T @ K @ Gamma) - 2 * np.trace(S_q @ Gamma.T @ E_hw)
+                + np.trace(S_q @ M) + (noise_var if query_noise else 0.0))
+    _finite({"the loss": loss}, Gamma=Gamma, Sigma=Sigma)
+    return float(loss)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -762,3 +762,34 @@ def test_icl_fast_without_threadpoolctl_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "icl_fast", raising=False)
     with pytest.raises(ImportError, match=re.escape("icl_fast needs threadpoolctl: pip install icl_ref[fast]")):
         importlib.import_module("icl_fast")
+
+
+def test_the_kit_works_under_a_strict_caller_and_leaves_its_settings(tmp_path):
+    # a test suite with np.seterr(all="raise") (strict suites set it) runs the kit as any other: the
+    # softmax cases' exponentials underflow inside icl_ref, which must not raise, and the caller's
+    # settings are the same afterwards
+    name = "small-full"
+    outputs = correct_outputs("paper", name)
+    old = np.seterr(all="raise")
+    try:
+        assert len(ir.reference_cases()) == len(CASES)
+        report = ir.check_implementation(lambda case: outputs, cases=[name], rtol=fd_rtol("paper"))
+        assert report["cases"][name]["status"] == "passed"
+        _, found = ir.diagnose({name: {"Z_L": outputs["Z_L"], "loss": outputs["loss"]}})
+        ir.write_reference_vectors(tmp_path / "vectors")
+        assert np.geterr() == dict(divide="raise", over="raise", under="raise", invalid="raise")
+    finally:
+        np.seterr(**old)
+
+
+@pytest.mark.slow
+def test_the_examples_run_and_their_expected_failures_are_the_cases_they_name():
+    # examples/test_numpy_per_case.py: the linear cases pass one per test, the nonlinear ones are
+    # expected failures (strict), and the one-call form passes with skip=
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.join(ROOT, "examples", "test_numpy_per_case.py")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "10 passed, 4 xfailed" in proc.stdout

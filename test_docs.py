@@ -5,7 +5,10 @@ and MATH.md quote from them by rendering (tools/records.py); whether a record wa
 code is `python3 tools/records.py check`'s business, not a test's."""
 import ast
 import glob
+import hashlib
+import importlib.util
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -153,29 +156,22 @@ def python_blocks(text, after):
 
 
 def test_readme_api_examples_run_as_written():
-    # every line of README's API and speed examples runs, on a smaller batch (20000 -> 200 prompts);
-    # the placeholders a user would bring (another implementation's arrays) are made here
+    # every line of README's API and speed examples runs as written, each block defining its own
+    # inputs, on a smaller batch (20000 -> 200 prompts)
     import numpy as np
     readme = read("README.md")
     blocks = python_blocks(readme, "## API, one example each") + python_blocks(readme, "## Speed: icl_fast")
     assert len(blocks) == 2
-    case = ir.reference_cases()[0]
-    rng = np.random.default_rng(0)
-    W = np.tile(np.eye(6), (3, 1, 1))
-    namespace = dict(allparam=0.1 * rng.standard_normal((3, 1, 2, 5, 5)),
-                     Z_rows=ir.tokens_as_rows(ir.sample_prompts(rng, 8, 20, np.eye(5))[0]),
-                     W_q=W, W_k=W, W_v=0.1 * W, W_o=W, n=20, H=1, L=3,
-                     my_Z_L=ir.forward(case["P"], case["Q"], case["Z"]),
-                     my_loss=ir.in_context_loss(case["P"], case["Q"], case["Z"], case["y"]))
     # the slowest calls run shorter (their results are not what this test checks): L-BFGS to 50
     # iterations, the family optimum from 2 starts
     import functools
     from unittest import mock
     with mock.patch.object(ir, "train_lbfgs", functools.partial(ir.train_lbfgs, maxiter=50)), \
             mock.patch.object(ir, "optimal_family_scalars", functools.partial(ir.optimal_family_scalars, starts=2)):
-        for block in blocks:
+        namespaces = [{} for _ in blocks]                # each block on its own
+        for block, namespace in zip(blocks, namespaces):
             exec(compile(block.replace("20000", "200"), "README.md", "exec"), namespace)
-    assert namespace["found"] == {"small-full": {"Z_L": "agrees", "loss": "agrees"}}
+    assert namespaces[0]["found"] == {"small-full": {"Z_L": "agrees", "loss": "agrees"}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +213,7 @@ def test_render_notices_a_wrong_quoted_number():
     # the comparison above can fail: a README whose block says another count than the record differs
     texts = {doc: read(doc) for doc in records.DOCS}
     current = records.block_text(texts["MATH.md"], "landscape-count")
-    texts["MATH.md"] = texts["MATH.md"].replace(current, current.replace(current.split()[0], "99"))
+    texts["MATH.md"] = texts["MATH.md"].replace(current, "99" + current[len(current.split()[0]):])
     _, results = records.render_all(texts)
     assert [name for doc, name, now, new, problem in results if not problem and now != new] == ["landscape-count"]
 
@@ -240,8 +236,9 @@ def test_blocks_landscape_minima_are_strict_minima_of_the_current_family_loss():
     rec = load("blocks_landscape")
     n, d, minima = rec["n"], rec["d"], rec["minima"]
     assert minima and [m["loss"] for m in minima] == sorted(m["loss"] for m in minima)
-    # the text's criterion (MATH.md §10: "gradient below 1e-12, Hessian positive definite")
-    assert all(m["max_gradient"] < 1e-12 and m["hessian_eigenvalues"][0] > 0 for m in minima)
+    # the tool's certificate (tools/blocks_landscape.py: a gradient of the exact loss below 1e-8 by
+    # central differences, whose rounding is ~1e-12 here, and a positive definite Hessian)
+    assert all(m["max_gradient"] < 1e-8 and m["hessian_eigenvalues"][0] > 0 for m in minima)
     L = len(minima[0]["a"])
     nodes, weights = ir.wishart_quadrature(n, d, (3 ** L - 1) // 2 + 1)   # exact to degree 2 deg p + 1
     E = np.eye(2 * L - 1)
@@ -381,3 +378,69 @@ def test_full_run_tables_add_up():
     fitted = [r for r in sparse if r["verdict"] in ("PASS", "FAIL") and r.get("f_star")]
     assert seeds and sorted(seeds) == sorted(r["seed"] for r in fitted)
     assert all(r["verdict"] == "PASS" for r in fitted)
+
+
+def test_out_folder_never_replaces_a_users_file_nor_writes_through_a_link(tmp_path):
+    # tools/records.OutFolder, through which examples/looped_depth.py, task_diversity.py and shift.py
+    # write their --out folder: a file it did not write is never replaced (with --overwrite neither),
+    # a link is never followed, and --overwrite replaces only what its own record lists unchanged
+    out, target = tmp_path / "out", tmp_path / "target"
+    out.mkdir()
+    (out / "a.csv").write_text("the user's")
+    for overwrite in (False, True):
+        with pytest.raises(SystemExit, match="a.csv"):
+            records.OutFolder(str(out), "tool.py", "r.json", ["a.csv", "b.png"], overwrite)
+    assert (out / "a.csv").read_text() == "the user's"
+    (out / "a.csv").unlink()
+    (out / "b.png").symlink_to(target)
+    for overwrite in (False, True):
+        with pytest.raises(SystemExit, match="b.png: a symbolic link"):
+            records.OutFolder(str(out), "tool.py", "r.json", ["a.csv", "b.png"], overwrite)
+    (out / "b.png").unlink()
+
+    def run(overwrite, tool="tool.py"):
+        folder = records.OutFolder(str(out), tool, "r.json", ["a.csv", "b.png"], overwrite)
+        folder.write("a.csv", "1,2\n")
+        folder.write("b.png", b"\x89PNG")
+        folder.write_record(dict(provenance=dict(tool=tool)))
+    run(False)
+    assert json.loads((out / "r.json").read_text())["outputs"] == {
+        "a.csv": hashlib.sha256(b"1,2\n").hexdigest(), "b.png": hashlib.sha256(b"\x89PNG").hexdigest()}
+    with pytest.raises(SystemExit, match="a.csv, .*b.png, .*r.json: exists"):
+        run(False)
+    run(True)                                               # its own earlier files, unchanged: replaced
+    with pytest.raises(SystemExit, match="r.json: not written by other.py"):
+        run(True, tool="other.py")                          # another tool's record vouches for nothing
+    (out / "a.csv").write_text("edited")
+    with pytest.raises(SystemExit, match="a.csv: not written by tool.py, or changed since"):
+        run(True)
+    assert (out / "a.csv").read_text() == "edited"
+    # a name taken while the script computed (after the first check): refused at the write, untouched
+    (out / "a.csv").unlink()
+    (out / "b.png").unlink()
+    (out / "r.json").unlink()
+    folder = records.OutFolder(str(out), "tool.py", "r.json", ["a.csv", "b.png"])
+    (out / "b.png").symlink_to(target)
+    with pytest.raises(SystemExit, match="b.png"):
+        folder.write("b.png", b"x")
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("script, first, compute", [("shift", "shift.csv", "run"),
+                                                     ("task_diversity", "task_diversity.png", "run"),
+                                                     ("looped_depth", "looped_depth.csv", "exact_families")])
+def test_example_scripts_refuse_a_users_file_before_computing(tmp_path, monkeypatch, script, first, compute):
+    # the refusal comes before the minutes of computation: the script's first computing function is
+    # replaced by one that fails the test if it is reached
+    spec = importlib.util.spec_from_file_location(f"example_{script}", os.path.join(ROOT, "examples", f"{script}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def computing(*args, **kwargs):
+        raise AssertionError(f"examples/{script}.py computed before refusing")
+    monkeypatch.setattr(module, compute, computing)
+    (tmp_path / first).write_text("the user's")
+    for extra in ([], ["--overwrite"]):
+        with pytest.raises(SystemExit, match=first):
+            module.main(["--out", str(tmp_path), *extra])
+    assert (tmp_path / first).read_text() == "the user's"

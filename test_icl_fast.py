@@ -129,7 +129,7 @@ def test_engine_has_the_methods_of_REFERENCE():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("H", [1, 2])
-@pytest.mark.parametrize("d", [1, 2, 5, 9, 12, 20])
+@pytest.mark.parametrize("d", [1, 2, 5, 9, pytest.param(12, marks=pytest.mark.slow), 20])
 def test_engine_equals_the_reference(d, H):
     # through icl_ref's public functions: lanes below the thresholds, REFERENCE's methods on the
     # chunks above; B = 700 makes several chunks in either
@@ -715,5 +715,6 @@ def test_importing_the_engine_does_not_change_the_reference():
     import subprocess
     code = ("import sys, threading, icl_ref; "
             "print(threading.active_count(), 'threadpoolctl' in sys.modules, 'icl_fast' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                         check=True).stdout.split()
     assert out == ["1", "False", "False"]

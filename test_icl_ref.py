@@ -371,6 +371,17 @@ def _strict_calls():
         "grads_to_authors": lambda: ir.grads_to_authors(P * tiny, Q),
         "params_from_von_oswald": lambda: ir.params_from_von_oswald(
             *(np.eye(3)[None] * tiny for _ in range(4)), 6),
+        "ridge_predict": lambda: ir.ridge_predict(Z * tiny ** 1.4),
+        "bayes_predict": lambda: ir.bayes_predict(Z * tiny, noise_var=tiny ** 2),
+        "dmmse_predict": lambda: ir.dmmse_predict(Z * tiny, np.eye(2), tiny ** 2),
+        "ols_population_risk": lambda: ir.ols_population_risk(9, np.eye(2) * tiny, noise_var=0.1),
+        "monte_carlo_risk": lambda: ir.monte_carlo_risk(ir.ridge_predict, np.random.default_rng(0), 10, 6,
+                                                        np.eye(2) * tiny ** 2),
+        "shifted_single_layer_loss": lambda: ir.shifted_single_layer_loss(G, np.eye(2) * tiny, 6,
+                                                                          Sigma_query=2 * tiny * np.eye(2)),
+        "optimal_tied_family": lambda: ir.optimal_tied_family(2, 6, 2, starts=1, rng=np.random.default_rng(0)),
+        "one_layer_population_grad": lambda: ir.one_layer_population_grad(tiny, G * tiny, np.eye(2), 6),
+        "one_layer_gradient_flow": lambda: ir.one_layer_gradient_flow(np.eye(2) * tiny, 6, 0.1, [0.0, 1.0]),
         "grads_to_von_oswald": lambda: ir.grads_to_von_oswald(
             P[:1] * tiny, Q[:1], *(np.eye(3)[None] for _ in range(4)), 6),
     }
@@ -1751,15 +1762,17 @@ def test_sandwich_covariance_of_a_single_parameter():
     assert cov.shape == (1, 1) and cov[0, 0] > 0
 
 
-def test_sandwich_for_full_P_Q_removes_the_symmetries_and_matches_the_spread_over_batches():
+@pytest.mark.parametrize("R, R_s", [(3, 3), pytest.param(100, 8, marks=pytest.mark.slow)])
+def test_sandwich_for_full_P_Q_removes_the_symmetries_and_matches_the_spread_over_batches(R, R_s):
     # MATH.md §11: one full layer (d = 2, one head) fitted on R independent batches from the same start
     # near Theorem 1's optimum. The fitted (P, Q) wander along the exact symmetries (P -> cP, Q -> Q/c;
     # coordinates that never reach the loss), so compare what they identify, the predictor's
     # coefficients W = sym_jk(p_j Q[k, :d]) (p the last row of P; ŷ depends on P, Q only through W),
     # whose covariance the sandwich gives by the delta method, W's Jacobian being exact (W is bilinear).
-    # Traces within Z_MC combined standard errors, as in the sparse test above.
+    # Traces within Z_MC combined standard errors, as in the sparse test above (R = 100 batches, the
+    # slow run: 50 s of CPU); by default 3 batches check the symmetries and the semi-definiteness.
     rng = np.random.default_rng(136)
-    d, n, B, R, R_s = 2, 6, 3000, 100, 8
+    d, n, B = 2, 6, 3000
     Sigma = np.diag([1.0, 0.4])
     G = ir.gamma_star(Sigma, n, noise_var=0.25)
     P0, Q0 = ir.sparse_params(G[None])
@@ -1788,6 +1801,8 @@ def test_sandwich_for_full_P_Q_removes_the_symmetries_and_matches_the_spread_ove
                 assert abs(u @ cov @ u) <= 1e-12 * np.max(np.abs(cov))   # nothing along a symmetry
             Jw = jac_W(theta)
             traces.append(np.trace(Jw @ cov @ Jw.T))
+    if R < 10:
+        return
     empirical = np.trace(np.cov(np.array(fits), rowvar=False))
     predicted, se_predicted = np.mean(traces), np.std(traces, ddof=1) / math.sqrt(R_s)
     se = math.hypot(empirical * math.sqrt(2 / (R - 1)), se_predicted)

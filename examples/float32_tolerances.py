@@ -1,6 +1,6 @@
 """Measure float32 errors of a PyTorch linear transformer against icl_ref's float64, over a grid.
 
-    python examples/float32_tolerances.py            (needs torch: pip install torch==2.13.0)
+    python examples/float32_tolerances.py            (needs torch: pip install torch)
     python examples/float32_tolerances.py --record   (also writes docs/float32_tolerances.json)
 
 Model: the authors' layout (examples/test_torch_linear_transformer.py), evaluated in float32 on
@@ -9,11 +9,10 @@ arithmetic differs). Parameters: the exact sparse-family optimum a_l I (x ~ N(0,
 plus a random perturbation of every trainable block of size 0.1/sqrt(d), so the gradient is
 generic and O(loss). Errors are max|a - b| / max|b| per array; the table gives the worst over
 d in {2, 5, 10, 20} and n in {5, 20, 50, 200} for each L, and suggested tolerances. The record
-carries the SHA-256 of the code that measured them (experiments.sources_digest of SOURCES), so
-test_docs.py fails when README quotes numbers this code no longer gives.
+carries its provenance (tools/records.py: the code of SOURCES function by function), so
+`python3 tools/records.py check` says when the code that measured it has changed.
 """
 import argparse
-import datetime
 import itertools
 import json
 import math
@@ -26,7 +25,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
-import experiments                                          # noqa: E402  (the records' code digest)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import records                                              # noqa: E402  (the record's provenance)
 import icl_ref as ir                                        # noqa: E402
 from test_torch_linear_transformer import model           # noqa: E402
 
@@ -80,9 +80,8 @@ def main(argv=None):
     print(f"\nsuggested rtol (5x the worst, rounded up to a power of 10): forward {suggest[0]:.0e}, "
           f"loss {suggest[1]:.0e}, gradient {suggest[2]:.0e}")
     if args.record:
-        record = dict(command="python3 examples/float32_tolerances.py --record", date=datetime.date.today().isoformat(),
-                      versions=dict(torch=torch.__version__, numpy=np.__version__, python=sys.version.split()[0]),
-                      sources={"files": list(SOURCES), "sha256": experiments.sources_digest(SOURCES)}, grid=GRID,
+        record = dict(provenance=records.provenance("examples/float32_tolerances.py", ["--record"], list(SOURCES),
+                                                    torch=torch.__version__), grid=GRID,
                       worst={str(L): dict(zip(KINDS, map(float, worst[L]))) for L in Ls},
                       overall=dict(zip(KINDS, map(float, overall))), suggested=dict(zip(KINDS, suggest)))
         with open(os.path.join(ROOT, RECORD), "w") as f:

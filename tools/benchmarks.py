@@ -158,6 +158,17 @@ def interleaved_medians(runs, repeats, calls=1):
     return [statistics.median(t) for t in times]
 
 
+def formulation(which, method, args):
+    """engine(None).method(*args) with the engine's choice of formulation forced to `which` ("lanes"
+    or "batch-first": icl_ref.REFERENCE's method on the chunks) through its public thresholds."""
+    saved = fast.LANES_MAX_D, fast.LANES_MAX_D_JACOBIAN
+    fast.LANES_MAX_D = fast.LANES_MAX_D_JACOBIAN = 10 ** 6 if which == "lanes" else 0
+    try:
+        return getattr(fast.engine(None), method)(*args)
+    finally:
+        fast.LANES_MAX_D, fast.LANES_MAX_D_JACOBIAN = saved
+
+
 def table_formulations(repeats):
     """icl_fast's lanes against the reference's batch-first chunks on the same workers, the four
     timed in turn within each repeat (the machine's drift falls on all of them alike)."""
@@ -166,21 +177,16 @@ def table_formulations(repeats):
     for d in range(1, 21):
         P, Q, Z, y = problem(d)
         n, k = N, 5000                                # the Jacobian on 5000 prompts (B p floats)
-        S0, q0 = ir.gram(Z), np.ascontiguousarray(Z[:, :, n])
-        read, read_k = fast._gram_reader(S0, q0), fast._gram_reader(S0[:k], q0[:k])
-        # the batch-first formulation: the reference's Gram-form evaluation on each chunk, on the same
-        # workers (each chunk's result is its own mean; only the time is used here)
-        runs = [lambda: fast._lanes_loss_and_grad(P, Q, read, y, n, None),
-                lambda: fast._map_chunks(lambda a, b: ir.loss_and_grad_gram(P, Q, S0[a:b], q0[a:b], y[a:b], n),
-                                         fast._batch_first_bounds(B, d + 1), None),
-                lambda: fast._lanes_jacobian(P, Q, read_k, y[:k], n, "full", None),
-                lambda: fast._map_chunks(lambda a, b: ir.residuals_and_jacobian_gram(P, Q, S0[a:b], q0[a:b], y[a:b],
-                                                                                     n, "full"),
-                                         fast._batch_first_bounds(k, d + 1), None)]
+        args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, n]), y, n)
+        args_k = (P, Q, args[2][:k], args[3][:k], y[:k], n)
+        runs = [lambda: formulation("lanes", "loss_and_grad_gram", args),
+                lambda: formulation("batch-first", "loss_and_grad_gram", args),
+                lambda: formulation("lanes", "jacobian_gram", args_k),
+                lambda: formulation("batch-first", "jacobian_gram", args_k)]
         rows.append([d] + [f"{t:.4f}" for t in interleaved_medians(runs, repeats)])
     note = (f"The loss at B = 20000 and the Jacobian (full P, Q) at B = 5000, n = 20, L = 3, on every core; "
-            f"median of {repeats}; batch-first: icl_ref's loss_and_grad_gram and residuals_and_jacobian_gram "
-            f"on each chunk (their input checks included). icl_fast takes lanes for the loss up to d = {fast.LANES_MAX_D - 1} and for the "
+            f"median of {repeats}; batch-first: icl_ref.REFERENCE's loss_and_grad_gram and jacobian_gram "
+            f"on each chunk. icl_fast takes lanes for the loss up to d = {fast.LANES_MAX_D - 1} and for the "
             f"Jacobian up to d = {fast.LANES_MAX_D_JACOBIAN - 1} (MATH.md §3.2).")
     return "icl_fast's formulations", head, rows, note
 
@@ -200,9 +206,10 @@ def table_workers(repeats, calls=20):
         rng = np.random.default_rng(d + 10 * L_c + 100 * H_c)
         Z, y = ir.sample_prompts(rng, B_c, N, np.eye(d))
         P, Q = 0.1 * rng.standard_normal((2, L_c, H_c, d + 1, d + 1))
-        read = fast._gram_reader(ir.gram(Z), np.ascontiguousarray(Z[:, :, N]))
-        runs = [lambda k=k: fast._lanes_loss_and_grad(P, Q, read, y, N, k) for k in (1, None)]
-        runs += [lambda k=k: fast._lanes_jacobian(P, Q, read, y, N, "full", k) for k in (1, None)]
+        args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, N]), y, N)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        runs = [lambda k=k: fast.lanes_loss_and_grad_gram(*args, threads=k) for k in (1, cores)]
+        runs += [lambda k=k: fast.lanes_jacobian_gram(*args, threads=k) for k in (1, cores)]
         rows.append([d, L_c, H_c, B_c, B_c * L_c * H_c * (d + 1) ** 3]
                     + [f"{t:.5f}" for t in interleaved_medians(runs, repeats, calls)])
     note = (f"The lanes formulation, n = 20; median of {repeats} means of {calls} calls. icl_fast hands an evaluation "
@@ -279,7 +286,8 @@ def machine():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    lines = [f"machine: {cpu}, {len(fast._cores())} cores available to the process"]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lines = [f"machine: {cpu}, {cores} cores available to the process"]
     try:
         from threadpoolctl import threadpool_info
         for info in threadpool_info():

@@ -1,0 +1,287 @@
+"""Tests for icl_ref's estimators, task pools and shift (MATH.md §15).
+
+Every check compares two sides computed independently: the estimators against per-prompt normal
+equations, the dual (kernel) form of the posterior or a posterior summed task by task, written here
+with no helper of icl_ref; the exact risks against Monte Carlo through sample_prompts and the
+transformer itself.
+
+Tolerances, each with its reason:
+    SOLVE = 1e-10  relative to the largest |y_hat| of the batch: two float64 solutions of one
+                   well-conditioned system (condition numbers below 1e3 here) by different
+                   factorisations differ by cond * eps ~ 1e-13; 1e-10 leaves margin and still sees
+                   any wrong term, which is O(1)
+    Z_MC   = 4     Monte Carlo: |estimate - exact| <= 4 standard errors computed from the samples
+                   (false alarm 6e-5 for a Gaussian mean)
+"""
+import numpy as np
+import pytest
+
+import icl_ref as ir
+
+SOLVE = 1e-10
+Z_MC = 4.0
+
+
+def context(Z):
+    """X (B, n, d), y (B, n), x_q (B, d) read off the layout [A] §2 column by column."""
+    B, D, N = Z.shape
+    X = np.array([[Z[b, :D - 1, i] for i in range(N - 1)] for b in range(B)])
+    return X, Z[:, D - 1, :N - 1], Z[:, :D - 1, N - 1]
+
+
+def assert_close(mine, reference, rel=SOLVE):
+    scale = np.max(np.abs(reference))
+    assert np.max(np.abs(mine - reference)) <= rel * scale, np.max(np.abs(mine - reference)) / scale
+
+
+def spd(rng, d, lo=0.5, hi=2.0):
+    U, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    return (U * rng.uniform(lo, hi, d)) @ U.T
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimators against independent computations
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [3, 12])
+@pytest.mark.parametrize("lam", [0.0, 0.3])
+def test_ridge_and_ols_solve_the_normal_equations(n, lam):
+    # n = 12 > d: (X^T X + lam Sigma_w^-1) w = X^T y; n = 3 < d at lam = 0: the minimum-norm
+    # interpolant X^T (X X^T)^-1 y (Sigma_w = I) or Sigma_w X^T (X Sigma_w X^T)^-1 y
+    rng = np.random.default_rng(n + int(10 * lam))
+    d = 5
+    Z, _ = ir.sample_prompts(rng, 40, n, spd(rng, d), noise_std=0.3)
+    X, y, x_q = context(Z)
+    for Sigma_w in (None, spd(rng, d)):
+        S_w = np.eye(d) if Sigma_w is None else Sigma_w
+        expected = []
+        for Xb, yb, qb in zip(X, y, x_q):
+            if lam == 0 and n < d:
+                w = S_w @ Xb.T @ np.linalg.solve(Xb @ S_w @ Xb.T, yb)
+            else:
+                w = np.linalg.solve(Xb.T @ Xb + lam * np.linalg.inv(S_w), Xb.T @ yb)
+            expected.append(w @ qb)
+        assert_close(ir.ridge_predict(Z, lam, Sigma_w), np.array(expected))
+
+
+def test_bayes_predict_is_the_gaussian_posterior_mean():
+    # conditioning the joint Gaussian (y, y_q) given x: E[y_q | y] = x_q^T Sigma_w X^T (X Sigma_w X^T
+    # + s2 I)^-1 y, the kernel form, which no code of icl_ref computes; at s2 = 0 with n < d too
+    rng = np.random.default_rng(1)
+    d = 4
+    Sigma_w = spd(rng, d)
+    for n, s2 in ((9, 0.4), (2, 0.0)):
+        Z, _ = ir.sample_prompts(rng, 30, n, spd(rng, d), Sigma_w, noise_std=np.sqrt(s2))
+        X, y, x_q = context(Z)
+        expected = [qb @ Sigma_w @ Xb.T @ np.linalg.solve(Xb @ Sigma_w @ Xb.T + s2 * np.eye(n), yb)
+                    for Xb, yb, qb in zip(X, y, x_q)]
+        assert_close(ir.bayes_predict(Z, Sigma_w, s2), np.array(expected))
+
+
+def brute_force_pool_posterior(Z, tasks, s2):
+    """y_hat = sum_k pi_k <w_k, x_q> with pi_k the Gaussian likelihood of each task's residuals,
+    task by task; the likelihoods are shifted by their largest (which cancels in the ratio) only so
+    that float64 can hold them."""
+    X, y, x_q = context(Z)
+    out = []
+    for Xb, yb, qb in zip(X, y, x_q):
+        loglik = np.array([-np.sum((yb - Xb @ w) ** 2) / (2 * s2) for w in tasks])
+        lik = np.exp(loglik - loglik.max())
+        out.append(sum(l * (w @ qb) for l, w in zip(lik, tasks)) / lik.sum())
+    return np.array(out)
+
+
+def test_dmmse_is_the_posterior_over_the_pool():
+    rng = np.random.default_rng(2)
+    d, n, K, s2 = 3, 6, 17, 0.5
+    tasks = rng.standard_normal((K, d))
+    Z, _ = ir.sample_prompts(rng, 50, n, np.eye(d), noise_std=np.sqrt(s2), tasks=tasks)
+    assert_close(ir.dmmse_predict(Z, tasks, s2), brute_force_pool_posterior(Z, tasks, s2))
+    # fresh tasks, a larger pool and a noise so small that exp(-|r|^2 / 2 s2) underflows to 0 for
+    # every task: the log-sum-exp still gives the nearest task's prediction
+    Z, _ = ir.sample_prompts(rng, 50, n, np.eye(d), noise_std=0.1)
+    assert_close(ir.dmmse_predict(Z, tasks, 0.01), brute_force_pool_posterior(Z, tasks, 0.01))
+    X, y, x_q = context(Z)
+    nearest = [tasks[np.argmin([np.sum((yb - Xb @ w) ** 2) for w in tasks])] @ qb for Xb, yb, qb in zip(X, y, x_q)]
+    tiny = ir.dmmse_predict(Z, tasks, 1e-9)
+    assert np.all(np.isfinite(tiny))
+    assert_close(tiny, np.array(nearest))    # the runner-up's weight is below exp(-1e6): exactly 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Task pools
+# ---------------------------------------------------------------------------------------------
+
+def test_sample_prompts_draws_each_task_of_the_pool_uniformly():
+    rng = np.random.default_rng(3)
+    d, n, K, B = 3, 4, 5, 50000
+    tasks = rng.standard_normal((K, d))
+    Z, y, w = ir.sample_prompts(rng, B, n, np.eye(d), return_w_star=True, tasks=tasks)
+    index = np.argmin(np.sum((w[:, None, :] - tasks[None]) ** 2, axis=2), axis=1)
+    assert np.array_equal(w, tasks[index])                   # every task is a row of the pool
+    assert np.array_equal(y, np.einsum("bd,bd->b", Z[:, :d, n], w))   # noiseless query labels
+    counts = np.bincount(index, minlength=K)
+    # each count is Binomial(B, 1/K): within Z_MC of its standard deviation
+    assert np.all(np.abs(counts - B / K) <= Z_MC * np.sqrt(B / K * (1 - 1 / K))), counts
+
+
+def test_the_layer_trained_on_a_pool_sees_only_its_second_moment():
+    # a pool of K = 2 < d tasks: its second moment is singular, and the exact loss of the layer
+    # gamma_star(tasks=pool), on prompts from the pool, against the transformer on sampled prompts
+    rng = np.random.default_rng(4)
+    d, n, s2 = 3, 5, 0.2
+    tasks = rng.standard_normal((2, d))
+    Sigma = spd(rng, d)
+    G = ir.gamma_star(Sigma, n, noise_var=s2, tasks=tasks)
+    P, Q = ir.sparse_params(G[None])
+    mc, se = ir.monte_carlo_risk(lambda Z: ir.predict(P, Q, Z), rng, 200000, n, Sigma, noise_var=s2, tasks=tasks)
+    exact = ir.shifted_single_layer_loss(G, Sigma, n, noise_var=s2, tasks=tasks)
+    assert abs(mc - exact) <= Z_MC * se, (mc, exact, se)
+    # and it is the minimum on the pool: any other Gamma (here the unbounded prior's) does worse
+    assert exact < ir.shifted_single_layer_loss(ir.gamma_star(Sigma, n, noise_var=s2), Sigma, n,
+                                                noise_var=s2, tasks=tasks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact risks against Monte Carlo
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, d, anisotropic", [(12, 4, True), (3, 8, False), (6, 6, False)])
+def test_ols_population_risk_matches_monte_carlo(n, d, anisotropic):
+    # n > d + 1 (any Sigma, Sigma_w), n < d - 1 (isotropic), and n = d noiseless (zero risk: the
+    # noisy risk is infinite there, which ols_population_risk refuses)
+    rng = np.random.default_rng(n * d)
+    Sigma = spd(rng, d) if anisotropic else 1.5 * np.eye(d)
+    Sigma_w = spd(rng, d) if anisotropic else 0.7 * np.eye(d)
+    s2 = 0.0 if n == d else 0.3
+    exact = ir.ols_population_risk(n, Sigma, Sigma_w, s2)
+    # the noiseless case needs few prompts: any bias shows as a positive error far above rounding
+    batch = 2000 if s2 == 0 else 40000 if anisotropic else 20000
+    mc, se = ir.monte_carlo_risk(lambda Z: ir.ridge_predict(Z), rng, batch, n, Sigma, Sigma_w, s2)
+    if s2 == 0:
+        assert exact == 0 and mc <= 1e-20            # the interpolant is exact up to rounding
+    else:
+        assert abs(mc - exact) <= Z_MC * se, (mc, exact, se)
+    with pytest.raises(ValueError, match="n must be"):
+        ir.ols_population_risk(d, Sigma, Sigma_w, 0.1)
+
+
+def shifted_prompts(rng, B, n, Sigma, Sigma_query, Sigma_w, s2):
+    """Prompts with context covariates N(0, Sigma) and a query N(0, Sigma_query), built here from
+    Gaussians (the context and w_star by sample_prompts, the query and its label by hand)."""
+    Z, _, w = ir.sample_prompts(rng, B, n, Sigma, Sigma_w, noise_std=np.sqrt(s2), return_w_star=True)
+    x_q = rng.standard_normal((B, Sigma.shape[0])) @ np.linalg.cholesky(Sigma_query).T
+    Z[:, :-1, n] = x_q
+    return Z, np.einsum("bd,bd->b", x_q, w) + np.sqrt(s2) * rng.standard_normal(B)
+
+
+def test_shifted_single_layer_loss_matches_the_transformer_at_each_shift():
+    # a layer trained at (n = 10, Sigma, Sigma_w = I, noise 0.1) and tested at another length, other
+    # covariates (context and query alike), another task covariance, and a query unlike its context
+    rng = np.random.default_rng(5)
+    d, n, s2 = 3, 10, 0.1
+    Sigma = spd(rng, d)
+    G = ir.gamma_star(Sigma, n, noise_var=s2)
+    P, Q = ir.sparse_params(G[None])
+    other = spd(rng, d, 0.2, 3.0)
+    for shift in (dict(n=30), dict(Sigma=other, Sigma_query=other), dict(Sigma_w=4 * spd(rng, d)),
+                  dict(Sigma_query=2 * other)):
+        at = dict(dict(n=n, Sigma=Sigma, Sigma_w=np.eye(d), Sigma_query=Sigma), **shift)
+        Z, y = shifted_prompts(rng, 30000, at["n"], at["Sigma"], at["Sigma_query"], at["Sigma_w"], s2)
+        err = (ir.predict(P, Q, Z) - y) ** 2
+        mc, se = err.mean(), err.std(ddof=1) / np.sqrt(err.size)
+        exact = ir.shifted_single_layer_loss(G, at["Sigma"], at["n"], at["Sigma_w"], s2,
+                                             Sigma_query=at["Sigma_query"])
+        assert abs(mc - exact) <= Z_MC * se, (shift.keys(), mc, exact, se)
+
+
+def test_shifted_loss_without_shift_is_theorem_1s_and_bayes_beats_every_ridge():
+    rng = np.random.default_rng(6)
+    d, n, s2 = 4, 7, 0.3
+    Sigma, Sigma_w, G = spd(rng, d), spd(rng, d), rng.standard_normal((d, d))
+    loss = lambda G, S_q: ir.shifted_single_layer_loss(G, Sigma, n, Sigma_w, s2, Sigma_query=S_q)
+    # the same number by the two names (one formula: any difference is a dropped argument)
+    assert loss(G, Sigma) == ir.single_layer_population_loss(G, Sigma, n, Sigma_w, s2)
+    # the loss less the query's noise is linear in Sigma_query (x_q enters as x_q x_q^T only): EXACT
+    # 1e-12, a sum of a few traces
+    other = spd(rng, d)
+    parts = [loss(G, S) - s2 for S in (Sigma, 3 * Sigma, other, Sigma + other)]
+    assert abs(parts[1] - 3 * parts[0]) <= 1e-12 * parts[1]
+    assert abs(parts[3] - parts[0] - parts[2]) <= 1e-12 * parts[3]
+    # gamma_star of the context is the best layer for every query covariance: the loss is a quadratic
+    # in Gamma with a positive definite curvature, so every step away raises it
+    S_q = spd(rng, d, 0.1, 5.0)
+    best = ir.gamma_star(Sigma, n, Sigma_w, s2)
+    for E in rng.standard_normal((5, d, d)):
+        assert loss(best + 1e-3 * E, S_q) > loss(best, S_q) < loss(best - 1e-3 * E, S_q)
+    # the posterior mean minimises the risk among all predictors: on common prompts, ridge at a
+    # tenth and ten times the noise, and without the prior's metric, each does worse on average
+    Z, y = ir.sample_prompts(rng, 20000, n, Sigma, Sigma_w, noise_std=np.sqrt(s2))
+    bayes = (ir.bayes_predict(Z, Sigma_w, s2) - y) ** 2
+    for other in (ir.ridge_predict(Z, s2 / 10, Sigma_w), ir.ridge_predict(Z, 10 * s2, Sigma_w),
+                  ir.ridge_predict(Z, s2)):
+        diff = (other - y) ** 2 - bayes                      # paired: the prompts' spread cancels
+        assert diff.mean() > Z_MC * diff.std(ddof=1) / np.sqrt(diff.size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+
+_Z = np.zeros((2, 3, 4))
+BAD = [
+    (lambda: ir.ridge_predict(_Z, -1.0), ValueError, "lam"),
+    (lambda: ir.ridge_predict(np.zeros((3, 4)), 0.1), ValueError, "Z"),
+    (lambda: ir.ridge_predict(_Z, 0.1, np.eye(3)), ValueError, "Sigma_w"),
+    (lambda: ir.bayes_predict(_Z, noise_var="0.1"), TypeError, "noise_var"),
+    (lambda: ir.dmmse_predict(_Z, np.zeros((4, 3)), 0.1), ValueError, "tasks"),
+    (lambda: ir.dmmse_predict(_Z, np.zeros((4, 2)), 0.0), ValueError, "noise_var"),
+    (lambda: ir.sample_prompts(np.random.default_rng(0), 2, 3, np.eye(2), tasks=np.zeros((0, 2))), ValueError, "tasks"),
+    (lambda: ir.sample_prompts(np.random.default_rng(0), 2, 3, np.eye(2), np.eye(2), tasks=np.zeros((1, 2))),
+     ValueError, "tasks"),
+    (lambda: ir.gamma_star(np.eye(2), 3, tasks=np.ones((2, 3))), ValueError, "tasks"),
+    (lambda: ir.ols_population_risk(20, np.eye(3), noise_var=-1), ValueError, "noise_var"),
+    (lambda: ir.ols_population_risk(2, np.diag([1.0, 2, 3, 4, 5])), ValueError, "Sigma"),
+    (lambda: ir.monte_carlo_risk(None, np.random.default_rng(0), 10, 3, np.eye(2)), TypeError, "predict"),
+    (lambda: ir.monte_carlo_risk(ir.ridge_predict, np.random.default_rng(0), 1, 3, np.eye(2)), ValueError, "batch"),
+    (lambda: ir.monte_carlo_risk(lambda Z: Z[:, 0, :], np.random.default_rng(0), 10, 3, np.eye(2)),
+     ValueError, "predict"),
+    (lambda: ir.shifted_single_layer_loss(np.eye(2), np.eye(2), 3, Sigma_query=np.eye(3)), ValueError, "Sigma_query"),
+    (lambda: ir.shifted_single_layer_loss(np.eye(3), np.eye(2), 3), ValueError, "Gamma"),
+]
+
+
+@pytest.mark.parametrize("call, error, name", BAD)
+def test_bad_input_is_refused_naming_the_argument(call, error, name):
+    with pytest.raises(error, match=name):
+        call()
+
+
+def test_estimators_work_under_a_strict_caller_at_any_scale():
+    # a caller's np.seterr(all="raise") must neither turn the library's own underflows into errors
+    # nor be changed by a call: prompts of scale 1e-120 to 1e-160 (squares of entries underflow)
+    # give the same numbers as under the default rules; least squares is scale-free, 1e-160 times
+    # the unit-scale prediction (1e-12: the SVD of a matrix scaled by a constant, rounding only)
+    rng = np.random.default_rng(7)
+    Z, _ = ir.sample_prompts(rng, 20, 6, np.eye(3), noise_std=0.1)
+    tasks = rng.standard_normal((5, 3))
+    calls = {
+        "ridge_predict": lambda: ir.ridge_predict(1e-160 * Z),
+        "bayes_predict": lambda: ir.bayes_predict(1e-120 * Z, noise_var=1e-250),
+        "dmmse_predict": lambda: ir.dmmse_predict(1e-120 * Z, tasks, 1e-250),
+        "ols_population_risk": lambda: ir.ols_population_risk(9, np.eye(3), noise_var=1e-300),
+        "monte_carlo_risk": lambda: ir.monte_carlo_risk(ir.ridge_predict, np.random.default_rng(0), 10, 6, 1e-120 * np.eye(3)),
+        "shifted_single_layer_loss": lambda: ir.shifted_single_layer_loss(np.eye(3), 1e-100 * np.eye(3), 6,
+                                                                          Sigma_query=1e-150 * np.eye(3)),
+    }
+    with np.errstate(under="ignore"):
+        expected = {name: call() for name, call in calls.items()}
+    old = np.seterr(all="raise")
+    try:
+        for name, call in calls.items():
+            assert np.array_equal(call(), expected[name]), name
+            assert np.geterr() == dict(divide="raise", over="raise", under="raise", invalid="raise"), name
+    finally:
+        np.seterr(**old)
+    assert np.all(np.isfinite(expected["ridge_predict"]))
+    assert_close(expected["ridge_predict"] / 1e-160, ir.ridge_predict(Z), rel=1e-12)
