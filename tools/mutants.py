@@ -724,7 +724,8 @@ def run_one(mutant, base, python, timeout):
             proc = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *order],
                                   cwd=tmp, capture_output=True, text=True, timeout=timeout)
             # name the test that failed: a kill is only as good as the test that made it
-            failed = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+            # (pytest's summary lines name a test file; captured output may also start with "FAILED")
+            failed = [line.split()[1] for line in proc.stdout.splitlines() if re.match(r"(FAILED|ERROR) \S+\.py", line)]
             status = (f"killed by {failed[0] if failed else '(no test named)'}" if proc.returncode != 0
                       else "SURVIVED")
         except subprocess.TimeoutExpired:
