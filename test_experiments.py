@@ -895,3 +895,12 @@ def test_outdir_creates_only_new_files(tmp_path):
     finally:
         out.close()
     assert (tmp_path / "o" / "noise.csv").read_text() == "mine"
+
+
+def test_best_of_is_the_lowest_converged_run_else_the_smallest_gradient():
+    # an unconverged start with a lower loss never beats a converged one; with none converged, the
+    # run nearest to a stationary point is the one reported
+    low, high, lower_stalled = done(1.0), done(2.0), stalled(0.5)
+    assert ex.best_of([high, lower_stalled, low]) is low
+    near, far = run(0.9, grad_norm=3 * ex.GRAD_TOL), run(0.5, grad_norm=5 * ex.GRAD_TOL)
+    assert ex.best_of([far, near]) is near
