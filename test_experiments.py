@@ -904,3 +904,21 @@ def test_best_of_is_the_lowest_converged_run_else_the_smallest_gradient():
     assert ex.best_of([high, lower_stalled, low]) is low
     near, far = run(0.9, grad_norm=3 * ex.GRAD_TOL), run(0.5, grad_norm=5 * ex.GRAD_TOL)
     assert ex.best_of([far, near]) is near
+
+
+def test_unconstrained_reads_the_best_start_at_full_size(monkeypatch):
+    # the full-size path without training: stub starts (the first converged higher, the second lower,
+    # the third not converged) and a stub family optimum (its 24-start search is the slow part); the
+    # loss row and the blocks come from the lower converged start
+    rng = np.random.default_rng(5)
+    P, Q = rng.standard_normal((2, 3, 1, 6, 6))
+    starts = iter([stub_run(np.zeros_like(P), np.zeros_like(Q), 2.0, 0.0), stub_run(P, Q, 1.0, 0.0),
+                   stub_run(P, Q, 0.5, 1.0)])
+
+    class Stub(ex.Context):
+        def train_gauss_newton(self, *args, **kwargs):
+            return next(starts)
+    monkeypatch.setattr(ex, "family_optimum", lambda *a, **k: (None, None, 0.25))
+    rows, _ = ex.unconstrained(Stub(rng=np.random.default_rng(0), quick=False, log=lambda msg: None))
+    assert rows[0]["measured"] == 1.0 and rows[0]["reached"] == 1 and rows[0]["higher"] == [2.0]
+    assert [r["norm_Q_d"] for r in rows[1:]] == [np.linalg.norm(Q[l, 0, 5] * P[l, 0, 5, 5]) for l in range(3)]
