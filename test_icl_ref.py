@@ -1948,6 +1948,21 @@ def test_the_hessian_reads_the_query_label_slot_and_the_sandwich_passes_h_and_ch
     except ValueError as e:                  # 4 prompts pass that check (the point is no minimum of theirs)
         assert "prompts" not in str(e)
 
+
+def test_sandwich_refuses_a_nearly_flat_direction_with_a_positive_eigenvalue():
+    # one covariate 1000 times smaller: the entry of A that it meets twice has a curvature ~1e-13 of
+    # the largest, positive but below the refusal threshold 1e-10; one layer's loss is quadratic in A,
+    # so central differences of its gradient are exact at h = 1 (rounding only, ~1e-16 relative, far
+    # below the eigenvalue), and the sandwich must still refuse
+    rng, Z, y = small_problem(seed=195, B=300, n=8)
+    Z = Z.copy()
+    Z[:, 1, :] *= 1e-3
+    coords = ir.train_gauss_newton(Z, y, 1, rng=rng)["coords"]
+    eig = ir.identifiable_hessian("sparse", coords, Z, y, h=1.0)["eigenvalues"]
+    assert 0 < eig[0] < 1e-10 * eig[-1]
+    with pytest.raises(ValueError, match="not at a strict local minimum"):
+        ir.sandwich_covariance("sparse", coords, Z, y, h=1.0)
+
 # ---------------------------------------------------------------------------------------------
 # 9. Other layouts: the authors' code and von Oswald et al. (MATH.md §12)
 # ---------------------------------------------------------------------------------------------
