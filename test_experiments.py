@@ -797,3 +797,128 @@ def test_a_file_appearing_under_an_outputs_name_mid_run_is_left_alone_and_the_ru
         del ex.EXPERIMENTS["stub-c"]
     assert status == 2 and "stub-c.csv" in err and (out / "stub-c.csv").read_text() == "theirs"
     assert json.loads((out / "config.json").read_text())["status"] == "running"
+
+
+def test_the_documented_thresholds_decide_rows():
+    # the module's documented contract in numbers: converged at |grad| <= 1e-6 (not 1e-5), Monte Carlo
+    # checks at 4 SE (a difference of 3 SE passes, 5 SE fails), reached within 1e-6 relative (a loss
+    # 1e-5 above the lowest is another stationary point); the values are binary-exact or far from the cut
+    assert ex.converged(run(1.0, grad_norm=1e-6)) and not ex.converged(run(1.0, grad_norm=2e-6))
+    assert ex.judge("two-sided", 3.0, 0.0, se=1.0)["verdict"] == ex.PASS
+    assert ex.judge("two-sided", 5.0, 0.0, se=1.0)["verdict"] == ex.FAIL
+    reached, said = ex.starts_summary([done(1.0), done(1.0 + 1e-7), done(1.0 + 1e-5)])
+    assert [r["loss"] for r in reached] == [1.0, 1.0 + 1e-7] and said["higher"] == [1.0 + 1e-5]
+
+
+def test_the_converged_field_and_the_se_of_a_mean():
+    # converged says whether every run the row reads converged, not whether one did; the standard
+    # error of a mean uses the sample standard deviation (ddof 1): for 1, 2, 3 it is 1 / sqrt(3)
+    # (one square root and one division apart: 1e-15 relative)
+    assert ex.info([done(), stalled()])["converged"] is False and ex.info([done(), done()])["converged"] is True
+    mean, se = ex.mean_se([1.0, 2.0, 3.0])
+    assert mean == 2.0 and math.isclose(se, 1 / math.sqrt(3), rel_tol=1e-15)
+
+
+def test_noise_rows_are_drawn_with_the_covariance_they_name(monkeypatch):
+    # a row marked preconditioned is drawn with a rotated Sigma (not I) and fitted against Sigma^-1;
+    # an isotropic row with Sigma = I exactly
+    drawn, real = [], ir.sample_prompts
+    monkeypatch.setattr(ex.ir, "sample_prompts", lambda rng, B, n, Sigma, *a, **k: drawn.append(Sigma) or
+                        real(rng, B, n, Sigma, *a, **k))
+    rows, _ = ex.noise(ex.Context(rng=np.random.default_rng(0), quick=True))
+    assert len(drawn) == len(rows)
+    for r, Sigma in zip(rows, drawn):
+        assert np.array_equal(Sigma, np.eye(5)) != r["preconditioned"]
+
+
+def test_quick_reaches_the_experiments_and_the_callers_ctrl_c_handler_is_back_between_them(tmp_path, monkeypatch):
+    # --quick is what the experiments receive; while each experiment computes, Ctrl-C is handled as
+    # the caller had it (the run holds signals only while an experiment's files are written)
+    import signal
+    seen, handlers = [], []
+
+    def mine(signum, frame):
+        pass
+
+    def experiment(ctx):
+        seen.append(ctx.quick)
+        handlers.append(signal.getsignal(signal.SIGINT))
+        return [ex.row("x", ex.INFO)], {}
+    monkeypatch.setitem(ex.EXPERIMENTS, "first", (experiment, "t"))
+    monkeypatch.setitem(ex.EXPERIMENTS, "second", (experiment, "t"))
+    before = signal.signal(signal.SIGINT, mine)
+    try:
+        assert ex.main(["first", "second", "--quick", "--out", str(tmp_path / "o")]) == 0
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seen == [True, True] and handlers == [mine, mine]
+
+
+def test_output_names_and_the_record_checks(tmp_path):
+    # an experiment owns name.csv, name.png and name_*, nothing else that starts with its name; a
+    # record is trusted only with the marker, the tool, this version and a file list of the named
+    # experiments' own outputs in the folder itself, read without following a link
+    assert ex.output_of("noise", "noise_table.csv") and not ex.output_of("noise", "noise-floor.txt")
+    good = dict(format=ex.FORMAT, tool=ex.TOOL, format_version=ex.FORMAT_VERSION,
+                experiments={"noise": {"files": ["noise.csv", "noise_x.csv"]}})
+    variants = {"good": good, "no marker": dict(good, format="other"), "old version": dict(good, format_version=1),
+                "foreign file": dict(good, experiments={"noise": {"files": ["thesis.tex"]}}),
+                "path": dict(good, experiments={"noise": {"files": ["noise_/../../x.csv"]}})}
+    for label, record in variants.items():
+        folder = tmp_path / label.replace(" ", "-")
+        folder.mkdir()
+        (folder / ex.RECORD).write_text(json.dumps(record))
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert (ex.read_record(dfd) is not None) == (label == "good"), label
+        finally:
+            os.close(dfd)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(tmp_path / "good" / ex.RECORD, linked / ex.RECORD)
+    dfd = os.open(linked, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert ex.read_record(dfd) is None
+    finally:
+        os.close(dfd)
+
+
+def test_outdir_creates_only_new_files(tmp_path):
+    # a file that appeared meanwhile is refused, not truncated
+    out = ex.OutDir(str(tmp_path / "o"))
+    out.open(["noise"], overwrite=False, keep_others=False)
+    try:
+        with out.create("noise.csv") as f:
+            f.write("mine")
+        with pytest.raises(ex.OutputError, match="appeared"):
+            out.create("noise.csv")
+    finally:
+        out.close()
+    assert (tmp_path / "o" / "noise.csv").read_text() == "mine"
+
+
+def test_best_of_is_the_lowest_converged_run_else_the_smallest_gradient():
+    # an unconverged start with a lower loss never beats a converged one; with none converged, the
+    # run nearest to a stationary point is the one reported
+    low, high, lower_stalled = done(1.0), done(2.0), stalled(0.5)
+    assert ex.best_of([high, lower_stalled, low]) is low
+    near, far = run(0.9, grad_norm=3 * ex.GRAD_TOL), run(0.5, grad_norm=5 * ex.GRAD_TOL)
+    assert ex.best_of([far, near]) is near
+
+
+def test_unconstrained_reads_the_best_start_at_full_size(monkeypatch):
+    # the full-size path without training: stub starts (the first converged higher, the second lower,
+    # the third not converged) and a stub family optimum (its 24-start search is the slow part); the
+    # loss row and the blocks come from the lower converged start
+    rng = np.random.default_rng(5)
+    P, Q = rng.standard_normal((2, 3, 1, 6, 6))
+    starts = iter([stub_run(np.zeros_like(P), np.zeros_like(Q), 2.0, 0.0), stub_run(P, Q, 1.0, 0.0),
+                   stub_run(P, Q, 0.5, 1.0)])
+
+    class Stub(ex.Context):
+        def train_gauss_newton(self, *args, **kwargs):
+            return next(starts)
+    monkeypatch.setattr(ex, "family_optimum", lambda *a, **k: (None, None, 0.25))
+    rows, _ = ex.unconstrained(Stub(rng=np.random.default_rng(0), quick=False, log=lambda msg: None))
+    assert rows[0]["measured"] == 1.0 and rows[0]["reached"] == 1 and rows[0]["higher"] == [2.0]
+    assert [r["norm_Q_d"] for r in rows[1:]] == [np.linalg.norm(Q[l, 0, 5] * P[l, 0, 5, 5]) for l in range(3)]

@@ -230,6 +230,18 @@ def test_thread_count_does_not_change_results():
         assert_identical(*jac)
 
 
+
+@TWO_CORES
+def test_the_work_that_reaches_the_workers_counts_every_head():
+    # B L H D^3: with two heads the threshold is met at half the prompts of one head
+    P, Q, Z, y = problem(133, 3000, 5, L=2, H=2, scale=0.1)
+    args = (P, Q, *gram_form(Z), y, Z.shape[2] - 1)
+    B = -(-fast.PARALLEL_MIN_WORK // (2 * 2 * 6 ** 3))        # the first batch size at the threshold
+    for b in (B - 1, B):
+        chunk = (*args[:2], *(a[:b] for a in args[2:5]), args[5])
+        seen = threads_running(fast, "lanes_forward", lambda: fast.engine(2).loss_and_grad_gram(*chunk))
+        assert (seen == {threading.current_thread().name}) == (b < B), (b, seen)
+
 # ---------------------------------------------------------------------------------------------
 # icl_ref's public functions, checks and trainers
 # ---------------------------------------------------------------------------------------------
@@ -570,6 +582,38 @@ def test_one_worker_per_core_binds_each_worker_to_its_own_core():
     assert sorted(fast._map(where, bounds, None), key=min) == [frozenset({c}) for c in cores]
     assert os.sched_getaffinity(0) == set(cores)              # the caller's own affinity is untouched
 
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_inside_a_call_has_the_limit_found_and_its_own_count_and_lock():
+    # forked while this thread holds BLAS at one thread: the child (which has no such call) restores
+    # the limit found, starts its count at 0 and has a lock of its own, so its own calls limit BLAS
+    # and restore it (a child that inherits the held lock would wait forever: the alarm ends it)
+    blas = FakeBlas(4)
+    with blas.installed():
+        with fast._one_blas_thread():
+            read, write = os.pipe()
+            with warnings.catch_warnings():
+                # Python 3.12+ warns that a fork with live threads may deadlock: the case under test
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:                                     # the child
+                signal.alarm(20)
+                try:
+                    report = [blas.limit, fast._BLAS["users"]]
+                    with fast._one_blas_thread():
+                        report.append(blas.limit)
+                    report.append(blas.limit)
+                    os.write(write, pickle.dumps(report))
+                finally:
+                    os._exit(0)
+            os.close(write)
+            with os.fdopen(read, "rb") as pipe:
+                report = pipe.read()
+            os.waitpid(pid, 0)
+            assert blas.limit == 1                           # the parent's call still holds it
+    assert report and pickle.loads(report) == [4, 0, 1, 4]
+    assert blas.limit == 4
 
 # ---------------------------------------------------------------------------------------------
 # The lanes formulation, piece by piece (MATH.md §3.2)

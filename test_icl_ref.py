@@ -1071,6 +1071,62 @@ def test_gauss_newton_reads_the_query_label_slot_for_the_coordinates_it_holds():
     assert ir.train_gauss_newton(Z, y, 1, structure="full", init=init, max_nfev=3)["fixed"] == 3 * 4
 
 
+
+def test_lbfgs_interrupted_at_a_converged_point_is_not_a_success():
+    # SciPy's own test stops L-BFGS-B at a converged iterate, so Ctrl-C can only land while it still
+    # runs: a stand-in for the solver evaluates the start (gradient exactly 0 <= gtol), reports it as an
+    # iterate and is interrupted. The last iterate is returned, interrupted, and success is False
+    rng, Z, y = small_problem(seed=196, B=20, n=5)
+
+    def interrupted(fun, x0, callback=None, **kwargs):
+        fun(x0)
+        callback(x0)
+        raise KeyboardInterrupt
+    with mock.patch.object(scipy.optimize, "minimize", interrupted):
+        res = ir.train_lbfgs(Z, y, 1, init={"A": np.eye(3)[None]}, engine=_stub_engine(0.0))
+    assert res["interrupted"] and res["grad_norm"] == 0.0 and not res["success"] and res["nit"] == 1
+
+
+def test_gauss_newton_success_at_gtol_zero_with_an_exactly_zero_gradient():
+    # every label 0 and A = 0: every residual is exactly 0, so the gradient 2 J^T r / B is exactly 0
+    # and "grad_norm <= gtol" holds at gtol = 0 (equality)
+    rng, Z, y = small_problem(seed=197, B=30, n=5)
+    Z = Z.copy()
+    Z[:, -1, :] = 0.0
+    res = ir.train_gauss_newton(Z, np.zeros(30), 1, init={"A": np.zeros((1, 3, 3))}, gtol=0.0, max_nfev=3)
+    assert res["grad_norm"] == 0.0 and res["success"] and "<= gtol" in res["message"]
+
+
+def test_init_history_and_progress_are_in_the_callers_units(capsys):
+    # data times 2^-20 (an exact power of two, c = 2^-20 here): an init dict is read in the caller's
+    # units, and the history and the progress lines report the loss in them (the first entry is the
+    # loss at that init; 1e-12: one evaluation in rescaled units, mapped back exactly, then rounded;
+    # the printed loss has 7 significant digits: 5e-7 relative; the losses are ~1e-12 here, so no
+    # absolute tolerance)
+    rng, Z, y = small_problem(seed=198, B=40, n=6)
+    Zs, ys = Z * 2.0 ** -20, y * 2.0 ** -20
+    A0 = 0.3 * rng.standard_normal((1, 3, 3))
+    start = ir.in_context_loss(*ir.sparse_params(A0), Zs, ys)
+    res = ir.train_gauss_newton(Zs, ys, 1, init={"A": A0}, max_nfev=2)
+    assert res["scale"] == 2.0 ** -20 and res["history"][0] == pytest.approx(start, rel=1e-12, abs=0)
+    capsys.readouterr()
+    res = ir.train_lbfgs(Zs, ys, 1, init={"A": A0}, maxiter=2, progress=1)
+    assert res["scale"] == 2.0 ** -20 and res["history"][0] == pytest.approx(start, rel=1e-12, abs=0)
+    printed = [float(line.split()[3]) for line in capsys.readouterr().err.splitlines()]
+    assert printed and all(p == pytest.approx(h, rel=5e-7, abs=0) for p, h in zip(printed, res["history"][1:]))
+
+
+def test_gauss_newton_solves_through_the_engine_given():
+    # the reduced least squares of every evaluation is the engine's (icl_fast's tall-skinny QR)
+    rng, Z, y = small_problem(seed=199, B=40, n=6)
+    seen = []
+
+    def reduced(r, J):
+        seen.append(r.shape)
+        return ir.REFERENCE.reduced_least_squares(r, J)
+    ir.train_gauss_newton(Z, y, 1, rng=rng, max_nfev=3, engine=reference_engine(reduced_least_squares=reduced))
+    assert seen and all(shape == (40,) for shape in seen)
+
 # ---------------------------------------------------------------------------------------------
 # 7. Closed forms: Lemma 1, Theorem 1, Mahankali et al., Wishart moments, Theorems 3-5 (MATH.md §7-§10)
 # ---------------------------------------------------------------------------------------------
@@ -1871,6 +1927,47 @@ def test_sandwich_refuses_a_flat_direction():
     with pytest.raises(ValueError, match="not at a strict local minimum"):
         ir.sandwich_covariance("sparse", coords, Z, y)
 
+
+
+def test_the_hessian_reads_the_query_label_slot_and_the_sandwich_passes_h_and_checks_its_limits(monkeypatch):
+    # one full layer: Q's last column is a symmetry direction only while every query's label slot is
+    # 0 (3 x 4 P rows + the rescaling + 4 Q entries, else without those 4)
+    rng, Z, y = small_problem(seed=200, B=40, n=6)
+    coords = {k: 0.3 * rng.standard_normal(s) for k, s in ir.structure_shapes("full", 1, 3, 1).items()}
+    assert ir.identifiable_hessian("full", coords, Z, y)["symmetries"] == 3 * 4 + 1 + 4
+    Z1 = Z.copy()
+    Z1[0, -1, -1] = 0.5
+    assert ir.identifiable_hessian("full", coords, Z1, y)["symmetries"] == 3 * 4 + 1
+    # h= reaches the Hessian inside the sandwich
+    seen, real = [], ir.identifiable_hessian
+    monkeypatch.setattr(ir, "identifiable_hessian", lambda *a, **k: seen.append(k.get("h")) or real(*a, **k))
+    opt = ir.train_gauss_newton(Z, y, 1, rng=rng)["coords"]
+    ir.sandwich_covariance("sparse", opt, Z, y, h=1e-4)
+    assert seen == [1e-4]
+    # chunks >= 2, and with an activation at least 2 * chunks prompts: at the limit and one past it
+    with pytest.raises(ValueError, match="chunks must be >= 2"):
+        ir.sandwich_covariance("sparse", opt, Z, y, chunks=1)
+    with pytest.raises(ValueError, match="at least 2 \\* chunks = 4 prompts"):
+        ir.sandwich_covariance("sparse", opt, Z[:3], y[:3], chunks=2, activation="relu")
+    try:
+        ir.sandwich_covariance("sparse", opt, Z[:4], y[:4], chunks=2, activation="relu")
+    except ValueError as e:                  # 4 prompts pass that check (the point is no minimum of theirs)
+        assert "prompts" not in str(e)
+
+
+def test_sandwich_refuses_a_nearly_flat_direction_with_a_positive_eigenvalue():
+    # one covariate 1000 times smaller: the entry of A that it meets twice has a curvature ~1e-13 of
+    # the largest, positive but below the refusal threshold 1e-10; one layer's loss is quadratic in A,
+    # so central differences of its gradient are exact at h = 1 (rounding only, ~1e-16 relative, far
+    # below the eigenvalue), and the sandwich must still refuse
+    rng, Z, y = small_problem(seed=195, B=300, n=8)
+    Z = Z.copy()
+    Z[:, 1, :] *= 1e-3
+    coords = ir.train_gauss_newton(Z, y, 1, rng=rng)["coords"]
+    eig = ir.identifiable_hessian("sparse", coords, Z, y, h=1.0)["eigenvalues"]
+    assert 0 < eig[0] < 1e-10 * eig[-1]
+    with pytest.raises(ValueError, match="not at a strict local minimum"):
+        ir.sandwich_covariance("sparse", coords, Z, y, h=1.0)
 
 # ---------------------------------------------------------------------------------------------
 # 9. Other layouts: the authors' code and von Oswald et al. (MATH.md §12)
