@@ -602,6 +602,30 @@ MUTANTS = [
      'evaluate = _evaluator(None, run.Z, run.y, activation)', 'engine= not used by L-BFGS'),
     ('gn-engine-reduced-ls-dropped', 'icl_ref.py', 'train_gauss_newton.evaluate', '_engine(engine).reduced_least_squares(',
      'REFERENCE.reduced_least_squares(', 'engine= not used for the reduced least squares'),
+    # the readout (MATH.md §2-§3): the last layer's entry and its adjoint
+    ('readout-value-column', 'icl_ref.py', 'readout_forward', 'np.einsum("bij,j->bi", S, P_h[-1])',
+     'np.einsum("bij,j->bi", S, P_h[:, -1])', "P_h's last column read for its value row"),
+    ('readout-no-residual', 'icl_ref.py', 'readout_forward', 'out = q[:, -1] + sum(', 'out = sum(',
+     "the residual q_d dropped from the prediction's entry"),
+    ('readout-Q-transposed', 'icl_ref.py', 'readout_forward', 'np.einsum("ij,bj->bi", Q_h, q)',
+     'np.einsum("ji,bj->bi", Q_h, q)', 'Q_h^T q for Q_h q'),
+    ('readout-bwd-residual-dropped', 'icl_ref.py', 'readout_backward', 'dq[:, -1] = dout', 'dq[:, -1] = 0.0',
+     "the residual's adjoint dropped"),
+    ('readout-bwd-dP-wrong-row', 'icl_ref.py', 'readout_backward', 'dP[:, h, -1] = g', 'dP[:, h, 0] = g',
+     "the value row's adjoint written to row 0"),
+    ('readout-bwd-dQ-transposed', 'icl_ref.py', 'readout_backward', '(g * Sp_h)[:, :, None] * q[:, None, :]',
+     'q[:, :, None] * (g * Sp_h)[:, None, :]', 'dQ_h = q (S p_h)^T / n, transposed'),
+    ('readout-bwd-dS-dropped', 'icl_ref.py', 'readout_backward', 'dS += (g * P_h[-1])[:, :, None] * Qq_h[:, None, :]',
+     'dS += 0.0', "S's adjoint from the readout dropped (earlier layers' gradients wrong)"),
+    ('readout-bwd-dq-Q-untransposed', 'icl_ref.py', 'readout_backward', 'dq += g * (Sp_h @ Q_h)',
+     'dq += g * (Q_h @ Sp_h.T).T', "q's adjoint through Q_h instead of Q_h^T"),
+    # the checks written once
+    ('family-search-tied-size', 'icl_ref.py', '_family_search', 'k = 1 if tied else L', 'k = L',
+     'the tied search starts from one scalar per layer'),
+    ('batch-labels-unchecked', 'icl_ref.py', '_batch', 'return Z, _labels(y, Z.shape[0])', 'return Z, np.asarray(y, float)',
+     "a training batch's labels taken unchecked"),
+    ('data-scale-not-power-of-two', 'icl_ref.py', '_data_scale', 'return 2.0 ** math.floor(',
+     'return 1.5 * 2.0 ** math.floor(', 'the data divided by a scale that is not a power of two (inexact)'),
 ]
 
 # (name, file, function, old, new, why it cannot change any result)
