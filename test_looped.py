@@ -266,7 +266,7 @@ def test_gradient_descent_on_large_batches_follows_the_flow():
 
 
 @pytest.mark.slow
-def test_family_point_is_a_saddle_of_the_tied_sparse_loss_at_four_layers():
+def test_family_point_is_not_the_minimum_of_the_tied_sparse_loss_at_four_layers():
     # MATH.md §14: at L = 4 the antisymmetric second difference of the tied sparse loss at a*_L I
     # (whitened) is negative. Monte Carlo with common prompts (the predictor of icl_ref's forward
     # pass, not the family's Gauss rule): below -Z_MC standard errors, and positive at L = 1

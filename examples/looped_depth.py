@@ -149,7 +149,7 @@ def curvature_at_the_family_point(rng, Ls=(1, 2, 3, 4), B=400000, eps=0.3):
             "symmetric one for L >= 2 (the trained A's antisymmetric part is poorly determined)")
     verdict(anti[max(Ls)]["second_difference"] < -Z_MC * anti[max(Ls)]["se"],
             f"at L = {max(Ls)} the antisymmetric second difference is negative (< -4 SE): a*_L Sigma^-1 "
-            "is a saddle of the tied sparse loss, not its minimum")
+            "is not the minimum of the tied sparse loss")
     return rows
 
 
