@@ -855,7 +855,13 @@ def block_grad(dP, dQ):
     if dP.shape[1] != 1:
         raise ValueError(f"dP, dQ must have one head, shape (L, 1, D, D), for the structures (8) and (11); "
                          f"got {dP.shape}")
-    return -dQ[:, 0, :-1, :-1], dP[:, 0, :-1, :-1]
+    return _block_grad(dP, dQ)
+
+
+def _block_grad(dP, dQ):
+    """block_grad unchecked, on the last four axes (..., L, 1, D, D): Q_l = -[[A_l, 0], [0, 0]] gives
+    dA = -(dQ's top-left block), P_l = [[B_l, 0], [0, 1]] gives dB = dP's."""
+    return -dQ[..., 0, :-1, :-1], dP[..., 0, :-1, :-1]
 
 
 def sparse_params(A):
@@ -958,10 +964,8 @@ def _structure_grad(structure, dP, dQ, tied=False):
         dP, dQ = dP.sum(axis=-4, keepdims=True), dQ.sum(axis=-4, keepdims=True)
     if structure == "full":
         return {"P": dP, "Q": dQ}
-    out = {"A": -dQ[..., 0, :-1, :-1]}
-    if structure == "blocks":
-        out["B"] = dP[..., 0, :-1, :-1]
-    return out
+    dA, dB = _block_grad(dP, dQ)
+    return {"A": dA, "B": dB} if structure == "blocks" else {"A": dA}
 
 
 # ---------------------------------------------------------------------------------------------
