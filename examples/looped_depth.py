@@ -228,14 +228,10 @@ def main(argv=None):
     trained = trained_tied(rng)
     curvature = curvature_at_the_family_point(rng)
     flows, t, flow = flow_and_descent(rng)
-    f = io.StringIO(newline="")
     keys = sorted({k for r in families + trained + curvature for k in r})
-    w = csv.DictWriter(f, ["part"] + keys)
-    w.writeheader()
-    for part, rows in (("exact", families), ("trained", trained), ("curvature", curvature)):
-        for r in rows:
-            w.writerow(dict(part=part, **r))
-    out.write("looped_depth.csv", f.getvalue())
+    out.write_csv("looped_depth.csv", [dict(part=part, **r) for part, rows in
+                                       (("exact", families), ("trained", trained), ("curvature", curvature))
+                                       for r in rows], ["part"] + keys)
     f = io.StringIO(newline="")
     w = csv.writer(f)
     w.writerow(["t"] + [f"loss_{name}" for name in flows])

@@ -24,7 +24,6 @@ unchanged). --quick: 4000 test prompts and a smaller grid. The full run takes ab
 2 cores.
 """
 import argparse
-import csv
 import io
 import os
 import sys
@@ -101,11 +100,7 @@ def report(rows, out):
         print(f"{r['shift']:>20} {r['layer_exact']:12.4f} {r['layer_mc']:9.4f}+-{r['layer_mc_se']:.4f} {z:6.2f} "
               f"{r['best_layer']:11.4f} {r['ridge_tuned']:9.4f}+-{r['ridge_tuned_se']:.4f} "
               f"{r['bayes']:9.4f}+-{r['bayes_se']:.4f} {r['ols']:10.4f}")
-    f = io.StringIO(newline="")
-    w = csv.DictWriter(f, list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-    out.write("shift.csv", f.getvalue())
+    out.write_csv("shift.csv", rows)
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -25,7 +25,6 @@ summary the README quotes. It never replaces a file it did not write (it refuses
 The full run takes about 2.5 minutes on 2 cores.
 """
 import argparse
-import csv
 import io
 import os
 import sys
@@ -103,11 +102,7 @@ def report(rows, L1_prior, L3_prior, out):
     print(f"unbounded prior: one layer {L1_prior:.4f} (exact), three-layer sparse family optimum {L3_prior:.4f} (exact)")
     print("three layers converged (L-BFGS to |grad| <= 1e-8): "
           + ", ".join(f"K = {r['K']}: {r['L3_converged']}" for r in rows if "L3_converged" in r))
-    f = io.StringIO(newline="")
-    w = csv.DictWriter(f, ["K"] + [k for c in cols for k in (c, c + "_se")] + ["L3_converged"], restval="")
-    w.writeheader()
-    w.writerows(rows)
-    out.write("task_diversity.csv", f.getvalue())
+    out.write_csv("task_diversity.csv", rows, ["K"] + [k for c in cols for k in (c, c + "_se")] + ["L3_converged"])
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -24,6 +24,7 @@ import ast
 import csv
 import datetime
 import hashlib
+import io
 import json
 import math
 import os
@@ -224,6 +225,14 @@ class OutFolder:
             f.write(data)
         if name != self.record:
             self.outputs[name] = hashlib.sha256(data).hexdigest()
+
+    def write_csv(self, name, rows, fields=None):
+        """Write rows (dicts) as the CSV file `name`, columns `fields` (default: the first row's keys)."""
+        f = io.StringIO(newline="")
+        w = csv.DictWriter(f, fields or list(rows[0]), restval="")
+        w.writeheader()
+        w.writerows(rows)
+        self.write(name, f.getvalue())
 
     def write_record(self, record):
         """Write the record (a dict, with "provenance"), listing the files written, last."""
