@@ -5,10 +5,7 @@ and MATH.md quote from them by rendering (tools/records.py); whether a record wa
 code is `python3 tools/records.py check`'s business, not a test's."""
 import ast
 import glob
-import hashlib
-import importlib.util
 import inspect
-import json
 import os
 import re
 import subprocess
@@ -378,69 +375,3 @@ def test_full_run_tables_add_up():
     fitted = [r for r in sparse if r["verdict"] in ("PASS", "FAIL") and r.get("f_star")]
     assert seeds and sorted(seeds) == sorted(r["seed"] for r in fitted)
     assert all(r["verdict"] == "PASS" for r in fitted)
-
-
-def test_out_folder_never_replaces_a_users_file_nor_writes_through_a_link(tmp_path):
-    # tools/records.OutFolder, through which examples/looped_depth.py, task_diversity.py and shift.py
-    # write their --out folder: a file it did not write is never replaced (with --overwrite neither),
-    # a link is never followed, and --overwrite replaces only what its own record lists unchanged
-    out, target = tmp_path / "out", tmp_path / "target"
-    out.mkdir()
-    (out / "a.csv").write_text("the user's")
-    for overwrite in (False, True):
-        with pytest.raises(SystemExit, match="a.csv"):
-            records.OutFolder(str(out), "tool.py", "r.json", ["a.csv", "b.png"], overwrite)
-    assert (out / "a.csv").read_text() == "the user's"
-    (out / "a.csv").unlink()
-    (out / "b.png").symlink_to(target)
-    for overwrite in (False, True):
-        with pytest.raises(SystemExit, match="b.png: a symbolic link"):
-            records.OutFolder(str(out), "tool.py", "r.json", ["a.csv", "b.png"], overwrite)
-    (out / "b.png").unlink()
-
-    def run(overwrite, tool="tool.py"):
-        folder = records.OutFolder(str(out), tool, "r.json", ["a.csv", "b.png"], overwrite)
-        folder.write("a.csv", "1,2\n")
-        folder.write("b.png", b"\x89PNG")
-        folder.write_record(dict(provenance=dict(tool=tool)))
-    run(False)
-    assert json.loads((out / "r.json").read_text())["outputs"] == {
-        "a.csv": hashlib.sha256(b"1,2\n").hexdigest(), "b.png": hashlib.sha256(b"\x89PNG").hexdigest()}
-    with pytest.raises(SystemExit, match="a.csv, .*b.png, .*r.json: exists"):
-        run(False)
-    run(True)                                               # its own earlier files, unchanged: replaced
-    with pytest.raises(SystemExit, match="r.json: not written by other.py"):
-        run(True, tool="other.py")                          # another tool's record vouches for nothing
-    (out / "a.csv").write_text("edited")
-    with pytest.raises(SystemExit, match="a.csv: not written by tool.py, or changed since"):
-        run(True)
-    assert (out / "a.csv").read_text() == "edited"
-    # a name taken while the script computed (after the first check): refused at the write, untouched
-    (out / "a.csv").unlink()
-    (out / "b.png").unlink()
-    (out / "r.json").unlink()
-    folder = records.OutFolder(str(out), "tool.py", "r.json", ["a.csv", "b.png"])
-    (out / "b.png").symlink_to(target)
-    with pytest.raises(SystemExit, match="b.png"):
-        folder.write("b.png", b"x")
-    assert not target.exists()
-
-
-@pytest.mark.parametrize("script, first, compute", [("shift", "shift.csv", "run"),
-                                                     ("task_diversity", "task_diversity.png", "run"),
-                                                     ("looped_depth", "looped_depth.csv", "exact_families")])
-def test_example_scripts_refuse_a_users_file_before_computing(tmp_path, monkeypatch, script, first, compute):
-    # the refusal comes before the minutes of computation: the script's first computing function is
-    # replaced by one that fails the test if it is reached
-    spec = importlib.util.spec_from_file_location(f"example_{script}", os.path.join(ROOT, "examples", f"{script}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-
-    def computing(*args, **kwargs):
-        raise AssertionError(f"examples/{script}.py computed before refusing")
-    monkeypatch.setattr(module, compute, computing)
-    (tmp_path / first).write_text("the user's")
-    for extra in ([], ["--overwrite"]):
-        with pytest.raises(SystemExit, match=first):
-            module.main(["--out", str(tmp_path), *extra])
-    assert (tmp_path / first).read_text() == "the user's"

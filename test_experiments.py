@@ -47,7 +47,7 @@ def quick_run(out, names):
 def test_quick_run_of_the_cheaper_experiments_writes_its_files_and_passes(tmp_path):
     # the pipeline end to end in seconds: experiments, tables, figures, record (the whole quick run,
     # the README's first command, is the slow test below)
-    names = ["noise", "nonlinear-targets"]
+    names = ["noise", "nonlinear-targets", "dynamics", "task-diversity"]
     config = quick_run(tmp_path / "results", names)
     assert config["completed"] == names
     assert all(config["experiments"][n]["tally"]["PASS"] > 0 for n in names)     # each checks something

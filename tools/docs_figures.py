@@ -1,7 +1,7 @@
 """Regenerate the figures the README shows (docs/*.png) and the tables its findings quote (docs/*.csv)
 from the full-size experiments, and record which code made them (docs/figures.json).
 
-    python3 tools/docs_figures.py             # runs the eight experiments (most of a full run; matplotlib)
+    python3 tools/docs_figures.py             # runs the twelve experiments (most of a full run; matplotlib)
     python3 tools/docs_figures.py --from DIR  # copies them from a full run of the current code in DIR
 
 Runs the experiments in EXPERIMENTS (seed 0, full size) with experiments.py into a temporary
@@ -27,13 +27,15 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import records  # noqa: E402  (tools/records.py: the provenance)
 
-FIGURES = ["three-layer-sparse_heatmaps.png", "three-layer-blocks_heatmaps.png", "depth.png", "single-layer-landscape.png"]
+FIGURES = ["three-layer-sparse_heatmaps.png", "three-layer-blocks_heatmaps.png", "depth.png", "single-layer-landscape.png",
+           "looped.png", "dynamics.png", "task-diversity.png", "shift.png"]
 # the tables README's findings quote (test_docs.py checks the quotes against them)
 TABLES = ["single-layer-landscape.csv", "single-layer-landscape_basins.csv", "three-layer-sparse.csv",
           "three-layer-blocks.csv", "two-layer-isotropic.csv", "softmax-two-head.csv", "unconstrained.csv",
-          "optimizers.csv"]
+          "optimizers.csv", "looped.csv", "looped_exact.csv", "looped_trained.csv", "looped_curvature.csv", "dynamics.csv",
+          "dynamics_descent.csv", "task-diversity.csv", "task-diversity_pools.csv", "shift.csv", "shift_shifts.csv"]
 EXPERIMENTS = ["three-layer-sparse", "three-layer-blocks", "two-layer-isotropic", "depth", "optimizers",
-               "unconstrained", "single-layer-landscape", "softmax-two-head"]
+               "unconstrained", "single-layer-landscape", "softmax-two-head", "looped", "dynamics", "task-diversity", "shift"]
 RECORD = os.path.join("docs", "figures.json")
 
 
