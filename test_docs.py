@@ -225,6 +225,39 @@ def gauss_rule_family_loss(a, b, nodes, weights):
     return float(weights @ p ** 2)
 
 
+def test_the_looped_records_are_the_current_exact_optima():
+    # docs/looped_exact.csv: the full run's tied and untied family optima (n = 20, d = 5). With the
+    # current code the tied optimum (a search over one or two scalars) is the recorded one, and the
+    # recorded untied sparse loss is the exact family loss at the recorded steps (no search): a slip
+    # in the tied composition or in the family loss moves them
+    exact = records.numbers("looped_exact")
+    assert {r["family"] for r in exact} == {"sparse", "blocks"}
+    for r in exact:
+        a, b, f = ir.optimal_tied_family(int(r["L"]), 20, 5, blocks=r["family"] == "blocks")
+        # the search stops where the gradient is ~1e-12: the loss agrees to ~1e-12 relative, the
+        # location (where the loss is flat to second order) to ~1e-6; 1e-10 and 1e-5 leave room for
+        # another stopping point of the same minimum
+        assert abs(f - r["loss_tied"]) <= 1e-10 * f and abs(a - r["a_tied"]) <= 1e-5 * a, r
+        if r["family"] == "sparse":
+            # the CSV keeps the steps to 17 digits: the loss there to rounding
+            untied = ir.family_population_loss(r["a_untied"], 20, 5)
+            assert abs(untied - r["loss_untied"]) <= 1e-12 * untied, r
+
+
+def test_the_shift_records_best_layer_is_theorem_1s_loss():
+    # docs/shift_shifts.csv: at a length shift with Sigma = Sigma_w = I the best layer for that length
+    # is Theorem 1's optimum there: the run computed it with shifted_single_layer_loss (MATH.md §15),
+    # here single_layer_population_loss (MATH.md §4) does. A slip in either moves the record away from
+    # the current code (the formulas themselves are checked against Monte Carlo in test_estimators.py)
+    lengths = [r for r in records.numbers("shift_shifts") if r["kind"] == "length"]
+    assert len(lengths) >= 5
+    for r in lengths:
+        n, I = int(r["n"]), np.eye(5)
+        L_star = ir.single_layer_population_loss(ir.gamma_star(I, n, noise_var=0.25), I, n, noise_var=0.25)
+        # both are exact rational expressions evaluated in float64: agreement to rounding
+        assert abs(L_star - r["best_layer"]) <= 1e-12 * L_star, r
+
+
 def test_blocks_landscape_minima_are_strict_minima_of_the_current_family_loss():
     # docs/blocks_landscape.json lists the certified minima MATH.md §10 tabulates. With the current
     # code each must still be one: the exact loss there is the recorded one, its gradient vanishes and

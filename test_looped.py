@@ -254,7 +254,7 @@ def test_gradient_descent_on_batches_follows_the_flow():
 @pytest.mark.slow
 def test_gradient_descent_on_large_batches_follows_the_flow():
     # the acceptance size: R = 8 batches of B = 50000, step 0.01 to t = 4. The step's own error
-    # (population descent against the flow) is at most 0.7 SE here (examples/looped_depth.py)
+    # (population descent against the flow) is at most 0.7 SE here (the experiment `dynamics`)
     rng = np.random.default_rng(9)
     Sigma = ir.rotated_covariance(rng, (1.0, 0.5))[0]
     eta, steps, R = 0.01, 400, 8

@@ -2,7 +2,7 @@
 from the full-size experiments, and record which code made them (docs/figures.json).
 
     python3 tools/docs_figures.py             # runs the twelve experiments (most of a full run; matplotlib)
-    python3 tools/docs_figures.py --from DIR  # copies them from a full run of the current code in DIR
+    python3 tools/docs_figures.py --from DIR  # copies them from a full run of the current code in DIR, made here
 
 Runs the experiments in EXPERIMENTS (seed 0, full size) with experiments.py into a temporary
 directory (or takes a complete full run, seed 0, whose record carries the current code's digest),
@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
+import benchmarks  # noqa: E402  (tools/benchmarks.py: the machine's description)
 import records  # noqa: E402  (tools/records.py: the provenance)
 
 FIGURES = ["three-layer-sparse_heatmaps.png", "three-layer-blocks_heatmaps.png", "depth.png", "single-layer-landscape.png",
@@ -83,8 +84,14 @@ def main(argv=None):
             if proc.returncode not in (0, 1):
                 return proc.returncode
             config = copy_from(out, digest)
+    # how long each experiment of the run took (docs/benchmarks.md's last table), on this machine
+    # (--from takes a run made here)
+    timing = dict(machine=benchmarks.machine()[0],
+                  experiments={name: dict(seconds=config["experiments"][name]["seconds"],
+                                          cpu_seconds=config["experiments"][name]["cpu_seconds"])
+                               for name in config["completed"]})
     record = dict(provenance=records.provenance("tools/docs_figures.py", [], list(experiments.SOURCES)),
-                  experiments=EXPERIMENTS, seed=0,
+                  experiments=EXPERIMENTS, seed=0, timing=timing,
                   figures={name: sha256(os.path.join(ROOT, "docs", name)) for name in FIGURES + TABLES})
     with open(os.path.join(ROOT, RECORD), "w") as f:
         json.dump(record, f, indent=1)
