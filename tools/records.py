@@ -508,7 +508,8 @@ def pow10_up(x):
 def one_digit_up(x):
     """x rounded up to one significant digit: 5e-13."""
     e = math.floor(math.log10(x))
-    return f"{math.ceil(x / 10 ** e - 1e-9):.0f}e{e}"
+    m = math.ceil(x / 10 ** e - 1e-9)
+    return f"1e{e + 1}" if m == 10 else f"{m:.0f}e{e}"
 
 
 def numbers(name):
@@ -646,8 +647,8 @@ def task_diversity_three_layers():
     no = [f"{p['K']:.0f}" for p in trained if not p["L3_converged"]]
     every = ", ".join(f"{p['K']:.0f}" for p in trained)
     return (f"({L3['L3_pool']:.2f} and {L3['L3_fresh']:.2f}) and settle from K = {note['settled_from_K']:.0f} on, "
-            f"near the sparse family's exact optimum {note['L3_prior']:.2f} ({note['L3_excess']:.0%} above it, "
-            f"{r['verdict']} within the 10% tolerance; "
+            f"near the sparse family's exact optimum {note['L3_prior']:.2f} ({note['L3_excess']:.1%} above it: "
+            f"{r['verdict']} against 10% plus {r['k']:.0f} SE; "
             + (f"not converged at K = {', '.join(no)})" if no else f"converged at every K trained: {every})"))
 
 
