@@ -1417,6 +1417,77 @@ def plot_looped(plt, save, rows, tables):
              + (f"; not converged at L = {', '.join(str(r['L']) for r in bad)}." if bad else "."))]
 
 
+def tied_family_rows(exact):
+    """The claims on the exact tied and untied family optima (MATH.md §14): `exact` has a row per family
+    ("sparse", "blocks") and L, L = 1 included, with a_tied, loss_tied, loss_untied and gain_kept."""
+    rel = [(r["loss_tied"] - r["loss_untied"]) / r["loss_untied"] for r in exact]
+    at_one = [abs(x) for x, r in zip(rel, exact) if r["L"] == 1]
+    steps = [r["a_tied"] for r in exact if r["family"] == "sparse"]
+    # both optima come from searches converged to a gradient of 1e-12 on the Gauss rule: their losses
+    # agree to ~1e-12 relative where they are the same point (at L = 1 they must be)
+    return [row("the tied optimum's loss is never below the untied one's (a restriction of the same family), "
+                "relative difference, sparse and blocks", **judge("at least (one-sided)", min(rel), 0.0, slack=1e-12)),
+            row("at L = 1 tying changes nothing: largest relative difference of the two optima's losses",
+                **judge("two-sided", max(at_one), 0.0, slack=1e-12)),
+            row("the tied sparse step a*_L decreases with L (MATH.md §14: it tends to 0)",
+                **decide(all(s > t for s, t in zip(steps, steps[1:])), measured=steps))] + [
+        row(f"{r['family']}, L = {r['L']}: exact tied optimum against the untied one (gain_kept: the share of the "
+            "untied drop in loss from L = 1 that tying keeps)",
+            **info(theory=r["loss_untied"], measured=r["loss_tied"]), **r) for r in exact if r["L"] > 1]
+
+
+def tied_trained_rows(t, res):
+    """The claims on one trained tied sparse model: `t` holds its measurements (L, a_fitted, a_star,
+    dist_sym, dist, antisym, test_minus_family and its se), `res` its run."""
+    L = t["L"]
+    fit_claim = f"L = {L}: the trained tied A's fitted a against the exact tied optimum a*_L"
+    # at L = 1 the tied model is the single layer, whose minimiser is unique: its a within 5% of a*_1
+    # (a batch of 20000 prompts leaves ~0.1%). For L >= 2 the antisymmetric directions are nearly
+    # flat (curvature_rows; README finding 17): the batch minimiser trades symmetric scale for an
+    # antisymmetric part, and a is a finding (seen: 1-6% from a*_L)
+    if L == 1:
+        fit = row(fit_claim + " (within 5%)", **judge("two-sided", t["a_fitted"], t["a_star"],
+                                                       slack=0.05 * t["a_star"], runs=[res]), L=L)
+    else:
+        fit = row(fit_claim + " (relative error: README finding 17)",
+                  **info([res], theory=t["a_star"], measured=t["a_fitted"]), L=L,
+                  rel_err=abs(t["a_fitted"] / t["a_star"] - 1))
+    return [fit,
+            row(f"L = {L}: Dist of A's whitened symmetric part to a multiple of Sigma^-1 ([A] §4.3's distance) "
+                "is at most 0.05", **judge("at most (one-sided)", t["dist_sym"], 0.05, runs=[res]), L=L),
+            row(f"L = {L}: the trained model's test loss equals the exact tied optimum's (paired, fresh prompts)",
+                **judge("two-sided", t["test_minus_family"], 0.0, se=t["test_minus_family_se"], runs=[res]), L=L),
+            row(f"L = {L}: Dist(A, Sigma^-1) of the whole A, and its antisymmetric part's norm relative to the "
+                "symmetric part's (README finding 17: poorly determined for L >= 2)",
+                **info([res], measured=t["dist"]), L=L, antisym=t["antisym"])]
+
+
+def curvature_rows(curvature):
+    """The claims on the second differences of the tied sparse loss at the family point: `curvature` has
+    a row per L and direction ("antisymmetric", "symmetric traceless") with second_difference and se,
+    in the same L order for both directions."""
+    anti = [c for c in curvature if c["direction"] == "antisymmetric"]
+    sym = [c for c in curvature if c["direction"] != "antisymmetric"]
+    rows = [row("along a symmetric traceless direction the family point a*_L Sigma^-1 is a minimum at every L "
+                "(second difference above 0)", **judge("above (one-sided)", [c["second_difference"] for c in sym],
+                                                     0.0, se=[c["se"] for c in sym]), Ls=[c["L"] for c in sym]),
+            row("along an antisymmetric direction: curved at L = 1 (above 0)",
+                **judge("above (one-sided)", anti[0]["second_difference"], 0.0, se=anti[0]["se"])),
+            row("along the antisymmetric direction at least 10 times flatter than along the symmetric one for L >= 2",
+                **decide(all(abs(a["second_difference"]) < s["second_difference"] / 10 for a, s in zip(anti, sym)
+                             if a["L"] > 1), measured=[a["second_difference"] for a in anti[1:]]))]
+    at_4 = [c for c in anti if c["L"] == 4]
+    if at_4:
+        rows.append(row("at L = 4 the antisymmetric second difference is below 0 (measured: minus it): a*_4 Sigma^-1 "
+                        "is not the minimum of the tied sparse loss (README finding 17)",
+                        **judge("above (one-sided)", -at_4[0]["second_difference"], 0.0, se=at_4[0]["se"]),
+                        second_difference=at_4[0]["second_difference"]))
+    else:
+        rows.append(full_run_only("at L = 4 the antisymmetric second difference is below 0 (README finding 17)",
+                                  "L = 4 and 400000 prompts"))
+    return rows
+
+
 @experiment("looped", "Gatmiry et al. 2024: is the looped (weight-tied) model's minimiser multi-step preconditioned "
             "GD? (MATH.md §14)", plot=plot_looped)
 def looped(ctx):
@@ -1436,21 +1507,7 @@ def looped(ctx):
         first = next(s for s in exact if s["family"] == r["family"] and s["L"] == 1)["loss_untied"]
         gain = first - r["loss_untied"]
         r["gain_kept"] = (first - r["loss_tied"]) / gain if gain > 0 else math.nan
-    rel = [(r["loss_tied"] - r["loss_untied"]) / r["loss_untied"] for r in exact]
-    at_one = [abs(x) for x, r in zip(rel, exact) if r["L"] == 1]
-    steps = [r["a_tied"] for r in exact if r["family"] == "sparse"]
-    # both optima come from searches converged to a gradient of 1e-12 on the Gauss rule: their losses
-    # agree to ~1e-12 relative where they are the same point (at L = 1 they must be)
-    rows = [row("the tied optimum's loss is never below the untied one's (a restriction of the same family), "
-                "relative difference, sparse and blocks", **judge("at least (one-sided)", min(rel), 0.0, slack=1e-12)),
-            row("at L = 1 tying changes nothing: largest relative difference of the two optima's losses",
-                **judge("two-sided", max(at_one), 0.0, slack=1e-12)),
-            row("the tied sparse step a*_L decreases with L (MATH.md §14: it tends to 0)",
-                **decide(all(s > t for s, t in zip(steps, steps[1:])), measured=steps))]
-    rows += [row(f"{r['family']}, L = {r['L']}: exact tied optimum against the untied one (gain_kept: the share of "
-                 "the untied drop in loss from L = 1 that tying keeps)", **info(theory=r["loss_untied"],
-                                                                              measured=r["loss_tied"]), **r)
-             for r in exact if r["L"] > 1]
+    rows = tied_family_rows(exact)
 
     Sigma, Si, Z, y = paper_data(ctx.rng, B, n)
     Z_test, y_test = ir.sample_prompts(ctx.rng, B, n, Sigma, Si)
@@ -1475,22 +1532,7 @@ def looped(ctx):
         trained.append(t)
         ctx.log(f"  tied L = {L}: a {a_hat:.4f} vs a* {a_star:.4f}, Dist {t['dist']:.4f}, sym {t['dist_sym']:.4f}, "
                 f"|grad| {res['grad_norm']:.1e}, {res['wall_time']:.1f} s")
-        # at L = 1 the tied model is the single layer, whose minimiser is unique: its a within 5% of
-        # a*_1 (a batch of 20000 prompts leaves ~0.1%). For L >= 2 the antisymmetric directions are
-        # nearly flat (the curvature rows below; README finding 17): the batch minimiser trades
-        # symmetric scale for an antisymmetric part, and a is a finding (seen: 1-6% from a*_L)
-        fit_claim = f"L = {L}: the trained tied A's fitted a against the exact tied optimum a*_L"
-        rows += [row(fit_claim + " (within 5%)", **judge("two-sided", a_hat, a_star, slack=0.05 * a_star, runs=[res]), L=L)
-                 if L == 1 else
-                 row(fit_claim + " (relative error: README finding 17)", **info([res], theory=a_star, measured=a_hat),
-                     L=L, rel_err=abs(a_hat / a_star - 1)),
-                 row(f"L = {L}: Dist of A's whitened symmetric part to a multiple of Sigma^-1 ([A] §4.3's distance) "
-                     "is at most 0.05", **judge("at most (one-sided)", t["dist_sym"], 0.05, runs=[res]), L=L),
-                 row(f"L = {L}: the trained model's test loss equals the exact tied optimum's (paired, fresh prompts)",
-                     **judge("two-sided", diff, 0.0, se=se, runs=[res]), L=L),
-                 row(f"L = {L}: Dist(A, Sigma^-1) of the whole A, and its antisymmetric part's norm relative to the "
-                     "symmetric part's (README finding 17: poorly determined for L >= 2)",
-                     **info([res], measured=t["dist"]), L=L, antisym=t["antisym"])]
+        rows += tied_trained_rows(t, res)
 
     # second differences of the tied loss at a*_L I (whitened, Sigma = I) along a random antisymmetric
     # and a random symmetric traceless direction of unit norm, common prompts:
@@ -1510,25 +1552,7 @@ def looped(ctx):
             E = E / np.linalg.norm(E)
             m, se = mean_se((sq(a * np.eye(d) + eps * E) + sq(a * np.eye(d) - eps * E)) / 2 - base)
             curvature.append(dict(L=L, direction=name, second_difference=m, se=se, B=B_curv, eps=eps))
-    anti = [c for c in curvature if c["direction"] == "antisymmetric"]
-    sym = [c for c in curvature if c["direction"] != "antisymmetric"]
-    rows += [row("along a symmetric traceless direction the family point a*_L Sigma^-1 is a minimum at every L "
-                 "(second difference above 0)", **judge("above (one-sided)", [c["second_difference"] for c in sym],
-                                                      0.0, se=[c["se"] for c in sym]), Ls=list(Ls_sparse)),
-             row("along an antisymmetric direction: curved at L = 1 (above 0)",
-                 **judge("above (one-sided)", anti[0]["second_difference"], 0.0, se=anti[0]["se"])),
-             row("along the antisymmetric direction at least 10 times flatter than along the symmetric one for L >= 2",
-                 **decide(all(abs(a_["second_difference"]) < s["second_difference"] / 10 for a_, s in zip(anti, sym)
-                              if a_["L"] > 1), measured=[a_["second_difference"] for a_ in anti[1:]]))]
-    if 4 in Ls_sparse:
-        c = next(c for c in anti if c["L"] == 4)
-        rows.append(row("at L = 4 the antisymmetric second difference is below 0 (measured: minus it): a*_4 Sigma^-1 is not the minimum "
-                        "of the tied sparse loss (README finding 17)",
-                        **judge("above (one-sided)", -c["second_difference"], 0.0, se=c["se"]),
-                        second_difference=c["second_difference"]))
-    else:
-        rows.append(full_run_only("at L = 4 the antisymmetric second difference is below 0 (README finding 17)",
-                                  "L = 4 and 400000 prompts"))
+    rows += curvature_rows(curvature)
     return rows, {"exact": exact, "trained": trained, "curvature": curvature}
 
 
@@ -1557,6 +1581,26 @@ def plot_dynamics(plt, save, rows, tables):
              f"{sum(r['verdict'] == PASS for r in checks)} of {len(checks)} PASS.")]
 
 
+def flow_rows(f):
+    """The claims on one start of the one-layer gradient flow: `f` holds start, sigma, sigma_bound,
+    rel_err_end (|Gamma(t_end) - Gamma*| / |Gamma*|), half_way_t, invariant_max, loss_first, loss_last."""
+    # 1e-8: the issue's bound; solve_ivp runs at rtol 1e-10 and t = 400 is ~100 e-folds past the drop
+    return [row(f"sigma = {f['sigma']:.4f} ({f['start']} their bound {f['sigma_bound']:.4f}): the flow's Gamma(400) "
+                "equals gamma_star (relative Frobenius error)", **judge("two-sided", f["rel_err_end"], 0.0, slack=1e-8),
+                start=f["start"], sigma=f["sigma"], sigma_bound=f["sigma_bound"]),
+            row(f"sigma = {f['sigma']:.4f} ({f['start']}): the flow's plateau (half-way down at t = half_way_t) and its "
+                "balance u^2 - |U|_F^2, conserved by the flow", **info(measured=f["invariant_max"]),
+                start=f["start"], half_way_t=f["half_way_t"], loss_first=f["loss_first"], loss_last=f["loss_last"])]
+
+
+def descent_row(at, mean, target, se):
+    """The claim that gradient descent on independent batches follows the flow at one time: `at` holds
+    t, R, B, eta and step_error_in_se; mean and se are the batches' Gamma(t) entries, target the flow's."""
+    return row(f"t = {at['t']:.2f}: gradient descent (eta = {at['eta']}) on {at['R']} batches of {at['B']} prompts "
+               "matches the flow's Gamma(t), every entry (SE from the batches)",
+               **judge("two-sided", mean, target, se=se), t=at["t"], step_error_in_se=at["step_error_in_se"])
+
+
 @experiment("dynamics", "Zhang, Frei, Bartlett 2024: does one layer's gradient flow from their start reach Gamma*, "
             "and does descent on batches follow it? (MATH.md §14)", plot=plot_dynamics)
 def dynamics(ctx):
@@ -1572,13 +1616,9 @@ def dynamics(ctx):
         err = float(np.linalg.norm(f["Gamma"][-1] - G_star) / np.linalg.norm(G_star))
         half = float(t[np.argmax(f["loss"] < 0.5 * (f["loss"][0] + f["loss"][-1]))])
         flow += [dict(start=start, sigma=s, t=ti, loss=li) for ti, li in zip(t, f["loss"])]
-        # 1e-8: the issue's bound; solve_ivp runs at rtol 1e-10 and t = 400 is ~100 e-folds past the drop
-        rows += [row(f"sigma = {s:.4f} ({start} their bound {bound:.4f}): the flow's Gamma(400) equals gamma_star "
-                     "(relative Frobenius error)", **judge("two-sided", err, 0.0, slack=1e-8), start=start, sigma=s,
-                     sigma_bound=bound),
-                 row(f"sigma = {s:.4f} ({start}): the flow's plateau (half-way down at t = half_way_t) and its balance "
-                     "u^2 - |U|_F^2, conserved by the flow", **info(measured=float(np.max(np.abs(f["invariant"])))),
-                     start=start, half_way_t=half, loss_first=float(f["loss"][0]), loss_last=float(f["loss"][-1]))]
+        rows += flow_rows(dict(start=start, sigma=s, sigma_bound=bound, rel_err_end=err, half_way_t=half,
+                               invariant_max=float(np.max(np.abs(f["invariant"]))), loss_first=float(f["loss"][0]),
+                               loss_last=float(f["loss"][-1])))
     times = eta * np.arange(steps + 1)
     target = ir.one_layer_gradient_flow(Sigma, n, sigma, times)["Gamma"]
     # the step's own error: the same descent on the exact population gradient
@@ -1605,10 +1645,7 @@ def dynamics(ctx):
         for key, (i, j) in (("G00", (0, 0)), ("G01", (0, 1)), ("G11", (1, 1))):
             entries.update({f"flow_{key}": target[k, i, j], f"gd_{key}": mean[k, i, j], f"gd_{key}_se": se[k, i, j]})
         descent.append(entries)
-        rows.append(row(f"t = {times[k]:.2f}: gradient descent (eta = {eta}) on {R} batches of {B} prompts matches the "
-                        "flow's Gamma(t), every entry (SE from the batches)",
-                        **judge("two-sided", mean[k], target[k], se=se[k]), t=times[k],
-                        step_error_in_se=entries["step_error_in_se"]))
+        rows.append(descent_row(entries, mean[k], target[k], se[k]))
     return rows, {"flow": flow, "descent": descent}
 
 
@@ -1632,6 +1669,41 @@ def plot_task_diversity(plt, save, rows, tables):
     axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return [(save(fig, ""), "Task diversity: models trained on a pool of K tasks, tested on the pool (left) and on fresh "
              "tasks (right), against dMMSE over the pool and ridge.")]
+
+
+def pool_rows(pools, L1_prior, L3_prior, fit):
+    """The claims of task-diversity: `pools` has a row per pool size K (ascending) with each model's
+    pool and fresh-task risk (L1_, L3_ where trained, dmmse_, ridge_ + pool / fresh, and _se), L1_prior
+    and L3_prior are the exact unbounded-prior optima, `fit` the three-layer run at the last K trained."""
+    last = pools[-1]
+    L3 = [r for r in pools if "L3_fresh" in r][-1]
+    small = [r for r in pools if r["K"] <= 16]
+    rows = [row(f"one layer: fresh-task loss at K = {last['K']} equals its unbounded-prior optimum within 1% (exact "
+                "both: the layer sees the pool's second moment only)",
+                **judge("two-sided", last["L1_fresh"], L1_prior, slack=0.01 * L1_prior), K=last["K"]),
+            # 10%: a finite training batch and a capped L-BFGS leave the trained model a few % above it
+            row(f"three layers: fresh-task loss at K = {L3['K']} equals the sparse family's exact optimum for the "
+                "unbounded prior within 10%", **judge("two-sided", L3["L3_fresh"], L3_prior, se=L3["L3_fresh_se"],
+                                                     slack=0.1 * L3_prior, runs=[fit]), K=L3["K"]),
+            row(f"three layers at K = {L3['K']}: pool and fresh-task losses agree (no memorisation)",
+                **judge("two-sided", L3["L3_pool"], L3["L3_fresh"], se=math.hypot(L3["L3_pool_se"], L3["L3_fresh_se"]),
+                        runs=[fit]), K=L3["K"]),
+            row("dMMSE memorises small pools: ridge's pool risk minus dMMSE's, at every K <= 16",
+                **judge("above (one-sided)", [r["ridge_pool"] - r["dmmse_pool"] for r in small], 0.0,
+                        se=[math.hypot(r["ridge_pool_se"], r["dmmse_pool_se"]) for r in small]))]
+    for name, r in (("L1", last), ("L3", L3), ("dmmse", last)):
+        ratio = r[f"{name}_fresh"] / r["ridge_fresh"]
+        rows.append(row(f"{name}: Raventós et al.'s claim, the fresh-task loss approaches ridge's as K grows (holds: "
+                        f"within 10% at K = {r['K']})", **info(theory=r["ridge_fresh"], measured=r[f"{name}_fresh"]),
+                        model=name, K=r["K"], ratio_to_ridge=ratio, at_K1=pools[0][f"{name}_fresh"],
+                        holds="yes" if ratio <= 1.1 else "no"))
+    curve = [r for r in pools if "L3_fresh" in r]
+    rows.append(row("the transition: three layers' fresh-task loss within 10% of its last value from K = settled_from_K "
+                    "on; dMMSE's fresh-task risk over ridge's at the largest K",
+                    **info(measured=last["dmmse_fresh"] / last["ridge_fresh"]), L1_prior=L1_prior, L3_prior=L3_prior,
+                    settled_from_K=next(r["K"] for r in curve if r["L3_fresh"] <= 1.1 * L3["L3_fresh"]),
+                    L3_excess=L3["L3_fresh"] / L3_prior - 1))
+    return rows
 
 
 @experiment("task-diversity", "Raventós et al. 2023: trained on K tasks, when does the model predict like ridge on "
@@ -1669,35 +1741,8 @@ def task_diversity(ctx):
                 r[f"{name}_{test}"], r[f"{name}_{test}_se"] = risk, se
         pools.append(r)
         ctx.log(f"  K = {K}: one layer {r['L1_fresh']:.3f} on fresh tasks, ridge {r['ridge_fresh']:.3f}")
-    last = pools[-1]
     L3 = [r for r in pools if "L3_fresh" in r][-1]
-    small = [r for r in pools if r["K"] <= 16]
-    rows = [row(f"one layer: fresh-task loss at K = {last['K']} equals its unbounded-prior optimum within 1% (exact "
-                "both: the layer sees the pool's second moment only)",
-                **judge("two-sided", last["L1_fresh"], L1_prior, slack=0.01 * L1_prior), K=last["K"]),
-            # 10%: a finite training batch and a capped L-BFGS leave the trained model a few % above it
-            row(f"three layers: fresh-task loss at K = {L3['K']} equals the sparse family's exact optimum for the "
-                "unbounded prior within 10%", **judge("two-sided", L3["L3_fresh"], L3_prior, se=L3["L3_fresh_se"],
-                                                     slack=0.1 * L3_prior, runs=[fits[L3["K"]]]), K=L3["K"]),
-            row(f"three layers at K = {L3['K']}: pool and fresh-task losses agree (no memorisation)",
-                **judge("two-sided", L3["L3_pool"], L3["L3_fresh"], se=math.hypot(L3["L3_pool_se"], L3["L3_fresh_se"]),
-                        runs=[fits[L3["K"]]]), K=L3["K"]),
-            row("dMMSE memorises small pools: ridge's pool risk minus dMMSE's, at every K <= 16",
-                **judge("above (one-sided)", [r["ridge_pool"] - r["dmmse_pool"] for r in small], 0.0,
-                        se=[math.hypot(r["ridge_pool_se"], r["dmmse_pool_se"]) for r in small]))]
-    for name, r in (("L1", last), ("L3", L3), ("dmmse", last)):
-        ratio = r[f"{name}_fresh"] / r["ridge_fresh"]
-        rows.append(row(f"{name}: Raventós et al.'s claim, the fresh-task loss approaches ridge's as K grows (holds: "
-                        f"within 10% at K = {r['K']})", **info(theory=r["ridge_fresh"], measured=r[f"{name}_fresh"]),
-                        model=name, K=r["K"], ratio_to_ridge=ratio, at_K1=pools[0][f"{name}_fresh"],
-                        holds="yes" if ratio <= 1.1 else "no"))
-    curve = [r for r in pools if "L3_fresh" in r]
-    rows.append(row("the transition: three layers' fresh-task loss within 10% of its last value from K = settled_from_K "
-                    "on; dMMSE's fresh-task risk over ridge's at the largest K",
-                    **info(measured=last["dmmse_fresh"] / last["ridge_fresh"]), L1_prior=L1_prior, L3_prior=L3_prior,
-                    settled_from_K=next(r["K"] for r in curve if r["L3_fresh"] <= 1.1 * L3["L3_fresh"]),
-                    L3_excess=L3["L3_fresh"] / L3_prior - 1))
-    return rows, {"pools": pools}
+    return pool_rows(pools, L1_prior, L3_prior, fits[L3["K"]]), {"pools": pools}
 
 
 def plot_shift(plt, save, rows, tables):
@@ -1711,6 +1756,33 @@ def plot_shift(plt, save, rows, tables):
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return [(save(fig, ""), "One layer trained at n = 20, tested at other lengths: its exact loss against the best layer "
              "for each length, ridge tuned at each length and the Bayes predictor.")]
+
+
+def shift_rows(shifts, L_star, n_train, fit):
+    """The claims of shift: `shifts` has a row per test distribution (kind, shift, n, layer_exact,
+    layer_mc and se, best_layer, ridge_tuned, bayes_minus_ridge and se), L_star is Theorem 1's optimum
+    at the training length n_train, `fit` the trained layer's run."""
+    at_train = next(r for r in shifts if r["shift"] == f"n = {n_train}")
+    other = [r for r in shifts if r["kind"] == "length" and r["n"] != n_train]
+    rows = [row(f"the trained layer's exact shifted loss (MATH.md §15) equals its Monte Carlo loss through the "
+                f"transformer at all {len(shifts)} test distributions",
+                **judge("two-sided", [r["layer_mc"] for r in shifts], [r["layer_exact"] for r in shifts],
+                        se=[r["layer_mc_se"] for r in shifts])),
+            # 1%: a batch of 20000 prompts leaves the trained layer ~0.3% above Theorem 1's optimum
+            row(f"trained at n = {n_train}: the layer's exact loss equals Theorem 1's optimum within 1%",
+                **judge("two-sided", at_train["layer_exact"], L_star, slack=0.01 * L_star, runs=[fit])),
+            row("a length shift costs: at every other length the trained layer's exact loss is more than 1% above the "
+                "best layer's for that length (relative excess)",
+                **judge("above (one-sided)", [r["layer_exact"] / r["best_layer"] - 1 for r in other], 0.01, runs=[fit]),
+                lengths=[r["n"] for r in other]),
+            row("the Bayes predictor for the test prior is never worse than tuned ridge (paired difference; it is "
+                "optimal, and a covariate shift does not change it)",
+                **judge("at most (one-sided)", [r["bayes_minus_ridge"] for r in shifts], 0.0,
+                        se=[r["bayes_minus_ridge_se"] for r in shifts])),
+            row("Wu et al.'s claim: at its training length the layer nearly matches tuned ridge (holds: within 10%)",
+                **info([fit], theory=at_train["ridge_tuned"], measured=at_train["layer_exact"]),
+                holds="yes" if at_train["layer_exact"] <= 1.1 * at_train["ridge_tuned"] else "no")]
+    return rows
 
 
 @experiment("shift", "Wu et al. 2024; Zhang, Frei, Bartlett §4.2: a trained layer at other lengths, covariances and "
@@ -1748,27 +1820,7 @@ def shift(ctx):
             r[name], r[name + "_se"] = mean_se(e)
         shifts.append(r)
     L_star = ir.single_layer_population_loss(ir.gamma_star(I, n_train, noise_var=noise), I, n_train, noise_var=noise)
-    at_train = next(r for r in shifts if r["shift"] == f"n = {n_train}")
-    other = [r for r in shifts if r["kind"] == "length" and r["n"] != n_train]
-    rows = [row(f"the trained layer's exact shifted loss (MATH.md §15) equals its Monte Carlo loss through the "
-                f"transformer at all {len(shifts)} test distributions",
-                **judge("two-sided", [r["layer_mc"] for r in shifts], [r["layer_exact"] for r in shifts],
-                        se=[r["layer_mc_se"] for r in shifts])),
-            # 1%: a batch of 20000 prompts leaves the trained layer ~0.3% above Theorem 1's optimum
-            row(f"trained at n = {n_train}: the layer's exact loss equals Theorem 1's optimum within 1%",
-                **judge("two-sided", at_train["layer_exact"], L_star, slack=0.01 * L_star, runs=[fit])),
-            row("a length shift costs: at every other length the trained layer's exact loss is more than 1% above the "
-                "best layer's for that length (relative excess)",
-                **judge("above (one-sided)", [r["layer_exact"] / r["best_layer"] - 1 for r in other], 0.01, runs=[fit]),
-                lengths=[r["n"] for r in other]),
-            row("the Bayes predictor for the test prior is never worse than tuned ridge (paired difference; it is "
-                "optimal, and a covariate shift does not change it)",
-                **judge("at most (one-sided)", [r["bayes_minus_ridge"] for r in shifts], 0.0,
-                        se=[r["bayes_minus_ridge_se"] for r in shifts])),
-            row("Wu et al.'s claim: at its training length the layer nearly matches tuned ridge (holds: within 10%)",
-                **info([fit], theory=at_train["ridge_tuned"], measured=at_train["layer_exact"]),
-                holds="yes" if at_train["layer_exact"] <= 1.1 * at_train["ridge_tuned"] else "no")]
-    return rows, {"shifts": shifts}
+    return shift_rows(shifts, L_star, n_train, fit), {"shifts": shifts}
 
 
 # ---------------------------------------------------------------------------------------------
