@@ -216,7 +216,7 @@ def starts_summary(runs, lowest=None, rtol=REACHED_RTOL):
     lowest, higher (the losses of the converged starts above it), not_converged). `lowest` is the
     lowest loss known (default: the lowest converged one; a run above it by more than rtol relative
     stopped at a higher stationary point and never carries a verdict). Full (P, Q) has spurious
-    local minima (README finding 15), so one start is no evidence of the optimum."""
+    local minima (finding 15), so one start is no evidence of the optimum."""
     done = sorted((r for r in runs if converged(r)), key=lambda r: r["loss"])
     if lowest is None:
         lowest = done[0]["loss"] if done else None
@@ -268,7 +268,7 @@ def context(Z):
 def gd_predict(Z, a, L, precond, drop_last=False):
     """L steps of (preconditioned) GD from 0 with the constant step a (w <- w - a Pre grad R, R
     the mean squared loss over the context), via Lemma 1's recursion. drop_last reproduces the
-    authors' baselines, which use only the first n-1 examples (README, finding 4)."""
+    authors' baselines, which use only the first n-1 examples (docs/FINDINGS.md, finding 4)."""
     X, Yc, xq = context(Z)
     if drop_last:
         X, Yc = X[:, :-1], Yc[:, :-1]
@@ -352,7 +352,7 @@ def single_layer(ctx):
                                  k=5.0, check="0 <= measured <= tolerance (mean + k sd of its chi-square law)"),
                         n=n, L_star=L_star, grad_norm=res["grad_norm"],
                         dist_to_gamma_star=ir.distance_to_multiple(res["coords"]["A"][0], G)))
-        # full (P, Q) has spurious local minima (README finding 15): several starts, the verdict from
+        # full (P, Q) has spurious local minima (finding 15): several starts, the verdict from
         # the best converged one, and only when it reached the batch optimum, which the full model
         # attains at or below the trained sparse model's batch loss (the sparse model is one of its points)
         fulls = [ctx.train_gauss_newton(Z, y, 1, "full", rng=rng, init_scale=0.3) for _ in range(starts)]
@@ -517,7 +517,7 @@ def plot_three_layer_blocks(plt, save, rows, tables):
     return made
 
 
-@experiment("three-layer-blocks", "Theorem 4, Figs 3-5; paper n=10 vs notebook N=20 (README, finding 7)",
+@experiment("three-layer-blocks", "Theorem 4, Figs 3-5; paper n=10 vs notebook N=20 (docs/FINDINGS.md, finding 7)",
             plot=plot_three_layer_blocks)
 def three_layer_blocks(ctx):
     quick, log = ctx.quick, ctx.log
@@ -546,7 +546,7 @@ def three_layer_blocks(ctx):
         init = {"A": 0.1 * rng.standard_normal((L, d, d)), "B": 0.1 * rng.standard_normal((L, d, d))}
         # Gauss-Newton converges here in ~30 evaluations where L-BFGS needs ~1200-1700 iterations
         # keeping 300 pairs, and to the same or a lower loss (tools/blocks_basins.py compares the
-        # two from 20 starts; README finding 9); L-BFGS runs only for footnote 4, whose check needs
+        # two from 20 starts; finding 9); L-BFGS runs only for footnote 4, whose check needs
         # steps, not convergence
         runs = {"Gauss-Newton": ctx.train_gauss_newton(Z, y, L, "blocks", init=init, max_nfev=max_nfev,
                                                       progress=ctx.progress)}
@@ -670,18 +670,25 @@ def baselines(Z_tune, y_tune, Z_test, y_test, L, Si, n, d):
     return out
 
 
+def transformer_against_optimum(ax, curve, x, label):
+    """Draw a curve's trained transformer (test loss, +-K_SE SE; "not converged" marked) and the exact
+    family optimum against the field `x`; returns the points that did not converge."""
+    xs = [c[x] for c in curve]
+    ax.errorbar(xs, [c["transformer"] for c in curve], [K_SE * c["transformer_se"] for c in curve], fmt="o-",
+                label=f"{label} (test, ±{fmt(K_SE)} SE)")
+    bad = [c for c in curve if not c["converged"]]
+    if bad:
+        ax.plot([c[x] for c in bad], [c["transformer"] for c in bad], "x", color="C3", ms=10, label="not converged")
+    ax.plot(xs, [c["family_optimum"] for c in curve], "k--", label="exact family optimum (theory)")
+    return bad
+
+
 def plot_depth(plt, save, rows, tables):
     made = []
-    k_se = fmt(K_SE)
     rs = tables["curve"]
     Ls = [r["L"] for r in rs]
     fig, ax = plt.subplots(figsize=(8, 4.2), layout="constrained")
-    ax.errorbar(Ls, [r["transformer"] for r in rs], [K_SE * r["transformer_se"] for r in rs], fmt="o-",
-                label=f"transformer (test, ±{k_se} SE)")
-    bad = [r for r in rs if not r["converged"]]
-    if bad:
-        ax.plot([r["L"] for r in bad], [r["transformer"] for r in bad], "x", color="C3", ms=10, label="not converged")
-    ax.plot(Ls, [r["family_optimum"] for r in rs], "k--", label="exact family optimum (theory)")
+    bad = transformer_against_optimum(ax, rs, "L", "transformer")
     ax.plot(Ls, [r["GD_loss"] for r in rs], "s:", label="GD-$L$, best constant step")
     ax.plot(Ls, [r["PGD_loss"] for r in rs], "^:", label=r"$\Sigma^{-1}$-PGD-$L$, best constant step")
     ax.set(xlabel="layers $L$", ylabel="test loss (log scale)", yscale="log", xticks=Ls,
@@ -725,16 +732,10 @@ def depth(ctx):
 
 def plot_icl_curve(plt, save, rows, tables):
     made = []
-    k_se = fmt(K_SE)
     curve = tables["curve"]
     ns = [c["n"] for c in curve]
     fig, ax = plt.subplots(figsize=(8.5, 4.2), layout="constrained")
-    ax.errorbar(ns, [c["transformer"] for c in curve], [K_SE * c["transformer_se"] for c in curve], fmt="o-",
-                label=f"3-layer transformer (test, ±{k_se} SE)")
-    bad = [c for c in curve if not c["converged"]]
-    if bad:
-        ax.plot([c["n"] for c in bad], [c["transformer"] for c in bad], "x", color="C3", ms=10, label="not converged")
-    ax.plot(ns, [c["family_optimum"] for c in curve], "k--", label="exact family optimum (theory)")
+    bad = transformer_against_optimum(ax, curve, "n", "3-layer transformer")
     zero = []
     for key, style in (("GD", "s:"), ("PGD", "^:"), ("OLS", "x:"), ("ridge", "d:")):
         # noiseless labels: OLS and ridge are exactly 0 once n >= d, computed as rounding amplified by
@@ -895,7 +896,7 @@ def train_factored(ctx, Z, y, L, rng, maxiter, scale=0.3):
 def factored_qk(ctx):
     rng, quick = ctx.rng, ctx.quick
     B, maxiter = (1000, 150) if quick else (5000, 1500)
-    d, n = 5, 20
+    n = 20                                      # d = 5, paper_data's default
     Sigma, Si, Z, y = paper_data(rng, B, n)
     Zv, yv = ir.sample_prompts(rng, 4 * B, n, Sigma, Si)
     rows = []
@@ -1443,13 +1444,13 @@ def tied_trained_rows(t, res):
     fit_claim = f"L = {L}: the trained tied A's fitted a against the exact tied optimum a*_L"
     # at L = 1 the tied model is the single layer, whose minimiser is unique: its a within 5% of a*_1
     # (a batch of 20000 prompts leaves ~0.1%). For L >= 2 the antisymmetric directions are nearly
-    # flat (curvature_rows; README finding 17): the batch minimiser trades symmetric scale for an
+    # flat (curvature_rows; finding 17): the batch minimiser trades symmetric scale for an
     # antisymmetric part, and a is a finding (seen: 1-6% from a*_L)
     if L == 1:
         fit = row(fit_claim + " (within 5%)", **judge("two-sided", t["a_fitted"], t["a_star"],
                                                        slack=0.05 * t["a_star"], runs=[res]), L=L)
     else:
-        fit = row(fit_claim + " (relative error: README finding 17)",
+        fit = row(fit_claim + " (relative error: finding 17)",
                   **info([res], theory=t["a_star"], measured=t["a_fitted"]), L=L,
                   rel_err=abs(t["a_fitted"] / t["a_star"] - 1))
     return [fit,
@@ -1458,7 +1459,7 @@ def tied_trained_rows(t, res):
             row(f"L = {L}: the trained model's test loss equals the exact tied optimum's (paired, fresh prompts)",
                 **judge("two-sided", t["test_minus_family"], 0.0, se=t["test_minus_family_se"], runs=[res]), L=L),
             row(f"L = {L}: Dist(A, Sigma^-1) of the whole A, and its antisymmetric part's norm relative to the "
-                "symmetric part's (README finding 17: poorly determined for L >= 2)",
+                "symmetric part's (finding 17: poorly determined for L >= 2)",
                 **info([res], measured=t["dist"]), L=L, antisym=t["antisym"])]
 
 
@@ -1479,11 +1480,11 @@ def curvature_rows(curvature):
     at_4 = [c for c in anti if c["L"] == 4]
     if at_4:
         rows.append(row("at L = 4 the antisymmetric second difference is below 0 (measured: minus it): a*_4 Sigma^-1 "
-                        "is not the minimum of the tied sparse loss (README finding 17)",
+                        "is not the minimum of the tied sparse loss (finding 17)",
                         **judge("above (one-sided)", -at_4[0]["second_difference"], 0.0, se=at_4[0]["se"]),
                         second_difference=at_4[0]["second_difference"]))
     else:
-        rows.append(full_run_only("at L = 4 the antisymmetric second difference is below 0 (README finding 17)",
+        rows.append(full_run_only("at L = 4 the antisymmetric second difference is below 0 (finding 17)",
                                   "L = 4 and 400000 prompts"))
     return rows
 
