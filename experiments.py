@@ -1516,6 +1516,7 @@ def looped(ctx):
     root, inv_root = (V * np.sqrt(lam)) @ V.T, (V / np.sqrt(lam)) @ V.T     # whitened: root A root = a I
     trained = []
     for L in Ls_trained:
+        # gtol 1e-7: ten times inside converged()'s 1e-6, so that a run L-BFGS calls converged is one
         res = ctx.train_lbfgs(Z, y, L, "sparse", rng=ctx.rng, tied=True, gtol=1e-7)
         A = res["coords"]["A"][0]
         W = root @ A @ root
@@ -1541,6 +1542,8 @@ def looped(ctx):
     Zc, yc = ir.sample_prompts(ctx.rng, B_curv, n, np.eye(d))
     K = ctx.rng.standard_normal((d, d))
     directions = {"antisymmetric": K - K.T, "symmetric traceless": K + K.T - 2 * np.trace(K) / d * np.eye(d)}
+    # eps 0.3: large enough that the second difference (~ eps^2 / 2 times the curvature, ~1e-3 along
+    # the flattest direction) stands several standard errors above the Monte Carlo noise of B_curv prompts
     eps, curvature = 0.3, []
     for L in Ls_sparse:
         a = ir.optimal_tied_family(L, n, d)[0]
@@ -1605,6 +1608,8 @@ def descent_row(at, mean, target, se):
 @experiment("dynamics", "Zhang, Frei, Bartlett 2024: does one layer's gradient flow from their start reach Gamma*, "
             "and does descent on batches follow it? (MATH.md §14)", plot=plot_dynamics)
 def dynamics(ctx):
+    # d = 2, n = 10: a Gamma of four entries to compare; eta = 0.01 keeps the step's own error below
+    # one standard error (the step_error_in_se field); 400 steps reach t = 4, past the plateau's end
     d, n, eta, steps, sigma = 2, 10, 0.01, 400, 0.3
     R, B = (8, 5000) if ctx.quick else (8, 50000)
     Sigma, _ = ir.rotated_covariance(ctx.rng, (1.0, 0.5))
@@ -1612,6 +1617,7 @@ def dynamics(ctx):
     t = np.r_[0.0, np.geomspace(0.01, 400, 200)]
     bound = ir.one_layer_gradient_flow(Sigma, n, 1.0, [0.0])["sigma_bound"]
     rows, flow = [], []
+    # one start well inside Zhang-Frei-Bartlett's initial-scale bound, one three times outside it
     for start, s in (("inside", 0.05), ("outside", 3 * bound)):
         f = ir.one_layer_gradient_flow(Sigma, n, s, t)
         err = float(np.linalg.norm(f["Gamma"][-1] - G_star) / np.linalg.norm(G_star))

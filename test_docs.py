@@ -297,7 +297,7 @@ def test_blocks_landscape_minima_are_strict_minima_of_the_current_family_loss():
 
 
 def test_blocks_basins_reached_certified_minima_and_count_as_recorded():
-    # docs/blocks_basins.json (README finding 9's table): the recorded optimum is the exact family loss
+    # docs/blocks_basins.json (docs/FINDINGS.md finding 9's table): the recorded optimum is the exact family loss
     # at its scalars, every basin a converged run reached is one of the certified minima of
     # docs/blocks_landscape.json, and the counts are those of the runs
     rec, landscape = load("blocks_basins"), load("blocks_landscape")

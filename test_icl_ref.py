@@ -1682,7 +1682,7 @@ def test_gamma_star_and_the_single_layer_loss_at_extreme_scales():
 def test_blocks_family_has_a_second_local_minimum():
     # MATH.md §10: at n = 20, d = 5, L = 3 the exact blocks-family loss has, besides the global
     # optimum f* = 9.613e-4, a strict local minimum near a = (0.34, 2.86, 7.64), b = (0.88, 0.35),
-    # the basin of 2 of 20 L-BFGS runs in tools/blocks_basins.py (README finding 9)
+    # the basin of 2 of 20 L-BFGS runs in tools/blocks_basins.py (docs/FINDINGS.md finding 9)
     n, d = 20, 5
     a_g, b_g, f_g = family_optimum(3, n, d, blocks=True)
     a, b, f = ir.family_local_minimum([0.39, 3.28, 8.53], n, d, b=[0.89, 0.35, np.nan])

@@ -11,7 +11,7 @@ Sigma^-1), b_l = fitted_scalar(B_l, I) start one descent of the exact family los
 (family_local_minimum), whose end names the population minimum the run's basin belongs to (MATH.md
 §10 lists the certified ones). Writes docs/blocks_basins.json (every run, the counts, and the
 provenance of tools/records.py: this command and the code of icl_ref.py, icl_fast.py and this file)
-and docs/blocks_basins.png; README finding 9's table is rendered from it (`python3 tools/records.py
+and docs/blocks_basins.png; docs/FINDINGS.md finding 9's table is rendered from it (`python3 tools/records.py
 render`). Ctrl-C or SIGTERM stops after the current run and writes nothing.
 """
 import argparse

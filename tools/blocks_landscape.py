@@ -14,7 +14,7 @@ exact values ~1e-19 / h), the Hessian by second differences at h = 1e-4; a stric
 a gradient near 0 and a positive definite Hessian. Completeness: the count of distinct minima after
 each quarter of the starts (it should stop growing). Prints a Markdown table and writes the record
 (every certified minimum, the endpoints that failed, the provenance of tools/records.py) that
-MATH.md §10's table and README finding 9 quote (`python3 tools/records.py render`; test_docs.py
+MATH.md §10's table and docs/FINDINGS.md finding 9 quote (`python3 tools/records.py render`; test_docs.py
 checks each minimum under the current code). About three minutes on 2 cores.
 """
 import argparse

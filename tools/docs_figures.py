@@ -30,7 +30,7 @@ import records  # noqa: E402  (tools/records.py: the provenance)
 
 FIGURES = ["three-layer-sparse_heatmaps.png", "three-layer-blocks_heatmaps.png", "depth.png", "single-layer-landscape.png",
            "looped.png", "dynamics.png", "task-diversity.png", "shift.png"]
-# the tables README's findings quote (test_docs.py checks the quotes against them)
+# the tables docs/FINDINGS.md quotes (test_docs.py checks the quotes against them)
 TABLES = ["single-layer-landscape.csv", "single-layer-landscape_basins.csv", "three-layer-sparse.csv",
           "three-layer-blocks.csv", "two-layer-isotropic.csv", "softmax-two-head.csv", "unconstrained.csv",
           "optimizers.csv", "looped.csv", "looped_exact.csv", "looped_trained.csv", "looped_curvature.csv", "dynamics.csv",

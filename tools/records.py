@@ -1,9 +1,9 @@
 """The records under docs/: which code each came from, whether that code has changed since, and the
-numbers README.md and MATH.md quote from them.
+numbers README.md, MATH.md and docs/FINDINGS.md quote from them.
 
     python3 tools/records.py check                 # every stale record and why; seconds, computes nothing
     python3 tools/records.py refresh [NAME ...]    # rerun the tool of the named records (default: the stale ones)
-    python3 tools/records.py render [--check]      # rewrite README.md's and MATH.md's generated blocks
+    python3 tools/records.py render [--check]      # rewrite the documents' generated blocks (DOCS)
 
 A record is a JSON file in docs/ written by one tool; its "provenance" names the tool, its arguments,
 the date, the versions and a digest of the code it ran (per file and per top-level function or
@@ -12,7 +12,7 @@ code has changed since is stale: `check` names the changed functions and the com
 it. Staleness is information, not an error of the library: the default test suite checks the records
 by their content (test_docs.py), and `check` tells when a refresh is due.
 
-README.md and MATH.md quote records between `<!-- begin NAME -->` and `<!-- end NAME -->`; `render`
+README.md, MATH.md and docs/FINDINGS.md quote records between `<!-- begin NAME -->` and `<!-- end NAME -->`; `render`
 writes each block from the record's fields (BLOCKS below), so a quoted number is never typed by hand.
 A block whose record lacks a field is left as it is and reported.
 
@@ -33,7 +33,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ("README.md", "MATH.md")
+DOCS = ("README.md", "MATH.md", "docs/FINDINGS.md")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def stale(name):
 
 
 # ---------------------------------------------------------------------------------------------
-# Rendering: the generated blocks of README.md and MATH.md
+# Rendering: the generated blocks of README.md, MATH.md and docs/FINDINGS.md
 # ---------------------------------------------------------------------------------------------
 
 class Missing(Exception):
@@ -700,33 +700,33 @@ BLOCKS = [
     ("README.md", "speed-range", speed_range),
     ("README.md", "speed", speed),
     ("README.md", "float32-tolerances", float32_readme),
-    ("README.md", "blocks-optimum", blocks_optimum),
-    ("README.md", "isotropic", isotropic),
-    ("README.md", "blocks-landscape", landscape_readme),
-    ("README.md", "basins-starts", basins_starts),
-    ("README.md", "blocks-basins", basins_table),
-    ("README.md", "basins-other", basins_other),
-    ("README.md", "softmax-gap", softmax_gap),
-    ("README.md", "unconstrained", unconstrained),
-    ("README.md", "optimizers", optimizers),
-    ("README.md", "sparse-seeds", sparse_seeds),
-    ("README.md", "landscape-basins", landscape_basins),
-    ("README.md", "landscape-batch-minimum", landscape_batch_minimum),
-    ("README.md", "landscape-population-minimum", landscape_population_minimum),
-    ("README.md", "beyond-checks", beyond_checks),
+    ("docs/FINDINGS.md", "blocks-optimum", blocks_optimum),
+    ("docs/FINDINGS.md", "isotropic", isotropic),
+    ("docs/FINDINGS.md", "blocks-landscape", landscape_readme),
+    ("docs/FINDINGS.md", "basins-starts", basins_starts),
+    ("docs/FINDINGS.md", "blocks-basins", basins_table),
+    ("docs/FINDINGS.md", "basins-other", basins_other),
+    ("docs/FINDINGS.md", "softmax-gap", softmax_gap),
+    ("docs/FINDINGS.md", "unconstrained", unconstrained),
+    ("docs/FINDINGS.md", "optimizers", optimizers),
+    ("docs/FINDINGS.md", "sparse-seeds", sparse_seeds),
+    ("docs/FINDINGS.md", "landscape-basins", landscape_basins),
+    ("docs/FINDINGS.md", "landscape-batch-minimum", landscape_batch_minimum),
+    ("docs/FINDINGS.md", "landscape-population-minimum", landscape_population_minimum),
+    ("docs/FINDINGS.md", "beyond-checks", beyond_checks),
     ("README.md", "full-run-time", full_run_time),
-    ("README.md", "beyond-time", beyond_time),
-    ("README.md", "looped-table", looped_table),
-    ("README.md", "looped-gain", looped_gain),
-    ("README.md", "looped-trained", looped_trained),
-    ("README.md", "looped-curvature", looped_curvature),
-    ("README.md", "looped-antisymmetric", looped_antisymmetric),
-    ("README.md", "looped-flow", looped_flow),
-    ("README.md", "task-diversity-one-layer", task_diversity_one_layer),
-    ("README.md", "task-diversity-three-layers", task_diversity_three_layers),
-    ("README.md", "task-diversity-dmmse", task_diversity_dmmse),
-    ("README.md", "task-diversity-ridge", task_diversity_ridge),
-    ("README.md", "shift-summary", shift_summary),
+    ("docs/FINDINGS.md", "beyond-time", beyond_time),
+    ("docs/FINDINGS.md", "looped-table", looped_table),
+    ("docs/FINDINGS.md", "looped-gain", looped_gain),
+    ("docs/FINDINGS.md", "looped-trained", looped_trained),
+    ("docs/FINDINGS.md", "looped-curvature", looped_curvature),
+    ("docs/FINDINGS.md", "looped-antisymmetric", looped_antisymmetric),
+    ("docs/FINDINGS.md", "looped-flow", looped_flow),
+    ("docs/FINDINGS.md", "task-diversity-one-layer", task_diversity_one_layer),
+    ("docs/FINDINGS.md", "task-diversity-three-layers", task_diversity_three_layers),
+    ("docs/FINDINGS.md", "task-diversity-dmmse", task_diversity_dmmse),
+    ("docs/FINDINGS.md", "task-diversity-ridge", task_diversity_ridge),
+    ("docs/FINDINGS.md", "shift-summary", shift_summary),
     ("MATH.md", "landscape-starts", landscape_starts),
     ("MATH.md", "landscape-count", landscape_count),
     ("MATH.md", "landscape-table", landscape_table),
@@ -906,7 +906,7 @@ def main(argv=None):
     sub.add_parser("check", help="name every stale record and generated block (exit 1 if any)")
     r = sub.add_parser("refresh", help="rerun the tools of the named records (default: the stale ones), then render")
     r.add_argument("names", nargs="*", metavar="NAME", help=", ".join(RECORDS))
-    r = sub.add_parser("render", help="rewrite the generated blocks of README.md and MATH.md from the records")
+    r = sub.add_parser("render", help="rewrite the generated blocks of README.md, MATH.md and docs/FINDINGS.md from the records")
     r.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 if a block differs, 2 if only records lack fields")
     args = ap.parse_args(argv)
