@@ -1185,11 +1185,18 @@ def _reduced_least_squares(r, J):
     factorisation of [J r] is [[R, g], [0, rho]], so f = [g; rho] (p+1,) and R stacked on a zero row
     (p+1, p). A trust-region Gauss-Newton step depends on J only through these, so the solver's SVD
     of the (B, p) Jacobian becomes one of a (p+1, p) matrix, the same steps in exact arithmetic
-    (MATH.md §6). r: (B,), J: (B, p)."""
+    (MATH.md §6). r: (B,), J: (B, p).
+
+    The factor is updated by blocks of rows C: LAPACK's dtpqrt makes it the factor of [factor; C]
+    with reflectors 4 columns wide, so each block product, 4 x (rows) x (p+1), stays within the
+    2^18 multiply-adds that OpenBLAS runs on the calling thread (§2)."""
     B, p = J.shape
-    top = scipy.linalg.qr(np.column_stack([J, r]), mode="r", check_finite=False)[0][:p + 1]
-    R_aug = np.zeros((p + 1, p + 1))
-    R_aug[:len(top)] = top                  # fewer than p + 1 prompts: the missing rows are zero
+    R_aug = np.zeros((p + 1, p + 1), order="F")      # fewer than p + 1 prompts: its last rows stay 0
+    rows = max(1, 2 ** 16 // (p + 1))
+    for a in range(0, B, rows):
+        C = np.asfortranarray(np.column_stack([J[a:a + rows], r[a:a + rows]]))
+        R_aug, _, _, info = scipy.linalg.lapack.dtpqrt(0, min(4, p + 1), R_aug, C, overwrite_a=True, overwrite_b=True)
+        assert info == 0, info                       # only a wrong argument makes dtpqrt fail
     return R_aug[:, p], R_aug[:, :p]
 
 
@@ -1240,7 +1247,8 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         cache["f"], cache["R"] = _engine(engine).reduced_least_squares(r / root_B, J / root_B)
         loss = float(r @ r) / B
         if loss < best["loss"]:
-            best.update(x=x.copy(), loss=loss, grad=2 * J.T @ r / B)
+            # 2 J^T r / B = 2 R^T f: a (p+1, p) product where J.T @ r would wake BLAS threads (MATH.md §6)
+            best.update(x=x.copy(), loss=loss, grad=2 * cache["R"].T @ cache["f"])
             history.append(loss)
             run.say("eval", len(history) - 1, loss, best["grad"])
         return cache

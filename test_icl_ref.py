@@ -14,6 +14,8 @@ import functools
 import inspect
 import math
 import os
+import subprocess
+import sys
 import types
 from fractions import Fraction
 from unittest import mock
@@ -945,13 +947,27 @@ def test_gauss_newton_reduced_system_has_the_same_normal_equations():
     # MATH.md §6: the solver sees (f, R) with R^T R = J^T J, R^T f = J^T r, |f| = |r|, so its
     # trust-region steps are those of the full (B, p) system; also with fewer prompts than p + 1
     rng = np.random.default_rng(160)
-    for B in (500, 9):
+    for B in (12000, 500, 9):                # 12000 rows: three blocks of rows, the last one partial
         J, r = rng.standard_normal((B, 12)) * np.logspace(0, 3, 12), rng.standard_normal(B)
         f, R = ir._reduced_least_squares(r, J)
         assert f.shape == (13,) and R.shape == (13, 12) and not np.any(R[12])
         assert_allclose(R.T @ R, J.T @ J, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)))
         assert_allclose(R.T @ f, J.T @ r, rtol=0, atol=EXACT * np.max(np.abs(J.T @ J)) * np.max(np.abs(r)))
         assert f @ f == pytest.approx(r @ r, rel=EXACT)
+
+
+def test_gauss_newton_factor_rounds_alike_whatever_the_blas_threads():
+    # MATH.md §6: the factor is built from small blocks, whose products run on the calling thread,
+    # so a plain process and one with OPENBLAS_NUM_THREADS=1 get the same bits (LAPACK's QR of the
+    # whole (B, p+1) matrix does not, and the solver then takes another path)
+    code = ("import sys, numpy as np; sys.path.insert(0, sys.argv[1]); import icl_ref as ir; "
+            "rng = np.random.default_rng(3); J, r = rng.standard_normal((20000, 75)), rng.standard_normal(20000); "
+            "f, R = ir._reduced_least_squares(r, J); sys.stdout.write((f.tobytes() + R.tobytes()).hex())")
+    here = os.path.dirname(os.path.abspath(__file__))
+    plain = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    outs = [subprocess.run([sys.executable, "-c", code, here], capture_output=True, text=True, check=True,
+                           env=dict(plain, **threads)).stdout for threads in ({}, {"OPENBLAS_NUM_THREADS": "1"})]
+    assert outs[0] == outs[1]
 
 
 def test_trainers_call_success_only_what_converged():

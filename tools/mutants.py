@@ -141,8 +141,10 @@ MUTANTS = [
     # §6 training, §11 the sandwich
     ('gn-fixed-wrong-layer', 'icl_ref.py', '_fixed_coordinates', 'masks["B"][-1] = True',
      'masks["B"][0] = True', 'B_0 held fixed instead of B_{L-1}'),
-    ('gn-gradient-scale', 'icl_ref.py', 'train_gauss_newton.evaluate', 'best.update(x=x.copy(), loss=loss, grad=2 * J.T @ r / B)',
-     'best.update(x=x.copy(), loss=loss, grad=J.T @ r / B)', 'converged judged on half the gradient'),
+    ('gn-gradient-scale', 'icl_ref.py', 'train_gauss_newton.evaluate', 'grad=2 * cache["R"].T @ cache["f"]',
+     'grad=cache["R"].T @ cache["f"]', 'converged judged on half the gradient'),
+    ('gn-reduced-block-dropped', 'icl_ref.py', '_reduced_least_squares', 'for a in range(0, B, rows):',
+     'for a in range(0, B - rows, rows):', "the last block of rows left out of the factor"),
     ('gn-reduced-rho', 'icl_ref.py', '_reduced_least_squares', 'return R_aug[:, p], R_aug[:, :p]',
      'return np.r_[R_aug[:p, p], 0.0], R_aug[:, :p]', "the reduced system loses the part of r outside J's range (wrong costs)"),
     ('gn-reduced-R-transposed', 'icl_ref.py', '_reduced_least_squares', 'return R_aug[:, p], R_aug[:, :p]',
