@@ -76,9 +76,9 @@ def _numpy_rules(fn):
     return run
 
 
-def _array(name, a, ndim, allow_nan=False, finite=True):
-    """a as a float64 array with `ndim` dimensions (an int or a tuple of allowed ones) and, unless
-    finite=False, finite entries (NaN allowed where allow_nan), or a TypeError/ValueError naming `name`."""
+def _array(name, a, ndim, allow_nan=False):
+    """a as a float64 array with `ndim` dimensions (an int or a tuple of allowed ones) and finite
+    entries (NaN allowed where allow_nan), or a TypeError/ValueError naming `name`."""
     try:
         arr = np.asarray(a)
     except Exception as e:                     # ragged lists and the like
@@ -90,12 +90,11 @@ def _array(name, a, ndim, allow_nan=False, finite=True):
     if ndim is not None and arr.ndim not in ndims:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, got shape {arr.shape}")
     arr = arr.astype(np.float64, copy=False)
-    if finite:
-        with np.errstate(over="ignore", invalid="ignore"):   # NaN and Inf poison the sum: one pass
-            clean = np.isfinite(np.sum(arr))
-        bad = np.isinf(arr) if allow_nan else ~np.isfinite(arr)
-        if not clean and np.any(bad):
-            raise ValueError(f"{name} must be finite, found {'Inf' if allow_nan else 'NaN or Inf'}")
+    with np.errstate(over="ignore", invalid="ignore"):       # NaN and Inf poison the sum: one pass
+        clean = np.isfinite(np.sum(arr))
+    bad = np.isinf(arr) if allow_nan else ~np.isfinite(arr)
+    if not clean and np.any(bad):
+        raise ValueError(f"{name} must be finite, found {'Inf' if allow_nan else 'NaN or Inf'}")
     return arr
 
 
@@ -525,32 +524,24 @@ def in_context_loss(P, Q, Z, y):
     return float(np.mean((predict(P, Q, Z) - y) ** 2))
 
 
-def _loss_and_grad_chunk(P, Q, S0, q0, y, n, B):
+def _gram_chunk(P, Q, S0, q0, y, n, B, jacobian=False):
     """One chunk of prompts forward and back: its part of the loss, (1/B) sum_b r_b^2, and of dP,
-    dQ, each divided by the whole batch size B (MATH.md §3)."""
+    dQ, each divided by the whole batch size B (MATH.md §3); with jacobian, the residuals r (b,) and
+    each prompt's own gradient of r_b, JP and JQ (b, L, H, D, D): the reverse pass seeded with 1 for
+    every prompt and not summed (MATH.md §3.1)."""
     out, caches = _propagate(P, Q, S0, q0, n)
     r = out + y                                          # residual Z_L[d, n] + y = y - y_hat
+    if jacobian:
+        return (r, *_backpropagate(np.ones_like(out), caches, per_prompt=True))
     return (float(r @ r) / B, *_backpropagate(2.0 * r / B, caches))
 
 
-def _jacobian_chunk(P, Q, S0, q0, y, n):
-    """One chunk of prompts: residuals r (b,) and each prompt's own gradient of r_b, JP and JQ
-    (b, L, H, D, D): the reverse pass seeded with 1 for every prompt and not summed (MATH.md §3.1)."""
-    out, caches = _propagate(P, Q, S0, q0, n)
-    return (out + y, *_backpropagate(np.ones_like(out), caches, per_prompt=True))
-
-
-def _loss_and_grad_gram(P, Q, S0, q0, y, n):
-    """REFERENCE.loss_and_grad_gram: the chunks' parts added in chunk order (MATH.md §3)."""
+def _loss_and_grad_gram(P, Q, S0, q0, y, n, jacobian=False):
+    """REFERENCE.loss_and_grad_gram: the chunks' parts added in chunk order (MATH.md §3); with jacobian,
+    REFERENCE.jacobian_gram: the chunks' rows in order (MATH.md §3.1)."""
     B = y.shape[0]
-    parts = [_loss_and_grad_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B) for a, b in _chunks(B, P.shape[-1])]
-    return tuple(sum(part) for part in zip(*parts))
-
-
-def _jacobian_gram(P, Q, S0, q0, y, n):
-    """REFERENCE.jacobian_gram: the chunks' rows in order (MATH.md §3.1)."""
-    parts = [_jacobian_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n) for a, b in _chunks(y.shape[0], P.shape[-1])]
-    return tuple(np.concatenate(part) for part in zip(*parts))
+    parts = list(zip(*[_gram_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B, jacobian) for a, b in _chunks(B, P.shape[-1])]))
+    return tuple(np.concatenate(part) if jacobian else sum(part) for part in parts)
 
 
 def _engine(engine):
@@ -666,15 +657,10 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=Non
 
 @_numpy_rules
 def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", engine=None, tied=False):
-    """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p), MATH.md §3.1.
-
-    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). structure "full" gives J in (P, Q) coordinates
-    (pack order P then Q); "sparse" or "blocks" (P, Q of that structure, H = 1) gives J in the
-    structure's own coordinates (pack order of structure_shapes). The loss is mean(r^2) and its
-    gradient 2 J^T r / B. J holds B p floats (B = 200000, p = 150: 240 MB). activation: one of
-    ACTIVATIONS; other than "linear" the rows come from the explicit attention (MATH.md §4).
-    engine as loss_and_grad_gram; tied as residuals_and_jacobian_gram. A result that is not finite
-    is a ValueError saying that float64 overflowed.
+    """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p) of the prompts Z
+    (B, D, n+1): residuals_and_jacobian_gram (structure, engine, tied and the result as there) with
+    S_0, q_0 formed from Z. J holds B p floats (B = 200000, p = 150: 240 MB). activation: one of
+    ACTIVATIONS; other than "linear" the rows come from the explicit attention (MATH.md §3.1, §4).
     """
     _choice("structure", structure, STRUCTURES)
     _choice("activation", activation, ACTIVATIONS)
@@ -748,11 +734,8 @@ def attention_backward(dout, cache, per_prompt=False):
     dZ = P_h.T @ dV
     # E = Z^T Q Z                   (Z appears twice: as keys and as queries)
     dZ += Q_h @ Z @ dE.transpose(0, 2, 1) + Q_h.T @ Z @ dE
-    if per_prompt:                                             # X_b Y_b^T for each prompt, or their sum
-        outer = lambda X, Y: X @ Y.transpose(0, 2, 1)          # noqa: E731
-    else:
-        outer = lambda X, Y: np.tensordot(X, Y, axes=([0, 2], [0, 2]))    # noqa: E731
-    return dZ, outer(dV, Z), outer(Z @ dE, Z)                  # dP_h = dV Z^T, dQ_h = Z dE Z^T
+    over_prompts, Zt = (np.matmul if per_prompt else _summed), Z.transpose(0, 2, 1)   # X_b Y_b, or their sum
+    return dZ, over_prompts(dV, Zt), over_prompts(Z @ dE, Zt)   # dP_h = dV Z^T, dQ_h = Z dE Z^T
 
 
 def _activation_chunk(P, Q, Zc, yc, B, activation, jacobian=False):
@@ -851,17 +834,8 @@ def block_params(A, Bm):
 def block_grad(dP, dQ):
     """Chain rule for block_params: (dP, dQ) of shape (L, 1, D, D) -> (dA, dB), each (L, d, d).
     MATH.md §5."""
-    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
-    if dP.shape[1] != 1:
-        raise ValueError(f"dP, dQ must have one head, shape (L, 1, D, D), for the structures (8) and (11); "
-                         f"got {dP.shape}")
-    return _block_grad(dP, dQ)
-
-
-def _block_grad(dP, dQ):
-    """block_grad unchecked, on the last four axes (..., L, 1, D, D): Q_l = -[[A_l, 0], [0, 0]] gives
-    dA = -(dQ's top-left block), P_l = [[B_l, 0], [0, 1]] gives dB = dP's."""
-    return -dQ[..., 0, :-1, :-1], dP[..., 0, :-1, :-1]
+    grads = structure_grad("blocks", dP, dQ)
+    return grads["A"], grads["B"]
 
 
 def sparse_params(A):
@@ -958,13 +932,14 @@ def structure_grad(structure, dP, dQ, tied=False):
 
 def _structure_grad(structure, dP, dQ, tied=False):
     """structure_grad without the checks, for (dP, dQ) of shape (..., L, H, D, D) (a leading axis
-    of prompts for the Jacobian's rows): the chain rules of block_grad act on the last four axes;
+    of prompts for the Jacobian's rows): the chain rules of block_params act on the last four axes;
     tied sums over the layer axis."""
     if tied:
         dP, dQ = dP.sum(axis=-4, keepdims=True), dQ.sum(axis=-4, keepdims=True)
     if structure == "full":
         return {"P": dP, "Q": dQ}
-    dA, dB = _block_grad(dP, dQ)
+    # Q_l = -[[A_l, 0], [0, 0]] gives dA = -(dQ's top-left block), P_l = [[B_l, 0], [0, 1]] gives dB = dP's
+    dA, dB = -dQ[..., 0, :-1, :-1], dP[..., 0, :-1, :-1]
     return {"A": dA, "B": dB} if structure == "blocks" else {"A": dA}
 
 
@@ -1165,11 +1140,9 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
 
 
 def _fixed_coordinates(structure, shapes, query_label_zero=True, tied_layers=1):
-    """Boolean mask (pack order) of the coordinates that never reach the loss (MATH.md §6): blocks
-    B_{L-1} ([A] footnote 4); for full P, Q the x-rows of the last layer's P and, for one layer
-    when every query's label slot is 0 (query_label_zero), the last column of Q (it multiplies
-    that slot). Tied coordinates serving tied_layers > 1 layers all reach it through the earlier
-    layers (MATH.md §14)."""
+    """Boolean mask (pack order) of the coordinates that never reach the loss, as symmetry_directions
+    lists them (MATH.md §6). Tied coordinates serving tied_layers > 1 layers all reach it through the
+    earlier layers (MATH.md §14)."""
     masks = {k: np.zeros(s, dtype=bool) for k, s in shapes.items()}
     if tied_layers == 1 and structure == "blocks":
         masks["B"][-1] = True
@@ -1278,7 +1251,8 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
                       fixed=int(np.sum(~free)))
 
 
-REFERENCE = types.SimpleNamespace(gram=gram, loss_and_grad_gram=_loss_and_grad_gram, jacobian_gram=_jacobian_gram,
+REFERENCE = types.SimpleNamespace(gram=gram, loss_and_grad_gram=_loss_and_grad_gram,
+                                  jacobian_gram=functools.partial(_loss_and_grad_gram, jacobian=True),
                                   activation_pass=_activation_pass, reduced_least_squares=_reduced_least_squares)
 """The evaluator that the `engine=` arguments default to: icl_ref's own computations, unchecked (the
 public functions check their inputs once). Another engine (icl_fast.engine()) is any object with
@@ -1356,15 +1330,10 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
 
 @_numpy_rules
 def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, query_noise=True):
-    """Exact E (y_hat - y_q)^2 of the one-layer sparse model with A_0 = Gamma (MATH.md §8):
-
-        L(Gamma) = tr(Sigma Gamma^T K Gamma) - 2 tr(Sigma Gamma^T Sigma Sigma_w) + tr(Sigma Sigma_w)
-                   + noise_var [if query_noise],
-
-    for x ~ N(0, Sigma), w* ~ N(0, Sigma_w), context labels with noise of variance noise_var, and a
-    query label with the same noise when query_noise (as sample_prompts draws it).
-    Gamma: (d, d), any (not only symmetric). Returns a float. The query from another covariance,
-    a pool of tasks: shifted_single_layer_loss (MATH.md §15).
+    """Exact E (y_hat - y_q)^2 of the one-layer sparse model with A_0 = Gamma, any (d, d), on prompts as
+    sample_prompts draws them (MATH.md §8): shifted_single_layer_loss with the query drawn like the
+    context, L(Gamma) = tr(Sigma Gamma^T K Gamma) - 2 tr(Sigma Gamma^T Sigma Sigma_w) + tr(Sigma Sigma_w)
+    (+ noise_var if query_noise), K as in gamma_star. Arguments as there; returns a float.
     """
     return shifted_single_layer_loss(Gamma, Sigma, n, Sigma_w, noise_var, query_noise)
 
@@ -1504,10 +1473,6 @@ def _poly_add(p, q):
     return _poly_trim([(p[i] if i < len(p) else 0) + (q[i] if i < len(q) else 0) for i in range(m)])
 
 
-def _poly_scale(c, p):
-    return _poly_trim([c * p_i for p_i in p])
-
-
 def _family_degree(a, b):
     """deg p of family_polynomials, from the recursion's degrees alone (no polynomial is built):
     deg s_0 = 1, deg s_{l+1} = 3 deg s_l where a_l b_l != 0, deg p = sum over a_l != 0 of deg s_l."""
@@ -1536,9 +1501,9 @@ def family_polynomials(a, b=None):
     p, r, phi, s = one, [Fraction(0)], one, t
     for a_l, b_l in zip(a, b):
         a_l, g_l = Fraction(float(a_l)), Fraction(float(a_l)) * Fraction(float(b_l))
-        r = _poly_add(r, _poly_scale(a_l, _poly_mul(p, _poly_mul(phi, phi))))
-        p = _poly_mul(p, _poly_add(one, _poly_scale(-a_l, s)))
-        step = _poly_add(one, _poly_scale(-g_l, s))
+        r = _poly_add(r, _poly_mul([a_l], _poly_mul(p, _poly_mul(phi, phi))))
+        p = _poly_mul(p, _poly_add(one, _poly_mul([-a_l], s)))
+        step = _poly_add(one, _poly_mul([-g_l], s))
         phi, s = _poly_mul(phi, step), _poly_mul(s, _poly_mul(step, step))
     return p, r
 
@@ -1643,10 +1608,10 @@ def _family_descent(L, n, d, blocks, noise_var, tied=False):
     so the gradient is E^T (the layers' gradient), their sum (MATH.md §14). Refuses families whose
     exact loss needs moments beyond MAX_MOMENT_ORDER."""
     degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, MATH.md §10
-    if 2 * degree > MAX_MOMENT_ORDER:
-        raise ValueError(f"L must be <= {3 if blocks else MAX_MOMENT_ORDER // 2} for the "
-                         f"{'blocks' if blocks else 'sparse'} family: its exact loss needs Wishart moments "
-                         f"up to order 2 deg p = {2 * degree} > {MAX_MOMENT_ORDER}, got L = {L}")
+    if 2 * degree + 1 > MAX_MOMENT_ORDER:
+        raise ValueError(f"L must be <= {3 if blocks else (MAX_MOMENT_ORDER - 1) // 2} for the "
+                         f"{'blocks' if blocks else 'sparse'} family: its Gauss rule needs Wishart moments "
+                         f"up to order 2 deg p + 1 = {2 * degree + 1} > {MAX_MOMENT_ORDER}, got L = {L}")
     nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
     args = (L, blocks, nodes, weights, n, noise_var)
     E = np.eye(2 * L - 1 if blocks else L)
@@ -1790,34 +1755,23 @@ def symmetry_directions(structure, coords, query_label_zero=True):
     return U[:, sv > 1e-12 * sv[0]] if sv[0] > 0 else np.zeros((fixed.size, 0))
 
 
-def _identifiable_basis(structure, coords, Z):
-    """An orthonormal basis (p, p - k) of the complement of symmetry_directions for the prompts Z."""
-    gauge = symmetry_directions(structure, coords, query_label_zero=not np.any(Z[:, -1, -1]))
-    if gauge.shape[1] == 0:
-        return np.eye(gauge.shape[0])
-    U = np.linalg.svd(gauge, full_matrices=True)[0]
-    return U[:, gauge.shape[1]:]
-
-
-def _check_coords(structure, coords, Z):
-    """The structure's coordinates as (names, shapes, flat theta), checked against Z's d."""
-    P_c, _ = structure_to_PQ(structure, coords)
-    if P_c.shape[-1] != Z.shape[1]:
-        raise ValueError(f"coords have d = {P_c.shape[-1] - 1} but Z has d = {Z.shape[1] - 1}")
+def _gradient_at(structure, coords, Z, evaluate):
+    """(theta0, grad): the structure's coordinates as a flat theta0 (pack order), checked against Z's
+    d, and theta -> the loss gradient in those coordinates by `evaluate` (P, Q) -> (loss, dP, dQ), a
+    ValueError saying float64 overflowed if it is not finite."""
+    D = structure_to_PQ(structure, coords)[0].shape[-1]
+    if D != Z.shape[1]:
+        raise ValueError(f"coords have d = {D - 1} but Z has d = {Z.shape[1] - 1}")
     names = list(coords)
-    return names, [np.shape(coords[k]) for k in names], pack([coords[k] for k in names])
+    shapes = [np.shape(coords[k]) for k in names]
 
-
-def _gradient_at(structure, names, shapes, evaluate):
-    """theta -> the loss gradient in the structure's coordinates by `evaluate` (P, Q) -> (loss, dP,
-    dQ), a ValueError saying float64 overflowed if it is not finite."""
     def grad(theta):
         P, Q = structure_to_PQ(structure, dict(zip(names, unpack(theta, shapes))))
         with np.errstate(over="ignore", invalid="ignore"):
             _, dP, dQ = evaluate(P, Q)
         _finite({"the gradient": np.r_[dP.ravel(), dQ.ravel()]}, P=P, Q=Q)
         return np.concatenate([g.ravel() for g in _structure_grad(structure, dP, dQ).values()])
-    return grad
+    return pack([coords[k] for k in names]), grad
 
 
 @_numpy_rules
@@ -1836,10 +1790,11 @@ def identifiable_hessian(structure, coords, Z, y, h=1e-5, activation="linear", e
     h = _nonneg("h", h)
     if h == 0:
         raise ValueError("h must be > 0 (the step of the central differences of the gradient)")
-    names, shapes, theta0 = _check_coords(structure, coords, Z)
-    grad = _gradient_at(structure, names, shapes, _evaluator(engine, Z, y, activation))
+    theta0, grad = _gradient_at(structure, coords, Z, _evaluator(engine, Z, y, activation))
     g0 = grad(theta0)                                    # an overflow is said here, before the differences
-    U = _identifiable_basis(structure, coords, Z)
+    gauge = symmetry_directions(structure, coords, query_label_zero=not np.any(Z[:, -1, -1]))
+    # U: an orthonormal basis (p, p - k) of the complement of the k symmetry directions
+    U = np.linalg.svd(gauge, full_matrices=True)[0][:, gauge.shape[1]:] if gauge.shape[1] else np.eye(len(gauge))
     H = np.array([U.T @ (grad(theta0 + h * u) - grad(theta0 - h * u)) / (2 * h) for u in U.T]).reshape(U.shape[1], -1)
     H = (H + H.T) / 2
     return dict(basis=U, gradient=U.T @ g0, hessian=H, eigenvalues=np.linalg.eigvalsh(H),
@@ -1863,14 +1818,13 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     """
     Z, y = _batch(structure, activation, Z, y)
     chunks = _int("chunks", chunks, 2)
-    names, shapes, theta0 = _check_coords(structure, coords, Z)
     if activation != "linear" and Z.shape[0] < 2 * chunks:
         raise ValueError(f"Z must hold at least 2 * chunks = {2 * chunks} prompts for the chunk-mean estimate "
                          f"of V with an activation, got {Z.shape[0]}")
     curvature = identifiable_hessian(structure, coords, Z, y, h=h, activation=activation, engine=engine)
     U, H_U = curvature["basis"], curvature["hessian"]
     if U.shape[1] == 0:
-        return np.zeros((theta0.size, theta0.size))
+        return np.zeros((U.shape[0], U.shape[0]))
     low, high = curvature["eigenvalues"][0], np.max(np.abs(curvature["eigenvalues"]))
     if low <= 1e-10 * high:           # 1e-10: above the differences' error (~1e-11 relative)
         raise ValueError(f"the Hessian in the identifiable coordinates has an eigenvalue {low:.3g} (largest "
@@ -1885,10 +1839,11 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
         V_U = np.atleast_2d(np.cov(2 * r[:, None] * (J @ U), rowvar=False))
     else:
         size = Z.shape[0] // chunks
-        G = np.array([_gradient_at(structure, names, shapes, _evaluator(engine, Z[i:i + size], y[i:i + size],
-                                                                         activation))(theta0)
-                      for i in range(0, size * chunks, size)])
-        V_U = size * np.atleast_2d(np.cov(G @ U, rowvar=False))
+        G = []
+        for i in range(0, size * chunks, size):
+            theta0, grad = _gradient_at(structure, coords, Z, _evaluator(engine, Z[i:i + size], y[i:i + size], activation))
+            G.append(grad(theta0))
+        V_U = size * np.atleast_2d(np.cov(np.array(G) @ U, rowvar=False))
     A = U @ np.linalg.inv(H_U)
     cov = A @ V_U @ A.T / Z.shape[0]
     return (cov + cov.T) / 2
@@ -1956,8 +1911,10 @@ VON_OSWALD_LOSS_SCALE = 0.5
 """von Oswald et al. (2023) report 0.5 * mean squared error: multiply icl_ref's loss and gradient by it."""
 
 
-def _von_oswald_weights(W_q, W_k, W_v, W_o, heads):
-    """The four projections as (L, D, H k), (L, D, H k), (L, D, H v), (L, H v, D) float64 arrays."""
+def _von_oswald_heads(W_q, W_k, W_v, W_o, heads, activation, layers=None):
+    """The four projections split into heads, (L, H, D, k), (L, H, D, k), (L, H, D, v), (L, H, v, D),
+    2-d (tied) weights repeated `layers` times, and the score scale s: 1, or 1 / sqrt(key size) for
+    their softmax. Heads are column blocks of W_q, W_k, W_v and row blocks of W_o."""
     heads = _int("heads", heads, 1)
     W = [_array(name, w, (2, 3)) for name, w in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v), ("W_o", W_o))]
     if len({w.ndim for w in W}) != 1:
@@ -1967,16 +1924,14 @@ def _von_oswald_weights(W_q, W_k, W_v, W_o, heads):
     expected = [(L, D, Hk), (L, D, Hk), (L, D, Hv), (L, Hv, D)]
     for name, w, e in zip(("W_q", "W_k", "W_v", "W_o"), W, expected):
         if w.shape != e:
-            raise ValueError(f"{name} must have shape {e[1:] if W_q.ndim == 2 else e} to match W_q and W_v, "
+            raise ValueError(f"{name} must have shape {e[1:] if np.ndim(W_q) == 2 else e} to match W_q and W_v, "
                              f"got {w.shape}")
     if Hk % heads or Hv % heads or D < 2:
         raise ValueError(f"the key and value widths ({Hk}, {Hv}) must be multiples of heads = {heads}, and d+1 >= 2")
-    return W, heads
-
-
-def _von_oswald_heads(W, heads, activation):
-    """W_q, W_k, W_v, W_o split into heads, (L, H, D, k), (L, H, D, k), (L, H, D, v), (L, H, v, D),
-    and the score scale s: 1, or 1 / sqrt(key size) for their softmax."""
+    if np.ndim(W_q) == 2:
+        W = [np.repeat(w, _int("layers", layers, 1), axis=0) for w in W]
+    elif layers is not None and _int("layers", layers, 1) != L:
+        raise ValueError(f"layers = {layers} but the weights have {L} layers")
     Wq, Wk, Wv, Wo = (np.stack(np.split(w, heads, axis=2 if i < 3 else 1), axis=1) for i, w in enumerate(W))
     return Wq, Wk, Wv, Wo, 1.0 if activation == "linear" else 1.0 / math.sqrt(Wq.shape[-1])
 
@@ -1997,16 +1952,10 @@ def params_from_von_oswald(W_q, W_k, W_v, W_o, n, heads=1, layers=None, activati
     activation "linear" or "softmax" (their softmax normalises over the context keys: icl_ref's
     "softmax"). Returns P, Q.
     """
-    W, heads = _von_oswald_weights(W_q, W_k, W_v, W_o, heads)
     n = _int("n", n, 1)
     if activation not in ("linear", "softmax"):
         raise ValueError(f"activation must be 'linear' or 'softmax' for von Oswald et al.'s model, got {activation!r}")
-    tied = np.ndim(W_q) == 2
-    if tied:
-        W = [np.repeat(w, _int("layers", layers, 1), axis=0) for w in W]
-    elif layers is not None and _int("layers", layers, 1) != W[0].shape[0]:
-        raise ValueError(f"layers = {layers} but the weights have {W[0].shape[0]} layers")
-    Wq, Wk, Wv, Wo, s = _von_oswald_heads(W, heads, activation)
+    Wq, Wk, Wv, Wo, s = _von_oswald_heads(W_q, W_k, W_v, W_o, heads, activation, layers)
     P = n * np.swapaxes(Wv @ Wo, -1, -2)                        # n (W_v,h W_o,h)^T = n W_o,h^T W_v,h^T
     Q = s * Wk @ np.swapaxes(Wq, -1, -2)                        # W_k,h W_q,h^T
     return P, Q
@@ -2020,17 +1969,13 @@ def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="line
     dW_v,h = n dP_h^T W_o,h^T, dW_o,h = n W_v,h^T dP_h^T, dW_k,h = s dQ_h W_q,h, dW_q,h = s dQ_h^T W_k,h;
     tied (2-d) weights get the sum over layers. Returns (dW_q, dW_k, dW_v, dW_o) shaped like the weights.
     """
-    W, heads = _von_oswald_weights(W_q, W_k, W_v, W_o, heads)
     n = _int("n", n, 1)
     dP, dQ = _params(dP, dQ, ("dP", "dQ"))
     tied = np.ndim(W_q) == 2
-    L = dP.shape[0]
-    if tied:
-        W = [np.repeat(w, L, axis=0) for w in W]
-    if dP.shape[:2] != (W[0].shape[0], heads) or dP.shape[-1] != W[0].shape[1]:
-        raise ValueError(f"dP, dQ must have shape (L, heads, D, D) = ({W[0].shape[0]}, {heads}, {W[0].shape[1]}, "
-                         f"{W[0].shape[1]}) to match the weights, got {dP.shape}")
-    Wq, Wk, Wv, Wo, s = _von_oswald_heads(W, heads, activation)
+    Wq, Wk, Wv, Wo, s = _von_oswald_heads(W_q, W_k, W_v, W_o, heads, activation, dP.shape[0] if tied else None)
+    if dP.shape[:3] != Wq.shape[:3]:
+        raise ValueError(f"dP, dQ must have shape (L, heads, D, D) = ({Wq.shape[0]}, {Wq.shape[1]}, {Wq.shape[2]}, "
+                         f"{Wq.shape[2]}) to match the weights, got {dP.shape}")
     dPt, c = np.swapaxes(dP, -1, -2), VON_OSWALD_LOSS_SCALE
     grads = [c * s * np.swapaxes(dQ, -1, -2) @ Wk, c * s * dQ @ Wq,      # dW_q,h, dW_k,h
              c * n * dPt @ np.swapaxes(Wo, -1, -2), c * n * np.swapaxes(Wv, -1, -2) @ dPt]
@@ -2324,28 +2269,6 @@ import textwrap
 
 __version__ = "0.3.0"         # pyproject.toml's, icl_fast's and CITATION.cff's too; in the vectors' manifest
 VECTORS_FORMAT = 1
-ARRAY_MEANINGS = {
-    "Z": "prompts, paper layout (B, d+1, n+1): tokens are columns, the query last with label slot 0",
-    "y": "true query labels (B,)",
-    "P": "P of eq. (3) per layer and head (L, H, d+1, d+1)",
-    "Q": "Q of eq. (3) per layer and head (L, H, d+1, d+1), scores z_i^T Q z_j; the paper writes Q = W_k^T W_q, "
-         "and von Oswald et al.'s weights in this file give Q_h = W_k,h W_q,h^T (their queries and keys are rows)",
-    "Z_L": "output of the L layers (B, d+1, n+1)",
-    "y_hat": "prediction -Z_L[:, d, n] (B,)",
-    "loss": "mean_b (y_hat_b - y_b)^2, no factor 1/2 (a 0-d array)",
-    "dP": "gradient of loss with respect to P",
-    "dQ": "gradient of loss with respect to Q",
-    "Z_rows": "authors' layout: the prompts with tokens as rows (B, n+1, d+1)",
-    "allparam": "authors' layout: free blocks (L, H, 2, d, d); allparam[:, :, 0] is P's top-left d x d block, "
-                "allparam[:, :, 1] the transpose of Q's",
-    "grad_allparam": "authors' layout: gradient of the same loss with respect to allparam",
-    "W_q": "von Oswald et al.'s layout: queries (L, d+1, H k), heads as column blocks (key size k = d+1)",
-    "W_k": "von Oswald et al.'s layout: keys (L, d+1, H k)",
-    "W_v": "von Oswald et al.'s layout: values (L, d+1, H v)",
-    "W_o": "von Oswald et al.'s layout: output projection (L, H v, d+1), heads as row blocks",
-    **{f"grad_{w}": f"von Oswald et al.'s layout: gradient of THEIR loss (0.5 * loss) with respect to {w}"
-       for w in ("W_q", "W_k", "W_v", "W_o")},
-}
 VECTOR_TOLERANCES = {
     "float64": "relative to the largest entry of each array: 1e-12 for Z_L, y_hat and loss (rounding of a few "
                "hundred operations); 1e-10 for gradients (rounding grows with depth: 3e-13 seen at L = 8)",
@@ -2441,7 +2364,9 @@ _ROWS_INPUTS = {"Z_rows": "(B, n+1, d+1): the prompts with tokens as rows, row n
 LAYOUTS = {
     "paper": (
         {"Z": "(B, d+1, n+1): tokens as columns, column i < n is [x_i; y_i], column n the query [x_q; 0]",
-         "y": "(B,): the query labels", "P": "(L, H, d+1, d+1)", "Q": "(L, H, d+1, d+1)"},
+         "y": "(B,): the query labels", "P": "(L, H, d+1, d+1): P of eq. (3) per layer and head",
+         "Q": "(L, H, d+1, d+1): Q of eq. (3), scores z_i^T Q_h z_j (the paper's W_k^T W_q; von Oswald et "
+              "al.'s weights give Q_h = W_k,h W_q,h^T, their queries and keys being rows)"},
         {"Z_L": "(B, d+1, n+1): after L layers Z <- Z + (1/n) sum_h P_h Z M sigma(Z^T Q_h Z) (MATH.md §2)",
          "y_hat": "(B,): -Z_L[:, d, n]", "loss": "0-d: mean (y_hat - y)^2, no factor 1/2",
          "dP": "d loss / d P, shaped as P", "dQ": "d loss / d Q, shaped as Q"},
@@ -2471,6 +2396,10 @@ LAYOUTS = {
 """Per layout: (inputs {name: shape and meaning}, outputs {name: definition}, the activations its
 reference cases use, the attention's scores and key size). check_implementation hands fn the inputs
 and compares the outputs (MATH.md §12-§13)."""
+ARRAY_MEANINGS = {k: f"{layout} layout: {v}" for layout, (inputs, outputs, _, _) in reversed(LAYOUTS.items())
+                  for k, v in {**inputs, **outputs}.items()}
+"""The meaning of each array in the reference vectors (manifest.json): its entry in LAYOUTS, the paper's
+where layouts share a name (the vectors hold the paper's loss)."""
 
 
 def _layouts_text():
@@ -2796,12 +2725,13 @@ def _close(mine, ref, rtol):
     return mine.shape == np.shape(ref) and bool(np.all(np.abs(mine - ref) <= rtol * scale))
 
 
-def _judge(name, layout, given, rtol):
+def _judge(name, layout, given, rtol, culprits):
     """{output: "agrees" | slip name | "malformed: ..." | "unexplained"} for one case's outputs given in
-    `layout`, each compared within rtol[output] of icl_ref's, and {slip name: [output]} for the slips
-    that reproduce each mismatch. An array of another shape is malformed unless a slip explains it."""
+    `layout`, each compared within rtol[output] of icl_ref's; adds "case:output" to culprits[slip name]
+    for the slips that reproduce each mismatch. An array of another shape is malformed unless a slip
+    explains it."""
     ref = _expected(name, layout)[1]
-    found, culprits = {}, {}
+    found = {}
     for q, mine in given.items():
         bad = _malformed(mine, ref[q])
         if bad and bad[0] != "shape":
@@ -2813,8 +2743,8 @@ def _judge(name, layout, given, rtol):
         match = [v for v, out in _slipped(name, layout).items() if q in out and _close(mine, out[q], rtol[q])]
         found[q] = match[0] if match else f"malformed: {bad[1]}" if bad else "unexplained"
         for v in match:
-            culprits.setdefault(v, []).append(q)
-    return found, culprits
+            culprits.setdefault(v, []).append(f"{name}:{q}")
+    return found
 
 
 def _report(found, culprits, layout, skipped=()):
@@ -2898,9 +2828,7 @@ def diagnose(outputs, rtol=1e-6, layout="paper"):
             raise ValueError(f"outputs[{name!r}] holds no arrays: give any of {', '.join(allowed)}")
     found, culprits = {}, {}
     for name, given in outputs.items():
-        found[name], matches = _judge(name, layout, given, dict.fromkeys(given, rtol))
-        for v, qs in matches.items():
-            culprits.setdefault(v, []).extend(f"{name}:{q}" for q in qs)
+        found[name] = _judge(name, layout, given, dict.fromkeys(given, rtol), culprits)
     return _report(found, culprits, layout), found
 
 
@@ -2909,11 +2837,6 @@ CHECK_TOLERANCES = {"float64": dict(forward=1e-12, loss=1e-12, gradient=1e-10),
 """check_implementation's default tolerances, relative to the largest entry of icl_ref's array: those
 of VECTOR_TOLERANCES, for the forward pass (Z_L, Z_L_rows, y_hat), the loss and the gradients (dP,
 dQ, grad_*)."""
-
-
-def _kind(output):
-    """The CHECK_TOLERANCES entry an output is judged by."""
-    return "gradient" if output.startswith(("d", "grad_")) else "loss" if output == "loss" else "forward"
 
 
 def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, outputs=None, skip=(), rtol=None):
@@ -2959,7 +2882,8 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
     skip = _names(skip, "skip", available) if skip else ()
     allowed = LAYOUTS[layout][1]
     wanted = tuple(allowed) if outputs is None else _names(outputs, "outputs", tuple(allowed))
-    tol = {q: CHECK_TOLERANCES[dt.name][_kind(q)] for q in wanted}
+    kind = {q: "gradient" if q.startswith(("d", "grad_")) else "loss" if q == "loss" else "forward" for q in wanted}
+    tol = {q: CHECK_TOLERANCES[dt.name][kind[q]] for q in wanted}
     if isinstance(rtol, dict):
         tol.update({q: _nonneg(f"rtol[{q!r}]", rtol[q]) for q in _names(tuple(rtol), "rtol's keys", wanted)})
     elif rtol is not None:
@@ -2990,12 +2914,10 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
             bad = _malformed(given[q], _expected(name, layout)[1][q])
             if bad and bad[0] == "type":
                 raise TypeError(f"fn's output {q!r} for case {name!r} is {bad[1]}")
-        found[name], matches = _judge(name, layout, {q: given[q] for q in wanted}, tol)
+        found[name] = _judge(name, layout, {q: given[q] for q in wanted}, tol, culprits)
         shapes = [f"{q} has {f[len('malformed: '):]}" for q, f in found[name].items() if f.startswith("malformed: shape")]
         if shapes:
             raise ValueError(f"fn's outputs for case {name!r}: {'; '.join(shapes)} ({layout} layout, LAYOUTS)")
-        for v, qs in matches.items():
-            culprits.setdefault(v, []).extend(f"{name}:{q}" for q in qs)
         ok = all(f == "agrees" for f in found[name].values())
         report["cases"][name] = dict(status="passed" if ok else "failed", quantities=found[name])
     text = _report(found, culprits, layout, skipped)

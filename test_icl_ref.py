@@ -169,6 +169,10 @@ BAD_CALLS = [
     ("quadrature K", lambda: ir.wishart_quadrature(20, 5, 21), ValueError, "K must be"),
     ("optimal rng int", lambda: ir.optimal_family_scalars(1, 20, 5, rng=42), TypeError, "rng"),
     ("optimal blocks L = 4", lambda: ir.optimal_family_scalars(4, 20, 5, blocks=True), ValueError, "L must be <= 3"),
+    # the Gauss rule needs moments to 2 deg p + 1: at L = 20 that is 41 > MAX_MOMENT_ORDER, said in terms of L
+    ("optimal sparse L = 20", lambda: ir.optimal_family_scalars(20, 20, 5, starts=1), ValueError, "L must be <= 19"),
+    ("von Oswald list weights", lambda: ir.params_from_von_oswald(
+        [[1.0] * 3] * 3, [[1.0] * 3] * 3, [[1.0] * 3] * 3, [[1.0] * 2] * 3, 4, layers=1), ValueError, "W_o must have shape"),
     ("fitted zero T", lambda: ir.fitted_scalar(np.eye(2), np.zeros((2, 2))), ValueError, "T"),
     ("overflow loss", lambda: ir.loss_and_grad(_P + 1e30, _Q + 1e30, _Zs, _ys), ValueError, "overflow"),
     ("overflow forward", lambda: ir.forward(_P + 1, _Q + 1, _Zs[:, :4] * 1e100), ValueError, "overflow"),
