@@ -310,7 +310,9 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 # product of the stacked rows, as np.matmul would run the B small products one at a time. The
 # batch is walked in chunks of at most 2^18 / D^3 prompts (_chunks), so that no matrix product
 # exceeds 2^18 multiply-adds: OpenBLAS runs such products on the calling thread, and the
-# reference never starts BLAS threads (MATH.md §3).
+# reference never starts BLAS threads (MATH.md §3). For the same reason a sum of squares over
+# prompts is np.sum(r * r), not the BLAS dot r @ r, which OpenBLAS splits over threads from 10^4
+# entries on.
 # ---------------------------------------------------------------------------------------------
 
 def mask(n):
@@ -533,7 +535,7 @@ def _gram_chunk(P, Q, S0, q0, y, n, B, jacobian=False):
     r = out + y                                          # residual Z_L[d, n] + y = y - y_hat
     if jacobian:
         return (r, *_backpropagate(np.ones_like(out), caches, per_prompt=True))
-    return (float(r @ r) / B, *_backpropagate(2.0 * r / B, caches))
+    return (float(np.sum(r * r)) / B, *_backpropagate(2.0 * r / B, caches))
 
 
 def _loss_and_grad_gram(P, Q, S0, q0, y, n, jacobian=False):
@@ -759,7 +761,7 @@ def _activation_chunk(P, Q, Zc, yc, B, activation, jacobian=False):
             dZ_h, dP[at + (l, h)], dQ[at + (l, h)] = attention_backward(dZ, cache, per_prompt=jacobian)
             dZ_in += dZ_h
         dZ = dZ_in
-    return (r if jacobian else float(r @ r) / B), dP, dQ, Zc
+    return (r if jacobian else float(np.sum(r * r)) / B), dP, dQ, Zc
 
 
 def _activation_pass(P, Q, Z, y, activation, jacobian=False):
@@ -1218,7 +1220,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         if not (np.all(np.isfinite(r)) and np.all(np.isfinite(J))):
             return cache
         cache["f"], cache["R"] = _engine(engine).reduced_least_squares(r / root_B, J / root_B)
-        loss = float(r @ r) / B
+        loss = float(np.sum(r * r)) / B
         if loss < best["loss"]:
             # 2 J^T r / B = 2 R^T f: a (p+1, p) product where J.T @ r would wake BLAS threads (MATH.md §6)
             best.update(x=x.copy(), loss=loss, grad=2 * cache["R"].T @ cache["f"])
