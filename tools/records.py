@@ -422,9 +422,9 @@ def unconstrained():
     starts = field("unconstrained", "starts", int)
     higher = field("unconstrained", "higher", count)
     dist = max(column("unconstrained", "dist_Qxx_Sigma_inv"))
-    others = starts - 1
-    return (f"of {starts} starts; the other {WORDS.get(others, others)} "
-            f"{'stopped higher' if higher == others else f'include {higher} that stopped higher'}) come out near "
+    others = WORDS.get(starts - 1, starts - 1)
+    fate = f"the other {others} stopped higher" if higher == starts - 1 else f"of the other {others}, {higher} stopped higher"
+    return (f"of {starts} starts; {fate}) come out near "
             f"the blocks structure, Q's x-block within {dist:.2g}")
 
 
