@@ -1,12 +1,13 @@
 """Regenerate the figures the README shows (docs/*.png) and the tables its findings quote (docs/*.csv)
 from the full-size experiments, and record which code made them (docs/figures.json).
 
-    python3 tools/docs_figures.py             # runs the twelve experiments (most of a full run; matplotlib)
+    python3 tools/docs_figures.py             # a full run of every experiment (about 8 min; matplotlib)
     python3 tools/docs_figures.py --from DIR  # copies them from a full run of the current code in DIR, made here
 
-Runs the experiments in EXPERIMENTS (seed 0, full size) with experiments.py into a temporary
-directory (or takes a complete full run, seed 0, whose record carries the current code's digest),
-copies their PNGs and the quoted CSVs into docs/ and writes docs/figures.json: the provenance of
+Runs every experiment (seed 0, full size) with experiments.py into a temporary directory, or takes
+a complete full run, seed 0, whose record carries the current code's digest (README quotes the full
+run's time from the record's timing, so it is always a whole run's). Copies the PNGs and the quoted
+CSVs into docs/ and writes docs/figures.json: the provenance of
 tools/records.py (the code of icl_ref.py, icl_fast.py and experiments.py that computed and drew
 them) and the SHA-256 of each file. `python3 tools/records.py check` reports them stale when that
 code has changed since; `python3 tools/records.py render` writes the numbers README quotes from the
@@ -35,8 +36,6 @@ TABLES = ["single-layer-landscape.csv", "single-layer-landscape_basins.csv", "th
           "three-layer-blocks.csv", "two-layer-isotropic.csv", "softmax-two-head.csv", "unconstrained.csv",
           "optimizers.csv", "looped.csv", "looped_exact.csv", "looped_trained.csv", "looped_curvature.csv", "dynamics.csv",
           "dynamics_descent.csv", "task-diversity.csv", "task-diversity_pools.csv", "shift.csv", "shift_shifts.csv"]
-EXPERIMENTS = ["three-layer-sparse", "three-layer-blocks", "two-layer-isotropic", "depth", "optimizers",
-               "unconstrained", "single-layer-landscape", "softmax-two-head", "looped", "dynamics", "task-diversity", "shift"]
 RECORD = os.path.join("docs", "figures.json")
 
 
@@ -45,15 +44,15 @@ def sha256(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def copy_from(out, digest):
+def copy_from(out, digest, names):
     """Copy the figures of the run in `out` into docs/ after checking that its record is a complete
-    full run, seed 0, of the code with `digest`; returns the record."""
+    full run, seed 0, of the experiments `names` in the code with `digest`; returns the record."""
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
     problems = [what for what, bad in (("not complete", config.get("status") != "complete"),
                                        ("a --quick run", config.get("quick")), ("not seed 0", config.get("seed") != 0),
                                        ("of other code", config.get("sources_sha256") != digest),
-                                       ("missing an experiment", not set(EXPERIMENTS) <= set(config.get("completed", []))))
+                                       ("missing an experiment", not set(names) <= set(config.get("completed", []))))
                 if bad]
     if problems:
         raise SystemExit(f"{out}: the run is {', '.join(problems)}: not copying its figures")
@@ -69,9 +68,9 @@ def main(argv=None):
     ap.add_argument("--from", dest="source", help="a complete full run (seed 0) of the current code to copy from")
     args = ap.parse_args(argv)
     import experiments
-    digest = experiments.sources_digest()
+    digest, names = experiments.sources_digest(), list(experiments.EXPERIMENTS)
     if args.source:
-        config = copy_from(args.source, digest)
+        config = copy_from(args.source, digest, names)
     else:
         try:
             import matplotlib  # noqa: F401  (only checked here; experiments.py draws)
@@ -80,10 +79,10 @@ def main(argv=None):
             return 2
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "results")
-            proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments.py"), *EXPERIMENTS, "--out", out])
+            proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments.py"), "--out", out])
             if proc.returncode not in (0, 1):
                 return proc.returncode
-            config = copy_from(out, digest)
+            config = copy_from(out, digest, names)
     # how long each experiment of the run took (docs/benchmarks.md's last table), on this machine
     # (--from takes a run made here)
     timing = dict(machine=benchmarks.machine()[0],
@@ -91,7 +90,7 @@ def main(argv=None):
                                           cpu_seconds=config["experiments"][name]["cpu_seconds"])
                                for name in config["completed"]})
     record = dict(provenance=records.provenance("tools/docs_figures.py", [], list(experiments.SOURCES)),
-                  experiments=EXPERIMENTS, seed=0, timing=timing,
+                  experiments=names, seed=0, timing=timing,
                   figures={name: sha256(os.path.join(ROOT, "docs", name)) for name in FIGURES + TABLES})
     with open(os.path.join(ROOT, RECORD), "w") as f:
         json.dump(record, f, indent=1)
