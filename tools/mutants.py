@@ -417,8 +417,6 @@ MUTANTS = [
      'part[i] / len(parts)', 'each chunk divides by its own size'),
     ('fast-activation-chunk-B', 'icl_fast.py', '_Engine.activation_pass', '_mean_of_chunks([part[:3] for part in parts], bounds, B)',
      '_mean_of_chunks([part[:3] for part in parts], bounds, bounds[0][1])', 'each chunk divides by its own size'),
-    ('fast-tsqr-block-rows', 'icl_fast.py', '_Engine.reduced_least_squares', 'np.concatenate([f for f, _ in blocks]),\n np.vstack([R for _, R in blocks])',
-     'np.concatenate([f[:-1] for f, _ in blocks]), np.vstack([R[:-1] for _, R in blocks])', "each block's factor loses its last row (the blocks' QR no longer that of [J r])"),
     ('fast-threads-default', 'icl_fast.py', '_thread_count', '    if threads is None:\n        return cores\n',
      '    if threads is None:\n        return 1\n', 'the default of every core lost'),
     ('fast-blas-restored-early', 'icl_fast.py', '_one_blas_thread', '            if _BLAS["users"] == 0:\n                _restore_blas()',
