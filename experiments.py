@@ -45,7 +45,9 @@ import scipy.linalg
 import scipy.optimize
 import threadpoolctl
 
+import icl_estimators as est
 import icl_fast as fast
+import icl_looped as lp
 import icl_ref as ir
 
 PASS, FAIL, INFO, NO_VERDICT = "PASS", "FAIL", "INFO", "NO VERDICT"
@@ -1500,7 +1502,7 @@ def looped(ctx):
     exact = []
     for family, Ls in (("sparse", Ls_sparse), ("blocks", Ls_blocks)):
         for L in Ls:
-            a_t, b_t, f_t = ir.optimal_tied_family(L, n, d, blocks=family == "blocks")
+            a_t, b_t, f_t = lp.optimal_tied_family(L, n, d, blocks=family == "blocks")
             a_u, _, f_u = family_optimum(L, n, d, blocks=family == "blocks")
             exact.append(dict(family=family, L=L, a_tied=a_t, b_tied=math.nan if b_t is None else b_t,
                               loss_tied=f_t, loss_untied=f_u, a_untied=list(a_u)))
@@ -1521,7 +1523,7 @@ def looped(ctx):
         A = res["coords"]["A"][0]
         W = root @ A @ root
         a_hat = ir.fitted_scalar(A, Si)
-        a_star, _, f_star = ir.optimal_tied_family(L, n, d)
+        a_star, _, f_star = lp.optimal_tied_family(L, n, d)
         P_f, Q_f = ir.structure_to_PQ("sparse", {"A": (a_star * Si)[None]}, L=L)
         # paired on fresh prompts (same Sigma): the trained model against the exact tied optimum
         gap = (ir.predict(res["P"], res["Q"], Z_test) - y_test) ** 2 - (ir.predict(P_f, Q_f, Z_test) - y_test) ** 2
@@ -1546,7 +1548,7 @@ def looped(ctx):
     # the flattest direction) stands several standard errors above the Monte Carlo noise of B_curv prompts
     eps, curvature = 0.3, []
     for L in Ls_sparse:
-        a = ir.optimal_tied_family(L, n, d)[0]
+        a = lp.optimal_tied_family(L, n, d)[0]
 
         def sq(A):
             P, Q = ir.structure_to_PQ("sparse", {"A": A[None]}, L=L)
@@ -1615,11 +1617,11 @@ def dynamics(ctx):
     Sigma, _ = ir.rotated_covariance(ctx.rng, (1.0, 0.5))
     G_star = ir.gamma_star(Sigma, n)
     t = np.r_[0.0, np.geomspace(0.01, 400, 200)]
-    bound = ir.one_layer_gradient_flow(Sigma, n, 1.0, [0.0])["sigma_bound"]
+    bound = lp.one_layer_gradient_flow(Sigma, n, 1.0, [0.0])["sigma_bound"]
     rows, flow = [], []
     # one start well inside Zhang-Frei-Bartlett's initial-scale bound, one three times outside it
     for start, s in (("inside", 0.05), ("outside", 3 * bound)):
-        f = ir.one_layer_gradient_flow(Sigma, n, s, t)
+        f = lp.one_layer_gradient_flow(Sigma, n, s, t)
         err = float(np.linalg.norm(f["Gamma"][-1] - G_star) / np.linalg.norm(G_star))
         half = float(t[np.argmax(f["loss"] < 0.5 * (f["loss"][0] + f["loss"][-1]))])
         flow += [dict(start=start, sigma=s, t=ti, loss=li) for ti, li in zip(t, f["loss"])]
@@ -1627,12 +1629,12 @@ def dynamics(ctx):
                                invariant_max=float(np.max(np.abs(f["invariant"]))), loss_first=float(f["loss"][0]),
                                loss_last=float(f["loss"][-1])))
     times = eta * np.arange(steps + 1)
-    target = ir.one_layer_gradient_flow(Sigma, n, sigma, times)["Gamma"]
+    target = lp.one_layer_gradient_flow(Sigma, n, sigma, times)["Gamma"]
     # the step's own error: the same descent on the exact population gradient
     u, U, euler = sigma, sigma * np.eye(d) / math.sqrt(d), []
     for k in range(steps + 1):
         euler.append(u * U)
-        _, du, dU = ir.one_layer_population_grad(u, U, Sigma, n)
+        _, du, dU = lp.one_layer_population_grad(u, U, Sigma, n)
         u, U = u - eta * du, U - eta * dU
     G = np.empty((R, steps + 1, d, d))
     for r in range(R):
@@ -1729,10 +1731,10 @@ def task_diversity(ctx):
         tasks = all_tasks[:K]
         # one layer at infinitely many training prompts from the pool: gamma_star of the pool's moment, exact
         G = ir.gamma_star(I, n, noise_var=noise_var, tasks=tasks)
-        r = dict(K=K, L1_pool=ir.shifted_single_layer_loss(G, I, n, noise_var=noise_var, tasks=tasks),
-                 L1_fresh=ir.shifted_single_layer_loss(G, I, n, noise_var=noise_var))
-        models = dict(dmmse=lambda Z: ir.dmmse_predict(Z, tasks, noise_var),
-                      ridge=lambda Z: ir.bayes_predict(Z, noise_var=noise_var))
+        r = dict(K=K, L1_pool=est.shifted_single_layer_loss(G, I, n, noise_var=noise_var, tasks=tasks),
+                 L1_fresh=est.shifted_single_layer_loss(G, I, n, noise_var=noise_var))
+        models = dict(dmmse=lambda Z: est.dmmse_predict(Z, tasks, noise_var),
+                      ridge=lambda Z: est.bayes_predict(Z, noise_var=noise_var))
         if np.log2(K) % 4 == 0:                               # K = 16^j: the three-layer model (~20 s a pool)
             Z, y = ir.sample_prompts(rng, train_batch, n, I, noise_std=math.sqrt(noise_var), tasks=tasks)
             fit = ctx.train_lbfgs(Z, y, 3, "sparse", rng=rng, maxiter=maxiter)
@@ -1742,7 +1744,7 @@ def task_diversity(ctx):
         for test, pool in (("pool", tasks), ("fresh", None)):
             seed = (ctx.seed, K, int(test == "pool"))          # common prompts for every model
             for name, predict in models.items():
-                risk, se = ir.monte_carlo_risk(predict, np.random.default_rng(seed),
+                risk, se = est.monte_carlo_risk(predict, np.random.default_rng(seed),
                                                dmmse_batch if name == "dmmse" else test_batch, n, I,
                                                noise_var=noise_var, tasks=pool)
                 r[f"{name}_{test}"], r[f"{name}_{test}_se"] = risk, se
@@ -1815,13 +1817,13 @@ def shift(ctx):
         Zs[:, :d, n] = x_q
         ys = np.einsum("bd,bd->b", x_q, w) + math.sqrt(noise) * rng.standard_normal(test_batch)
         layer_err = (ir.predict(fit["P"], fit["Q"], Zs) - ys) ** 2
-        ridge_err = min(((ir.ridge_predict(Zs, lam) - ys) ** 2 for lam in lambdas), key=np.mean)
-        bayes_err = (ir.bayes_predict(Zs, Sigma_w, noise) - ys) ** 2
+        ridge_err = min(((est.ridge_predict(Zs, lam) - ys) ** 2 for lam in lambdas), key=np.mean)
+        bayes_err = (est.bayes_predict(Zs, Sigma_w, noise) - ys) ** 2
         r = dict(kind=kind, shift=label, n=n,
-                 layer_exact=ir.shifted_single_layer_loss(G, Sigma, n, Sigma_w, noise, Sigma_query=Sigma_q),
-                 best_layer=ir.shifted_single_layer_loss(ir.gamma_star(Sigma, n, Sigma_w, noise), Sigma, n, Sigma_w,
+                 layer_exact=est.shifted_single_layer_loss(G, Sigma, n, Sigma_w, noise, Sigma_query=Sigma_q),
+                 best_layer=est.shifted_single_layer_loss(ir.gamma_star(Sigma, n, Sigma_w, noise), Sigma, n, Sigma_w,
                                                          noise, Sigma_query=Sigma_q),
-                 ols=ir.ols_population_risk(n, Sigma, Sigma_w, noise) if n > d + 1 and kind != "query" else math.nan)
+                 ols=est.ols_population_risk(n, Sigma, Sigma_w, noise) if n > d + 1 and kind != "query" else math.nan)
         for name, e in (("layer_mc", layer_err), ("ridge_tuned", ridge_err), ("bayes", bayes_err),
                         ("bayes_minus_ridge", bayes_err - ridge_err)):
             r[name], r[name + "_se"] = mean_se(e)

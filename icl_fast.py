@@ -42,7 +42,7 @@ except ImportError as e:    # the optional dependency of the "fast" extra
 
 import icl_ref as ir
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 # The largest D = d + 1 at which the loss, and apart from it the Jacobian, take the lanes
 # formulation; above it icl_ref's batch-first layers run on the workers, as their D^3 BLAS products

@@ -2,8 +2,9 @@
 
 "Transformers learn to implement preconditioned gradient descent for in-context learning",
 NeurIPS 2023 (arXiv 2306.00297), cited below as [A]. Equation and section numbers refer to
-[A]; "MATH.md §k" is section k of MATH.md beside this file, which derives every formula below.
-Everything is float64 NumPy; gradients are derived by hand and checked in test_icl_ref.py.
+[A]; "MATH.md §k" is section k of MATH.md beside this file, which derives every formula below,
+and this module's sections carry the same numbers (§1-§12). Everything is float64 NumPy;
+gradients are derived by hand and checked in test_icl_ref.py.
 
 Symbols (the paper's names; 0-based indices in code)
     B        batch size (number of prompts); the block parameter is called ``Bm`` in code
@@ -26,40 +27,43 @@ Conventions (MATH.md §1-§3, §5)
     sparse (8)  P_l = [[0, 0], [0, 1]],   Q_l = -[[A_l, 0], [0, 0]]
     blocks (11) P_l = [[B_l, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]]   (the sign of (8))
 
-Sections follow the paper: data, model, loss and gradient (with the per-prompt Jacobian, and
-attention with an activation, [A] §6), parametrisations, training (L-BFGS and Gauss-Newton), closed
-forms, metrics; then adapters to other code's layouts and the conformance kit (reference vectors,
-diagnose, check_implementation). One formulation of each quantity, serial, with no process-wide
-state; every public function computes under numpy's default floating-point rules whatever the
-caller set with np.seterr. The functions that evaluate the loss take `engine=`: another object with
-the methods of REFERENCE computes the same numbers its own way (icl_fast.py, on every core).
-Command line: python3 -m icl_ref vectors --out DIR.
+Sections, as MATH.md's: §1 data, §2 model, §3 loss and gradient (§3.1 the per-prompt Jacobian),
+§4 attention with an activation ([A] §6), §5 parametrisations, §6 training (L-BFGS and
+Gauss-Newton), §7-§10 closed forms, §11 metrics, §12 other code's layouts; then the engine seam.
+One formulation of each quantity, serial, no file I/O, no process-wide state; every public function
+computes under numpy's default floating-point rules whatever the caller set with np.seterr.
+
+The path of a gradient: loss_and_grad -> _loss_and_grad_gram -> _gram_chunk -> _propagate ->
+layer_forward, readout_forward, then _backpropagate -> readout_backward, layer_backward.
+The functions that evaluate the loss take `engine=`: None for this module's functions, or an object
+with the five methods of REFERENCE (the last section) computing the same numbers its own way
+(icl_fast.engine(), on every core).
+
+Other products build on this module's public names: icl_check (the conformance kit: reference
+vectors, diagnose, check_implementation), icl_looped (looped models and gradient flow, MATH.md §14),
+icl_estimators (estimators, task pools and shift, MATH.md §15), icl_fast (the engine). The names
+that moved out in 0.4.0 are still reachable here for one release, with a DeprecationWarning.
 """
-import argparse
 import functools
-import io
 import itertools
-import json
 import math
-import os
 import sys
 import time
-import types
-import zipfile
 from fractions import Fraction
 
 import numpy as np
 import scipy
-import scipy.integrate
 import scipy.linalg
 import scipy.optimize
 
-STRUCTURES = ("sparse", "blocks", "full")
+__version__ = "0.4.0"         # pyproject.toml's, CITATION.cff's and the other modules' too
+STRUCTURES = ("sparse", "blocks", "full")                # [A] (8), (11) and free (P, Q): MATH.md §5
+ACTIVATIONS = ("linear", "relu", "softmax", "softmax_all")   # the attention's sigma: MATH.md §4
 PAPER_EIGENVALUES = (1.0, 1.0, 0.25, 0.0625, 1.0)   # spectrum of Sigma in [A] §4.3 (MATH.md §1)
 
 
 # ---------------------------------------------------------------------------------------------
-# Input checks: every public function validates before it computes.
+# Input checks (no mathematics): every public function validates its arguments before it computes.
 # ---------------------------------------------------------------------------------------------
 
 def _numpy_rules(fn):
@@ -99,10 +103,15 @@ def _array(name, a, ndim, allow_nan=False):
 
 
 def _int(name, v, minimum):
+    """v as a Python int in [minimum, 2^53] (float64 holds every integer up to 2^53 exactly, and the
+    formulas divide by n), else a TypeError/ValueError naming `name`."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{name} must be an integer, got {type(v).__name__}")
     if v < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    if v > 2 ** 53:
+        raise ValueError(f"{name} must be <= 2^53 (float64 holds every integer up to there), got an integer of "
+                         f"{len(str(v))} digits")
     return int(v)
 
 
@@ -137,15 +146,17 @@ def _params(P, Q, names=("P", "Q")):
     return P, Q
 
 
-def _finite(results, **sizes):
-    """A ValueError saying that float64 overflowed, and at what size of the inputs, unless every
-    array of results {what: value} is finite."""
+LAYERS_GROWTH = ("the output of L layers grows like (|P| |Q| |Z|^2)^((3^L - 1)/2) |Z|, so use smaller "
+                 "parameters or rescale Z")
+
+
+def _finite(results, law=LAYERS_GROWTH, **sizes):
+    """A ValueError saying that float64 overflowed, at what size of the inputs and what to do (`law`),
+    unless every array of results {what: value} is finite."""
     for what, value in results.items():
         if not np.all(np.isfinite(value)):
             size = ", ".join(f"max |{k}| = {np.max(np.abs(v)):.3g}" for k, v in sizes.items())
-            raise ValueError(f"{what} is not finite: float64 overflowed ({size}); the output of L layers "
-                             "grows like (|P| |Q| |Z|^2)^((3^L - 1)/2) |Z|, so use smaller parameters or "
-                             "rescale Z")
+            raise ValueError(f"{what} is not finite: float64 overflowed ({size}); {law}")
 
 
 def _prompts(Z, D=None, name="Z"):
@@ -216,18 +227,30 @@ def _pool(tasks, d, Sigma_w=None):
 
 
 def _task_moment(Sigma_w, tasks, d):
-    """E[w_star w_star^T], (d, d): Sigma_w (SPD, the identity when None) or, for a pool (K, d), its
-    second moment (1/K) sum_k w_k w_k^T, which may be singular (MATH.md §15)."""
+    """E[w_star w_star^T] = w W, (d, d), as (W, w) with max |W| = 1 (W = 0, w = 1 for a pool of zero
+    tasks), so that no square under- or overflows: Sigma_w (SPD, the identity when None) or, for a
+    pool (K, d), its second moment (1/K) sum_k w_k w_k^T, which may be singular (MATH.md §15)."""
     if tasks is None:
-        return _task_covariance(Sigma_w, d)[0]
+        Sigma_w = _task_covariance(Sigma_w, d)[0]
+        w = np.max(np.abs(Sigma_w))
+        return Sigma_w / w, w
     tasks = _pool(tasks, d, Sigma_w)
-    return tasks.T @ tasks / tasks.shape[0]
+    m = np.max(np.abs(tasks)) or 1.0
+    W = (tasks / m).T @ (tasks / m) / tasks.shape[0]
+    w = np.max(np.abs(W)) or 1.0
+    return W / w, w * m * m
+
+
+def _flag(name, value):
+    """value as a bool if it is one (Python's or numpy's), else a TypeError naming `name`: a string
+    such as "no" is not taken as True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    return bool(value)
 
 
 def _tied(tied):
-    if not isinstance(tied, (bool, np.bool_)):
-        raise TypeError(f"tied must be True or False, got {type(tied).__name__}")
-    return bool(tied)
+    return _flag("tied", tied)
 
 
 def _choice(name, value, choices):
@@ -238,7 +261,7 @@ def _choice(name, value, choices):
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Data ([A] §2; MATH.md §1)
+# §1 Data ([A] §2)
 # ---------------------------------------------------------------------------------------------
 
 @_numpy_rules
@@ -296,7 +319,7 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Model ([A] eq. (3)-(4); MATH.md §2)
+# §2 Model ([A] eq. (3)-(4))
 #
 # Since M removes the query column from the keys and values, one layer is
 #     Z_{l+1} = Z_l + (1/n) sum_h P_h (Z_l M Z_l^T) Q_h Z_l = T_l Z_l,
@@ -307,12 +330,9 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 #
 # Stacks of the prompts' D x D matrices are multiplied with np.matmul, prompt by prompt, except
 # where one factor is shared by every prompt: _times and _summed turn those into one matrix
-# product of the stacked rows, as np.matmul would run the B small products one at a time. The
-# batch is walked in chunks of at most 2^18 / D^3 prompts (_chunks), so that no matrix product
-# exceeds 2^18 multiply-adds: OpenBLAS runs such products on the calling thread, and the
-# reference never starts BLAS threads (MATH.md §3). For the same reason a sum of squares over
-# prompts is np.sum(r * r), not the BLAS dot r @ r, which OpenBLAS splits over threads from 10^4
-# entries on.
+# product of the stacked rows. The batch is walked in chunks (_chunks) small enough that BLAS
+# keeps every product on the calling thread: the reference starts no threads (MATH.md's notes on
+# the code give the sizes).
 # ---------------------------------------------------------------------------------------------
 
 def mask(n):
@@ -346,17 +366,22 @@ def forward_literal(P, Q, Z):
     return Z
 
 
-@_numpy_rules
-def gram(Z):
-    """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (MATH.md §2)."""
-    context = _prompts(Z)[:, :, :-1]                           # Z M drops the query column
+def _gram(Z):
+    """S_0 = Z M Z^T (B, D, D) of prompts Z (B, D, n+1), unchecked (gram checks Z)."""
+    context = Z[:, :, :-1]                                     # Z M drops the query column
     return context @ context.transpose(0, 2, 1)
 
 
+@_numpy_rules
+def gram(Z):
+    """S_0 = Z M Z^T, (B, D, D): the Gram matrix of the n context tokens (MATH.md §2)."""
+    return _gram(_prompts(Z))
+
+
 def _chunks(B, D):
-    """(start, stop) of the batch in chunks of 2^18 / D^3 prompts: every matrix product over a chunk
-    (b D^3 multiply-adds) stays within the size that OpenBLAS runs on the calling thread, and the
-    chunk's (b, D, D) stacks in cache. The chunks only reorder the sums over prompts (MATH.md §3)."""
+    """(start, stop) of the batch of B prompts in chunks of 2^18 / D^3: every matrix product over a
+    chunk (b D^3 multiply-adds) is small enough for BLAS to run it on the calling thread, and the
+    chunk's (b, D, D) stacks stay in cache. The chunks only reorder the sums over prompts (MATH.md §3)."""
     size = max(1, 2 ** 18 // D ** 3)
     return [(c, min(c + size, B)) for c in range(0, B, size)]
 
@@ -475,6 +500,15 @@ def _backpropagate(dout, caches, per_prompt=False):
     return tuple(np.stack(g, axis) for g in zip(*grads))
 
 
+def _layers_of(P, Q, Z, n):
+    """(Z_0, ..., Z_L) of a chunk of prompts Z (b, D, n+1), (L+1, b, D, n+1): Z_{l+1} = T_l Z_l."""
+    S, q, Zs = _gram(Z), Z[:, :, n], [Z]
+    for P_l, Q_l in zip(P, Q):
+        S, q, T, _ = layer_forward(P_l, Q_l, S, q, n)
+        Zs.append(T @ Zs[-1])
+    return np.stack(Zs)
+
+
 @_numpy_rules
 def forward(P, Q, Z, all_layers=False):
     """Z_L of the L-layer linear transformer, [A] eq. (4): Z_{l+1} = Z_l + (1/n) Attn(Z_l).
@@ -485,15 +519,8 @@ def forward(P, Q, Z, all_layers=False):
     """
     P, Q, Z = _model_inputs(P, Q, Z)
     n = Z.shape[2] - 1
-
-    def layers(Zc):                                    # (Z_0, ..., Z_L) of a chunk of prompts
-        S, q, Zs = gram(Zc), Zc[:, :, n], [Zc]
-        for P_l, Q_l in zip(P, Q):
-            S, q, T, _ = layer_forward(P_l, Q_l, S, q, n)
-            Zs.append(T @ Zs[-1])
-        return np.stack(Zs)
     with np.errstate(over="ignore", invalid="ignore"):
-        Zs = np.concatenate([layers(Z[a:b]) for a, b in _chunks(*Z.shape[:2])], axis=1)
+        Zs = np.concatenate([_layers_of(P, Q, Z[a:b], n) for a, b in _chunks(*Z.shape[:2])], axis=1)
     _finite({"Z_L": Zs[-1]}, P=P, Q=Q, Z=Z)
     return Zs if all_layers else Zs[-1]
 
@@ -505,14 +532,14 @@ def predict(P, Q, Z):
     P, Q, Z = _model_inputs(P, Q, Z)
     n = Z.shape[2] - 1
     with np.errstate(over="ignore", invalid="ignore"):
-        y_hat = -np.concatenate([_propagate(P, Q, gram(Z[a:b]), Z[a:b, :, n], n)[0]
+        y_hat = -np.concatenate([_propagate(P, Q, _gram(Z[a:b]), Z[a:b, :, n], n)[0]
                                  for a, b in _chunks(*Z.shape[:2])])
     _finite({"the prediction": y_hat}, P=P, Q=Q, Z=Z)
     return y_hat
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Loss and gradient ([A] eq. (5) as in its App. A.1 and the authors' code; MATH.md §3)
+# §3 Loss and gradient ([A] eq. (5) as in its App. A.1 and the authors' code)
 # ---------------------------------------------------------------------------------------------
 
 @_numpy_rules
@@ -526,41 +553,18 @@ def in_context_loss(P, Q, Z, y):
     return float(np.mean((predict(P, Q, Z) - y) ** 2))
 
 
-def _gram_chunk(P, Q, S0, q0, y, n, B, jacobian=False):
-    """One chunk of prompts forward and back: its part of the loss, (1/B) sum_b r_b^2, and of dP,
-    dQ, each divided by the whole batch size B (MATH.md §3); with jacobian, the residuals r (b,) and
-    each prompt's own gradient of r_b, JP and JQ (b, L, H, D, D): the reverse pass seeded with 1 for
-    every prompt and not summed (MATH.md §3.1)."""
-    out, caches = _propagate(P, Q, S0, q0, n)
-    r = out + y                                          # residual Z_L[d, n] + y = y - y_hat
-    if jacobian:
-        return (r, *_backpropagate(np.ones_like(out), caches, per_prompt=True))
-    return (float(np.sum(r * r)) / B, *_backpropagate(2.0 * r / B, caches))
-
-
-def _loss_and_grad_gram(P, Q, S0, q0, y, n, jacobian=False):
-    """REFERENCE.loss_and_grad_gram: the chunks' parts added in chunk order (MATH.md §3); with jacobian,
-    REFERENCE.jacobian_gram: the chunks' rows in order (MATH.md §3.1)."""
+def _loss_and_grad_gram(P, Q, S0, q0, y, n):
+    """(f, dP, dQ) of the batch in Gram form, unchecked (MATH.md §3): each chunk of prompts forward
+    through _propagate and back through _backpropagate seeded with df/d(T q)_d = 2 r_b / B, the
+    chunks' parts of f = (1/B) sum_b r_b^2 and of its gradient added in chunk order."""
     B = y.shape[0]
-    parts = list(zip(*[_gram_chunk(P, Q, S0[a:b], q0[a:b], y[a:b], n, B, jacobian) for a, b in _chunks(B, P.shape[-1])]))
-    return tuple(np.concatenate(part) if jacobian else sum(part) for part in parts)
-
-
-def _engine(engine):
-    return REFERENCE if engine is None else engine
-
-
-def _evaluator(engine, Z, y, activation, jacobian=False):
-    """(P, Q) -> (loss, dP, dQ), or with jacobian (r, JP, JQ) with each prompt's own gradient of its
-    residual (B, L, H, D, D), on the checked batch (Z, y) by `engine` (None: REFERENCE); for the
-    linear layer S_0 = Z M Z^T is formed once."""
-    engine = _engine(engine)
-    if activation == "linear":
-        n = Z.shape[2] - 1
-        S0, q0 = engine.gram(Z), np.ascontiguousarray(Z[:, :, n])
-        method = engine.jacobian_gram if jacobian else engine.loss_and_grad_gram
-        return lambda P, Q: method(P, Q, S0, q0, y, n)
-    return lambda P, Q: engine.activation_pass(P, Q, Z, y, activation, jacobian)[:3]
+    loss, dP, dQ = 0.0, 0.0, 0.0
+    for a, b in _chunks(B, P.shape[-1]):
+        out, caches = _propagate(P, Q, S0[a:b], q0[a:b], n)
+        r = out + y[a:b]                                     # residual Z_L[d, n] + y = y - y_hat
+        dP_c, dQ_c = _backpropagate(2.0 * r / B, caches)
+        loss, dP, dQ = loss + float(np.sum(r * r)) / B, dP + dP_c, dQ + dQ_c
+    return loss, dP, dQ
 
 
 def _gram_args(P, Q, S0, q0, y, n):
@@ -584,12 +588,15 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, engine=None):
     P, Q: (L, H, D, D); S0: (B, D, D) = Z M Z^T (symmetric); q0: (B, D) = Z[:, :, n]; y: (B,);
     n context size. The batch is walked in chunks of prompts (_chunks); each chunk's loss and
     gradient are divided by the whole B and added in chunk order. A non-finite result is a
-    ValueError saying that float64 overflowed. engine: None (REFERENCE) or another evaluator
-    with its methods (icl_fast.engine()). Returns (loss, dP, dQ).
+    ValueError saying that float64 overflowed. engine: None (this module's functions) or another
+    evaluator with the methods of REFERENCE (icl_fast.engine()). Returns (loss, dP, dQ).
     """
     P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
     with np.errstate(over="ignore", invalid="ignore"):
-        loss, dP, dQ = _engine(engine).loss_and_grad_gram(P, Q, S0, q0, y, n)
+        if engine is None:
+            loss, dP, dQ = _loss_and_grad_gram(P, Q, S0, q0, y, n)
+        else:
+            loss, dP, dQ = engine.loss_and_grad_gram(P, Q, S0, q0, y, n)
     _finite({"the loss": loss, "dP": dP, "dQ": dQ}, P=P, Q=Q, S0=S0)
     return loss, dP, dQ
 
@@ -603,79 +610,34 @@ def loss_and_grad(P, Q, Z, y, engine=None):
     that is not finite is a ValueError saying that float64 overflowed. MATH.md §3.
     """
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
+    n = Z.shape[2] - 1
+    q0 = np.ascontiguousarray(Z[:, :, n])
     with np.errstate(over="ignore", invalid="ignore"):
-        loss, dP, dQ = _evaluator(engine, Z, y, "linear")(P, Q)
+        if engine is None:
+            loss, dP, dQ = _loss_and_grad_gram(P, Q, _gram(Z), q0, y, n)
+        else:
+            loss, dP, dQ = engine.loss_and_grad_gram(P, Q, engine.gram(Z), q0, y, n)
     _finite({"the loss": loss, "dP": dP, "dQ": dQ}, P=P, Q=Q, Z=Z)
     return loss, dP, dQ
 
 
-def _check_structure_of(structure, P, Q, tied=False):
-    """A ValueError unless P, Q have the form of `structure` (one head, the fixed entries of (8) or
-    (11); with tied, every layer equal): the Jacobian's columns in that structure's coordinates
-    assume it."""
-    if _tied(tied) and not (np.all(P == P[:1]) and np.all(Q == Q[:1])):
-        raise ValueError("P, Q must have every layer equal for tied=True (one (P, Q) applied L times)")
-    if structure == "full":
-        return
-    if P.shape[1] != 1:
-        raise ValueError(f"structure {structure!r} has one head: P, Q must have H = 1, got H = {P.shape[1]}")
-    d = P.shape[-1] - 1
-    A, Bm = -Q[:, 0, :d, :d], P[:, 0, :d, :d]
-    expected = (sparse_params(A) if structure == "sparse" else block_params(A, Bm))
-    if not (np.array_equal(P, expected[0]) and np.array_equal(Q, expected[1])):
-        raise ValueError(f"P, Q must have the form of structure {structure!r} (MATH.md §5: P_l = "
-                         f"[[{'0' if structure == 'sparse' else 'B_l'}, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]]); "
-                         "use structure='full' for other parameters")
+# ---------------------------------------------------------------------------------------------
+# §3.1 The per-prompt Jacobian
+# ---------------------------------------------------------------------------------------------
 
+def _jacobian_gram(P, Q, S0, q0, y, n):
+    """(r (B,), JP, JQ (B, L, H, D, D)) in Gram form, unchecked (MATH.md §3.1): each chunk's residuals
+    and each prompt's own gradient of its residual r_b, the reverse pass seeded with 1 for every
+    prompt and not summed; the chunks' rows in order."""
+    parts = []
+    for a, b in _chunks(y.shape[0], P.shape[-1]):
+        out, caches = _propagate(P, Q, S0[a:b], q0[a:b], n)
+        parts.append((out + y[a:b], *_backpropagate(np.ones_like(out), caches, per_prompt=True)))
+    return tuple(np.concatenate(part) for part in zip(*parts))
 
-def _jacobian_rows(structure, JP, JQ, tied=False):
-    """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
-    coordinates (tied: one layer's): the chain rules of structure_grad applied to every row at once
-    (MATH.md §5, §14)."""
-    B = JP.shape[0]
-    return np.concatenate([g.reshape(B, -1) for g in _structure_grad(structure, JP, JQ, tied).values()], axis=1)
-
-
-@_numpy_rules
-def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=None, tied=False):
-    """Residuals r_b = Z_L[b, d, n] + y_b and their Jacobian from the Gram form (MATH.md §3.1).
-
-    Arguments as loss_and_grad_gram. Each prompt's row is the reverse pass seeded with 1 for that
-    prompt alone, e.g. dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb and dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
-    structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
-    or "blocks" (P, Q of that form, H = 1) maps each row through the structure's chain rule (pack
-    order of structure_shapes). tied: every layer of P, Q equal; J's columns are the one layer's
-    coordinates (MATH.md §14). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
-    """
-    _choice("structure", structure, STRUCTURES)
-    P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
-    _check_structure_of(structure, P, Q, tied)
-    with np.errstate(over="ignore", invalid="ignore"):
-        r, JP, JQ = _engine(engine).jacobian_gram(P, Q, S0, q0, y, n)
-        J = _jacobian_rows(structure, JP, JQ, tied)
-    _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, S0=S0)
-    return r, J
-
-
-@_numpy_rules
-def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", engine=None, tied=False):
-    """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p) of the prompts Z
-    (B, D, n+1): residuals_and_jacobian_gram (structure, engine, tied and the result as there) with
-    S_0, q_0 formed from Z. J holds B p floats (B = 200000, p = 150: 240 MB). activation: one of
-    ACTIVATIONS; other than "linear" the rows come from the explicit attention (MATH.md §3.1, §4).
-    """
-    _choice("structure", structure, STRUCTURES)
-    _choice("activation", activation, ACTIVATIONS)
-    P, Q, Z, y = _model_inputs(P, Q, Z, y)
-    _check_structure_of(structure, P, Q, tied)
-    with np.errstate(over="ignore", invalid="ignore"):
-        r, JP, JQ = _evaluator(engine, Z, y, activation, jacobian=True)(P, Q)
-        J = _jacobian_rows(structure, JP, JQ, tied)
-    _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, Z=Z)
-    return r, J
 
 # ---------------------------------------------------------------------------------------------
-# 3b. Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads; MATH.md §4)
+# §4 Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads)
 #
 #     Attn_sigma(Z) = P Z M sigma(Z^T Q Z),   E = Z^T Q Z (B, n+1, n+1), E[i, j] = z_i^T Q z_j,
 #
@@ -688,9 +650,6 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
 #                 column's weights on the context sum to less than 1
 #   "linear"      sigma = identity: the explicit-attention twin of the linear layer
 # ---------------------------------------------------------------------------------------------
-
-ACTIVATIONS = ("linear", "relu", "softmax", "softmax_all")
-
 
 @_numpy_rules
 def attention_forward(P_h, Q_h, Z, activation):
@@ -765,9 +724,9 @@ def _activation_chunk(P, Q, Zc, yc, B, activation, jacobian=False):
 
 
 def _activation_pass(P, Q, Z, y, activation, jacobian=False):
-    """REFERENCE.activation_pass: the batch through _activation_chunk in chunks of 2^15 / (n+1)^2
-    prompts (their (b, n+1, n+1) score matrices stay in cache); (loss, dP, dQ, Z_L) summed in chunk
-    order, or with jacobian (r, JP, JQ, Z_L) concatenated. Unchecked: the callers check."""
+    """The batch (Z, y) through _activation_chunk in chunks of 2^15 / (n+1)^2 prompts (their
+    (b, n+1, n+1) score matrices stay in cache), unchecked: (loss, dP, dQ, Z_L) summed in chunk
+    order, or with jacobian (r, JP, JQ, Z_L) concatenated (MATH.md §4)."""
     B, size = Z.shape[0], max(1, 2 ** 15 // Z.shape[2] ** 2)
     parts = list(zip(*[_activation_chunk(P, Q, Z[a:a + size], y[a:a + size], B, activation, jacobian)
                        for a in range(0, B, size)]))
@@ -800,13 +759,16 @@ def loss_and_grad_activation(P, Q, Z, y, activation="relu", engine=None):
     _choice("activation", activation, ACTIVATIONS)
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
     with np.errstate(over="ignore", invalid="ignore"):
-        loss, dP, dQ, _ = _engine(engine).activation_pass(P, Q, Z, y, activation)
+        if engine is None:
+            loss, dP, dQ, _ = _activation_pass(P, Q, Z, y, activation)
+        else:
+            loss, dP, dQ, _ = engine.activation_pass(P, Q, Z, y, activation)
     _finite({"the loss": loss, "dP": dP, "dQ": dQ}, P=P, Q=Q, Z=Z)
     return loss, dP, dQ
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Parametrisations ([A] eq. (8) and (11); MATH.md §5) and flat vectors for SciPy
+# §5 Parametrisations ([A] eq. (8) and (11)) and flat vectors for SciPy
 # ---------------------------------------------------------------------------------------------
 
 def _blocks(name, A):
@@ -946,7 +908,113 @@ def _structure_grad(structure, dP, dQ, tied=False):
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Training on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook; MATH.md §6)
+# §3.1 with §4 and §5: the Jacobian in a structure's coordinates, and a batch evaluated by either
+# attention (what the trainers and the statistics of §11 call)
+# ---------------------------------------------------------------------------------------------
+
+def _check_structure_of(structure, P, Q, tied=False):
+    """A ValueError unless P, Q have the form of `structure` (one head, the fixed entries of (8) or
+    (11); with tied, every layer equal): the Jacobian's columns in that structure's coordinates
+    assume it."""
+    if _tied(tied) and not (np.all(P == P[:1]) and np.all(Q == Q[:1])):
+        raise ValueError("P, Q must have every layer equal for tied=True (one (P, Q) applied L times)")
+    if structure == "full":
+        return
+    if P.shape[1] != 1:
+        raise ValueError(f"structure {structure!r} has one head: P, Q must have H = 1, got H = {P.shape[1]}")
+    d = P.shape[-1] - 1
+    A, Bm = -Q[:, 0, :d, :d], P[:, 0, :d, :d]
+    expected = (sparse_params(A) if structure == "sparse" else block_params(A, Bm))
+    if not (np.array_equal(P, expected[0]) and np.array_equal(Q, expected[1])):
+        raise ValueError(f"P, Q must have the form of structure {structure!r} (MATH.md §5: P_l = "
+                         f"[[{'0' if structure == 'sparse' else 'B_l'}, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]]); "
+                         "use structure='full' for other parameters")
+
+
+def _jacobian_rows(structure, JP, JQ, tied=False):
+    """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
+    coordinates (tied: one layer's): the chain rules of structure_grad applied to every row at once
+    (MATH.md §5, §14)."""
+    B = JP.shape[0]
+    return np.concatenate([g.reshape(B, -1) for g in _structure_grad(structure, JP, JQ, tied).values()], axis=1)
+
+
+@_numpy_rules
+def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=None, tied=False):
+    """Residuals r_b = Z_L[b, d, n] + y_b and their Jacobian from the Gram form (MATH.md §3.1).
+
+    Arguments as loss_and_grad_gram. Each prompt's row is the reverse pass seeded with 1 for that
+    prompt alone, e.g. dr_b/dP_lh = (1/n) dT_lb Q_lh^T S_lb and dr_b/dQ_lh = (1/n) S_lb P_lh^T dT_lb.
+    structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
+    or "blocks" (P, Q of that form, H = 1) maps each row through the structure's chain rule (pack
+    order of structure_shapes). tied: every layer of P, Q equal; J's columns are the one layer's
+    coordinates (MATH.md §14). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
+    """
+    _choice("structure", structure, STRUCTURES)
+    P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
+    _check_structure_of(structure, P, Q, tied)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if engine is None:
+            r, JP, JQ = _jacobian_gram(P, Q, S0, q0, y, n)
+        else:
+            r, JP, JQ = engine.jacobian_gram(P, Q, S0, q0, y, n)
+        J = _jacobian_rows(structure, JP, JQ, tied)
+    _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, S0=S0)
+    return r, J
+
+
+class _Batch:
+    """A checked batch (Z, y) with its attention, evaluated by `engine` (None: this module's
+    functions, MATH.md §3-§4); for the linear layer S_0 = Z M Z^T is formed once."""
+
+    def __init__(self, Z, y, activation="linear", engine=None):
+        self.Z, self.y, self.activation, self.engine = Z, y, activation, engine
+        self.n = Z.shape[2] - 1
+        if activation == "linear":
+            self.S0 = _gram(Z) if engine is None else engine.gram(Z)
+            self.q0 = np.ascontiguousarray(Z[:, :, self.n])
+
+    def loss_and_grad(self, P, Q):
+        """(loss, dP, dQ) at (P, Q)."""
+        if self.activation != "linear":
+            if self.engine is None:
+                return _activation_pass(P, Q, self.Z, self.y, self.activation)[:3]
+            return self.engine.activation_pass(P, Q, self.Z, self.y, self.activation)[:3]
+        if self.engine is None:
+            return _loss_and_grad_gram(P, Q, self.S0, self.q0, self.y, self.n)
+        return self.engine.loss_and_grad_gram(P, Q, self.S0, self.q0, self.y, self.n)
+
+    def jacobian(self, P, Q):
+        """(r (B,), JP, JQ (B, L, H, D, D)): each prompt's residual and its gradient (MATH.md §3.1)."""
+        if self.activation != "linear":
+            if self.engine is None:
+                return _activation_pass(P, Q, self.Z, self.y, self.activation, jacobian=True)[:3]
+            return self.engine.activation_pass(P, Q, self.Z, self.y, self.activation, jacobian=True)[:3]
+        if self.engine is None:
+            return _jacobian_gram(P, Q, self.S0, self.q0, self.y, self.n)
+        return self.engine.jacobian_gram(P, Q, self.S0, self.q0, self.y, self.n)
+
+
+@_numpy_rules
+def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", engine=None, tied=False):
+    """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p) of the prompts Z
+    (B, D, n+1): residuals_and_jacobian_gram (structure, engine, tied and the result as there) with
+    S_0, q_0 formed from Z. J holds B p floats. activation: one of ACTIVATIONS; other than "linear"
+    the rows come from the explicit attention (MATH.md §3.1, §4).
+    """
+    _choice("structure", structure, STRUCTURES)
+    _choice("activation", activation, ACTIVATIONS)
+    P, Q, Z, y = _model_inputs(P, Q, Z, y)
+    _check_structure_of(structure, P, Q, tied)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r, JP, JQ = _Batch(Z, y, activation, engine).jacobian(P, Q)
+        J = _jacobian_rows(structure, JP, JQ, tied)
+    _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, Z=Z)
+    return r, J
+
+
+# ---------------------------------------------------------------------------------------------
+# §6 Training on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook)
 #
 # Both trainers work on the batch divided by c, a power of two near its size (_data_scale): the
 # token maps T_l are unchanged when S -> S / c^2 and Q -> c^2 Q, so the parameters map exactly and
@@ -1011,6 +1079,7 @@ class _Run:
         self.shapes = structure_shapes(structure, layers, Z.shape[1] - 1, heads, self.tied)
         self.c = _data_scale(Z)
         self.Z, self.y = Z / self.c, y / self.c
+        self.batch = _Batch(self.Z, self.y, activation, engine)
         self.theta0 = pack(_start(structure, self.shapes, init, init_scale, rng, self.c).values())
         self.start = time.perf_counter()
 
@@ -1081,7 +1150,6 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                    maxcor=_int("maxcor", maxcor, 1), ftol=_nonneg("ftol", ftol),
                    gtol=_nonneg("gtol", gtol), maxls=_int("maxls", maxls, 1))
     run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
-    evaluate = _evaluator(engine, run.Z, run.y, activation)
     last, history, failed = {}, [], [0]
 
     def fun(theta):
@@ -1089,7 +1157,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
         # line search backs off instead of the run ending; `last` keeps only finite evaluations
         if np.all(np.isfinite(theta)):
             with np.errstate(over="ignore", invalid="ignore"):
-                loss, dP, dQ = evaluate(*run.PQ(theta))
+                loss, dP, dQ = run.batch.loss_and_grad(*run.PQ(theta))
             grad = run.grad(dP, dQ)
             if math.isfinite(loss) and np.all(np.isfinite(grad)):
                 last.update(theta=theta.copy(), loss=loss, grad=grad)
@@ -1195,7 +1263,6 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
     run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
     B = run.Z.shape[0]
-    jacobian = _evaluator(engine, run.Z, run.y, activation, jacobian=True)
     free = ~_fixed_coordinates(structure, run.shapes, query_label_zero=not np.any(run.Z[:, -1, -1]),
                                tied_layers=run.layers if run.tied else 1)
     root_B = math.sqrt(B)
@@ -1215,11 +1282,12 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         if not np.all(np.isfinite(x)):
             return cache
         with np.errstate(over="ignore", invalid="ignore"):
-            r, JP, JQ = jacobian(*run.PQ(full(x)))
+            r, JP, JQ = run.batch.jacobian(*run.PQ(full(x)))
             J = _jacobian_rows(structure, JP, JQ, run.tied)[:, free]
         if not (np.all(np.isfinite(r)) and np.all(np.isfinite(J))):
             return cache
-        cache["f"], cache["R"] = _engine(engine).reduced_least_squares(r / root_B, J / root_B)
+        reduce = _reduced_least_squares if engine is None else engine.reduced_least_squares
+        cache["f"], cache["R"] = reduce(r / root_B, J / root_B)
         loss = float(np.sum(r * r)) / B
         if loss < best["loss"]:
             # 2 J^T r / B = 2 R^T f: a (p+1, p) product where J.T @ r would wake BLAS threads (MATH.md §6)
@@ -1227,6 +1295,12 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
             history.append(loss)
             run.say("eval", len(history) - 1, loss, best["grad"])
         return cache
+
+    def reduced_residuals(x):          # f of _reduced_least_squares at x
+        return evaluate(x)["f"]
+
+    def reduced_jacobian(x):           # R of _reduced_least_squares at x
+        return evaluate(x)["R"]
 
     x0 = run.theta0[free]
     evaluate(x0)
@@ -1237,7 +1311,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     # Jacobian is rank-deficient along (gamma P_l, Q_l / gamma), they stall where "trf" does not
     method = "trf" if structure == "full" else "dogbox"
     try:
-        res = scipy.optimize.least_squares(lambda x: evaluate(x)["f"], x0, jac=lambda x: evaluate(x)["R"],
+        res = scipy.optimize.least_squares(reduced_residuals, x0, jac=reduced_jacobian,
                                            method=method, ftol=1e-15, xtol=1e-15, gtol=1e-15,
                                            max_nfev=options["max_nfev"])
         outcome = dict(nit=int(res.nfev), nfev=int(res.nfev), status=int(res.status),
@@ -1253,23 +1327,8 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
                       fixed=int(np.sum(~free)))
 
 
-REFERENCE = types.SimpleNamespace(gram=gram, loss_and_grad_gram=_loss_and_grad_gram,
-                                  jacobian_gram=functools.partial(_loss_and_grad_gram, jacobian=True),
-                                  activation_pass=_activation_pass, reduced_least_squares=_reduced_least_squares)
-"""The evaluator that the `engine=` arguments default to: icl_ref's own computations, unchecked (the
-public functions check their inputs once). Another engine (icl_fast.engine()) is any object with
-these five methods, returning the same numbers:
-    gram(Z)                                   S_0 = Z M Z^T (B, D, D)
-    loss_and_grad_gram(P, Q, S0, q0, y, n)    (loss, dP, dQ) as loss_and_grad_gram
-    jacobian_gram(P, Q, S0, q0, y, n)         (r (B,), JP, JQ (B, L, H, D, D)): each prompt's gradient of r_b
-    activation_pass(P, Q, Z, y, activation, jacobian=False)
-                                              (loss, dP, dQ, Z_L), or (r, JP, JQ, Z_L), explicit attention
-    reduced_least_squares(r, J)               (f, R) of _reduced_least_squares
-MATH.md §3, §3.1, §4 and §6 derive what each computes."""
-
-
 # ---------------------------------------------------------------------------------------------
-# 6. Closed forms (MATH.md §7-§10)
+# §7 Lemma 1: the sparse transformer is preconditioned gradient descent
 # ---------------------------------------------------------------------------------------------
 
 @_numpy_rules
@@ -1298,6 +1357,10 @@ def preconditioned_gd(X, y, A):
     return W[0] if single else W
 
 
+# ---------------------------------------------------------------------------------------------
+# §8 One layer: Theorem 1 generalised, Mahankali et al.
+# ---------------------------------------------------------------------------------------------
+
 def _single_layer_moments(Sigma, n, M, noise_var):
     """(K, E[h w^T]) of MATH.md §8, h = (1/n) sum_i y_i x_i, for checked Sigma (d, d), n, noise_var
     and M = E[w_star w_star^T] (d, d), which enters only through this second moment (MATH.md §15)."""
@@ -1319,25 +1382,70 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
     """
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
-    M = _task_moment(Sigma_w, tasks, Sigma.shape[0])
+    W, w = _task_moment(Sigma_w, tasks, Sigma.shape[0])
     noise_var = _nonneg("noise_var", noise_var)
+    if not np.any(W) and noise_var == 0:
+        raise ValueError("tasks are all zero and noise_var = 0: every label is 0, every Gamma has loss 0, "
+                         "and Gamma* is not defined")
     # scale-free: with Sigma = c S and M = w W (max entries 1), Gamma* = K'^-1 S W / c, where K'
     # is K of (S, W) with the noise noise_var / (c w); no under- or overflow at any scale of Sigma
-    c, w = np.max(np.abs(Sigma)), np.max(np.abs(M)) or 1.0          # w = 0: a pool of zero tasks
-    K, E_hw = _single_layer_moments(Sigma / c, n, M / w, noise_var / (c * w))
+    c = np.max(np.abs(Sigma))
+    with np.errstate(over="ignore"):
+        noise = noise_var / c / w if noise_var else 0.0
+    if not math.isfinite(noise):
+        raise ValueError(f"noise_var / (max |Sigma| max |E w w^T|) overflows float64 (max |Sigma| = {c:.3g}, "
+                         f"max |E w w^T| = {w:.3g}, noise_var = {noise_var:.3g}): rescale x or w_star")
+    K, E_hw = _single_layer_moments(Sigma / c, n, W, noise)
     G = np.linalg.solve(K, E_hw) / c
-    _finite({"Gamma*": G}, Sigma=Sigma)
+    _finite({"Gamma*": G}, "rescale x (Sigma) or w_star (Sigma_w, tasks)", Sigma=Sigma)
     return G
+
+
+def _single_layer_loss(Gamma, Sigma, moment, Sigma_q, n, noise_var, query_noise):
+    """E (y_hat - y_q)^2 of the one-layer sparse model A_0 = Gamma (MATH.md §8) for checked arguments:
+    context x ~ N(0, Sigma), query x_q ~ N(0, Sigma_q), E[w_star w_star^T] = M given as
+    moment = (W, w), M = w W (_task_moment), label noise noise_var:
+
+        L = tr(Sigma_q Gamma^T K Gamma) - 2 tr(Sigma_q Gamma^T Sigma M) + tr(Sigma_q M) (+ noise_var).
+
+    Computed scale-free: with Sigma = c S, M = w W and Sigma_q = c_q T (largest entries 1) and
+    G = c Gamma, L = c_q w [tr(T G^T K' G) - 2 tr(T G^T S W) + tr(T W)] (+ noise_var), K' being K
+    of (S, W) with the noise noise_var / (c w), so no intermediate under- or overflows. A loss
+    that is not a normal float64 (overflow, or a nonzero value below 2.2e-308) is a ValueError
+    naming the scale."""
+    (W, w), c, c_q = moment, np.max(np.abs(Sigma)), np.max(np.abs(Sigma_q))
+    S, T, G = Sigma / c, Sigma_q / c_q, c * Gamma
+    with np.errstate(over="ignore", invalid="ignore"):        # checked below
+        noise = noise_var / c / w if noise_var else 0.0
+        K, E_hw = _single_layer_moments(S, n, W, noise)
+        excess = np.trace(T @ G.T @ K @ G) - 2 * np.trace(T @ G.T @ E_hw) + np.trace(T @ W)
+        loss = c_q * w * excess + (noise_var if query_noise else 0.0)
+    if loss != 0 and not np.finfo(np.float64).tiny <= abs(loss) < math.inf:
+        raise ValueError(f"the loss ({loss:.3g}) overflows float64 or underflows below its normal range: "
+                         f"max |Sigma| = {c:.3g}, max |E w w^T| = {w:.3g}, max |Gamma| = {np.max(np.abs(Gamma)):.3g}; "
+                         "rescale x or w_star")
+    return float(loss)
 
 
 @_numpy_rules
 def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, query_noise=True):
     """Exact E (y_hat - y_q)^2 of the one-layer sparse model with A_0 = Gamma, any (d, d), on prompts as
-    sample_prompts draws them (MATH.md §8): shifted_single_layer_loss with the query drawn like the
-    context, L(Gamma) = tr(Sigma Gamma^T K Gamma) - 2 tr(Sigma Gamma^T Sigma Sigma_w) + tr(Sigma Sigma_w)
-    (+ noise_var if query_noise), K as in gamma_star. Arguments as there; returns a float.
+    sample_prompts draws them (MATH.md §8):
+
+        L(Gamma) = tr(Sigma Gamma^T K Gamma) - 2 tr(Sigma Gamma^T Sigma Sigma_w) + tr(Sigma Sigma_w)
+                   (+ noise_var if query_noise),
+
+    K as in gamma_star. Computed without under- or overflow at any scale of Sigma, Sigma_w; a loss
+    outside float64's normal range is a ValueError. Arguments as gamma_star; returns a float.
     """
-    return shifted_single_layer_loss(Gamma, Sigma, n, Sigma_w, noise_var, query_noise)
+    n = _int("n", n, 1)
+    Sigma = _spd("Sigma", Sigma)[0]
+    noise_var = _nonneg("noise_var", noise_var)
+    Gamma = _array("Gamma", Gamma, 2)
+    if Gamma.shape != Sigma.shape:
+        raise ValueError(f"Gamma must have shape {Sigma.shape} to match Sigma, got {Gamma.shape}")
+    return _single_layer_loss(Gamma, Sigma, _task_moment(Sigma_w, None, Sigma.shape[0]), Sigma, n, noise_var,
+                              _flag("query_noise", query_noise))
 
 
 MAX_FULL_LAYER_D = 8     # the exact rule over w* below has 4^d nodes
@@ -1396,6 +1504,10 @@ def gd_step_size(n, d, noise_var=0.0):
     return 1.0 / (_int("n", n, 1) + 1 + _int("d", d, 1) + _nonneg("noise_var", noise_var))
 
 
+# ---------------------------------------------------------------------------------------------
+# §9 Exact Wishart trace moments
+# ---------------------------------------------------------------------------------------------
+
 MAX_MOMENT_ORDER = 40    # exact Wishart moments up to this order (MATH.md §9)
 
 
@@ -1440,6 +1552,10 @@ def _trace_moments(n, d, kmax):
     memo = {}
     return (Fraction(d),) + tuple(Fraction(_wishart_T(n, d, (k,), memo), n ** k) for k in range(1, kmax + 1))
 
+
+# ---------------------------------------------------------------------------------------------
+# §10 The families of Theorems 3 and 4
+# ---------------------------------------------------------------------------------------------
 
 def _family_scalars(a, b):
     a = _array("a", a, 1)
@@ -1681,7 +1797,7 @@ def family_local_minimum(a, n, d, b=None, noise_var=0.0):
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Metrics (MATH.md §11)
+# §11 Metrics and the sandwich covariance
 # ---------------------------------------------------------------------------------------------
 
 @_numpy_rules
@@ -1757,10 +1873,11 @@ def symmetry_directions(structure, coords, query_label_zero=True):
     return U[:, sv > 1e-12 * sv[0]] if sv[0] > 0 else np.zeros((fixed.size, 0))
 
 
-def _gradient_at(structure, coords, Z, evaluate):
-    """(theta0, grad): the structure's coordinates as a flat theta0 (pack order), checked against Z's
-    d, and theta -> the loss gradient in those coordinates by `evaluate` (P, Q) -> (loss, dP, dQ), a
+def _gradient_at(structure, coords, batch):
+    """(theta0, grad): the structure's coordinates as a flat theta0 (pack order), checked against the
+    batch's d, and theta -> the gradient of the loss of `batch` (a _Batch) in those coordinates, a
     ValueError saying float64 overflowed if it is not finite."""
+    Z = batch.Z
     D = structure_to_PQ(structure, coords)[0].shape[-1]
     if D != Z.shape[1]:
         raise ValueError(f"coords have d = {D - 1} but Z has d = {Z.shape[1] - 1}")
@@ -1770,7 +1887,7 @@ def _gradient_at(structure, coords, Z, evaluate):
     def grad(theta):
         P, Q = structure_to_PQ(structure, dict(zip(names, unpack(theta, shapes))))
         with np.errstate(over="ignore", invalid="ignore"):
-            _, dP, dQ = evaluate(P, Q)
+            _, dP, dQ = batch.loss_and_grad(P, Q)
         _finite({"the gradient": np.r_[dP.ravel(), dQ.ravel()]}, P=P, Q=Q)
         return np.concatenate([g.ravel() for g in _structure_grad(structure, dP, dQ).values()])
     return pack([coords[k] for k in names]), grad
@@ -1792,7 +1909,7 @@ def identifiable_hessian(structure, coords, Z, y, h=1e-5, activation="linear", e
     h = _nonneg("h", h)
     if h == 0:
         raise ValueError("h must be > 0 (the step of the central differences of the gradient)")
-    theta0, grad = _gradient_at(structure, coords, Z, _evaluator(engine, Z, y, activation))
+    theta0, grad = _gradient_at(structure, coords, _Batch(Z, y, activation, engine))
     g0 = grad(theta0)                                    # an overflow is said here, before the differences
     gauge = symmetry_directions(structure, coords, query_label_zero=not np.any(Z[:, -1, -1]))
     # U: an orthonormal basis (p, p - k) of the complement of the k symmetry directions
@@ -1835,7 +1952,7 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     if activation == "linear":
         P_c, Q_c = structure_to_PQ(structure, coords)
         with np.errstate(over="ignore", invalid="ignore"):
-            r, JP, JQ = _evaluator(engine, Z, y, "linear", jacobian=True)(P_c, Q_c)
+            r, JP, JQ = _Batch(Z, y, "linear", engine).jacobian(P_c, Q_c)
             J = _jacobian_rows(structure, JP, JQ)
         _finite({"the Jacobian": J}, P=P_c, Q=Q_c, Z=Z)
         V_U = np.atleast_2d(np.cov(2 * r[:, None] * (J @ U), rowvar=False))
@@ -1843,7 +1960,7 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
         size = Z.shape[0] // chunks
         G = []
         for i in range(0, size * chunks, size):
-            theta0, grad = _gradient_at(structure, coords, Z, _evaluator(engine, Z[i:i + size], y[i:i + size], activation))
+            theta0, grad = _gradient_at(structure, coords, _Batch(Z[i:i + size], y[i:i + size], activation, engine))
             G.append(grad(theta0))
         V_U = size * np.atleast_2d(np.cov(np.array(G) @ U, rowvar=False))
     A = U @ np.linalg.inv(H_U)
@@ -1852,7 +1969,7 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Adapters: the layouts of other code (MATH.md §12)
+# §12 Other code's layouts: the authors' code and von Oswald et al.
 # ---------------------------------------------------------------------------------------------
 
 def tokens_as_columns(Z_rows):
@@ -1986,978 +2103,81 @@ def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="line
 
 
 # ---------------------------------------------------------------------------------------------
-# 8b. Beyond the paper: looped models and gradient flow (MATH.md §14)
+# The engine seam
 # ---------------------------------------------------------------------------------------------
 
-@_numpy_rules
-def optimal_tied_family(L, n, d, blocks=False, noise_var=0.0, starts=8, rng=None):
-    """Best looped member of the families of Theorems 3 and 4: A_l = a Sigma^-1 for every l (and
-    B_l = b I with blocks), one (a, b) applied L times, by multi-start L-BFGS-B on the exact
-    Gauss rule (as optimal_family_scalars) with the layers' gradient summed (MATH.md §14).
-    Noiseless sparse: the loss is strictly convex in a, so its minimiser is unique. Starts
-    a ~ U(0, 2), b ~ U(0, 1.5) from rng (default seed 0). Returns (a, b or None, loss): floats,
-    b NaN when L = 1 (B_0 never enters), loss = family_population_loss at (a 1_L, b 1_L).
+class ReferenceEngine:
+    """The evaluator protocol that `engine=` arguments take, with this module's own computations.
+
+    An engine is any object with these five methods, computing the same numbers its own way
+    (icl_fast.engine() runs them on chunks of prompts on every core). They are unchecked: the public
+    functions check their inputs once, then call the engine (or, for engine=None, the private
+    functions named here directly):
+        gram(Z)                                   S_0 = Z M Z^T (B, D, D)                      §2
+        loss_and_grad_gram(P, Q, S0, q0, y, n)    (loss, dP, dQ) as loss_and_grad_gram          §3
+        jacobian_gram(P, Q, S0, q0, y, n)         (r (B,), JP, JQ (B, L, H, D, D)): each
+                                                  prompt's residual and its gradient           §3.1
+        activation_pass(P, Q, Z, y, activation, jacobian=False)
+                                                  (loss, dP, dQ, Z_L), or (r, JP, JQ, Z_L),
+                                                  through the explicit attention               §4
+        reduced_least_squares(r, J)               (f, R) with R^T R = J^T J, R^T f = J^T r      §6
+    MATH.md derives each in the section named.
     """
-    best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng, tied=True)
-    a = float(best.x[0])
-    b = (float(best.x[1]) if L > 1 else math.nan) if blocks else None
-    loss = family_population_loss(np.full(L, a), n, d, None if b is None else np.full(L, b), noise_var=noise_var)
-    return a, b, loss
+
+    def gram(self, Z):
+        return _gram(Z)
+
+    def loss_and_grad_gram(self, P, Q, S0, q0, y, n):
+        return _loss_and_grad_gram(P, Q, S0, q0, y, n)
+
+    def jacobian_gram(self, P, Q, S0, q0, y, n):
+        return _jacobian_gram(P, Q, S0, q0, y, n)
+
+    def activation_pass(self, P, Q, Z, y, activation, jacobian=False):
+        return _activation_pass(P, Q, Z, y, activation, jacobian)
+
+    def reduced_least_squares(self, r, J):
+        return _reduced_least_squares(r, J)
 
 
-def _one_layer_field(u, U, Sigma, K, E_hw):
-    """(L - L(0), dL/du, dL/dU) of the layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] through
-    Gamma = u U: grad_Gamma = 2 (K Gamma Sigma - E[h w^T] Sigma) (MATH.md §8, §14)."""
-    Gamma = u * U
-    G = 2 * (K @ Gamma @ Sigma - E_hw @ Sigma)
-    excess = np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
-    return excess, float(np.sum(G * U)), u * G
-
-
-def _noiseless_moments(Sigma, n, Sigma_w):
-    """(Sigma, Sigma_w, K, E[h w^T]) of MATH.md §8, checked, for noiseless labels."""
-    n = _int("n", n, 1)
-    Sigma = _spd("Sigma", Sigma)[0]
-    Sigma_w = _task_covariance(Sigma_w, Sigma.shape[0])[0]
-    return (Sigma, Sigma_w, *_single_layer_moments(Sigma, n, Sigma_w, 0.0))
-
-
-@_numpy_rules
-def one_layer_population_grad(u, U, Sigma, n, Sigma_w=None):
-    """Exact population loss of one layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] (noiseless
-    labels; Zhang, Frei and Bartlett's value scalar and key-query block) and its gradient in (u, U),
-    the chain rule of single_layer_population_loss through Gamma = u U (MATH.md §14).
-    u: float; U: (d, d); Sigma, Sigma_w: (d, d) SPD. Returns (loss, du (float), dU (d, d)); the
-    gradient of full_layer_population_loss in every other entry of (P, Q) is 0 there (MATH.md §14).
-    """
-    u = float(_array("u", u, 0))
-    Sigma, Sigma_w, K, E_hw = _noiseless_moments(Sigma, n, Sigma_w)
-    U = _array("U", U, 2)
-    if U.shape != Sigma.shape:
-        raise ValueError(f"U must have shape {Sigma.shape} to match Sigma, got {U.shape}")
-    excess, du, dU = _one_layer_field(u, U, Sigma, K, E_hw)
-    return float(excess + np.trace(Sigma @ Sigma_w)), du, dU
-
-
-@_numpy_rules
-def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1e-12):
-    """Gradient flow d(u, U)/dt = -grad L of the exact one-layer population loss (icl_ref's loss, a
-    mean without 1/2) from Zhang, Frei and Bartlett's initialisation (MATH.md §14):
-
-        u(0) = sigma,  U(0) = sigma Theta Theta^T / |Theta Theta^T|_F,
-
-    i.e. P(0) = sigma e_d e_d^T, Q(0) = -sigma [[Theta Theta^T, 0], [0, 0]] (their W^PV, W^KQ with
-    |Theta Theta^T|_F = 1; the flow keeps every other entry of (P, Q) at 0). Integrated by
-    scipy.integrate.solve_ivp (DOP853, rtol, atol = rtol * 1e-3 of the state's scale) on the
-    gradient of one_layer_population_grad.
-    Sigma, Sigma_w: (d, d) SPD; n >= 1; sigma > 0; t: increasing times >= 0, (T,); Theta: (d, d),
-    nonzero (default I). Returns a dict: t (T,), u (T,), U (T, d, d), Gamma (T, d, d) = u U (the
-    effective preconditioner: y_hat = h^T Gamma x_q), loss (T,), invariant (T,) = u^2 - |U|_F^2
-    (conserved; 0 here), sigma_bound = sqrt(2 / (sqrt(d) |Gamma*^-1|_2)) with Gamma* =
-    gamma_star(Sigma, n, Sigma_w) (for Sigma_w = I the initial scale below which their Theorem 4.1
-    proves convergence), nfev.
-    """
-    Sigma, Sigma_w, K, E_hw = _noiseless_moments(Sigma, n, Sigma_w)
-    d = Sigma.shape[0]
-    sigma = _nonneg("sigma", sigma)
-    if sigma == 0:
-        raise ValueError("sigma must be > 0: (u, U) = 0 is a critical point of the loss, where the flow stays")
-    t = _array("t", t, 1)
-    if t.size < 1 or t[0] < 0 or np.any(np.diff(t) <= 0):
-        raise ValueError(f"t must be a non-empty increasing vector of times >= 0, got {t}")
-    Theta = np.eye(d) if Theta is None else _array("Theta", Theta, 2)
-    if Theta.shape != (d, d) or not np.any(Theta):
-        raise ValueError(f"Theta must be a nonzero ({d}, {d}) matrix, got shape {Theta.shape}")
-    M = Theta @ Theta.T
-    y0 = sigma * np.r_[1.0, (M / np.linalg.norm(M)).ravel()]
-
-    def field(_, y):
-        _, du, dU = _one_layer_field(y[0], y[1:].reshape(d, d), Sigma, K, E_hw)
-        return -np.r_[du, dU.ravel()]
-    ys = y0[:, None]
-    if t[-1] > 0:
-        sol = scipy.integrate.solve_ivp(field, (0.0, t[-1]), y0, method="DOP853", t_eval=t, rtol=rtol,
-                                        atol=rtol * 1e-3 * sigma)
-        if not sol.success:
-            raise ValueError(f"solve_ivp failed: {sol.message}")
-        ys = sol.y
-    u, U = ys[0], ys[1:].T.reshape(-1, d, d)
-    Gamma = u[:, None, None] * U
-    base = np.trace(Sigma @ Sigma_w)
-    loss = np.array([base + _one_layer_field(1.0, G, Sigma, K, E_hw)[0] for G in Gamma])
-    gamma_inv = np.linalg.solve(E_hw, K)                       # Gamma*^-1 = (Sigma Sigma_w)^-1 K
-    return dict(t=t, u=u, U=U, Gamma=Gamma, loss=loss, invariant=u ** 2 - np.sum(U ** 2, axis=(1, 2)),
-                sigma_bound=math.sqrt(2 / (math.sqrt(d) * np.linalg.norm(gamma_inv, 2))),
-                nfev=int(sol.nfev) if t[-1] > 0 else 0)
+REFERENCE = ReferenceEngine()
+"""This module's computations as an engine (ReferenceEngine): what icl_fast falls back to."""
 
 
 # ---------------------------------------------------------------------------------------------
-# 8c. Estimators, task pools and shift (MATH.md §15)
-#
-# What a trained layer is compared with: estimators that read a prompt's context (X, y) and its
-# query x_q from the paper's layout Z and predict y_hat = <w_hat, x_q>; their risks, exact where a
-# closed form exists and by Monte Carlo where not; the exact loss of one layer away from the
-# distribution it was trained on.
+# For the project's other modules: the private names they may use, and the names that moved
 # ---------------------------------------------------------------------------------------------
 
-def _regression(Z):
-    """(X (B, n, d), y (B, n), x_q (B, d)) of prompts Z (B, d+1, n+1): the context and the query."""
-    d, n = Z.shape[1] - 1, Z.shape[2] - 1
-    return np.swapaxes(Z[:, :d, :n], 1, 2), Z[:, d, :n], Z[:, :d, n]
-
-
-@_numpy_rules
-def ridge_predict(Z, lam=0.0, Sigma_w=None):
-    """Ridge regression on each prompt's context, evaluated at its query (MATH.md §15):
-
-        w_hat = argmin_w |y - X w|^2 + lam w^T Sigma_w^-1 w,   y_hat = <w_hat, x_q>,
-
-    computed as w = F v, v = V diag(s / (s^2 + lam)) U^T y from the SVD U diag(s) V^T of X F
-    (F the Cholesky factor of Sigma_w, the identity by default). lam = 0 is least squares: OLS for
-    n >= d, the minimum-norm interpolant (in the metric Sigma_w^-1) for n < d; singular values
-    below max(n, d) eps s_max then count as zero, as in numpy's pinv. lam = noise_var is
-    bayes_predict. Z: (B, d+1, n+1); lam >= 0; Sigma_w (d, d) SPD or None. Returns y_hat (B,).
-    """
-    Z = _prompts(Z)
-    lam = _nonneg("lam", lam)
-    F = _task_covariance(Sigma_w, Z.shape[1] - 1)[1]
-    X, y, x_q = _regression(Z)
-    U, s, Vt = np.linalg.svd(X @ F, full_matrices=False)
-    keep = s > (max(X.shape[1:]) * np.finfo(float).eps * s[:, :1] if lam == 0 else 0.0)
-    # 1/s itself at lam = 0: s^2 underflows to 0 for prompts of scale below 1e-154
-    shrink = np.divide(*((1.0, s) if lam == 0 else (s, s ** 2 + lam)), out=np.zeros_like(s), where=keep)
-    v = np.einsum("bkd,bk->bd", Vt, shrink * np.einsum("bnk,bn->bk", U, y))
-    return np.einsum("bd,bd->b", v @ F.T, x_q)
-
-
-@_numpy_rules
-def bayes_predict(Z, Sigma_w=None, noise_var=0.0):
-    """The posterior mean of y_q for w_star ~ N(0, Sigma_w) and label noise N(0, noise_var): the
-    Bayes-optimal prediction under squared loss for that prior, whatever the law of the covariates.
-    It is ridge_predict(Z, noise_var, Sigma_w) (MATH.md §15); noise_var = 0 interpolates.
-    Z: (B, d+1, n+1). Returns y_hat (B,)."""
-    return ridge_predict(Z, _nonneg("noise_var", noise_var), Sigma_w)
-
-
-@_numpy_rules
-def dmmse_predict(Z, tasks, noise_var):
-    """The posterior mean of y_q when w_star is a uniformly drawn row of the pool tasks (K, d) and
-    the labels carry noise N(0, noise_var) (MATH.md §15):
-
-        y_hat = sum_k pi_k <w_k, x_q>,   pi_k proportional to exp(-|y - X w_k|^2 / (2 noise_var)),
-
-    the log-weights (2 <X^T y, w_k> - w_k^T X^T X w_k) / (2 noise_var) (|y|^2 is common to every
-    k and cancels) normalised by log-sum-exp: the largest weight is exp(0) = 1, so the sum neither
-    overflows nor underflows to 0, however small noise_var (while the log-weights are finite).
-    Z: (B, d+1, n+1); tasks: (K, d); noise_var > 0. Returns y_hat (B,).
-    """
-    Z = _prompts(Z)
-    tasks = _pool(tasks, Z.shape[1] - 1)
-    if _nonneg("noise_var", noise_var) == 0:
-        raise ValueError("noise_var must be > 0: without noise the posterior over the pool is not a density")
-    X, y, x_q = _regression(Z)
-    K, d = tasks.shape
-    y_hat = np.empty(Z.shape[0])
-    step = max(1, 2 ** 22 // (K * d))                      # (step, K, d) temporaries of at most 32 MB
-    for b in range(0, Z.shape[0], step):
-        Xc, yc = X[b:b + step], y[b:b + step]
-        quad = np.einsum("bkd,kd->bk", tasks @ (np.swapaxes(Xc, 1, 2) @ Xc), tasks)
-        log_pi = (2 * np.einsum("bnd,bn->bd", Xc, yc) @ tasks.T - quad) / (2 * noise_var)
-        pi = np.exp(log_pi - np.max(log_pi, axis=1, keepdims=True))
-        y_hat[b:b + step] = np.sum(pi * (x_q[b:b + step] @ tasks.T), axis=1) / np.sum(pi, axis=1)
-    return y_hat
-
-
-def _isotropic(S):
-    """The c of S = c I, or None when S is not a multiple of the identity (to 1e-12 of its scale)."""
-    c = np.trace(S) / S.shape[0]
-    return c if np.max(np.abs(S - c * np.eye(S.shape[0]))) <= 1e-12 * abs(c) else None
-
-
-@_numpy_rules
-def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True):
-    """Exact E (y_hat - y_q)^2 of least squares, ridge_predict(Z, 0), where it has a closed form
-    (MATH.md §15), for x ~ N(0, Sigma), w_star ~ N(0, Sigma_w), label noise of variance noise_var:
-
-        n >= d:  noise_var d / (n - d - 1)                        (n > d + 1 when noise_var > 0)
-        n <  d:  c s (d - n) + noise_var n / (d - n - 1)          (Sigma = c I, Sigma_w = s I;
-                                                                    n < d - 1 when noise_var > 0)
-
-    plus noise_var when query_noise. Elsewhere the risk is infinite (n in d-1..d+1 with noise) or
-    has no closed form (n < d, anisotropic): a ValueError points to monte_carlo_risk.
-    Returns a float.
-    """
-    n = _int("n", n, 1)
-    Sigma = _spd("Sigma", Sigma)[0]
-    d = Sigma.shape[0]
-    Sigma_w = _task_covariance(Sigma_w, d)[0]
-    noise_var = _nonneg("noise_var", noise_var)
-    if noise_var > 0 and d - 1 <= n <= d + 1:
-        raise ValueError(f"n must be < d - 1 or > d + 1 when noise_var > 0: the risk of least squares is "
-                         f"infinite at n = {n}, d = {d}")
-    query = noise_var if query_noise else 0.0
-    if n >= d:
-        return float(noise_var * d / (n - d - 1) if noise_var > 0 else 0.0) + query
-    c, s = _isotropic(Sigma), _isotropic(Sigma_w)
-    if c is None or s is None:
-        raise ValueError("Sigma and Sigma_w must be multiples of the identity for n < d: the risk of the "
-                         "minimum-norm interpolant has no closed form otherwise; use monte_carlo_risk")
-    return float(c * s * (d - n) + (noise_var * n / (d - n - 1) if noise_var > 0 else 0.0)) + query
-
-
-@_numpy_rules
-def monte_carlo_risk(predict, rng, batch, n, Sigma, Sigma_w=None, noise_var=0.0, tasks=None):
-    """E (predict(Z) - y_q)^2 by Monte Carlo over prompts from sample_prompts (query noise included),
-    with its standard error std / sqrt(batch) (MATH.md §15). predict: a function of Z (b, d+1, n+1)
-    returning (b,), called on chunks of at most 4096 prompts. batch >= 2; the other arguments as
-    sample_prompts (noise_var = noise_std^2). Returns (risk, standard error).
-    """
-    if not callable(predict):
-        raise TypeError(f"predict must be a function of Z, got {type(predict).__name__}")
-    _rng(rng)
-    batch = _int("batch", batch, 2)
-    noise_std = math.sqrt(_nonneg("noise_var", noise_var))
-    errors = []
-    for b in range(0, batch, 4096):
-        Z, y = sample_prompts(rng, min(4096, batch - b), n, Sigma, Sigma_w, noise_std, tasks=tasks)
-        y_hat = _array("predict(Z)", predict(Z), 1)
-        if y_hat.shape != y.shape:
-            raise ValueError(f"predict(Z) must have shape {y.shape}, got {y_hat.shape}")
-        errors.append((y_hat - y) ** 2)
-    errors = np.concatenate(errors)
-    return float(np.mean(errors)), float(np.std(errors, ddof=1) / math.sqrt(batch))
-
-
-@_numpy_rules
-def shifted_single_layer_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, query_noise=True,
-                              Sigma_query=None, tasks=None):
-    """Exact E (y_hat - y_q)^2 of the one-layer sparse model with A_0 = Gamma, any (d, d) (trained at
-    another length, covariance or task law), on prompts of n context examples x_i ~ N(0, Sigma),
-    a query x_q ~ N(0, Sigma_query) (Sigma when None), w_star with second moment
-    M = E[w_star w_star^T] (Sigma_w, SPD, or the pool's (1/K) sum_k w_k w_k^T for tasks (K, d)) and
-    label noise of variance noise_var (MATH.md §8, §15):
-
-        L = tr(Sigma_q Gamma^T K Gamma) - 2 tr(Sigma_q Gamma^T Sigma M) + tr(Sigma_q M)
-            + noise_var [if query_noise],
-        K = ((n+1)/n) Sigma M Sigma + ((tr(M Sigma) + noise_var)/n) Sigma.
-
-    The layer divides by the prompt's own n (MATH.md §2). At Sigma_query = Sigma and a Gaussian
-    w_star it is single_layer_population_loss. Returns a float.
-    """
-    n = _int("n", n, 1)
-    Sigma = _spd("Sigma", Sigma)[0]
-    d = Sigma.shape[0]
-    M = _task_moment(Sigma_w, tasks, d)
-    noise_var = _nonneg("noise_var", noise_var)
-    S_q = Sigma if Sigma_query is None else _spd("Sigma_query", Sigma_query, d)[0]
-    Gamma = _array("Gamma", Gamma, 2)
-    if Gamma.shape != Sigma.shape:
-        raise ValueError(f"Gamma must have shape {Sigma.shape} to match Sigma, got {Gamma.shape}")
-    K, E_hw = _single_layer_moments(Sigma, n, M, noise_var)
-    with np.errstate(over="ignore", invalid="ignore"):
-        loss = (np.trace(S_q @ Gamma.T @ K @ Gamma) - 2 * np.trace(S_q @ Gamma.T @ E_hw)
-                + np.trace(S_q @ M) + (noise_var if query_noise else 0.0))
-    _finite({"the loss": loss}, Gamma=Gamma, Sigma=Sigma)
-    return float(loss)
-
-
-# ---------------------------------------------------------------------------------------------
-# 9. Conformance: reference vectors and a diagnosis of mismatches (MATH.md §13)
-# ---------------------------------------------------------------------------------------------
-
-import hashlib
-import stat
-import textwrap
-
-__version__ = "0.3.0"         # pyproject.toml's, icl_fast's and CITATION.cff's too; in the vectors' manifest
-VECTORS_FORMAT = 1
-VECTOR_TOLERANCES = {
-    "float64": "relative to the largest entry of each array: 1e-12 for Z_L, y_hat and loss (rounding of a few "
-               "hundred operations); 1e-10 for gradients (rounding grows with depth: 3e-13 seen at L = 8)",
-    "float32": "forward 1e-5, loss 1e-4, gradients 1e-4 (5x the worst float32 error measured over d <= 20, "
-               "n <= 200, L <= 4; larger parameters or deeper models need their own measurement)",
-}
-
-
-def reference_cases():
-    """The inputs of the reference vectors: a list of dicts (name, description, activation, structure,
-    Z, y, P, Q, and the covariances Sigma, Sigma_w its prompts were drawn with), deterministic (fixed
-    seeds), built once per process; fresh copies on every call. MATH.md §13."""
-    return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()} for c in _reference_cases()]
-
-
-@functools.lru_cache(maxsize=1)
-def _reference_cases():
-    """reference_cases, built once (the family optimum takes a second)."""
-    cases = []
-
-    def add(name, description, seed, d, n, L, H, make, activation="linear", structure="full", Sigma=None,
-            Sigma_w=None):
-        rng = np.random.default_rng([VECTORS_FORMAT, seed])
-        Z, y = sample_prompts(rng, 4, n, np.eye(d) if Sigma is None else Sigma, Sigma_w)
-        P, Q = make(rng, d, L, H)
-        cases.append(dict(name=name, description=description, activation=activation, structure=structure,
-                          Z=Z, y=y, P=np.asarray(P, float), Q=np.asarray(Q, float),
-                          Sigma=np.eye(d) if Sigma is None else Sigma, Sigma_w=np.eye(d) if Sigma_w is None else Sigma_w))
-
-    def full(scale):
-        return lambda rng, d, L, H: scale * rng.standard_normal((2, L, H, d + 1, d + 1))
-    rng0 = np.random.default_rng([VECTORS_FORMAT, 99])
-    Sigma, _ = rotated_covariance(rng0, [1.0, 0.25, 2.0])
-    Si = np.linalg.inv(Sigma)
-    a_star = optimal_family_scalars(3, 10, 3)[0]
-    add("small-full", "d = 2, n = 3, one layer, random non-symmetric P and Q", 1, 2, 3, 1, 1, full(0.5))
-    add("two-layers-two-heads", "d = 3, n = 5, L = 2, H = 2, random P and Q", 2, 3, 5, 2, 2, full(0.3))
-    add("theorem1-optimum", "Theorem 1's optimum Gamma* (sparse, one layer) for a non-isotropic Sigma, "
-        "w* ~ N(0, I)", 3, 3, 6, 1, 1, lambda rng, d, L, H: sparse_params(gamma_star(Sigma, 6)[None]),
-        structure="sparse", Sigma=Sigma)
-    add("sparse-family-optimum", "Theorem 3: A_l = a*_l Sigma^-1 with the exact sparse-family optimum a* "
-        "(L = 3, n = 10), w* ~ N(0, Sigma^-1)", 4, 3, 10, 3, 1,
-        lambda rng, d, L, H: sparse_params(a_star[:, None, None] * Si), structure="sparse", Sigma=Sigma,
-        Sigma_w=Si)
-    add("blocks", "structure (11): random A_l and B_l, L = 2", 5, 3, 6, 2, 1,
-        lambda rng, d, L, H: block_params(*(0.4 * rng.standard_normal((2, L, d, d)))), structure="blocks")
-    add("non-symmetric-sparse", "structure (8) with non-symmetric A_l: Lemma 1 needs A_l^T here", 6, 2, 4, 2, 1,
-        lambda rng, d, L, H: sparse_params(np.array([[[0.2, 0.9], [-0.3, 0.5]], [[0.6, -0.4], [0.1, 0.3]]])),
-        structure="sparse")
-    add("query-as-key", "a query far from the context: using the query as a key or value changes the answer "
-        "by O(1)", 7, 2, 3, 1, 1, full(0.5))
-    cases[-1]["Z"][:, :2, -1] *= 5.0
-    add("large-d", "d = 12, n = 8: a larger token dimension, two layers", 8, 12, 8, 2, 1, full(0.1))
-    add("relu", "[A] section 6 attention with relu, d = 2, n = 4, H = 2", 9, 2, 4, 1, 2, full(0.5), activation="relu")
-    add("softmax", "softmax over the n context keys (von Oswald et al.'s), d = 2, n = 4, H = 2", 10, 2, 4, 1, 2,
-        full(0.5), activation="softmax")
-    add("softmax_all", "the authors' softmax: all n+1 keys, then the mask drops the query's value", 11, 2, 4, 1,
-        2, full(0.5), activation="softmax_all")
-    add("authors-softmax", "the authors' softmax with their block form (11): d = 2, n = 4", 12, 2, 4, 1, 1,
-        lambda rng, d, L, H: block_params(*(0.5 * rng.standard_normal((2, L, d, d)))), activation="softmax_all",
-        structure="blocks")
-    for c in cases:             # shared by every check in the process: no caller may change them
-        for v in c.values():
-            if isinstance(v, np.ndarray):
-                v.setflags(write=False)
-    return tuple(cases)
-
-
-def _case_outputs(P, Q, Z, y, activation):
-    """Z_L, y_hat, loss, dP, dQ of icl_ref's conventions for one case."""
-    if activation == "linear":
-        loss, dP, dQ = loss_and_grad(P, Q, Z, y)
-        Z_L = forward(P, Q, Z)
-    else:
-        loss, dP, dQ = loss_and_grad_activation(P, Q, Z, y, activation)
-        Z_L = forward_activation(P, Q, Z, activation)
-    return dict(Z_L=Z_L, y_hat=-Z_L[:, -1, -1], loss=np.array(loss), dP=dP, dQ=dQ)
-
-
-def _npz_bytes(arrays):
-    """The bytes of np.savez(arrays) with fixed zip timestamps: the same arrays give the same bytes."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
-        for name, a in arrays.items():
-            buf = io.BytesIO()
-            np.lib.format.write_array(buf, np.array(a, order="C"), allow_pickle=False)   # keeps 0-d
-            zf.writestr(zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0)), buf.getvalue())
-    return out.getvalue()
-
-
-_ROWS_INPUTS = {"Z_rows": "(B, n+1, d+1): the prompts with tokens as rows, row n the query [x_q, 0]",
-                "y": "(B,): the query labels"}
-LAYOUTS = {
-    "paper": (
-        {"Z": "(B, d+1, n+1): tokens as columns, column i < n is [x_i; y_i], column n the query [x_q; 0]",
-         "y": "(B,): the query labels", "P": "(L, H, d+1, d+1): P of eq. (3) per layer and head",
-         "Q": "(L, H, d+1, d+1): Q of eq. (3), scores z_i^T Q_h z_j (the paper's W_k^T W_q; von Oswald et "
-              "al.'s weights give Q_h = W_k,h W_q,h^T, their queries and keys being rows)"},
-        {"Z_L": "(B, d+1, n+1): after L layers Z <- Z + (1/n) sum_h P_h Z M sigma(Z^T Q_h Z) (MATH.md §2)",
-         "y_hat": "(B,): -Z_L[:, d, n]", "loss": "0-d: mean (y_hat - y)^2, no factor 1/2",
-         "dP": "d loss / d P, shaped as P", "dQ": "d loss / d Q, shaped as Q"},
-        ("linear", "relu", "softmax", "softmax_all"),
-        "scores z_i^T Q_h z_j, unscaled; softmax normalises over the n context keys, softmax_all over all "
-        "n+1 (the authors' code) before M drops the query's value"),
-    "authors": (
-        dict(_ROWS_INPUTS, allparam="(L, H, 2, d, d): [:, :, 0] is P's top-left block, [:, :, 1] is Q_code, "
-                                    "the transpose of Q's (their layer: Z_rows Q_code Z_rows^T)"),
-        {"Z_L_rows": "(B, n+1, d+1): Z_L with tokens as rows", "y_hat": "(B,): -Z_L_rows[:, n, d]",
-         "loss": "0-d: mean (y_hat - y)^2, no factor 1/2", "grad_allparam": "d loss / d allparam"},
-        ("linear", "softmax_all"),
-        "no key size: one d x d block per head and layer, scores unscaled, 1/N with N = n context examples; "
-        "softmax_all normalises over all N+1 keys before M drops the query's value"),
-    "von_oswald": (
-        dict(_ROWS_INPUTS, W_q="(L, d+1, H k): queries, head h in columns h k..(h+1) k - 1",
-             W_k="(L, d+1, H k): keys", W_v="(L, d+1, H v): values",
-             W_o="(L, H v, d+1): output projection, head h in rows h v..(h+1) v - 1"),
-        {"Z_L_rows": "(B, n+1, d+1): after L layers e <- e + concat_h(A_h e W_v,h) W_o, A_h over the n "
-                     "context rows only, no 1/n", "y_hat": "(B,): -Z_L_rows[:, n, d]",
-         "loss": "0-d: THEIR loss 0.5 * mean (y_hat - y)^2 (VON_OSWALD_LOSS_SCALE)",
-         **{f"grad_{w}": f"d (their loss) / d {w}, shaped as {w}" for w in ("W_q", "W_k", "W_v", "W_o")}},
-        ("linear", "softmax"),
-        "key size k = value size v = d+1 per head in these cases; linear A_h = q k^T unscaled (q = e W_q,h, "
-        "k = e W_k,h), softmax A_h = softmax(q k^T / sqrt(k)) over the n context keys"),
-}
-"""Per layout: (inputs {name: shape and meaning}, outputs {name: definition}, the activations its
-reference cases use, the attention's scores and key size). check_implementation hands fn the inputs
-and compares the outputs (MATH.md §12-§13)."""
-ARRAY_MEANINGS = {k: f"{layout} layout: {v}" for layout, (inputs, outputs, _, _) in reversed(LAYOUTS.items())
-                  for k, v in {**inputs, **outputs}.items()}
-"""The meaning of each array in the reference vectors (manifest.json): its entry in LAYOUTS, the paper's
-where layouts share a name (the vectors hold the paper's loss)."""
-
-
-def _layouts_text():
-    """LAYOUTS as the text help(check_implementation) ends with."""
-    def item(indent, text):
-        return textwrap.fill(text, 108, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4))
-    lines = []
-    for layout, (inputs, outputs, activations, scores) in LAYOUTS.items():
-        lines += [item(6, f"{layout!r}: activations {', '.join(activations)}; {scores}."), "        inputs:"]
-        lines += [item(10, f"{k}: {v}") for k, v in inputs.items()] + ["        outputs:"]
-        lines += [item(10, f"{k}: {v}") for k, v in outputs.items()]
-    return "\n".join(lines)
-
-
-def _case_layouts(case):
-    """The layouts a reference case can be given in: the paper's always; the authors' when the
-    attention is linear or theirs (softmax_all) and P, Q have their form; von Oswald et al.'s for
-    linear and softmax."""
-    layouts = ["paper"]
-    if case["activation"] in ("linear", "softmax_all"):
-        try:
-            params_to_authors(case["P"], case["Q"])
-            layouts.append("authors")
-        except ValueError:
-            pass
-    if case["activation"] in ("linear", "softmax"):
-        layouts.append("von_oswald")
-    return layouts
-
-
-def _case_von_oswald_weights(case):
-    """von Oswald et al.'s weights for a case, key size D: W_q,h = I, W_k,h = Q_h (times sqrt(D) for
-    softmax), W_v,h = P_h^T / n, W_o,h = I, which params_from_von_oswald maps back to (P, Q)."""
-    P, Q, act = case["P"], case["Q"], case["activation"]
-    L, H, D, _ = P.shape
-    n = case["Z"].shape[2] - 1
-    eye = np.tile(np.eye(D), (L, 1, H))
-    return dict(W_q=eye, W_k=np.concatenate(list(np.moveaxis(Q, 1, 0)), axis=2) * (1.0 if act == "linear" else math.sqrt(D)),
-                W_v=np.concatenate(list(np.moveaxis(np.swapaxes(P, -1, -2) / n, 1, 0)), axis=2),
-                W_o=np.swapaxes(eye, -1, -2))
-
-
-def _layout_inputs(case, layout):
-    """The case's input arrays in a layout (LAYOUTS)."""
-    if layout == "paper":
-        return dict(Z=case["Z"], y=case["y"], P=case["P"], Q=case["Q"])
-    out = dict(Z_rows=tokens_as_rows(case["Z"]), y=case["y"])
-    if layout == "authors":
-        return dict(out, allparam=params_to_authors(case["P"], case["Q"]))
-    return dict(out, **_case_von_oswald_weights(case))
-
-
-def _layout_outputs(case, layout, out):
-    """icl_ref's outputs in the paper's layout (any subset of Z_L, y_hat, loss, dP, dQ) as the
-    layout's outputs (LAYOUTS)."""
-    if layout == "paper":
-        return dict(out)
-    res = {k: v for k, v in (("Z_L_rows", out.get("Z_L")), ("y_hat", out.get("y_hat"))) if v is not None}
-    if "Z_L_rows" in res:
-        res["Z_L_rows"] = np.swapaxes(res["Z_L_rows"], 1, 2)
-    scale = 1.0 if layout == "authors" else VON_OSWALD_LOSS_SCALE
-    if "loss" in out:
-        res["loss"] = scale * np.asarray(out["loss"])
-    if "dP" in out and "dQ" in out:
-        if layout == "authors":
-            res["grad_allparam"] = grads_to_authors(out["dP"], out["dQ"])
-        else:
-            W = _case_von_oswald_weights(case)
-            grads = grads_to_von_oswald(out["dP"], out["dQ"], *W.values(), case["Z"].shape[2] - 1,
-                                        heads=case["P"].shape[1], activation=case["activation"])
-            res.update({f"grad_{k}": g for k, g in zip(W, grads)})
-    return res
-
-
-@functools.lru_cache(maxsize=None)
-def _cases_of(layout):
-    """The names of the reference cases a layout can be given (_case_layouts)."""
-    return tuple(c["name"] for c in _reference_cases() if layout in _case_layouts(c))
-
-
-@functools.lru_cache(maxsize=None)
-def _expected(name, layout):
-    """A case's inputs and icl_ref's outputs in a layout, computed once per process, read-only."""
-    case = next(c for c in _reference_cases() if c["name"] == name)
-    pair = (_layout_inputs(case, layout), _layout_outputs(case, layout, _case_outputs(
-        case["P"], case["Q"], case["Z"], case["y"], case["activation"])))
-    for v in (*pair[0].values(), *pair[1].values()):
-        v.setflags(write=False)
-    return pair
-
-
-def _earlier_vectors(dfd, present):
-    """The files of `present` an earlier write_reference_vectors left unchanged in the directory dfd
-    (manifest.json and the files it lists with their SHA-256), or none without a manifest of ours."""
-    def read(name):
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
-    try:
-        manifest = json.loads(read("manifest.json"))
-        if manifest["format"] != "icl_ref reference vectors":
-            return set()
-        ours = {c["file"] for c in manifest["cases"]
-                if c["file"] in present and hashlib.sha256(read(c["file"])).hexdigest() == c["sha256"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
-    return ours | {"manifest.json"}
-
-
-def write_reference_vectors(out, overwrite=False):
-    """Write the reference vectors into the directory `out` (created if needed): one .npz per case of
-    reference_cases (the arrays of ARRAY_MEANINGS that apply: the paper's layout always, the authors'
-    when P, Q have their form and the attention is linear or theirs, von Oswald et al.'s for linear
-    and softmax attention) and manifest.json (format, icl_ref_version, conventions, shapes, meanings,
-    tolerances, each file's SHA-256). The same bytes on every run. A non-empty `out` is refused,
-    except with overwrite=True when it holds only files an earlier run wrote and its manifest lists
-    unchanged, which are replaced. Never writes through a symbolic link (`out` or a file in it);
-    holds an exclusive flock on `out` while it works (another writer is refused). POSIX only.
-    Returns the manifest (a dict). MATH.md §13."""
-    import fcntl                    # POSIX; imported here so that icl_ref itself imports anywhere
-    if not isinstance(out, (str, os.PathLike)) or not str(out):
-        raise TypeError(f"out must name a directory, got {out!r}")
-    if os.path.islink(out) or (os.path.exists(out) and not os.path.isdir(out)):
-        raise ValueError(f"out {str(out)!r} is a symbolic link or not a directory: name a directory itself")
-    os.makedirs(out, exist_ok=True)
-    dfd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)   # a link put there since: ELOOP
-    try:
-        try:
-            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"out {str(out)!r} is locked by another process writing there: try again later") from None
-        present = set(os.listdir(dfd))
-        links = sorted(f for f in present if stat.S_ISLNK(os.stat(f, dir_fd=dfd, follow_symlinks=False).st_mode))
-        if links:
-            raise ValueError(f"out {str(out)!r} holds symbolic links ({', '.join(links[:3])}): not writing through them")
-        if present and not overwrite:
-            raise ValueError(f"out {str(out)!r} is not empty: name a new directory (or pass overwrite=True, "
-                             "--overwrite, to replace an earlier set of reference vectors there)")
-        foreign = sorted(present - _earlier_vectors(dfd, present))
-        if foreign:
-            raise ValueError(f"out {str(out)!r} holds files this program did not write or that changed since "
-                             f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): not touching them; "
-                             "name a new directory")
-        manifest = dict(format="icl_ref reference vectors", format_version=VECTORS_FORMAT, icl_ref_version=__version__,
-                        conventions="MATH.md sections 2-3 and 12: layer Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M "
-                                    "dropping the query from keys and values; y_hat = -Z_L[d, n]; loss mean (y_hat - y)^2",
-                        tolerances=VECTOR_TOLERANCES, cases=[])
-        files = {}
-        for case in _reference_cases():
-            P, Z, layouts = case["P"], case["Z"], _case_layouts(case)
-            arrays = dict(_layout_inputs(case, "paper"), **_expected(case["name"], "paper")[1])
-            for layout in layouts[1:]:
-                arrays.update(_expected(case["name"], layout)[0],
-                              **{k: v for k, v in _expected(case["name"], layout)[1].items() if k.startswith("grad_")})
-            name = f"{case['name']}.npz"
-            files[name] = _npz_bytes(arrays)
-            manifest["cases"].append(dict(
-                name=case["name"], file=name, sha256=hashlib.sha256(files[name]).hexdigest(),
-                description=case["description"], activation=case["activation"], structure=case["structure"],
-                layouts=layouts, B=int(Z.shape[0]), d=int(Z.shape[1] - 1), n=int(Z.shape[2] - 1), L=int(P.shape[0]),
-                H=int(P.shape[1]), arrays={k: dict(shape=list(np.shape(v)), meaning=ARRAY_MEANINGS[k])
-                                           for k, v in arrays.items()}))
-        files["manifest.json"] = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
-        for name, data in files.items():
-            if name in present:
-                os.unlink(name, dir_fd=dfd)           # ours (checked above); O_EXCL below never follows a link
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-    finally:
-        os.close(dfd)                                # releases the lock
-    return manifest
-
-
-def _slip_outputs(case, P=None, Q=None, QT=False, loss=1.0, sign=False, act=None, context=None, rows=False,
-                  when=None):
-    """Z_L, y_hat, loss, dP, dQ that an implementation with one convention slip computes on a case, or
-    None where the slip does not apply (MATH.md §13). The gradients are with respect to P and Q as the
-    user's code builds them, so _layout_outputs maps them into any layout. P(n), Q(D): factors on P and
-    Q; QT: Q transposed; loss: a factor on the loss; sign: y_hat = +Z_L[d, n]; act: (the case's
-    activation, the one used instead); context: "query" (the query a key and value), "drop" (the last
-    context example dropped), "mask" (masked with 1/n kept); rows: Z_L with tokens as rows; when: the
-    only activation the slip exists for."""
-    P0, Q0, Z, y, a = case["P"], case["Q"], case["Z"], case["y"], case["activation"]
-    n, D = Z.shape[2] - 1, Z.shape[1]
-    if (when and a != when) or (act and a != act[0]) or (context in ("drop", "mask") and n < 2) \
-            or (context == "mask" and a == "softmax_all"):    # the authors' softmax still sees the masked key
-        return None
-    p, q, a = P(n) if P else 1.0, Q(D) if Q else 1.0, act[1] if act else a
-    if context == "query":
-        # a copy of the query appended as an (n+1)-th context token is a key and a value that evolves
-        # exactly as the query does (each column's update depends on itself and the keys); P scaled by
-        # (n+1)/n keeps the 1/n; softmax then normalises over all n+1 distinct keys, as either softmax
-        # does once the mask is gone
-        Z, p, a = np.concatenate([Z, Z[:, :, n:]], axis=2), p * (n + 1) / n, "softmax" if a.startswith("softmax") else a
-    elif context:                                         # 1/(n-1) times (n-1)/n is the 1/n kept
-        Z, p = np.delete(Z, n - 1, axis=2), p * ((n - 1) / n if context == "mask" else 1.0)
-    Qs = q * (np.swapaxes(Q0, -1, -2) if QT else Q0)
-    out = _case_outputs(p * P0, Qs, Z, -y if sign else y, a)     # (Z_L[d, n] - y)^2 is the loss at -y
-    dQ = loss * q * out["dQ"]
-    out.update(loss=loss * out["loss"], dP=loss * p * out["dP"], dQ=np.swapaxes(dQ, -1, -2) if QT else dQ)
-    out["y_hat"] = -out["y_hat"] if sign else out["y_hat"]
-    if context == "query":
-        out["Z_L"] = np.delete(out["Z_L"], n, axis=2)
-    elif context == "drop":
-        out.pop("Z_L")                                   # a different shape: compare the rest
-    elif context == "mask":          # the masked example's own column moves as a query over the other n - 1 would
-        own = _case_outputs(p * P0, Qs, case["Z"][:, :, :n], y, a)["Z_L"][:, :, -1:]
-        out["Z_L"] = np.concatenate([out["Z_L"][:, :, :n - 1], own, out["Z_L"][:, :, n - 1:]], axis=2)
-    return dict(Z_L=np.swapaxes(out["Z_L"], 1, 2)) if rows else out
-
-
-_SLIPS = dict(QT=dict(QT=True), Pn=dict(P=lambda n: n), Pn1=dict(P=lambda n: n / (n + 1)),
-              P_n=dict(P=lambda n: 1 / n), P_n1=dict(P=lambda n: 1 / (n + 1)),
-              Qk=dict(Q=math.sqrt, when="softmax"), Q_k=dict(Q=lambda D: 1 / math.sqrt(D), when="linear"),
-              half=dict(loss=0.5), double=dict(loss=2.0), sign=dict(sign=True), query=dict(context="query"),
-              drop=dict(context="drop"), mask=dict(context="mask"), rows=dict(rows=True),
-              all_keys=dict(act=("softmax", "softmax_all")), n_keys=dict(act=("softmax_all", "softmax")))
-"""The slips of DIAGNOSIS_VARIANTS as _slip_outputs computes them."""
-
-DIAGNOSIS_VARIANTS = {
-    "paper": {
-        "Q transposed": ("QT", "your Q is the transpose of the paper's (tokens as rows compute Z^T Q^T Z): transpose "
-            "it, or map the authors' layout with params_from_authors"),
-        "1/(n+1) normalisation": ("Pn1", "you divide the attention by n + 1 (all tokens); the paper divides by the n "
-            "context tokens"),
-        "no normalisation": ("Pn", "you do not divide the attention by n (von Oswald et al.'s layout folds n into P: "
-            "use params_from_von_oswald)"),
-        "query used as a key and value": ("query", "the query token is a key and a value in your attention; the mask "
-            "M must drop it (only the n context tokens are keys and values)"),
-        "loss with a factor 1/2": ("half", "your loss is 0.5 * mean (von Oswald et al.'s); icl_ref's has no 1/2: "
-            "multiply icl_ref's by VON_OSWALD_LOSS_SCALE to compare"),
-        "prediction sign flipped": ("sign", "your prediction is +Z_L[d, n]; the paper's is -Z_L[d, n]"),
-        "softmax over n+1 keys": ("all_keys", "your softmax normalises over all n+1 keys (the authors' code, "
-            "icl_ref's 'softmax_all'); this case normalises over the n context keys ('softmax')"),
-        "softmax over n keys": ("n_keys", "your softmax normalises over the n context keys (icl_ref's 'softmax'); "
-            "this case normalises over all n+1 keys ('softmax_all', the authors' code)"),
-        "last context example dropped": ("drop", "you use only n - 1 context examples (the authors' GD baselines do "
-            "this); use all n"),
-        "last context example masked, 1/n kept": ("mask", "your mask drops the last context example as well as the "
-            "query while you still divide by n: M = diag(1, ..., 1, 0) masks the query only"),
-        "tokens as rows (Z_L transposed)": ("rows", "your Z_L has tokens as rows, (B, n+1, d+1); the paper's has "
-            "them as columns: compare tokens_as_columns(your Z_L)"),
-    },
-    "authors": {
-        "Q_code used as Q (not transposed)": ("QT", "allparam[l, h, 1] is Q_code and their layer scores Z_rows "
-            "Q_code Z_rows^T, i.e. z_i^T Q_code^T z_j: with tokens as columns use Q_code^T (params_from_authors "
-            "does)"),
-        "1/(N+1) normalisation": ("Pn1", "you divide the attention by N + 1; their layer divides by N, the number of "
-            "context examples (Z_rows has N + 1 rows)"),
-        "no normalisation": ("Pn", "you do not divide the attention by N (their layer does)"),
-        "query used as a key and value": ("query", "the query row N is a key and a value in your attention; their "
-            "mask M zeroes its column (only the N context rows are keys)"),
-        "loss with a factor 1/2": ("half", "your loss is 0.5 * mean; theirs is mean (y_hat - y)^2, as icl_ref's"),
-        "prediction sign flipped": ("sign", "y_hat is -Z_L_rows[:, N, d] (their code returns -output[:, -1, -1])"),
-        "last context example dropped": ("drop", "you use N - 1 context examples (as their GD baselines do): the "
-            "transformer uses all N"),
-        "last context example masked, 1/N kept": ("mask", "your mask drops the last context row as well as the "
-            "query: M masks the query only"),
-        "Z_L_rows with tokens as columns": ("rows", "return Z_L_rows with tokens as rows, (B, N+1, d+1)"),
-        "softmax over the N context keys": ("n_keys", "their softmax normalises over all N+1 keys, the query's "
-            "own included, before M drops the query's value"),
-    },
-    "von_oswald": {
-        "W_q and W_k swapped": ("QT", "the scores are q k^T with q = e W_q,h from the querying token and k = e W_k,h "
-            "from the keys; yours use them the other way round (Q_h^T)"),
-        "an extra 1/n": ("P_n", "their layer does not divide the attention by n (params_from_von_oswald puts n into "
-            "P): drop the 1/n"),
-        "1/(n+1) normalisation": ("P_n1", "you divide the attention by n + 1; their layer divides by nothing"),
-        "loss without their 0.5": ("double", "their loss is 0.5 * mean (y_hat - y)^2 (VON_OSWALD_LOSS_SCALE); yours "
-            "is the plain mean, so loss and every grad_W_* are 2x"),
-        "loss with 0.5 twice": ("half", "your loss is 0.25 * mean: their 0.5 applied twice"),
-        "softmax without 1/sqrt(key size)": ("Qk", "their softmax scores are q k^T / sqrt(k), k the per-head key "
-            "size (W_q.shape[-1] / H, d+1 in these cases)"),
-        "linear attention divided by sqrt(key size)": ("Q_k", "their linear attention is q k^T, unscaled: the "
-            "1/sqrt(k) belongs to softmax only"),
-        "softmax over n+1 keys": ("all_keys", "their softmax runs over the n context rows only: mask the query row's "
-            "key before normalising"),
-        "query used as a key and value": ("query", "only rows 0..n-1 of Z_rows are keys and values; the query row n "
-            "attends but is not attended to"),
-        "prediction sign flipped": ("sign", "y_hat is -Z_L_rows[:, n, d] (the query row's label entry, negated)"),
-        "last context example dropped": ("drop", "you use n - 1 context rows: use all n"),
-        "Z_L_rows with tokens as columns": ("rows", "return Z_L_rows with tokens as rows, (B, n+1, d+1)"),
-    },
-}
-"""Per layout, the known convention slips: {name: (slip, advice in the layout's own terms)}, each
-computed by _slip_outputs(case, **_SLIPS[slip]) and compared in the layout (MATH.md §13)."""
-
-
-@functools.lru_cache(maxsize=None)
-def _slipped(name, layout):
-    """{slip name: its outputs in the layout} on a case, for the slips that apply; once per process."""
-    case = next(c for c in _reference_cases() if c["name"] == name)
-    out = {v: _slip_outputs(case, **_SLIPS[s]) for v, (s, _) in DIAGNOSIS_VARIANTS[layout].items()}
-    return {v: _layout_outputs(case, layout, o) for v, o in out.items() if o is not None}
-
-
-def _malformed(mine, ref):
-    """What is wrong with a given array as such, as (kind, text) with kind "type" (missing, a string,
-    not real numbers), "shape" or "value" (NaN or Inf); None when it is a real array of ref's shape."""
-    if mine is None:
-        return "type", "missing (None)"
-    if isinstance(mine, (str, bytes)):
-        return "type", f"not a numeric array ({type(mine).__name__}: a string is not a number)"
-    try:
-        a = np.asarray(mine)
-    except (TypeError, ValueError, RuntimeError) as e:      # ragged lists; tensors still needing .detach()
-        return "type", f"not a numeric array ({type(mine).__name__}: {e})"
-    if a.dtype.kind not in "fiu":
-        what = {"c": "complex", "b": "booleans", "U": "strings", "S": "bytes", "O": "Python objects"}.get(a.dtype.kind, "")
-        return "type", f"not a numeric array (dtype {a.dtype}{': ' + what if what else ''}; give real numbers)"
-    if a.shape != np.shape(ref):
-        return "shape", f"shape {a.shape}, expected {np.shape(ref)}"
-    if not np.all(np.isfinite(a)):
-        return "value", "holds NaN or Inf"
-    return None
-
-
-def _close(mine, ref, rtol):
-    """mine within rtol of ref's largest entry, entry by entry, and of ref's shape."""
-    mine = np.asarray(mine, dtype=float)
-    scale = max(np.max(np.abs(ref)), 1e-300)
-    return mine.shape == np.shape(ref) and bool(np.all(np.abs(mine - ref) <= rtol * scale))
-
-
-def _judge(name, layout, given, rtol, culprits):
-    """{output: "agrees" | slip name | "malformed: ..." | "unexplained"} for one case's outputs given in
-    `layout`, each compared within rtol[output] of icl_ref's; adds "case:output" to culprits[slip name]
-    for the slips that reproduce each mismatch. An array of another shape is malformed unless a slip
-    explains it."""
-    ref = _expected(name, layout)[1]
-    found = {}
-    for q, mine in given.items():
-        bad = _malformed(mine, ref[q])
-        if bad and bad[0] != "shape":
-            found[q] = f"malformed: {bad[1]}"
-            continue
-        if not bad and _close(mine, ref[q], rtol[q]):
-            found[q] = "agrees"
-            continue
-        match = [v for v, out in _slipped(name, layout).items() if q in out and _close(mine, out[q], rtol[q])]
-        found[q] = match[0] if match else f"malformed: {bad[1]}" if bad else "unexplained"
-        for v in match:
-            culprits.setdefault(v, []).append(f"{name}:{q}")
-    return found
-
-
-def _report(found, culprits, layout, skipped=()):
-    """The plain-text report of diagnose and check_implementation, its advice in the layout's terms."""
-    lines = []
-    for name, verdicts in found.items():
-        agree = [q for q, f in verdicts.items() if f == "agrees"]
-        differ = [f"{q} ({f})" for q, f in verdicts.items() if f != "agrees"]
-        lines.append(f"{name}: " + (f"agrees on {', '.join(agree)}" if agree else "agrees on nothing")
-                     + (f"; DIFFERS on {', '.join(differ)}" if differ else ""))
-    lines += [f"{name}: SKIPPED ({why})" for name, why in skipped]
-    if culprits:
-        lines += ["", "Likely causes, most frequent first:"]
-        for v, where in sorted(culprits.items(), key=lambda kv: -len(kv[1])):
-            lines.append(f"- {v} (reproduces {len(where)} mismatches, e.g. {where[0]}): "
-                         f"{DIAGNOSIS_VARIANTS[layout][v][1]}")
-    verdicts = [(q, f) for fs in found.values() for q, f in fs.items()]
-    if any(f.startswith("malformed") for _, f in verdicts):
-        lines.append("Some arrays are malformed (see above): fix them before comparing numbers.")
-    lost = {q for q, f in verdicts if f == "unexplained"}
-    outputs = LAYOUTS[layout][1]
-    forward = [q for q in outputs if q.startswith(("Z_L", "y_hat")) and q in lost]
-    if forward:
-        lines.append(f"{', '.join(forward)} differ(s) in no known way: run the one-layer case small-full and "
-                     f"compare {forward[0]}, {outputs[forward[0]]}, token by token.")
-    elif "loss" in lost:
-        lines.append(f"The forward pass agrees but the loss differs in no known way: here it is {outputs['loss']}.")
-    elif lost:
-        lines.append(f"The forward pass and the loss agree; {', '.join(sorted(lost))} differ(s) in no known way: "
-                     "compare with central differences of your own loss, one array at a time.")
-    elif verdicts and all(f == "agrees" for _, f in verdicts):
-        lines.append("Everything agrees within rtol.")
-    return "\n".join(lines)
-
-
-def _names(arg, what, allowed):
-    """A name or an iterable of names, each among `allowed`, as a non-empty tuple; else an error naming `what`."""
-    try:
-        names = (arg,) if isinstance(arg, str) else tuple(arg)
-    except TypeError:
-        raise TypeError(f"{what} must be a name or a list of names, got {type(arg).__name__}") from None
-    bad = [x for x in names if not isinstance(x, str) or x not in allowed]
-    if bad or not names:
-        raise ValueError(f"{what} must name one or more of {', '.join(allowed)}; got {bad or 'none'}")
-    return names
-
-
-def _layout_name(layout):
-    """layout, one of LAYOUTS' keys (a string), or an error naming the argument."""
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise (ValueError if isinstance(layout, str) else TypeError)(
-            f"layout must be one of the strings {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
-    return layout
-
-
-def diagnose(outputs, rtol=1e-6, layout="paper"):
-    """Compare another implementation's outputs on the reference cases with icl_ref, and name the known
-    convention slip that reproduces each mismatch (MATH.md §13).
-
-    outputs: {case name: {output: array}} with any of the layout's outputs (LAYOUTS; paper: Z_L, y_hat,
-    loss, dP, dQ), computed by the user's code on the inputs of reference_cases() (or the reference
-    vectors). rtol: relative to the largest entry of icl_ref's array (1e-6 suits float64 code; float32
-    code needs about 1e-4). Empty input (no case, or a case with no array) is a ValueError. An array
-    that is missing (None), not real numbers, of the wrong shape or not finite is named as malformed
-    before any comparison. Returns (report, found): a plain-text report a person can act on, its
-    advice in the layout's terms (DIAGNOSIS_VARIANTS), and {case: {output: "agrees" | slip name |
-    "malformed: ..." | "unexplained"}}.
-    """
-    if not isinstance(outputs, dict):
-        raise TypeError(f"outputs must be a dict {{case name: {{output: array}}}}, got {type(outputs).__name__}")
-    if not outputs:
-        raise ValueError("outputs is empty: give at least one case, {case name: {output: array}}")
-    rtol = _nonneg("rtol", rtol)
-    layout = _layout_name(layout)
-    _names(tuple(outputs), "outputs' cases", _cases_of(layout))
-    allowed = LAYOUTS[layout][1]
-    for name, given in outputs.items():
-        if not isinstance(given, dict) or not set(given) <= set(allowed):
-            raise ValueError(f"outputs[{name!r}] must be a dict with keys among {', '.join(allowed)}")
-        if not given:
-            raise ValueError(f"outputs[{name!r}] holds no arrays: give any of {', '.join(allowed)}")
-    found, culprits = {}, {}
-    for name, given in outputs.items():
-        found[name] = _judge(name, layout, given, dict.fromkeys(given, rtol), culprits)
-    return _report(found, culprits, layout), found
-
-
-CHECK_TOLERANCES = {"float64": dict(forward=1e-12, loss=1e-12, gradient=1e-10),
-                    "float32": dict(forward=1e-5, loss=1e-4, gradient=1e-4)}
-"""check_implementation's default tolerances, relative to the largest entry of icl_ref's array: those
-of VECTOR_TOLERANCES, for the forward pass (Z_L, Z_L_rows, y_hat), the loss and the gradients (dP,
-dQ, grad_*)."""
-
-
-def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, outputs=None, skip=(), rtol=None):
-    """Run another implementation on the reference cases and compare its outputs with icl_ref's
-    (MATH.md §13). `icl_ref.check_implementation(my_fn)` is the whole test, in any test runner.
-
-    fn(inputs) receives one case as a dict: the layout's input arrays (below) as fresh `dtype` copies,
-    and activation (str), n, L, H (int). It returns {output: array} with every output of the layout,
-    or only those `outputs` names; or it raises NotImplementedError, which fails the check unless
-    `skip` names the case (then it is reported as skipped, never as passed).
-    layout: "paper", "authors" or "von_oswald" (LAYOUTS). dtype: np.float64 or np.float32 (required).
-    cases: a case name or names (default: every case of the layout), e.g. one pytest test per case:
-        @pytest.mark.parametrize("case", [c["name"] for c in icl_ref.reference_cases()])
-    outputs: the outputs to require and compare (default: all). skip: cases fn may decline.
-    rtol: None (CHECK_TOLERANCES[dtype]: Z_L, Z_L_rows, y_hat by "forward", loss by "loss", dP, dQ,
-    grad_* by "gradient"), one number for every output, or {output: rtol} overriding those named;
-    relative to the largest entry of icl_ref's array.
-
-    Raises TypeError or ValueError naming the argument, or naming the case and output when fn returns
-    no dict, misses an output, returns an unknown one, or one that is not a real array (None, a
-    string, complex, objects) or of the wrong shape. Raises AssertionError, its message the diagnosis
-    in the layout's terms (which outputs agree, which convention slip of DIAGNOSIS_VARIANTS[layout]
-    reproduces each mismatch, which arrays hold NaN or Inf), when a case fails or none was checked;
-    in pytest the message is shown without icl_ref's frames. Returns the report: layout, dtype,
-    icl_ref_version, outputs, rtol {output: rtol}, cases {name: {"status": "passed" | "skipped" |
-    "failed", "quantities": {output: verdict}, "reason": ...}} and text. The reference outputs are
-    computed once per process; fn receives copies.
-
-    Layouts (LAYOUTS):
-    """
-    __tracebackhide__ = True                      # pytest: show the diagnosis, not icl_ref's frames
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, fn(inputs: dict) -> dict of outputs, got {type(fn).__name__}")
-    layout = _layout_name(layout)
-    try:
-        dt = np.dtype(dtype) if dtype is not None else None      # np.dtype(None) would be float64
-    except TypeError:
-        dt = None
-    if dt is None or dt.name not in CHECK_TOLERANCES:
-        raise (TypeError if dt is None else ValueError)(f"dtype must be np.float64 or np.float32, got {dtype!r}")
-    available = _cases_of(layout)
-    names = available if cases is None else _names(cases, "cases", available)
-    skip = _names(skip, "skip", available) if skip else ()
-    allowed = LAYOUTS[layout][1]
-    wanted = tuple(allowed) if outputs is None else _names(outputs, "outputs", tuple(allowed))
-    kind = {q: "gradient" if q.startswith(("d", "grad_")) else "loss" if q == "loss" else "forward" for q in wanted}
-    tol = {q: CHECK_TOLERANCES[dt.name][kind[q]] for q in wanted}
-    if isinstance(rtol, dict):
-        tol.update({q: _nonneg(f"rtol[{q!r}]", rtol[q]) for q in _names(tuple(rtol), "rtol's keys", wanted)})
-    elif rtol is not None:
-        tol = dict.fromkeys(wanted, _nonneg("rtol", rtol))
-    report = dict(layout=layout, dtype=dt.name, icl_ref_version=__version__, outputs=wanted, rtol=tol, cases={})
-    found, culprits, skipped = {}, {}, []
-    for name in names:
-        case = next(c for c in _reference_cases() if c["name"] == name)
-        inputs = {k: np.array(v, dtype=dt) for k, v in _expected(name, layout)[0].items()}
-        L, H = case["P"].shape[:2]
-        try:
-            given = fn(dict(inputs, activation=case["activation"], n=int(case["Z"].shape[2] - 1), L=int(L), H=int(H)))
-        except NotImplementedError as e:
-            why = f"NotImplementedError: {e}" if str(e) else "NotImplementedError"
-            if name in skip:
-                skipped.append((name, why))
-            report["cases"][name] = dict(status="skipped" if name in skip else "failed", quantities={},
-                                         reason=why if name in skip else f"fn raised {why}; skip= does not name it")
-            continue
-        if not isinstance(given, dict):
-            raise TypeError(f"fn must return a dict {{output: array}}; for case {name!r} it returned {type(given).__name__}")
-        missing, unknown = [q for q in wanted if q not in given], [str(q) for q in given if q not in allowed]
-        if missing or unknown:
-            raise ValueError(f"fn's outputs for case {name!r}: " + "; ".join(
-                ([f"missing {', '.join(missing)} (outputs= names the ones to check)"] if missing else [])
-                + ([f"unknown {', '.join(unknown)} (the {layout} layout's are {', '.join(allowed)})"] if unknown else [])))
-        for q in wanted:
-            bad = _malformed(given[q], _expected(name, layout)[1][q])
-            if bad and bad[0] == "type":
-                raise TypeError(f"fn's output {q!r} for case {name!r} is {bad[1]}")
-        found[name] = _judge(name, layout, {q: given[q] for q in wanted}, tol, culprits)
-        shapes = [f"{q} has {f[len('malformed: '):]}" for q, f in found[name].items() if f.startswith("malformed: shape")]
-        if shapes:
-            raise ValueError(f"fn's outputs for case {name!r}: {'; '.join(shapes)} ({layout} layout, LAYOUTS)")
-        ok = all(f == "agrees" for f in found[name].values())
-        report["cases"][name] = dict(status="passed" if ok else "failed", quantities=found[name])
-    text = _report(found, culprits, layout, skipped)
-    bad = [(name, c.get("reason")) for name, c in report["cases"].items() if c["status"] == "failed"]
-    report["text"] = text + "".join(f"\n{name}: FAILED ({reason})" for name, reason in bad if reason)
-    if bad:
-        raise AssertionError(f"the implementation differs from icl_ref ({layout} layout, {dt.name}):\n{report['text']}")
-    if not any(c["status"] == "passed" for c in report["cases"].values()):
-        raise AssertionError(f"no reference case was checked ({layout} layout): fn skipped every case\n{report['text']}")
-    return report
-
-
-check_implementation.__doc__ = check_implementation.__doc__.rstrip(" ") + _layouts_text() + "\n"
-
-
-def _main(argv=None):
-    """python3 -m icl_ref [--version] [vectors --out DIR [--overwrite]] (MATH.md §13)."""
-    ap = argparse.ArgumentParser(
-        prog="python3 -m icl_ref", description="icl_ref: a NumPy reference for the linear transformer of Ahn et al. "
-        "(2023). Derivations: MATH.md (the repository; installed in <prefix>/share/doc/icl_ref).")
-    ap.add_argument("--version", action="version", version=f"icl_ref {__version__}")
-    sub = ap.add_subparsers(dest="command")
-    v = sub.add_parser("vectors", help="write the reference vectors (.npz per case and manifest.json)")
-    v.add_argument("--out", required=True, help="directory to write into (created if needed; must be new or empty)")
-    v.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier set of reference vectors in --out (refused if it holds other files, "
-                        "changed files or symbolic links)")
-    args = ap.parse_args(argv)
-    if args.command is None:
-        ap.print_help()
-        return 0
-    try:
-        manifest = write_reference_vectors(args.out, overwrite=args.overwrite)
-    except (TypeError, ValueError, OSError) as e:
-        ap.error(str(e))
-    print(f"wrote {len(manifest['cases'])} cases and manifest.json to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
+PRIVATE_API = ("_numpy_rules", "_array", "_int", "_nonneg", "_flag", "_rng", "_prompts", "_spd", "_finite",
+               "_task_covariance", "_task_moment", "_pool", "_single_layer_moments", "_single_layer_loss",
+               "_family_search")
+"""The private names icl_check, icl_looped, icl_estimators and experiments.py may import (a test pins
+the list): the input checks, so that every module refuses bad input in the same words; the moments
+and loss of one layer (§8), which the shifted loss of MATH.md §15 and the flow of §14 extend; and
+the family search of §10, which the looped family optimum of §14 runs with its scalars tied."""
+
+_MOVED = {**dict.fromkeys(("reference_cases", "write_reference_vectors", "diagnose", "check_implementation",
+                           "LAYOUTS", "ARRAY_MEANINGS", "DIAGNOSIS_VARIANTS", "CHECK_TOLERANCES",
+                           "VECTOR_TOLERANCES", "VECTORS_FORMAT"), "icl_check"),
+          **dict.fromkeys(("optimal_tied_family", "one_layer_population_grad", "one_layer_gradient_flow"),
+                          "icl_looped"),
+          **dict.fromkeys(("ridge_predict", "bayes_predict", "dmmse_predict", "ols_population_risk",
+                           "monte_carlo_risk", "shifted_single_layer_loss"), "icl_estimators")}
+
+
+def __getattr__(name):
+    """A name that moved to another module in 0.4.0 (PEP 562), with a DeprecationWarning naming its
+    new home; icl_ref keeps these for one release."""
+    if name not in _MOVED:
+        raise AttributeError(f"module 'icl_ref' has no attribute {name!r}")
+    import importlib
+    import warnings
+    warnings.warn(f"icl_ref.{name} moved to {_MOVED[name]}.{name} in 0.4.0: import it from {_MOVED[name]} "
+                  "(icl_ref keeps this name for one release)", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(_MOVED[name]), name)
+
+
+if __name__ == "__main__":          # python3 -m icl_ref: the command line moved to icl_check in 0.4.0
+    import runpy
+    print("python3 -m icl_ref is deprecated: use python3 -m icl_check (the same command line)", file=sys.stderr)
+    runpy.run_module("icl_check", run_name="__main__", alter_sys=True)

@@ -12,6 +12,7 @@ map it to the paper's layout. Skipped when JAX is not installed. Run: python -m 
 import numpy as np
 import pytest
 
+import icl_check as ic
 import icl_ref as ir
 
 jax = pytest.importorskip("jax")
@@ -83,4 +84,4 @@ def von_oswald_layout_fn(case):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_one_line_check_against_icl_ref(dtype):
     # the linear and softmax reference cases in von Oswald et al.'s layout, at the dtype's tolerances
-    ir.check_implementation(von_oswald_layout_fn, layout="von_oswald", dtype=dtype)
+    ic.check_implementation(von_oswald_layout_fn, layout="von_oswald", dtype=dtype)

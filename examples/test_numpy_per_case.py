@@ -12,6 +12,7 @@ Run: python -m pytest examples/
 import numpy as np
 import pytest
 
+import icl_check as ic
 import icl_ref as ir
 
 
@@ -30,18 +31,18 @@ def my_model(case):
 
 
 OUTPUTS = ("Z_L", "y_hat", "loss")                                  # no gradients in this model
-NONLINEAR = [c["name"] for c in ir.reference_cases() if c["activation"] != "linear"]
+NONLINEAR = [c["name"] for c in ic.reference_cases() if c["activation"] != "linear"]
 CASES = [pytest.param(c["name"], marks=pytest.mark.xfail(reason=f"no {c['activation']} attention yet",
                                                           raises=AssertionError, strict=True))
-         if c["name"] in NONLINEAR else c["name"] for c in ir.reference_cases()]
+         if c["name"] in NONLINEAR else c["name"] for c in ic.reference_cases()]
 
 
 @pytest.mark.parametrize("case", CASES)                             # test ids are the case names
 def test_one_case(case):
-    ir.check_implementation(my_model, cases=[case], outputs=OUTPUTS)
+    ic.check_implementation(my_model, cases=[case], outputs=OUTPUTS)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_every_case_in_one_call(dtype):
-    report = ir.check_implementation(my_model, dtype=dtype, outputs=OUTPUTS, skip=NONLINEAR)
+    report = ic.check_implementation(my_model, dtype=dtype, outputs=OUTPUTS, skip=NONLINEAR)
     assert all(c["status"] in ("passed", "skipped") for c in report["cases"].values())

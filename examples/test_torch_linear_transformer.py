@@ -12,6 +12,7 @@ python examples/float32_tolerances.py).
 import numpy as np
 import pytest
 
+import icl_check as ic
 import icl_ref as ir
 
 torch = pytest.importorskip("torch")
@@ -85,4 +86,4 @@ def authors_layout_fn(case):
 def test_one_line_check_against_icl_ref(dtype):
     # every reference case that has the authors' layout, at the tolerances for the dtype; a mismatch
     # raises AssertionError with the diagnosis (which convention slip reproduces it)
-    ir.check_implementation(authors_layout_fn, layout="authors", dtype=dtype)
+    ic.check_implementation(authors_layout_fn, layout="authors", dtype=dtype)

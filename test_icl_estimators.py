@@ -16,7 +16,9 @@ Tolerances, each with its reason:
 import numpy as np
 import pytest
 
+import icl_estimators as est
 import icl_ref as ir
+from test_icl_ref import assert_strict_caller_gets_the_same
 
 SOLVE = 1e-10
 Z_MC = 4.0
@@ -61,7 +63,7 @@ def test_ridge_and_ols_solve_the_normal_equations(n, lam):
             else:
                 w = np.linalg.solve(Xb.T @ Xb + lam * np.linalg.inv(S_w), Xb.T @ yb)
             expected.append(w @ qb)
-        assert_close(ir.ridge_predict(Z, lam, Sigma_w), np.array(expected))
+        assert_close(est.ridge_predict(Z, lam, Sigma_w), np.array(expected))
 
 
 def test_bayes_predict_is_the_gaussian_posterior_mean():
@@ -75,7 +77,7 @@ def test_bayes_predict_is_the_gaussian_posterior_mean():
         X, y, x_q = context(Z)
         expected = [qb @ Sigma_w @ Xb.T @ np.linalg.solve(Xb @ Sigma_w @ Xb.T + s2 * np.eye(n), yb)
                     for Xb, yb, qb in zip(X, y, x_q)]
-        assert_close(ir.bayes_predict(Z, Sigma_w, s2), np.array(expected))
+        assert_close(est.bayes_predict(Z, Sigma_w, s2), np.array(expected))
 
 
 def brute_force_pool_posterior(Z, tasks, s2):
@@ -96,14 +98,14 @@ def test_dmmse_is_the_posterior_over_the_pool():
     d, n, K, s2 = 3, 6, 17, 0.5
     tasks = rng.standard_normal((K, d))
     Z, _ = ir.sample_prompts(rng, 50, n, np.eye(d), noise_std=np.sqrt(s2), tasks=tasks)
-    assert_close(ir.dmmse_predict(Z, tasks, s2), brute_force_pool_posterior(Z, tasks, s2))
+    assert_close(est.dmmse_predict(Z, tasks, s2), brute_force_pool_posterior(Z, tasks, s2))
     # fresh tasks, a larger pool and a noise so small that exp(-|r|^2 / 2 s2) underflows to 0 for
     # every task: the log-sum-exp still gives the nearest task's prediction
     Z, _ = ir.sample_prompts(rng, 50, n, np.eye(d), noise_std=0.1)
-    assert_close(ir.dmmse_predict(Z, tasks, 0.01), brute_force_pool_posterior(Z, tasks, 0.01))
+    assert_close(est.dmmse_predict(Z, tasks, 0.01), brute_force_pool_posterior(Z, tasks, 0.01))
     X, y, x_q = context(Z)
     nearest = [tasks[np.argmin([np.sum((yb - Xb @ w) ** 2) for w in tasks])] @ qb for Xb, yb, qb in zip(X, y, x_q)]
-    tiny = ir.dmmse_predict(Z, tasks, 1e-9)
+    tiny = est.dmmse_predict(Z, tasks, 1e-9)
     assert np.all(np.isfinite(tiny))
     assert_close(tiny, np.array(nearest))    # the runner-up's weight is below exp(-1e6): exactly 0
 
@@ -134,11 +136,11 @@ def test_the_layer_trained_on_a_pool_sees_only_its_second_moment():
     Sigma = spd(rng, d)
     G = ir.gamma_star(Sigma, n, noise_var=s2, tasks=tasks)
     P, Q = ir.sparse_params(G[None])
-    mc, se = ir.monte_carlo_risk(lambda Z: ir.predict(P, Q, Z), rng, 200000, n, Sigma, noise_var=s2, tasks=tasks)
-    exact = ir.shifted_single_layer_loss(G, Sigma, n, noise_var=s2, tasks=tasks)
+    mc, se = est.monte_carlo_risk(lambda Z: ir.predict(P, Q, Z), rng, 200000, n, Sigma, noise_var=s2, tasks=tasks)
+    exact = est.shifted_single_layer_loss(G, Sigma, n, noise_var=s2, tasks=tasks)
     assert abs(mc - exact) <= Z_MC * se, (mc, exact, se)
     # and it is the minimum on the pool: any other Gamma (here the unbounded prior's) does worse
-    assert exact < ir.shifted_single_layer_loss(ir.gamma_star(Sigma, n, noise_var=s2), Sigma, n,
+    assert exact < est.shifted_single_layer_loss(ir.gamma_star(Sigma, n, noise_var=s2), Sigma, n,
                                                 noise_var=s2, tasks=tasks)
 
 
@@ -154,16 +156,16 @@ def test_ols_population_risk_matches_monte_carlo(n, d, anisotropic):
     Sigma = spd(rng, d) if anisotropic else 1.5 * np.eye(d)
     Sigma_w = spd(rng, d) if anisotropic else 0.7 * np.eye(d)
     s2 = 0.0 if n == d else 0.3
-    exact = ir.ols_population_risk(n, Sigma, Sigma_w, s2)
+    exact = est.ols_population_risk(n, Sigma, Sigma_w, s2)
     # the noiseless case needs few prompts: any bias shows as a positive error far above rounding
     batch = 2000 if s2 == 0 else 40000 if anisotropic else 20000
-    mc, se = ir.monte_carlo_risk(lambda Z: ir.ridge_predict(Z), rng, batch, n, Sigma, Sigma_w, s2)
+    mc, se = est.monte_carlo_risk(lambda Z: est.ridge_predict(Z), rng, batch, n, Sigma, Sigma_w, s2)
     if s2 == 0:
         assert exact == 0 and mc <= 1e-20            # the interpolant is exact up to rounding
     else:
         assert abs(mc - exact) <= Z_MC * se, (mc, exact, se)
     with pytest.raises(ValueError, match="n must be"):
-        ir.ols_population_risk(d, Sigma, Sigma_w, 0.1)
+        est.ols_population_risk(d, Sigma, Sigma_w, 0.1)
 
 
 def shifted_prompts(rng, B, n, Sigma, Sigma_query, Sigma_w, s2):
@@ -190,7 +192,7 @@ def test_shifted_single_layer_loss_matches_the_transformer_at_each_shift():
         Z, y = shifted_prompts(rng, 30000, at["n"], at["Sigma"], at["Sigma_query"], at["Sigma_w"], s2)
         err = (ir.predict(P, Q, Z) - y) ** 2
         mc, se = err.mean(), err.std(ddof=1) / np.sqrt(err.size)
-        exact = ir.shifted_single_layer_loss(G, at["Sigma"], at["n"], at["Sigma_w"], s2,
+        exact = est.shifted_single_layer_loss(G, at["Sigma"], at["n"], at["Sigma_w"], s2,
                                              Sigma_query=at["Sigma_query"])
         assert abs(mc - exact) <= Z_MC * se, (shift.keys(), mc, exact, se)
 
@@ -199,7 +201,7 @@ def test_shifted_loss_without_shift_is_theorem_1s_and_bayes_beats_every_ridge():
     rng = np.random.default_rng(6)
     d, n, s2 = 4, 7, 0.3
     Sigma, Sigma_w, G = spd(rng, d), spd(rng, d), rng.standard_normal((d, d))
-    loss = lambda G, S_q: ir.shifted_single_layer_loss(G, Sigma, n, Sigma_w, s2, Sigma_query=S_q)
+    loss = lambda G, S_q: est.shifted_single_layer_loss(G, Sigma, n, Sigma_w, s2, Sigma_query=S_q)
     # the same number by the two names (one formula: any difference is a dropped argument)
     assert loss(G, Sigma) == ir.single_layer_population_loss(G, Sigma, n, Sigma_w, s2)
     # the loss less the query's noise is linear in Sigma_query (x_q enters as x_q x_q^T only): EXACT
@@ -217,9 +219,9 @@ def test_shifted_loss_without_shift_is_theorem_1s_and_bayes_beats_every_ridge():
     # the posterior mean minimises the risk among all predictors: on common prompts, ridge at a
     # tenth and ten times the noise, and without the prior's metric, each does worse on average
     Z, y = ir.sample_prompts(rng, 20000, n, Sigma, Sigma_w, noise_std=np.sqrt(s2))
-    bayes = (ir.bayes_predict(Z, Sigma_w, s2) - y) ** 2
-    for other in (ir.ridge_predict(Z, s2 / 10, Sigma_w), ir.ridge_predict(Z, 10 * s2, Sigma_w),
-                  ir.ridge_predict(Z, s2)):
+    bayes = (est.bayes_predict(Z, Sigma_w, s2) - y) ** 2
+    for other in (est.ridge_predict(Z, s2 / 10, Sigma_w), est.ridge_predict(Z, 10 * s2, Sigma_w),
+                  est.ridge_predict(Z, s2)):
         diff = (other - y) ** 2 - bayes                      # paired: the prompts' spread cancels
         assert diff.mean() > Z_MC * diff.std(ddof=1) / np.sqrt(diff.size)
 
@@ -230,24 +232,24 @@ def test_shifted_loss_without_shift_is_theorem_1s_and_bayes_beats_every_ridge():
 
 _Z = np.zeros((2, 3, 4))
 BAD = [
-    (lambda: ir.ridge_predict(_Z, -1.0), ValueError, "lam"),
-    (lambda: ir.ridge_predict(np.zeros((3, 4)), 0.1), ValueError, "Z"),
-    (lambda: ir.ridge_predict(_Z, 0.1, np.eye(3)), ValueError, "Sigma_w"),
-    (lambda: ir.bayes_predict(_Z, noise_var="0.1"), TypeError, "noise_var"),
-    (lambda: ir.dmmse_predict(_Z, np.zeros((4, 3)), 0.1), ValueError, "tasks"),
-    (lambda: ir.dmmse_predict(_Z, np.zeros((4, 2)), 0.0), ValueError, "noise_var"),
+    (lambda: est.ridge_predict(_Z, -1.0), ValueError, "lam"),
+    (lambda: est.ridge_predict(np.zeros((3, 4)), 0.1), ValueError, "Z"),
+    (lambda: est.ridge_predict(_Z, 0.1, np.eye(3)), ValueError, "Sigma_w"),
+    (lambda: est.bayes_predict(_Z, noise_var="0.1"), TypeError, "noise_var"),
+    (lambda: est.dmmse_predict(_Z, np.zeros((4, 3)), 0.1), ValueError, "tasks"),
+    (lambda: est.dmmse_predict(_Z, np.zeros((4, 2)), 0.0), ValueError, "noise_var"),
     (lambda: ir.sample_prompts(np.random.default_rng(0), 2, 3, np.eye(2), tasks=np.zeros((0, 2))), ValueError, "tasks"),
     (lambda: ir.sample_prompts(np.random.default_rng(0), 2, 3, np.eye(2), np.eye(2), tasks=np.zeros((1, 2))),
      ValueError, "tasks"),
     (lambda: ir.gamma_star(np.eye(2), 3, tasks=np.ones((2, 3))), ValueError, "tasks"),
-    (lambda: ir.ols_population_risk(20, np.eye(3), noise_var=-1), ValueError, "noise_var"),
-    (lambda: ir.ols_population_risk(2, np.diag([1.0, 2, 3, 4, 5])), ValueError, "Sigma"),
-    (lambda: ir.monte_carlo_risk(None, np.random.default_rng(0), 10, 3, np.eye(2)), TypeError, "predict"),
-    (lambda: ir.monte_carlo_risk(ir.ridge_predict, np.random.default_rng(0), 1, 3, np.eye(2)), ValueError, "batch"),
-    (lambda: ir.monte_carlo_risk(lambda Z: Z[:, 0, :], np.random.default_rng(0), 10, 3, np.eye(2)),
+    (lambda: est.ols_population_risk(20, np.eye(3), noise_var=-1), ValueError, "noise_var"),
+    (lambda: est.ols_population_risk(2, np.diag([1.0, 2, 3, 4, 5])), ValueError, "Sigma"),
+    (lambda: est.monte_carlo_risk(None, np.random.default_rng(0), 10, 3, np.eye(2)), TypeError, "predict"),
+    (lambda: est.monte_carlo_risk(est.ridge_predict, np.random.default_rng(0), 1, 3, np.eye(2)), ValueError, "batch"),
+    (lambda: est.monte_carlo_risk(lambda Z: Z[:, 0, :], np.random.default_rng(0), 10, 3, np.eye(2)),
      ValueError, "predict"),
-    (lambda: ir.shifted_single_layer_loss(np.eye(2), np.eye(2), 3, Sigma_query=np.eye(3)), ValueError, "Sigma_query"),
-    (lambda: ir.shifted_single_layer_loss(np.eye(3), np.eye(2), 3), ValueError, "Gamma"),
+    (lambda: est.shifted_single_layer_loss(np.eye(2), np.eye(2), 3, Sigma_query=np.eye(3)), ValueError, "Sigma_query"),
+    (lambda: est.shifted_single_layer_loss(np.eye(3), np.eye(2), 3), ValueError, "Gamma"),
 ]
 
 
@@ -265,23 +267,19 @@ def test_estimators_work_under_a_strict_caller_at_any_scale():
     rng = np.random.default_rng(7)
     Z, _ = ir.sample_prompts(rng, 20, 6, np.eye(3), noise_std=0.1)
     tasks = rng.standard_normal((5, 3))
-    calls = {
-        "ridge_predict": lambda: ir.ridge_predict(1e-160 * Z),
-        "bayes_predict": lambda: ir.bayes_predict(1e-120 * Z, noise_var=1e-250),
-        "dmmse_predict": lambda: ir.dmmse_predict(1e-120 * Z, tasks, 1e-250),
-        "ols_population_risk": lambda: ir.ols_population_risk(9, np.eye(3), noise_var=1e-300),
-        "monte_carlo_risk": lambda: ir.monte_carlo_risk(ir.ridge_predict, np.random.default_rng(0), 10, 6, 1e-120 * np.eye(3)),
-        "shifted_single_layer_loss": lambda: ir.shifted_single_layer_loss(np.eye(3), 1e-100 * np.eye(3), 6,
-                                                                          Sigma_query=1e-150 * np.eye(3)),
-    }
+    def calls():
+        return {
+            "ridge_predict": lambda: est.ridge_predict(1e-160 * Z),
+            "bayes_predict": lambda: est.bayes_predict(1e-120 * Z, noise_var=1e-250),
+            "dmmse_predict": lambda: est.dmmse_predict(1e-120 * Z, tasks, 1e-250),
+            "ols_population_risk": lambda: est.ols_population_risk(9, np.eye(3), noise_var=1e-300),
+            "monte_carlo_risk": lambda: est.monte_carlo_risk(est.ridge_predict, np.random.default_rng(0), 10, 6,
+                                                            1e-120 * np.eye(3)),
+            "shifted_single_layer_loss": lambda: est.shifted_single_layer_loss(np.eye(3), 1e-100 * np.eye(3), 6,
+                                                                              Sigma_query=1e-150 * np.eye(3)),
+        }
+    assert_strict_caller_gets_the_same(est, calls, draws=())
     with np.errstate(under="ignore"):
-        expected = {name: call() for name, call in calls.items()}
-    old = np.seterr(all="raise")
-    try:
-        for name, call in calls.items():
-            assert np.array_equal(call(), expected[name]), name
-            assert np.geterr() == dict(divide="raise", over="raise", under="raise", invalid="raise"), name
-    finally:
-        np.seterr(**old)
+        expected = {name: call() for name, call in calls().items()}
     assert np.all(np.isfinite(expected["ridge_predict"]))
-    assert_close(expected["ridge_predict"] / 1e-160, ir.ridge_predict(Z), rel=1e-12)
+    assert_close(expected["ridge_predict"] / 1e-160, est.ridge_predict(Z), rel=1e-12)

@@ -26,13 +26,14 @@ import numpy as np
 import pytest
 from numpy.testing import assert_allclose
 
+import icl_check as ic
 import icl_ref as ir
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 EXACT = 1e-12
 FD_RTOL = 1e-7
 FD_H = 1e-4
-CASES = {c["name"]: c for c in ir.reference_cases()}          # built once for the module
+CASES = {c["name"]: c for c in ic.reference_cases()}          # built once for the module
 GRADS = {"paper": ("dP", "dQ"), "authors": ("grad_allparam",),
          "von_oswald": ("grad_W_q", "grad_W_k", "grad_W_v", "grad_W_o")}
 
@@ -163,7 +164,7 @@ def implementation(layout, slip=None, grads=True, raises=()):
 @functools.lru_cache(maxsize=None)
 def correct_outputs(layout, name):
     """The correct implementation's outputs on one case, float64 (computed once: the differences are slow)."""
-    inputs = dict(ir._expected(name, layout)[0], activation=CASES[name]["activation"],
+    inputs = dict(ic._expected(name, layout)[0], activation=CASES[name]["activation"],
                   n=CASES[name]["Z"].shape[2] - 1, L=CASES[name]["P"].shape[0], H=CASES[name]["P"].shape[1])
     return implementation(layout)(inputs)
 
@@ -185,16 +186,16 @@ def test_check_implementation_passes_an_independent_implementation(layout):
         seen.append(case)
         name = next(k for k, c in CASES.items() if np.array_equal(c["y"], case["y"]))
         return correct_outputs(layout, name)
-    report = ir.check_implementation(fn, layout=layout, rtol=fd_rtol(layout))
-    names = {n for n, c in CASES.items() if layout in ir._case_layouts(c)}
+    report = ic.check_implementation(fn, layout=layout, rtol=fd_rtol(layout))
+    names = {n for n, c in CASES.items() if layout in ic._case_layouts(c)}
     assert set(report["cases"]) == names and all(c["status"] == "passed" for c in report["cases"].values())
     assert {"authors": 5, "von_oswald": 9, "paper": 12}[layout] == len(names)
-    assert report["outputs"] == tuple(ir.LAYOUTS[layout][1]) and report["icl_ref_version"] == ir.__version__
+    assert report["outputs"] == tuple(ic.LAYOUTS[layout][1]) and report["icl_ref_version"] == ir.__version__
     for case in seen:                                  # the layout's inputs, in the dtype, and the sizes
-        assert set(case) == set(ir.LAYOUTS[layout][0]) | {"activation", "n", "L", "H"}
-        assert all(case[k].dtype == np.float64 for k in ir.LAYOUTS[layout][0])
+        assert set(case) == set(ic.LAYOUTS[layout][0]) | {"activation", "n", "L", "H"}
+        assert all(case[k].dtype == np.float64 for k in ic.LAYOUTS[layout][0])
     # the activations LAYOUTS documents for the layout are those of its cases
-    assert set(ir.LAYOUTS[layout][2]) == {CASES[n]["activation"] for n in names}
+    assert set(ic.LAYOUTS[layout][2]) == {CASES[n]["activation"] for n in names}
 
 
 VON_OSWALD_SLIPS = {"swap": "W_q and W_k swapped", "1/n": "an extra 1/n", "n+1": "1/(n+1) normalisation",
@@ -210,12 +211,12 @@ def test_check_implementation_names_each_von_oswald_slip_in_their_terms(slip):
     # arrays' names, never the paper's Q or the authors' adapter); the forward outputs and the loss
     # show every one of these slips, so the gradients' differences are left out (outputs=)
     with pytest.raises(AssertionError) as failure:
-        ir.check_implementation(implementation("von_oswald", slip, grads=False), layout="von_oswald",
+        ic.check_implementation(implementation("von_oswald", slip, grads=False), layout="von_oswald",
                                 outputs=("Z_L_rows", "y_hat", "loss"))
     message = str(failure.value)
     expected = VON_OSWALD_SLIPS[slip]
     assert "unexplained" not in message and named_slips(message) == {expected}, message
-    advice = ir.DIAGNOSIS_VARIANTS["von_oswald"][expected][1]
+    advice = ic.DIAGNOSIS_VARIANTS["von_oswald"][expected][1]
     assert advice in message and "params_from_authors" not in message and "the paper's" not in message
 
 
@@ -223,7 +224,7 @@ def test_von_oswald_loss_slip_is_named_on_the_gradients_too():
     # the loss without their 0.5 doubles every grad_W_*: named there as well, not "compare Z"
     fn = implementation("von_oswald", "no-half")
     with pytest.raises(AssertionError) as failure:
-        ir.check_implementation(fn, layout="von_oswald", cases="small-full", rtol=fd_rtol("von_oswald"))
+        ic.check_implementation(fn, layout="von_oswald", cases="small-full", rtol=fd_rtol("von_oswald"))
     found = set(re.findall(r"(grad_W_\w) \(loss without their 0\.5\)", str(failure.value)))
     assert found == {"grad_W_q", "grad_W_k", "grad_W_v", "grad_W_o"} and "Z_L_rows" not in named_slips(str(failure.value))
     assert "agrees on Z_L_rows, y_hat" in str(failure.value)
@@ -246,12 +247,12 @@ def test_check_implementation_fails_with_the_diagnosis_of_each_slip(slip):
     expected = PAPER_SLIPS[slip]
     expected = {expected} if isinstance(expected, str) else set(expected)
     with pytest.raises(AssertionError) as failure:
-        ir.check_implementation(implementation("paper", slip, grads=False, raises=raises), skip=skip,
+        ic.check_implementation(implementation("paper", slip, grads=False, raises=raises), skip=skip,
                                 outputs=("y_hat", "loss") if slip == "drop" else ("Z_L", "y_hat", "loss"))
     message = str(failure.value)
     assert "differs from icl_ref" in message and "unexplained" not in message, message
     assert named_slips(message) and named_slips(message) <= expected, message
-    assert any(ir.DIAGNOSIS_VARIANTS["paper"][v][1] in message for v in named_slips(message))
+    assert any(ic.DIAGNOSIS_VARIANTS["paper"][v][1] in message for v in named_slips(message))
 
 
 AUTHORS_SLIPS = {"QT": "Q_code used as Q (not transposed)", "n+1": "1/(N+1) normalisation",
@@ -262,12 +263,12 @@ AUTHORS_SLIPS = {"QT": "Q_code used as Q (not transposed)", "n+1": "1/(N+1) norm
 @pytest.mark.parametrize("slip", list(AUTHORS_SLIPS))
 def test_check_implementation_names_each_authors_slip_in_their_terms(slip):
     with pytest.raises(AssertionError) as failure:                    # the softmax slip: its case only
-        ir.check_implementation(implementation("authors", slip, grads=False), layout="authors",
+        ic.check_implementation(implementation("authors", slip, grads=False), layout="authors",
                                 cases="authors-softmax" if slip == "n-keys" else None,
                                 outputs=("y_hat", "loss") if slip == "drop" else ("Z_L_rows", "y_hat", "loss"))
     message = str(failure.value)
     assert "unexplained" not in message and named_slips(message) == {AUTHORS_SLIPS[slip]}, message
-    assert ir.DIAGNOSIS_VARIANTS["authors"][AUTHORS_SLIPS[slip]][1] in message
+    assert ic.DIAGNOSIS_VARIANTS["authors"][AUTHORS_SLIPS[slip]][1] in message
 
 
 def test_every_slip_of_every_layout_is_tested():
@@ -277,9 +278,9 @@ def test_every_slip_of_every_layout_is_tested():
                 "authors": {"no normalisation", "prediction sign flipped", "last context example masked, 1/N kept",
                             "Z_L_rows with tokens as columns"},             # the paper layout's slips, renamed
                 "von_oswald": {"last context example dropped", "Z_L_rows with tokens as columns"}}
-    for layout, slips in ir.DIAGNOSIS_VARIANTS.items():
+    for layout, slips in ic.DIAGNOSIS_VARIANTS.items():
         assert set(slips) == tested[layout] | untested[layout], layout
-        assert all(s in ir._SLIPS for s, _ in slips.values())
+        assert all(s in ic._SLIPS for s, _ in slips.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,14 +305,14 @@ def replaced(**outputs):
 def test_check_implementation_requires_every_output_unless_outputs_names_a_subset():
     y_hat_only = lambda case: {"y_hat": correct_outputs("paper", "small-full")["y_hat"]}
     with pytest.raises(ValueError, match="case 'small-full': missing Z_L, loss, dP, dQ \\(outputs= names"):
-        ir.check_implementation(y_hat_only, cases="small-full")
-    report = ir.check_implementation(y_hat_only, cases="small-full", outputs="y_hat")
+        ic.check_implementation(y_hat_only, cases="small-full")
+    report = ic.check_implementation(y_hat_only, cases="small-full", outputs="y_hat")
     assert report["cases"]["small-full"]["quantities"] == {"y_hat": "agrees"}
     with pytest.raises(ValueError, match="unknown logits"):
-        ir.check_implementation(replaced(logits=1.0), cases="small-full", rtol=fd_rtol("paper"))
+        ic.check_implementation(replaced(logits=1.0), cases="small-full", rtol=fd_rtol("paper"))
     for bad in ([1.0], None, "Z_L"):
         with pytest.raises(TypeError, match="fn must return a dict"):
-            ir.check_implementation(lambda case, bad=bad: bad, cases="small-full")
+            ic.check_implementation(lambda case, bad=bad: bad, cases="small-full")
 
 
 @pytest.mark.parametrize("output, value, error, words", [
@@ -325,12 +326,12 @@ def test_check_implementation_refuses_malformed_outputs_by_name(output, value, e
     # a complex output with a tiny imaginary part, a loss as a numeric string, objects, wrong shapes:
     # errors naming the case and the output, not numbers compared after a silent conversion
     with pytest.raises(error, match=words):
-        ir.check_implementation(replaced(**{output: value}), cases="small-full", rtol=fd_rtol("paper"))
+        ic.check_implementation(replaced(**{output: value}), cases="small-full", rtol=fd_rtol("paper"))
 
 
 def test_check_implementation_names_non_finite_outputs_as_a_failure():
     with pytest.raises(AssertionError, match="dQ \\(malformed: holds NaN or Inf\\)"):
-        ir.check_implementation(replaced(dQ=lambda x: x * np.nan), cases="small-full", rtol=fd_rtol("paper"))
+        ic.check_implementation(replaced(dQ=lambda x: x * np.nan), cases="small-full", rtol=fd_rtol("paper"))
 
 
 def test_check_implementation_reports_what_it_cannot_run_as_skipped_never_passed():
@@ -339,13 +340,13 @@ def test_check_implementation_reports_what_it_cannot_run_as_skipped_never_passed
             raise NotImplementedError(f"no {case['activation']}")
         return replaced()(case)
     with pytest.raises(AssertionError) as failure:
-        ir.check_implementation(linear_only, cases=["small-full", "relu"], rtol=fd_rtol("paper"))
+        ic.check_implementation(linear_only, cases=["small-full", "relu"], rtol=fd_rtol("paper"))
     assert "relu: FAILED (fn raised NotImplementedError: no relu; skip= does not name it)" in str(failure.value)
-    report = ir.check_implementation(linear_only, cases=["small-full", "relu"], skip="relu", rtol=fd_rtol("paper"))
+    report = ic.check_implementation(linear_only, cases=["small-full", "relu"], skip="relu", rtol=fd_rtol("paper"))
     assert {n: c["status"] for n, c in report["cases"].items()} == {"small-full": "passed", "relu": "skipped"}
     assert "relu: SKIPPED (NotImplementedError: no relu)" in report["text"]
     with pytest.raises(AssertionError, match="no reference case was checked"):
-        ir.check_implementation(linear_only, cases="relu", skip="relu")
+        ic.check_implementation(linear_only, cases="relu", skip="relu")
 
 
 BAD_ARGUMENTS = [
@@ -370,10 +371,10 @@ BAD_ARGUMENTS = [
 def test_check_implementation_refuses_bad_arguments_by_name(kwargs, error, words):
     called = []
     with pytest.raises(error, match=words):
-        ir.check_implementation(lambda case: called.append(case), **kwargs)
+        ic.check_implementation(lambda case: called.append(case), **kwargs)
     assert not called                                 # refused before any work
     with pytest.raises(TypeError, match="fn must be callable"):
-        ir.check_implementation(None)
+        ic.check_implementation(None)
 
 
 def test_check_implementation_checks_the_named_cases_at_the_given_rtol():
@@ -384,19 +385,19 @@ def test_check_implementation_checks_the_named_cases_at_the_given_rtol():
         calls.append(case["n"])
         return fn(case)
     with pytest.raises(AssertionError, match="Z_L \\(unexplained\\)"):
-        ir.check_implementation(counted, cases="small-full", rtol=fd_rtol("paper"))
+        ic.check_implementation(counted, cases="small-full", rtol=fd_rtol("paper"))
     assert calls == [3]                                          # that case only (n = 3)
-    report = ir.check_implementation(fn, cases=["small-full", "two-layers-two-heads"],
+    report = ic.check_implementation(fn, cases=["small-full", "two-layers-two-heads"],
                                      rtol={"Z_L": 1e-10, **fd_rtol("paper")})
     assert list(report["cases"]) == ["small-full", "two-layers-two-heads"]
     assert report["rtol"] == {"Z_L": 1e-10, "y_hat": 1e-12, "loss": 1e-12, "dP": FD_RTOL, "dQ": FD_RTOL}
     # the documented defaults per output name, one number for all
-    defaults = ir.check_implementation(fn, cases="small-full", outputs=("y_hat", "loss"))["rtol"]
-    assert defaults == {"y_hat": ir.CHECK_TOLERANCES["float64"]["forward"], "loss": ir.CHECK_TOLERANCES["float64"]["loss"]}
-    vo = ir.check_implementation(lambda c: dict(Z_L_rows=correct_outputs("von_oswald", "small-full")["Z_L_rows"]),
+    defaults = ic.check_implementation(fn, cases="small-full", outputs=("y_hat", "loss"))["rtol"]
+    assert defaults == {"y_hat": ic.CHECK_TOLERANCES["float64"]["forward"], "loss": ic.CHECK_TOLERANCES["float64"]["loss"]}
+    vo = ic.check_implementation(lambda c: dict(Z_L_rows=correct_outputs("von_oswald", "small-full")["Z_L_rows"]),
                                  layout="von_oswald", dtype=np.float32, cases="small-full", outputs="Z_L_rows")
-    assert vo["rtol"] == {"Z_L_rows": ir.CHECK_TOLERANCES["float32"]["forward"]}
-    assert ir.check_implementation(fn, cases="small-full", rtol=1e-6)["rtol"] == dict.fromkeys(ir.LAYOUTS["paper"][1], 1e-6)
+    assert vo["rtol"] == {"Z_L_rows": ic.CHECK_TOLERANCES["float32"]["forward"]}
+    assert ic.check_implementation(fn, cases="small-full", rtol=1e-6)["rtol"] == dict.fromkeys(ic.LAYOUTS["paper"][1], 1e-6)
 
 
 def test_check_implementation_in_float32_allows_float32_rounding_and_no_more():
@@ -404,12 +405,12 @@ def test_check_implementation_in_float32_allows_float32_rounding_and_no_more():
     # float64's it fails (the inputs' rounding, ~6e-8 relative, moves the outputs by about as much)
     fn = implementation("paper")
     cases = ["small-full", "softmax"]
-    ir.check_implementation(fn, dtype=np.float32, cases=cases)
+    ic.check_implementation(fn, dtype=np.float32, cases=cases)
     with pytest.raises(AssertionError, match="unexplained"):
-        ir.check_implementation(lambda case: fn({k: v.astype(np.float32) if isinstance(v, np.ndarray) else v
+        ic.check_implementation(lambda case: fn({k: v.astype(np.float32) if isinstance(v, np.ndarray) else v
                                                  for k, v in case.items()}), cases=cases, rtol=fd_rtol("paper"))
     with pytest.raises(AssertionError, match="dP \\(unexplained\\)"):          # 1e-3 off fails float32's 1e-4
-        ir.check_implementation(lambda case: dict(fn(case), dP=fn(case)["dP"] * (1 + 1e-3)), dtype=np.float32,
+        ic.check_implementation(lambda case: dict(fn(case), dP=fn(case)["dP"] * (1 + 1e-3)), dtype=np.float32,
                                 cases="small-full")
 
 
@@ -423,30 +424,30 @@ def test_reference_data_are_computed_once_and_cannot_be_changed_by_fn():
             if isinstance(v, np.ndarray):
                 v[...] = 7.0
         return out
-    ir.check_implementation(vandal, rtol=fd_rtol("paper"))
-    ir.reference_cases()[0]["Z"][...] = 7.0
+    ic.check_implementation(vandal, rtol=fd_rtol("paper"))
+    ic.reference_cases()[0]["Z"][...] = 7.0
     outputs = {n: correct_outputs("paper", n) for n in CASES}
     fast = lambda case: outputs[next(k for k in CASES if np.array_equal(CASES[k]["y"], case["y"]))]
-    ir.check_implementation(fast, rtol=fd_rtol("paper"))
+    ic.check_implementation(fast, rtol=fd_rtol("paper"))
     timings = []
     for _ in range(3):
         start = time.process_time()
-        ir.check_implementation(fast, rtol=fd_rtol("paper"))
+        ic.check_implementation(fast, rtol=fd_rtol("paper"))
         timings.append(time.process_time() - start)
     assert min(timings) < 0.2, timings
-    assert np.array_equal(ir.reference_cases()[0]["Z"], CASES["small-full"]["Z"])
+    assert np.array_equal(ic.reference_cases()[0]["Z"], CASES["small-full"]["Z"])
 
 
 PYTEST_FILE = '''
-import pytest, numpy as np, icl_ref as ir
-import test_conformance as tc
+import pytest, numpy as np, icl_check as ic
+import test_icl_check as tc
 
 @pytest.mark.parametrize("case", [
     pytest.param(c["name"], marks=pytest.mark.xfail(reason="softmax over n keys only", strict=True))
-    if c["name"] == "softmax_all" else c["name"] for c in ir.reference_cases()])
+    if c["name"] == "softmax_all" else c["name"] for c in ic.reference_cases()])
 def test_one_case(case):
     fn = tc.implementation("paper", "softmax-keys" if case == "softmax_all" else "{slip}", grads=False)
-    ir.check_implementation(fn, cases=case, outputs=("Z_L", "y_hat", "loss"))
+    ic.check_implementation(fn, cases=case, outputs=("Z_L", "y_hat", "loss"))
 '''
 
 
@@ -472,21 +473,21 @@ def test_one_pytest_test_per_case_with_ids_xfail_and_short_failures(tmp_path, ca
 def test_readme_oracle_example_runs_as_written():
     section = read("README.md").split("## Using icl_ref as an oracle", 1)[1].split("\n## ", 1)[0]
     block, = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    namespace = dict(my_fn=lambda c: ir._case_outputs(c["P"], c["Q"], c["Z"], c["y"], c["activation"]))
+    namespace = dict(my_fn=lambda c: ic._case_outputs(c["P"], c["Q"], c["Z"], c["y"], c["activation"]))
     exec(compile(block, "README.md", "exec"), namespace)
     namespace["test_matches_icl_ref"]("two-layers-two-heads")           # the decorated test, called as pytest would
     assert [p.values[0] for p in namespace["CASES"] if not isinstance(p, str)] == ["relu"]
 
 
 def test_help_and_layouts_document_what_an_implementer_needs():
-    doc = " ".join(ir.check_implementation.__doc__.split())      # the text, whatever its line breaks
-    for layout, (inputs, outputs, activations, scores) in ir.LAYOUTS.items():
+    doc = " ".join(ic.check_implementation.__doc__.split())      # the text, whatever its line breaks
+    for layout, (inputs, outputs, activations, scores) in ic.LAYOUTS.items():
         assert f"'{layout}': activations {', '.join(activations)}; {scores}" in doc
         for k, v in {**inputs, **outputs}.items():
             assert f"{k}: {v}" in doc
-    assert "-Z_L_rows[:, n, d]" in ir.LAYOUTS["von_oswald"][1]["y_hat"]
-    assert "key size k = value size v = d+1" in ir.LAYOUTS["von_oswald"][3] and "sqrt(k)" in ir.LAYOUTS["von_oswald"][3]
-    assert "0.5 * mean" in ir.LAYOUTS["von_oswald"][1]["loss"] and "no factor 1/2" in ir.LAYOUTS["paper"][1]["loss"]
+    assert "-Z_L_rows[:, n, d]" in ic.LAYOUTS["von_oswald"][1]["y_hat"]
+    assert "key size k = value size v = d+1" in ic.LAYOUTS["von_oswald"][3] and "sqrt(k)" in ic.LAYOUTS["von_oswald"][3]
+    assert "0.5 * mean" in ic.LAYOUTS["von_oswald"][1]["loss"] and "no factor 1/2" in ic.LAYOUTS["paper"][1]["loss"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,7 +502,7 @@ def test_diagnose_names_each_known_slip_of_an_independent_implementation(slip):
     for c in cases:
         Z_L, y_hat, loss = paper_model(c["P"], c["Q"], c["Z"], c["y"], c["activation"], slip)
         outputs[c["name"]] = dict(y_hat=y_hat, loss=loss, **({} if slip == "drop" else {"Z_L": Z_L}))
-    report, found = ir.diagnose(outputs)
+    report, found = ic.diagnose(outputs)
     verdicts = {v for fs in found.values() for v in fs.values()}
     if slip is None:
         assert verdicts == {"agrees"} and "Everything agrees" in report
@@ -510,32 +511,32 @@ def test_diagnose_names_each_known_slip_of_an_independent_implementation(slip):
     expected = {expected} if isinstance(expected, str) else set(expected)
     assert verdicts - {"agrees"} <= expected, report            # every mismatch is explained by the slip
     assert verdicts & expected, report                          # and the slip shows somewhere
-    assert any(ir.DIAGNOSIS_VARIANTS["paper"][v][1] in report for v in expected)
+    assert any(ic.DIAGNOSIS_VARIANTS["paper"][v][1] in report for v in expected)
 
 
 def test_diagnose_in_the_von_oswald_layout():
     name = "two-layers-two-heads"
-    inputs = ir._expected(name, "von_oswald")[0]
+    inputs = ic._expected(name, "von_oswald")[0]
     W = [inputs[k] for k in ("W_q", "W_k", "W_v", "W_o")]
     E, y_hat, loss = von_oswald_model(W, inputs["Z_rows"], inputs["y"], 2, "linear", "1/n")
-    report, found = ir.diagnose({name: {"Z_L_rows": E, "loss": loss}}, layout="von_oswald")
+    report, found = ic.diagnose({name: {"Z_L_rows": E, "loss": loss}}, layout="von_oswald")
     assert found[name] == {"Z_L_rows": "an extra 1/n", "loss": "an extra 1/n"}, report
     with pytest.raises(ValueError, match="outputs\\['two-layers-two-heads'\\]"):
-        ir.diagnose({name: {"Z_L": E}}, layout="von_oswald")
+        ic.diagnose({name: {"Z_L": E}}, layout="von_oswald")
     with pytest.raises(TypeError, match="layout"):
-        ir.diagnose({name: {"Z_L_rows": E}}, layout=("von_oswald",))
+        ic.diagnose({name: {"Z_L_rows": E}}, layout=("von_oswald",))
 
 
 def test_diagnose_uses_gradients_and_refuses_bad_input():
     c = CASES["small-full"]                                      # 18 parameters
     P, Q, Z, y = c["P"], c["Q"], c["Z"], c["y"]
     dQ = numeric_grad(lambda X: paper_model(P, X, Z, y, "linear", "QT")[2], Q)
-    report, found = ir.diagnose({"small-full": {"dQ": dQ}})
+    report, found = ic.diagnose({"small-full": {"dQ": dQ}})
     assert found["small-full"]["dQ"] == "Q transposed", report
     dP = numeric_grad(lambda X: paper_model(X, Q, Z, y, "linear", "n+1")[2], P)
-    assert ir.diagnose({"small-full": {"dP": dP}})[1]["small-full"]["dP"] == "1/(n+1) normalisation"
+    assert ic.diagnose({"small-full": {"dP": dP}})[1]["small-full"]["dP"] == "1/(n+1) normalisation"
     ref = correct_outputs("paper", "small-full")
-    report, found = ir.diagnose({"small-full": {"y_hat": ref["y_hat"][:, None], "dP": ref["dP"] * np.nan,
+    report, found = ic.diagnose({"small-full": {"y_hat": ref["y_hat"][:, None], "dP": ref["dP"] * np.nan,
                                                 "dQ": None, "loss": "0.5", "Z_L": ref["Z_L"] + 0j}})
     assert found["small-full"] == {"y_hat": "malformed: shape (4, 1), expected (4,)",
                                    "dP": "malformed: holds NaN or Inf", "dQ": "malformed: missing (None)",
@@ -546,13 +547,13 @@ def test_diagnose_uses_gradients_and_refuses_bad_input():
     for case in ("small-full", "two-layers-two-heads"):
         c = CASES[case]
         rows = np.swapaxes(paper_model(c["P"], c["Q"], c["Z"], c["y"], "linear")[0], 1, 2)
-        assert ir.diagnose({case: {"Z_L": rows}})[1][case]["Z_L"] == "tokens as rows (Z_L transposed)"
+        assert ic.diagnose({case: {"Z_L": rows}})[1][case]["Z_L"] == "tokens as rows (Z_L transposed)"
     for bad, error, words in (({"no-such-case": {"loss": 1.0}}, ValueError, "outputs' cases must name"),
                               ({}, ValueError, "outputs is empty"), ({"small-full": {}}, ValueError, "holds no arrays"),
                               ({"small-full": {"logits": 1.0}}, ValueError, "outputs\\['small-full'\\]"),
                               ([1, 2], TypeError, "outputs")):
         with pytest.raises(error, match=words):
-            ir.diagnose(bad)
+            ic.diagnose(bad)
 
 
 def test_diagnose_default_tolerance_and_order_of_causes():
@@ -560,12 +561,12 @@ def test_diagnose_default_tolerance_and_order_of_causes():
     # the default rtol is 1e-6 of the largest entry: 1e-7 off agrees, 1e-5 off does not
     for off, verdict in ((1e-7, "agrees"), (1e-5, "unexplained")):
         bumped = ref["Z_L"] + off * np.max(np.abs(ref["Z_L"]))
-        assert ir.diagnose({"small-full": {"Z_L": bumped}})[1]["small-full"]["Z_L"] == verdict
+        assert ic.diagnose({"small-full": {"Z_L": bumped}})[1]["small-full"]["Z_L"] == verdict
     # likely causes, most frequent first: Q transposed (3 mismatches) before the sign (1)
     c, c2 = CASES["small-full"], CASES["two-layers-two-heads"]
     QT = paper_model(c["P"], c["Q"], c["Z"], c["y"], "linear", "QT")
     sign = paper_model(c2["P"], c2["Q"], c2["Z"], c2["y"], "linear", "sign")
-    report, _ = ir.diagnose({"small-full": dict(Z_L=QT[0], y_hat=QT[1], loss=QT[2]), c2["name"]: dict(y_hat=sign[1])})
+    report, _ = ic.diagnose({"small-full": dict(Z_L=QT[0], y_hat=QT[1], loss=QT[2]), c2["name"]: dict(y_hat=sign[1])})
     causes = [line for line in report.splitlines() if line.startswith("- ")]
     assert causes[0].startswith("- Q transposed (reproduces 3") and causes[1].startswith("- prediction sign flipped (reproduces 1")
 
@@ -595,7 +596,7 @@ def test_reference_cases_are_what_their_names_claim():
 # ---------------------------------------------------------------------------------------------
 
 def cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "icl_ref", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "icl_check", *args], capture_output=True, text=True, cwd=cwd)
 
 
 def snapshot(path):
@@ -614,12 +615,12 @@ def snapshot(path):
 
 def test_reference_vectors_are_reproducible_documented_and_right(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    ir.write_reference_vectors(a)
+    ic.write_reference_vectors(a)
     proc = cli("vectors", "--out", str(b))
     assert proc.returncode == 0, proc.stderr
     assert snapshot(a) == snapshot(b)                                  # the same bytes on every run
     manifest = json.loads((a / "manifest.json").read_text())
-    assert manifest["format_version"] == ir.VECTORS_FORMAT and manifest["tolerances"]
+    assert manifest["format_version"] == ic.VECTORS_FORMAT and manifest["tolerances"]
     assert manifest["icl_ref_version"] == ir.__version__ and manifest["format"] == "icl_ref reference vectors"
     assert {c["name"] for c in manifest["cases"]} == set(CASES)
     for c in manifest["cases"]:
@@ -651,11 +652,11 @@ def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_
     # the refusals (the command line's in its own process: exit 2, a message, no traceback), each
     # leaving every byte under tmp_path as it was: the user's file a link points to included
     out = tmp_path / "v"
-    ir.write_reference_vectors(out)
+    ic.write_reference_vectors(out)
     first = snapshot(out)
     refused = cli("vectors", "--out", str(out))                        # no silent overwrite
     assert refused.returncode == 2 and "not empty" in refused.stderr and "Traceback" not in refused.stderr
-    ir.write_reference_vectors(out, overwrite=True)                    # an earlier set of ours: replaced
+    ic.write_reference_vectors(out, overwrite=True)                    # an earlier set of ours: replaced
     assert snapshot(out) == first
     elsewhere = tmp_path / "elsewhere.txt"
     elsewhere.write_bytes(b"the user's own file")
@@ -669,20 +670,20 @@ def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_
     }
     for what, change in changes.items():
         shutil.rmtree(out)
-        ir.write_reference_vectors(out)
+        ic.write_reference_vectors(out)
         change()
         before = snapshot(tmp_path)
         if what == "a foreign file":                          # the command line's own refusal
             with pytest.raises(SystemExit) as done:
-                ir._main(["vectors", "--out", str(out), "--overwrite"])
+                ic._main(["vectors", "--out", str(out), "--overwrite"])
             assert done.value.code == 2 and "did not write" in capsys.readouterr().err
         else:
             with pytest.raises(ValueError, match="symbolic link" if "link" in what else "did not write"):
-                ir.write_reference_vectors(out, overwrite=True)
+                ic.write_reference_vectors(out, overwrite=True)
         assert snapshot(tmp_path) == before, what
     # out itself a link to a directory of vectors: refused, the directory untouched
     shutil.rmtree(out)
-    ir.write_reference_vectors(out)
+    ic.write_reference_vectors(out)
     link = tmp_path / "link"
     link.symlink_to(out, target_is_directory=True)
     before = snapshot(tmp_path)
@@ -695,20 +696,20 @@ def test_vectors_never_write_through_a_link_planted_while_they_write(tmp_path, m
     # are created with O_EXCL | O_NOFOLLOW, so the write fails there and the linked file keeps its bytes
     out, theirs = tmp_path / "v", tmp_path / "theirs.txt"
     theirs.write_bytes(b"the user's own file")
-    checked = ir._earlier_vectors
+    checked = ic._earlier_vectors
 
     def plant(dfd, present):
         (out / "small-full.npz").symlink_to(theirs)
         return checked(dfd, present)
-    monkeypatch.setattr(ir, "_earlier_vectors", plant)
+    monkeypatch.setattr(ic, "_earlier_vectors", plant)
     with pytest.raises(FileExistsError):
-        ir.write_reference_vectors(out)
+        ic.write_reference_vectors(out)
     assert theirs.read_bytes() == b"the user's own file" and os.path.islink(out / "small-full.npz")
 
 
 def test_vectors_lock_their_folder(tmp_path):
     out = tmp_path / "v"
-    ir.write_reference_vectors(out)
+    ic.write_reference_vectors(out)
     before = snapshot(out)
     fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -718,7 +719,7 @@ def test_vectors_lock_their_folder(tmp_path):
         assert snapshot(out) == before
     finally:
         os.close(fd)
-    ir.write_reference_vectors(out, overwrite=True)                 # the lock released: ours replaced
+    ic.write_reference_vectors(out, overwrite=True)                 # the lock released: ours replaced
     assert snapshot(out) == before
 
 
@@ -732,16 +733,16 @@ def read(name):
 
 
 def test_command_line_help_and_version(capsys):
-    # in this process: `python3 -m icl_ref` runs _main (test_reference_vectors_are_reproducible_... runs it)
-    assert ir._main([]) == 0                                   # no command: the help, exit 0
+    # in this process: `python3 -m icl_check` runs _main (test_reference_vectors_are_reproducible_... runs it)
+    assert ic._main([]) == 0                                   # no command: the help, exit 0
     out = capsys.readouterr().out
-    assert "usage: python3 -m icl_ref" in out and "vectors" in out
+    assert "usage: python3 -m icl_check" in out and "vectors" in out
     assert "share/doc/icl_ref" in out                          # where the installed MATH.md is
     with pytest.raises(SystemExit) as done:
-        ir._main(["--version"])
+        ic._main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"icl_ref {ir.__version__}"
     with pytest.raises(SystemExit) as done:
-        ir._main(["nonsense"])
+        ic._main(["nonsense"])
     assert done.value.code == 2
 
 
@@ -772,11 +773,11 @@ def test_the_kit_works_under_a_strict_caller_and_leaves_its_settings(tmp_path):
     outputs = correct_outputs("paper", name)
     old = np.seterr(all="raise")
     try:
-        assert len(ir.reference_cases()) == len(CASES)
-        report = ir.check_implementation(lambda case: outputs, cases=[name], rtol=fd_rtol("paper"))
+        assert len(ic.reference_cases()) == len(CASES)
+        report = ic.check_implementation(lambda case: outputs, cases=[name], rtol=fd_rtol("paper"))
         assert report["cases"][name]["status"] == "passed"
-        _, found = ir.diagnose({name: {"Z_L": outputs["Z_L"], "loss": outputs["loss"]}})
-        ir.write_reference_vectors(tmp_path / "vectors")
+        _, found = ic.diagnose({name: {"Z_L": outputs["Z_L"], "loss": outputs["loss"]}})
+        ic.write_reference_vectors(tmp_path / "vectors")
         assert np.geterr() == dict(divide="raise", over="raise", under="raise", invalid="raise")
     finally:
         np.seterr(**old)

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import scipy.optimize
 
+import icl_looped as lp
 import icl_ref as ir
+from test_icl_ref import assert_strict_caller_gets_the_same
 
 FD_VEC = 1e-8
 FD_H = 1e-4
@@ -108,7 +110,7 @@ def test_tied_sparse_optimum_matches_a_scalar_search_on_the_exact_loss(L):
     # the other side: Brent's method on family_population_loss (exact rationals, no Gauss rule,
     # no gradient); Brent brackets the minimiser to xtol = 1e-10, and where f is flat its rounding
     # (1e-16 f) moves the argmin by sqrt(1e-16 f / f'') ~ 1e-8: 1e-6 relative
-    a, b, loss = ir.optimal_tied_family(L, 20, 5)
+    a, b, loss = lp.optimal_tied_family(L, 20, 5)
     res = scipy.optimize.minimize_scalar(lambda s: ir.family_population_loss(np.full(L, s), 20, 5),
                                          bracket=(0.1, 0.5, 1.5), tol=1e-10)
     assert b is None
@@ -121,7 +123,7 @@ def test_tied_blocks_optimum_is_a_strict_minimum_of_the_exact_loss():
     # differentiated by five-point differences at h = 1e-4 in (a, b) (tied over both layers): the
     # descent stops at |grad| <= 1e-12 on the nodes; the stencil errs by rounding, ~1e-12 f / h,
     # and truncation (h^4/30) f^(5), f^(5) ~ 1e3 here (h = 1e-3 and 1e-4 agree to 2e-14): 1e-8
-    a, b, loss = ir.optimal_tied_family(2, 20, 5, blocks=True)
+    a, b, loss = lp.optimal_tied_family(2, 20, 5, blocks=True)
     f = lambda v: ir.family_population_loss([v[0]] * 2, 20, 5, b=[v[1]] * 2)
     x, h = np.array([a, b]), 1e-4
     assert abs(f(x) - loss) <= EXACT * loss
@@ -135,7 +137,7 @@ def test_tied_blocks_optimum_is_a_strict_minimum_of_the_exact_loss():
 def test_tied_optimum_is_a_restriction_of_the_untied_family(blocks, Ls):
     # tying restricts the family, so the tied minimum can only be higher; one layer ties nothing
     for L in Ls:
-        tied = ir.optimal_tied_family(L, 20, 5, blocks=blocks)[2]
+        tied = lp.optimal_tied_family(L, 20, 5, blocks=blocks)[2]
         untied = ir.optimal_family_scalars(L, 20, 5, blocks=blocks, starts=4)[2]
         assert tied >= untied * (1 - EXACT)
         if L == 1:
@@ -144,9 +146,9 @@ def test_tied_optimum_is_a_restriction_of_the_untied_family(blocks, Ls):
 
 def test_tied_family_inputs_are_checked():
     with pytest.raises(TypeError, match="L"):
-        ir.optimal_tied_family(2.0, 20, 5)
+        lp.optimal_tied_family(2.0, 20, 5)
     with pytest.raises(ValueError, match="noise_var"):
-        ir.optimal_tied_family(2, 20, 5, noise_var=-1.0)
+        lp.optimal_tied_family(2, 20, 5, noise_var=-1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ def test_one_layer_population_gradient_matches_finite_differences_of_the_full_la
     Sigma = ir.rotated_covariance(rng, (1.0, 0.4))[0]
     Sigma_w = ir.rotated_covariance(rng, (1.5, 0.7))[0]
     u, U = 0.8, rng.standard_normal((2, 2))
-    loss, du, dU = ir.one_layer_population_grad(u, U, Sigma, 7, Sigma_w)
+    loss, du, dU = lp.one_layer_population_grad(u, U, Sigma, 7, Sigma_w)
     P, Q = zfb_point(u, U)
 
     def full(theta):
@@ -194,7 +196,7 @@ def test_gradient_flow_ends_at_gamma_star_and_keeps_its_invariant(inside):
     # their bound sqrt(2 / (sqrt(d) |Gamma|_2)), Gamma = (1 + 1/n) Sigma + (tr Sigma / n) I = Gamma*^-1
     bound = np.sqrt(2 / (np.sqrt(2) * np.linalg.norm(1.1 * Sigma + np.trace(Sigma) / 10 * np.eye(2), 2)))
     sigma = 0.5 * bound if inside else 3 * bound
-    flow = ir.one_layer_gradient_flow(Sigma, 10, sigma, np.linspace(0, 400, 81), Theta=rng.standard_normal((2, 2)))
+    flow = lp.one_layer_gradient_flow(Sigma, 10, sigma, np.linspace(0, 400, 81), Theta=rng.standard_normal((2, 2)))
     assert abs(flow["sigma_bound"] - bound) <= EXACT * bound
     assert np.linalg.norm(flow["Gamma"][-1] - G_star) <= 1e-8 * np.linalg.norm(G_star)
     assert np.max(np.abs(flow["invariant"])) <= 1e-9 * sigma ** 2      # rtol 1e-12 per step, ~1e4 steps
@@ -205,15 +207,15 @@ def test_gradient_flow_ends_at_gamma_star_and_keeps_its_invariant(inside):
 def test_gradient_flow_inputs_are_checked():
     Sigma = np.eye(2)
     with pytest.raises(ValueError, match="sigma"):
-        ir.one_layer_gradient_flow(Sigma, 10, 0.0, [0.0, 1.0])
+        lp.one_layer_gradient_flow(Sigma, 10, 0.0, [0.0, 1.0])
     with pytest.raises(ValueError, match="t must"):
-        ir.one_layer_gradient_flow(Sigma, 10, 0.1, [1.0, 0.5])
+        lp.one_layer_gradient_flow(Sigma, 10, 0.1, [1.0, 0.5])
     with pytest.raises(ValueError, match="Theta"):
-        ir.one_layer_gradient_flow(Sigma, 10, 0.1, [1.0], Theta=np.zeros((2, 2)))
+        lp.one_layer_gradient_flow(Sigma, 10, 0.1, [1.0], Theta=np.zeros((2, 2)))
     with pytest.raises(ValueError, match="U must"):
-        ir.one_layer_population_grad(1.0, np.eye(3), Sigma, 10)
+        lp.one_layer_population_grad(1.0, np.eye(3), Sigma, 10)
     with pytest.raises(TypeError, match="u must"):
-        ir.one_layer_population_grad("1", np.eye(2), Sigma, 10)
+        lp.one_layer_population_grad("1", np.eye(2), Sigma, 10)
 
 
 def gd_on_batches(Sigma, n, sigma, eta, steps, R, B, seed, engine=None):
@@ -243,7 +245,7 @@ def test_gradient_descent_on_batches_follows_the_flow():
     Sigma = ir.rotated_covariance(rng, (1.0, 0.5))[0]
     eta, steps, R = 0.02, 100, 6
     G = gd_on_batches(Sigma, 10, 0.3, eta, steps, R, 3000, seed=8)
-    flow = ir.one_layer_gradient_flow(Sigma, 10, 0.3, eta * np.arange(steps + 1))["Gamma"]
+    flow = lp.one_layer_gradient_flow(Sigma, 10, 0.3, eta * np.arange(steps + 1))["Gamma"]
     se = G.std(axis=0, ddof=1) / np.sqrt(R)
     for k in (20, 40, 60, 80, 100):
         assert np.all(np.abs(G[:, k].mean(axis=0) - flow[k]) <= Z_MC * se[k]), k
@@ -259,7 +261,7 @@ def test_gradient_descent_on_large_batches_follows_the_flow():
     Sigma = ir.rotated_covariance(rng, (1.0, 0.5))[0]
     eta, steps, R = 0.01, 400, 8
     G = gd_on_batches(Sigma, 10, 0.3, eta, steps, R, 50000, seed=10)
-    flow = ir.one_layer_gradient_flow(Sigma, 10, 0.3, eta * np.arange(steps + 1))["Gamma"]
+    flow = lp.one_layer_gradient_flow(Sigma, 10, 0.3, eta * np.arange(steps + 1))["Gamma"]
     se = G.std(axis=0, ddof=1) / np.sqrt(R)
     for k in (80, 160, 240, 320, 400):
         assert np.all(np.abs(G[:, k].mean(axis=0) - flow[k]) <= Z_MC * se[k]), k
@@ -275,10 +277,25 @@ def test_family_point_is_not_the_minimum_of_the_tied_sparse_loss_at_four_layers(
     K = rng.standard_normal((5, 5))
     K = (K - K.T) / np.linalg.norm(K - K.T)
     for L, sign in ((1, 1), (4, -1)):
-        a = ir.optimal_tied_family(L, 20, 5)[0]
+        a = lp.optimal_tied_family(L, 20, 5)[0]
 
         def sq(A):
             P, Q = ir.structure_to_PQ("sparse", {"A": A[None]}, L=L)
             return (ir.predict(P, Q, Z) - y) ** 2
         dd = (sq(a * np.eye(5) + 0.3 * K) + sq(a * np.eye(5) - 0.3 * K)) / 2 - sq(a * np.eye(5))
         assert sign * dd.mean() > Z_MC * dd.std(ddof=1) / np.sqrt(dd.size), L
+
+
+def test_every_function_works_under_a_strict_caller_and_leaves_its_settings():
+    # np.seterr(all="raise") in the caller changes no result and is left as it was: inputs of scale
+    # 1e-120, where products of entries underflow inside
+    tiny = 1e-120
+    G = ir.gamma_star(np.eye(2), 6)
+
+    def calls():
+        return {
+            "optimal_tied_family": lambda: lp.optimal_tied_family(2, 6, 2, starts=1, rng=np.random.default_rng(0)),
+            "one_layer_population_grad": lambda: lp.one_layer_population_grad(tiny, G * tiny, np.eye(2), 6),
+            "one_layer_gradient_flow": lambda: lp.one_layer_gradient_flow(np.eye(2) * tiny, 6, 0.1, [0.0, 1.0]),
+        }
+    assert_strict_caller_gets_the_same(lp, calls, draws=())
