@@ -14,29 +14,33 @@ are rendered from these fields. Verdicts:
   NO VERDICT   a checked claim or finding whose trained models did not all converge (|grad| >
                GRAD_TOL, or interrupted), or, for a model trained from several starts, when no start
                reached the reference loss (all stopped at higher stationary points); `why` says which.
-The run ends with a tally line; the exit status is 1 when a checked claim fails.
---out DIR receives config.json (the run's record: format marker, options, versions, status and each
-experiment's files and provenance), one CSV per experiment (and per extra table), summary.md and,
-when matplotlib is importable, PNG figures. Setups: [A] §4.3, §5.1 and App. D; the math is in MATH.md.
+The run ends with a tally line; the exit status is 1 when a checked claim fails (EXIT_STATUSES:
+each way a run can end, README's table). --out DIR receives config.json (the run's record: format
+marker, options, versions, status, each experiment's files and provenance, every file with its
+SHA-256), one CSV per experiment (and per extra table), summary.md and, when matplotlib is
+importable, PNG figures; icl_files writes them, replacing only files a record proves this script's.
+Setups: [A] §4.3, §5.1 and App. D; the math is in MATH.md.
 "The rebuttal" is the authors' response to the NeurIPS 2023 reviewers (on OpenReview).
 """
 import argparse
 import ast
+import contextlib
 import csv
 import dataclasses
-import fcntl
 import functools
 import hashlib
+import io
 import itertools
 import json
 import math
 import os
 import platform
 import signal
-import stat
 import sys
+import textwrap
 import threading
 import time
+import traceback
 import zlib
 
 import numpy as np
@@ -47,6 +51,7 @@ import threadpoolctl
 
 import icl_estimators as est
 import icl_fast as fast
+import icl_files
 import icl_looped as lp
 import icl_ref as ir
 
@@ -1848,14 +1853,15 @@ def cell(value):
     return value
 
 
-def write_csv(out, filename, rows):
-    """rows (dicts) as the CSV `filename` in the run's folder `out` (an OutDir): one column per field,
-    FIELDS first when the rows are claims."""
+def csv_bytes(rows):
+    """rows (dicts) as the bytes of a CSV file (UTF-8): one column per field, FIELDS first when the
+    rows are claims. Made in memory, so that the record holds its SHA-256 before it is written."""
     keys = list(dict.fromkeys([k for k in FIELDS if any(k in r for r in rows)] + [k for r in rows for k in r]))
-    with out.create(filename) as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows({k: cell(r.get(k)) for k in keys} for r in rows)
+    f = io.StringIO(newline="")
+    w = csv.DictWriter(f, fieldnames=keys)
+    w.writeheader()
+    w.writerows({k: cell(r.get(k)) for k in keys} for r in rows)
+    return f.getvalue().encode("utf-8")
 
 
 def render(r):
@@ -1916,29 +1922,41 @@ def plural(k, word):
     return f"{k} {word}" + ("" if k == 1 else "s")
 
 
-def figures(out, name, rows, tables):
+def figures(name, rows, tables):
     """PNG figures of what an experiment reproduces, drawn by its plot function (PLOTS) from its rows'
     and tables' fields, with the exact theory beside the measured values (matplotlib, optional).
     Titles and captions say what this run showed: its seed and start counts, which runs converged (a
     "not converged" style in the legend), and a claim only where the run's rows decided it. Returns
-    ([(file name, caption)], a note for the run or None): without matplotlib the note says once how
-    to get figures."""
+    ([(file name, caption)], {file name: PNG bytes}, a note for the run or None): without matplotlib
+    the note says once how to get figures."""
     if name not in PLOTS:
-        return [], None
+        return [], {}, None
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return [], "No figures: matplotlib is not installed (python3 -m pip install matplotlib, or pip install .[plot])."
+        return [], {}, "No figures: matplotlib is not installed (python3 -m pip install matplotlib, or pip install .[plot])."
+    pngs = {}
 
     def save(fig, suffix):
         filename = f"{name}{suffix}.png"
-        with out.create(filename, binary=True) as f:
-            fig.savefig(f, format="png", dpi=90)
+        f = io.BytesIO()
+        fig.savefig(f, format="png", dpi=90)
         plt.close(fig)
+        pngs[filename] = f.getvalue()
         return filename
-    return PLOTS[name](plt, save, rows, tables), None
+    return PLOTS[name](plt, save, rows, tables), pngs, None
+
+
+def experiment_files(name, rows, tables):
+    """An experiment's files as bytes, {file name: bytes}: name.csv (its rows), name_TABLE.csv per
+    extra table, its figures; with the figures' captions and a note when matplotlib is missing."""
+    files = {f"{name}.csv": csv_bytes(rows)}
+    files.update({f"{name}_{table}.csv": csv_bytes(content) for table, content in tables.items()})
+    captions, pngs, note = figures(name, rows, tables)
+    files.update(pngs)
+    return files, captions, note
 
 
 def nonneg_int(text):
@@ -1961,13 +1979,30 @@ def bounded_int(text, least):
     return value
 
 
-RECORD = "config.json"              # the run's record: options, versions, status and the files it wrote
+RECORD = "config.json"              # the run's record: options, versions, status, each file written with its SHA-256
 SUMMARY = "summary.md"
-LOCK = ".experiments.lock"          # held (fcntl.flock) by the one run writing into a folder
+LOCK = ".experiments.lock"          # present while a run holds the folder (icl_files: flock, or created exclusively)
 FORMAT = "icl_ref experiments record"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3                  # 3: every file with its SHA-256 (icl_files); 2 listed names only
 TOOL = "experiments.py"
 SOURCES = ("icl_ref.py", "icl_fast.py", "experiments.py")   # the code whose results a run records
+
+# The exit statuses (README's table): each with the status config.json says and when it is returned.
+# 70 and 74 are sysexits.h's EX_SOFTWARE and EX_IOERR; 128 + N is what a shell shows for signal N
+# (a broken pipe: SIGPIPE, 13, which Python ignores to raise BrokenPipeError instead).
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_CRASHED, EXIT_WRITE_ERROR = 0, 1, 2, 70, 74
+EXIT_SIGINT, EXIT_BROKEN_PIPE, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + 13, 128 + signal.SIGTERM
+EXIT_STATUSES = {
+    EXIT_OK: ("complete", "every checked claim holds"),
+    EXIT_FAILED: ("complete", "a checked claim failed (named on stderr and in summary.md)"),
+    EXIT_REFUSED: ("untouched", "bad arguments, or --out refused (nothing written; the message says why)"),
+    EXIT_CRASHED: ("crashed", "an experiment raised an error (a bug): its traceback on stderr"),
+    EXIT_WRITE_ERROR: ("write error", "a write into --out failed: disk full, file-size limit, no permission, "
+                                      "or a file not the run's appeared under an output's name"),
+    EXIT_SIGINT: ("interrupted", "stopped by Ctrl-C (SIGINT)"),
+    EXIT_BROKEN_PIPE: ("broken pipe", "stdout was closed (`| head`, a pager quit)"),
+    EXIT_SIGTERM: ("interrupted", "stopped by SIGTERM"),
+}
 
 
 def code_text(source):
@@ -2003,148 +2038,24 @@ def output_of(name, filename):
     return filename in (f"{name}.csv", f"{name}.png") or filename.startswith(f"{name}_")
 
 
-class OutputError(Exception):
-    """--out cannot take this run's files; the message names the file and the reason."""
-
-
-def read_record(dfd):
-    """The record in the folder open at `dfd` when experiments.py wrote it (the format marker, the
-    tool's name, this format version and a well-formed per-experiment file list), else None. A
-    record file that is a symbolic link is not read."""
-    try:
-        fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(record, dict) and record.get("format") == FORMAT and record.get("tool") == TOOL
+def trusted_record(record):
+    """Whether a record (a parsed config.json) is experiments.py's in this format: the marker, the
+    tool, this version, and per experiment a list of its own outputs' names. icl_files then trusts
+    the SHA-256 of each file it lists, and nothing else."""
+    if not (record.get("format") == FORMAT and record.get("tool") == TOOL
             and record.get("format_version") == FORMAT_VERSION and isinstance(record.get("experiments"), dict)):
-        return None
+        return False
     for name, entry in record["experiments"].items():
         files = entry.get("files") if isinstance(entry, dict) else None
         if not (isinstance(files, list) and all(isinstance(f, str) and os.path.basename(f) == f and output_of(name, f)
                                                 for f in files)):
-            return None
-    return record
+            return False
+    return True
 
 
-def owned_files(record):
-    """The files a trusted record says experiments.py wrote (the record and the summary included)."""
-    if record is None:
-        return set()
-    return {f for entry in record["experiments"].values() for f in entry["files"]} | {RECORD, SUMMARY}
-
-
-class OutDir:
-    """The --out folder of one run. Only this run writes there while it lives (a lock); a file is
-    created only where no file of that name exists (O_EXCL) and never through a symbolic link
-    (O_NOFOLLOW, relative to the folder's descriptor); what it replaces or removes is what a record
-    of experiments.py lists, regular files only. `check` refuses (OutputError) before anything is
-    written when the folder holds something this run must not touch."""
-
-    def __init__(self, path):
-        self.path = path
-        self.dfd = self.lock_fd = None
-        self.earlier = None            # the earlier run's trusted record, if any
-        self.stale = set()             # files of the earlier record this run replaces once it has their new versions
-
-    def show(self, name):
-        return os.path.join(self.path, name)
-
-    def open(self, names, overwrite, keep_others):
-        if not self.path:
-            raise OutputError("--out must name a directory, got ''")
-        if os.path.lexists(self.path) and not os.path.isdir(self.path):
-            raise OutputError(f"--out {self.path!r} exists and is not a directory")
-        if os.path.isdir(self.path):
-            self.dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-            self.check(names, overwrite, keep_others)          # refuse before writing even the lock
-        else:
-            try:
-                os.makedirs(self.path)
-            except OSError as e:
-                raise OutputError(f"--out {self.path!r} cannot be created: {e.strerror}") from None
-            self.dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            self.lock_fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=self.dfd)
-        except OSError as e:
-            raise OutputError(f"--out {self.path!r}: cannot open the lock file {self.show(LOCK)!r} "
-                              f"({e.strerror}; a symbolic link there is refused)") from None
-        try:
-            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise OutputError(f"--out {self.path!r} is in use by another experiments.py run (it holds the lock "
-                              f"{self.show(LOCK)!r}): wait for it to finish, or name another directory") from None
-        self.check(names, overwrite, keep_others)              # again, now that no other run can write
-
-    def close(self):
-        for fd in (self.lock_fd, self.dfd):
-            if fd is not None:
-                os.close(fd)                                   # closing the lock file releases the lock
-        self.lock_fd = self.dfd = None
-
-    def check(self, names, overwrite, keep_others):
-        present = set(os.listdir(self.dfd)) - {LOCK}
-        self.earlier, self.stale = None, set()
-        if not present:
-            return
-        if not overwrite:
-            raise OutputError(f"--out {self.path!r} is not empty: pass --overwrite to replace an earlier run's "
-                              "results, or name a new directory")
-        record = read_record(self.dfd)
-        if record is None:
-            raise OutputError(f"--out {self.path!r} holds files but no record written by experiments.py ({RECORD} "
-                              f"with the format marker {FORMAT!r}): not touching them; name a new directory")
-        owned = owned_files(record)
-        for f in sorted(present & owned):
-            st = os.stat(f, dir_fd=self.dfd, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
-                raise OutputError(f"--out {self.path!r}: {self.show(f)!r} is not a regular file (a symbolic link or "
-                                  "a directory) although the earlier run's record lists it: not following or "
-                                  "replacing it; move it away or name a new directory")
-        ours = {f for n in names for f in record["experiments"].get(n, {}).get("files", [])}
-        for f in sorted(present - owned):
-            if f in (RECORD, SUMMARY) or any(output_of(n, f) for n in names):
-                raise OutputError(f"--out {self.path!r}: {self.show(f)!r} has the name of one of this run's outputs "
-                                  "but no earlier run of experiments.py wrote it: not replacing it; move it away "
-                                  "or name a new directory")
-        others = sorted(present - owned)
-        if others and not keep_others:
-            raise OutputError(f"--out {self.path!r} holds files that no earlier run wrote ({', '.join(others[:3])}"
-                              f"{', ...' if len(others) > 3 else ''}): pass --keep-others to leave them there, or "
-                              "name a new directory")
-        self.earlier, self.stale = record, ours & present
-
-    def remove_stale(self, name):
-        """Remove the earlier run's files of experiment `name` (its new results are about to be written)."""
-        for f in sorted(self.stale):
-            if output_of(name, f):
-                st = os.stat(f, dir_fd=self.dfd, follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode):
-                    raise OutputError(f"{self.show(f)!r} is no longer a regular file: not removing it")
-                os.unlink(f, dir_fd=self.dfd)
-                self.stale.discard(f)
-
-    def create(self, name, binary=False):
-        """A new file `name` in the folder, open for writing; never an existing file, never through a link."""
-        try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.dfd)
-        except FileExistsError:
-            raise OutputError(f"{self.show(name)!r} appeared while this run was writing and is not this run's: "
-                              "not replacing it") from None
-        return os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8",
-                         **({} if binary else dict(newline="")))
-
-    def replace(self, name, text):
-        """Write `name` (the record or the summary, files of this tool) atomically: a new temporary file
-        renamed over it, so the name is replaced, never a file a link points to."""
-        tmp = f".{name}.{os.getpid()}.tmp"
-        with self.create(tmp) as f:
-            f.write(text)
-        os.replace(tmp, name, src_dir_fd=self.dfd, dst_dir_fd=self.dfd)
+def out_folder(path):
+    """--out as an icl_files.Folder: config.json its record, .experiments.lock its lock."""
+    return icl_files.Folder(path, TOOL, RECORD, LOCK, trusted=trusted_record)
 
 
 class Stopped(KeyboardInterrupt):
@@ -2159,15 +2070,102 @@ def stop_if_interrupted(res):
     return res
 
 
+def exit_table():
+    """EXIT_STATUSES as --help lists them."""
+    return "\n".join(textwrap.fill(when, 100, initial_indent=f"  {code:3d}  ", subsequent_indent=" " * 7)
+                     for code, (_, when) in EXIT_STATUSES.items())
+
+
 HELP_EPILOG = f"""\
 --out: a new or empty directory, or (with --overwrite) one an earlier run of experiments.py wrote.
---overwrite replaces only the files of the experiments named on this command line, as the earlier
-run's {RECORD} lists them (a record this script wrote: it carries "format": "{FORMAT}"); the other
-experiments' results stay, and stay in the record. It never replaces a file that no run of this
-script wrote, never writes through a symbolic link, and refuses a directory another run is
-writing into. Files of yours beside the results are refused unless --keep-others.
-Exit status: 0 every checked claim holds, 1 a claim failed, 2 bad arguments or --out refused
-(nothing written), 130 / 143 stopped by Ctrl-C / SIGTERM (the record says "interrupted")."""
+--overwrite replaces only the files of the experiments named on this command line, and only those
+whose bytes are what the earlier run's {RECORD} says it wrote (their SHA-256); the other
+experiments' results stay, and stay in the record. A file of yours (any other file, or one you
+changed) is refused, named, never replaced; nothing is written through a symbolic link; a directory
+another run is writing into is refused. Files of yours beside the results are refused unless
+--keep-others. After a run was killed, --overwrite takes back the files it can prove and names the
+ones you must remove.
+Exit status ({RECORD} says how the run ended):
+{exit_table()}"""
+
+
+class Console:
+    """The run's printed lines (stdout). A reader that goes away (`| head`, a pager quit) must not
+    crash the run between writing an experiment's files and recording them: the first broken pipe
+    closes the console (later lines go nowhere; stdout is pointed at os.devnull, as Python's
+    documentation advises, so that its flush at exit is quiet too), and the run stops where it is
+    safe, with EXIT_BROKEN_PIPE."""
+
+    def __init__(self, start):
+        self.start, self.closed = start, False
+
+    def say(self, text):
+        if not self.closed:
+            try:
+                print(text, flush=True)
+            except BrokenPipeError:
+                self.close()
+
+    def log(self, msg):
+        self.say(f"[{time.perf_counter() - self.start:7.1f} s] {msg}")
+
+    def close(self):
+        self.closed = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):         # a stdout without a descriptor (a test's capture)
+            pass
+
+
+class Ending:
+    """How a run ended other than by running every experiment to its record: the record's status,
+    the exit status, what stopped it (the record's stopped_by) and the error's message."""
+
+    def __init__(self, status, exit_status, stopped_by, error=None):
+        self.status, self.exit_status, self.stopped_by, self.error = status, exit_status, stopped_by, error
+
+    @classmethod
+    def of(cls, e, term):
+        """The ending an exception raised in the run means; `term`: a SIGTERM arrived."""
+        if isinstance(e, KeyboardInterrupt):
+            if isinstance(e, Stopped) or term:
+                return cls("interrupted", EXIT_SIGTERM, "SIGTERM")
+            return cls("interrupted", EXIT_SIGINT, "SIGINT (Ctrl-C)")
+        if isinstance(e, BrokenPipeError):
+            return cls("broken pipe", EXIT_BROKEN_PIPE, "broken pipe: stdout was closed")
+        if isinstance(e, (icl_files.WriteFailed, icl_files.Refused)):
+            return cls("write error", EXIT_WRITE_ERROR, "write error", str(e))
+        return cls("crashed", EXIT_CRASHED, "crash", "".join(traceback.format_exception_only(type(e), e)).strip())
+
+    def fields(self):
+        return dict(stopped_by=self.stopped_by, **({} if self.error is None else dict(error=self.error)))
+
+    def headline(self, names, done):
+        """summary.md's first line: what stopped the run and what of it completed."""
+        what = ("every experiment completed" if done == names else
+                f"only {', '.join(done)} completed; this is not a full run" if done else
+                "no experiment completed, so there are no results; this is not a full run")
+        if self.status == "interrupted":
+            return f"**INTERRUPTED** by {self.stopped_by}: {what}."
+        return f"**STOPPED** ({self.stopped_by}{': ' + self.error if self.error else ''}): {what}."
+
+
+@contextlib.contextmanager
+def signals_held(held):
+    """`with signals_held(held):` SIGINT and SIGTERM wait (their numbers appended to `held`) while
+    the block runs, so an experiment's files and its record entry are written whole; the handlers
+    before it are back after it, however it ends. Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer = [signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, outer[0])
+        signal.signal(signal.SIGTERM, outer[1])
 
 
 def parser():
@@ -2217,57 +2215,74 @@ def tally(rows):
 
 
 def main(argv=None):
-    """The command line; returns the exit status. The caller's signal handlers are as they were after it."""
+    """The command line; returns the exit status (EXIT_STATUSES; bad arguments and a refused --out
+    raise SystemExit(2) through argparse). The caller's signal handlers are as they were after it."""
     ap = parser()
     args = ap.parse_args(argv)
     if args.list:
         for name, (_, answers) in EXPERIMENTS.items():
             print(f"{name:24s} {answers}")
-        return 0
+        return EXIT_OK
     unknown = [n for n in args.names if n not in EXPERIMENTS]
     if unknown:
         ap.error(f"unknown experiment(s) {unknown}; --list shows the names")
     names = list(dict.fromkeys(args.names)) or list(EXPERIMENTS)
-    out = OutDir(args.out)
+    out = out_folder(args.out)
     try:
-        out.open(names, args.overwrite, args.keep_others)
-    except OutputError as e:
+        out.open(args.overwrite, args.keep_others,
+                 writes=lambda f: f == SUMMARY or any(output_of(n, f) for n in names))
+    except icl_files.Refused as e:
         out.close()
-        ap.error(str(e))
+        ap.error(f"--out {e}")
     try:
         return run(args, names, out)
-    except OutputError as e:          # a file appeared under an output's name mid-run: the record stays "running"
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 2
     finally:
         out.close()
 
 
+def kept_experiments(out, names):
+    """The earlier run's complete experiments this run does not redo, from its record: they stay,
+    in the folder and in the record."""
+    earlier = out.earlier["experiments"] if out.earlier else {}
+    return {n: e for n, e in earlier.items() if n not in names and e.get("status") == "complete"}
+
+
+def leftovers(out, kept, names):
+    """The files the record proves ours that no kept experiment lists and this run does not write
+    again: what a stopped run left of an experiment it did not finish."""
+    listed = {f for e in kept.values() for f in e["files"]}
+    return sorted(f for f in out.owned if f not in listed and f != SUMMARY and not any(output_of(n, f) for n in names))
+
+
+def record_experiment(out, experiments, done, name, files, entry):
+    """Write an experiment's files and its record entry: the entry first (status "writing"), the
+    earlier run's files of the experiment that this one does not write again removed, the files
+    written (icl_files records each one's hash before and after), then the entry "complete"."""
+    experiments.pop(name, None)
+    experiments[name] = dict(entry, files=list(files), status="writing")
+    out.remove(sorted(f for f in out.owned if output_of(name, f) and f not in files))
+    out.write(files)
+    experiments[name]["status"] = "complete"
+    done.append(name)
+    out.save()
+
+
 def run(args, names, out):
+    """Run the experiments `names` into the open folder `out`; returns the exit status. However the
+    run ends (EXIT_STATUSES) it writes summary.md and the record when it can, saying how it ended."""
     start = time.perf_counter()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-    def log(msg):
-        print(f"[{time.perf_counter() - start:7.1f} s] {msg}", flush=True)
-
+    console = Console(start)
+    log = console.log
     this_run = dict(argv=sys.argv, names=names, quick=args.quick, seed=args.seed, threads=args.threads,
                     started_utc=started, sources_sha256=sources_digest(), numpy=np.__version__,
                     scipy=scipy.__version__, python=platform.python_version(),
                     threadpoolctl=threadpoolctl.__version__, cores=len(os.sched_getaffinity(0))
                     if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    # the earlier run's experiments stay in the record until this run replaces them (an experiment's
-    # old files are removed only once its new results are ready)
-    experiments = dict(out.earlier["experiments"]) if out.earlier else {}
-    done, results = [], {}
-
-    def write_record(status, **extra):
-        files = sorted({f for e in experiments.values() for f in e["files"]} | {RECORD, SUMMARY})
-        record = dict(format=FORMAT, tool=TOOL, format_version=FORMAT_VERSION, status=status, **this_run,
-                      completed=list(done), experiments=experiments, files=files, **extra)
-        out.replace(RECORD, json.dumps(record, indent=2, default=float) + "\n")
-
-    write_record("running")
-    stopped_by, plot_note = None, None
+    done, results, experiments = [], {}, {}
+    out.fields = dict(format=FORMAT, tool=TOOL, format_version=FORMAT_VERSION, **this_run, completed=done,
+                      experiments=experiments)
+    ending, plot_note = None, None
     # SIGTERM stops the run as Ctrl-C does; while the results are written at the end, both wait
     main_thread = threading.current_thread() is threading.main_thread()
     term = []                   # the trainers turn the exception into a result: the run remembers the signal here
@@ -2280,7 +2295,14 @@ def run(args, names, out):
     late = []
     try:
         try:
+            # the earlier run's experiments stay in the record until this run replaces them (an
+            # experiment's old files are removed only once its new results are ready)
+            experiments.update(kept_experiments(out, names))
+            out.save("running")
+            out.remove(leftovers(out, experiments, names))
             for k, name in enumerate(names, 1):
+                if console.closed:
+                    raise BrokenPipeError
                 fn, answers = EXPERIMENTS[name]
                 log(f"[{k}/{len(names)}] {name}: {answers}")
                 t0, cpu0 = time.perf_counter(), time.process_time()
@@ -2291,91 +2313,111 @@ def run(args, names, out):
                     rows, tables = fn(ctx)
                 rows = [{"experiment": name, **r} for r in rows]
                 seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-                # an experiment's files and its record entry are written whole: a signal meanwhile waits
-                held = []
-                if main_thread:
-                    outer = [signal.signal(sig, lambda signum, frame: held.append(signum))
-                             for sig in (signal.SIGINT, signal.SIGTERM)]
-                experiments.pop(name, None)            # its earlier files go now: the record must not list them
-                out.remove_stale(name)
-                files = [f"{name}.csv"]
-                write_csv(out, f"{name}.csv", rows)
-                for table, content in tables.items():
-                    files.append(f"{name}_{table}.csv")
-                    write_csv(out, files[-1], content)
-                pngs, note = figures(out, name, rows, tables)
-                files += [p for p, _ in pngs]
+                files, pngs, note = experiment_files(name, rows, tables)
                 plot_note = plot_note or note
-                print(markdown_table(rows), flush=True)
-                experiments[name] = dict(files=files, status="complete", answers=answers, quick=args.quick,
-                                         seed=args.seed, run_started_utc=started, seconds=round(seconds, 1), cpu_seconds=round(cpu, 1),
-                                         sources_sha256=this_run["sources_sha256"], tally=tally(rows))
+                held = []
+                with signals_held(held):
+                    record_experiment(out, experiments, done, name, files, dict(
+                        answers=answers, quick=args.quick, seed=args.seed, run_started_utc=started,
+                        seconds=round(seconds, 1), cpu_seconds=round(cpu, 1),
+                        sources_sha256=this_run["sources_sha256"], tally=tally(rows)))
                 results[name] = (rows, pngs, seconds)
-                done.append(name)
-                write_record("running")
-                if main_thread:
-                    signal.signal(signal.SIGINT, outer[0])
-                    signal.signal(signal.SIGTERM, outer[1])
+                console.say(markdown_table(rows))
                 if held:
                     term.extend(s for s in held if s == signal.SIGTERM)
                     raise Stopped() if signal.SIGTERM in held else KeyboardInterrupt()
                 log(f"[{k}/{len(names)}] {name} done in {seconds:.1f} s ({cpu:.1f} s of CPU); "
                     f"{time.perf_counter() - start:.0f} s so far")
+            if console.closed:                                   # the last lines were not all delivered
+                raise BrokenPipeError
+        except Exception as e:
+            ending = Ending.of(e, term)
+            if ending.status == "crashed":
+                traceback.print_exc()                            # the bug's traceback, on stderr
+            if ending.status == "broken pipe":
+                console.close()
         except KeyboardInterrupt as e:
-            stopped_by = "SIGTERM" if isinstance(e, Stopped) or term else "SIGINT (Ctrl-C)"
+            ending = Ending.of(e, term)
         if main_thread:
             signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
             signal.signal(signal.SIGINT, lambda signum, frame: late.append(signum))
-        rows = [r for rs, _, _ in results.values() for r in rs]
-        counts = tally(rows)
-        failed = [f"{r['experiment']}: {r['claim']}" for r in rows if r["verdict"] == FAIL]
-        summary = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""]
-        if stopped_by:
-            log(f"stopped by {stopped_by}: writing the experiments that completed, then stopping")
-            what = (f"only {', '.join(done)} completed" if done else
-                    "no experiment completed, so there are no results")
-            summary += [f"**INTERRUPTED** by {stopped_by}: {what}; this is not a full run.", ""]
-        summary += [tally_line(counts), ""]
-        deferred = [r for r in rows if r["why"].startswith("full run only")]
-        if deferred:
-            summary += ["Full run only (the --quick sizes cannot decide these; reported as INFO):", ""]
-            summary += [f"- {r['experiment']}: {r['claim']}" for r in deferred] + [""]
-        for name, (rs, pngs, seconds) in results.items():
-            summary += [f"## {name}", f"_{EXPERIMENTS[name][1]}_ ({seconds:.1f} s)", "", markdown_table(rs), ""]
-            for p, caption in pngs:
-                summary += [f"![{name}]({p})", "", f"_{caption}_", ""]
-        kept = [n for n in experiments if n not in results]
-        if kept:
-            summary += ["## Kept from earlier runs", ""] + [
-                f"- {n}: {', '.join(experiments[n]['files'])} ({'quick' if experiments[n].get('quick') else 'full'}, "
-                f"seed {experiments[n].get('seed')}, run started {experiments[n].get('run_started_utc')})"
-                for n in kept] + [""]
-        if plot_note:
-            log(plot_note)
-            summary += ["", plot_note]
-        summary.append(f"Total {time.perf_counter() - start:.1f} s; numpy {np.__version__}, scipy {scipy.__version__}.")
-        if failed:
-            summary += ["", "## Failed claims", ""] + [f"- {f}" for f in failed]
-        out.replace(SUMMARY, "\n".join(summary) + "\n")
-        status = 128 + (signal.SIGTERM if stopped_by == "SIGTERM" else signal.SIGINT) if stopped_by else \
-            1 if failed else 0
-        if stopped_by:
-            write_record("interrupted", stopped_by=stopped_by, tally=counts)
-        else:
-            write_record("complete", tally=counts)
-        if failed:
-            print("FAILED claims:\n  " + "\n  ".join(failed), file=sys.stderr)
-        log(f"{tally_line(counts)}; {'INTERRUPTED, ' if stopped_by else ''}{len(done)} of {len(names)} experiments "
-            f"in {time.perf_counter() - start:.0f} s; exit status {status}; summary in {out.show(SUMMARY)}")
+        ending = finish(args, names, out, results, done, ending, plot_note, start, log)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous_term)
             signal.signal(signal.SIGINT, previous_int)
-    if not stopped_by and late:
+    if ending is None and late:
         # every experiment had completed, so the record says complete; the exit status says a stop came
         log(f"{signal.Signals(late[0]).name} arrived while the results were written: they are complete; stopping")
         return 128 + late[0]
-    return status
+    if ending is not None and ending.status == "broken pipe":
+        print(f"{TOOL}: stdout was closed (broken pipe): stopped after {len(done)} of {len(names)} experiments; "
+              f"{out.show(RECORD)} says so; exit status {ending.exit_status}", file=sys.stderr)
+    return ending.exit_status if ending else EXIT_FAILED if failed_claims(results) else EXIT_OK
+
+
+def failed_claims(results):
+    return [f"{r['experiment']}: {r['claim']}" for rs, _, _ in results.values() for r in rs if r["verdict"] == FAIL]
+
+
+def summary_text(args, names, out, results, done, ending, plot_note, start):
+    """summary.md: the tally, how the run ended, each experiment's table and figures, the kept ones."""
+    rows = [r for rs, _, _ in results.values() for r in rs]
+    summary = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""]
+    if ending:
+        summary += [ending.headline(names, done), ""]
+    summary += [tally_line(tally(rows)), ""]
+    deferred = [r for r in rows if r["why"].startswith("full run only")]
+    if deferred:
+        summary += ["Full run only (the --quick sizes cannot decide these; reported as INFO):", ""]
+        summary += [f"- {r['experiment']}: {r['claim']}" for r in deferred] + [""]
+    for name, (rs, pngs, seconds) in results.items():
+        summary += [f"## {name}", f"_{EXPERIMENTS[name][1]}_ ({seconds:.1f} s)", "", markdown_table(rs), ""]
+        for p, caption in pngs:
+            summary += [f"![{name}]({p})", "", f"_{caption}_", ""]
+    experiments = out.fields["experiments"]
+    kept = [n for n in experiments if n not in results]
+    if kept:
+        summary += ["## Kept from earlier runs", ""] + [
+            f"- {n}: {', '.join(experiments[n]['files'])} ({'quick' if experiments[n].get('quick') else 'full'}, "
+            f"seed {experiments[n].get('seed')}, run started {experiments[n].get('run_started_utc')})"
+            for n in kept] + [""]
+    if plot_note:
+        summary += ["", plot_note]
+    summary.append(f"Total {time.perf_counter() - start:.1f} s; numpy {np.__version__}, scipy {scipy.__version__}.")
+    failed = failed_claims(results)
+    if failed:
+        summary += ["", "## Failed claims", ""] + [f"- {f}" for f in failed]
+    return "\n".join(summary) + "\n"
+
+
+def finish(args, names, out, results, done, ending, plot_note, start, log):
+    """Write summary.md and the record's final status; returns the run's ending (None: it ran to
+    the end), which becomes a write error when these writes fail."""
+    if ending:
+        log(f"stopped by {ending.stopped_by}: writing the experiments that completed, then stopping")
+    if plot_note:
+        log(plot_note)
+    try:
+        out.write({SUMMARY: summary_text(args, names, out, results, done, ending, plot_note, start).encode("utf-8")})
+    except (icl_files.WriteFailed, icl_files.Refused) as e:
+        ending = ending if ending and ending.status == "write error" else Ending.of(e, [])
+    counts = tally([r for rs, _, _ in results.values() for r in rs])
+    try:
+        out.save(ending.status if ending else "complete", tally=counts, **(ending.fields() if ending else {}))
+    except (icl_files.WriteFailed, icl_files.Refused) as e:
+        print(f"{TOOL}: error: {e}; the record {out.show(RECORD)!r} could not be updated (it says "
+              f"{out.status!r})", file=sys.stderr)
+        ending = ending if ending and ending.status == "write error" else Ending.of(e, [])
+    if ending and ending.status == "write error":
+        print(f"{TOOL}: error: {ending.error}", file=sys.stderr)
+    failed = failed_claims(results)
+    if failed:
+        print("FAILED claims:\n  " + "\n  ".join(failed), file=sys.stderr)
+    status = ending.exit_status if ending else EXIT_FAILED if failed else EXIT_OK
+    log(f"{tally_line(counts)}; {'STOPPED, ' if ending else ''}{len(done)} of {len(names)} experiments "
+        f"in {time.perf_counter() - start:.0f} s; exit status {status}; summary in {out.show(SUMMARY)}")
+    return ending
 
 
 def tally_line(counts):

@@ -3,10 +3,13 @@
 Tolerances as in test_icl_ref.py: EXACT for algebraic identities (rounding only), FD_REL for
 central differences at h = 1e-6 (truncation ~h^2, rounding ~eps/h, both far below 1e-6).
 """
+import ast
 import csv
+import errno
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -15,11 +18,17 @@ import pytest
 from numpy.testing import assert_allclose
 
 import experiments as ex
+import icl_files
 import icl_ref as ir
 
 EXACT = 1e-10          # solves of 5x5 / 20x20 systems: rounding times a modest condition number
 FD_REL = 1e-6
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def sha256_of(path):
+    """A file's SHA-256 as a record holds it."""
+    return icl_files.sha256(path.read_bytes())
 
 
 def quick_run(out, names):
@@ -285,14 +294,15 @@ def test_out_naming_a_file_or_a_non_empty_directory_is_refused(tmp_path, capsys)
 
 def test_overwrite_removes_only_an_earlier_runs_files_and_duplicates_run_once(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: (calls.append(1) or [ex.row("x", ex.INFO)], {}), "t"))
+    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: (calls.append(1) or [ex.row(f"run {len(calls)}", ex.INFO)],
+                                                              {}), "t"))
     assert ex.main(["count", "count", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "config.json").read_text())
     assert calls == [1] and record["status"] == "complete"
-    assert sorted(record["files"]) == ["config.json", "count.csv", "summary.md"]
-    (tmp_path / "count.csv").write_text("from the earlier run")
+    # every file written, with its SHA-256 (the record itself aside)
+    assert record["files"] == {f: sha256_of(tmp_path / f) for f in ("count.csv", "summary.md")}
     assert ex.main(["count", "--out", str(tmp_path), "--overwrite"]) == 0
-    assert (tmp_path / "count.csv").read_text() != "from the earlier run"
+    assert "run 2" in (tmp_path / "count.csv").read_text()
     # a file no run wrote: refused (exit 2, nothing touched) unless --keep-others, which leaves it be
     (tmp_path / "notes.md").write_text("mine")
     with pytest.raises(SystemExit) as stop:
@@ -318,13 +328,13 @@ def test_overwrite_never_deletes_files_of_a_directory_that_held_no_run(tmp_path,
 def test_a_signal_while_the_results_are_written_is_answered_after_them(tmp_path, monkeypatch):
     import signal
     monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", ex.INFO)], {}), "t"))
-    replace = ex.OutDir.replace
+    save = icl_files.Folder.save
 
-    def replace_then_signal(self, name, text):     # SIGTERM just as the final record is written
-        replace(self, name, text)
-        if name == ex.RECORD and json.loads(text)["status"] == "complete":
+    def save_then_signal(self, status=None, **fields):     # SIGTERM just as the final record is written
+        save(self, status, **fields)
+        if status == "complete":
             os.kill(os.getpid(), signal.SIGTERM)
-    monkeypatch.setattr(ex.OutDir, "replace", replace_then_signal)
+    monkeypatch.setattr(icl_files.Folder, "save", save_then_signal)
     assert ex.main(["count", "--out", str(tmp_path)]) == 128 + signal.SIGTERM
     monkeypatch.undo()
     assert json.loads((tmp_path / "config.json").read_text())["status"] == "complete"
@@ -420,7 +430,9 @@ def test_family_optimum_computes_each_setting_once_and_returns_the_library_s_ans
 # ---------------------------------------------------------------------------------------------
 
 # two stub experiments (no training: the folder handling is what these tests are about); "stub-a"
-# waits for the file named by STUB_WAIT, when set, so that a second run can meet it mid-run
+# waits for the file named by STUB_WAIT, when set, so that a second run can meet it mid-run;
+# STUB_BIG makes stub-b's table 100 kB, STUB_FSIZE sets the file-size limit (`ulimit -f`), and
+# STUB_KILL=during|after kills the run (SIGKILL) halfway through writing stub-b's table, or just after
 STUB_CLI = """
 import os, sys, time
 import experiments as ex
@@ -430,9 +442,22 @@ def stub(tag):
             print("READY", flush=True)
             while not os.path.exists(os.environ["STUB_WAIT"]):
                 time.sleep(0.05)
-        return [ex.row("stub", verdict=ex.INFO, measured=1.0)], {"table": [dict(x=tag)]}
+        table = [dict(x=tag * (1000 if tag == "b" and os.environ.get("STUB_BIG") else 1))] * 100
+        return [ex.row("stub", verdict=ex.INFO, measured=1.0)], {"table": table}
     return fn
 ex.EXPERIMENTS.update({"stub-a": (stub("a"), "t"), "stub-b": (stub("b"), "t")})
+if os.environ.get("STUB_FSIZE"):
+    import resource
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ["STUB_FSIZE"]),) * 2)
+if os.environ.get("STUB_KILL"):
+    import signal, icl_files
+    write = icl_files._write_fd
+    def dying(fd, data):
+        if data.startswith(b"x\\r\\nb\\r\\n"):
+            write(fd, data if os.environ["STUB_KILL"] == "after" else data[:len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(fd, data)
+    icl_files._write_fd = dying
 sys.exit(ex.main(sys.argv[1:]))
 """
 
@@ -536,7 +561,7 @@ def test_no_output_is_written_through_a_symbolic_link(tmp_path, cli, link):
     assert cli("stub-a", "--out", out)[0] == 0
     outside = tmp_path / "precious.txt"
     outside.write_text("outside --out")
-    (out / link).unlink()
+    (out / link).unlink(missing_ok=True)          # the lock file is there only while a run holds the folder
     (out / link).symlink_to(outside)
     before = snapshot(tmp_path)
     if link == "stub-a.csv":                     # one case through the command line itself
@@ -562,7 +587,7 @@ def test_two_runs_into_one_folder_the_second_is_refused_while_the_first_holds_it
     assert first.returncode == 0, stdout + stderr
     record = json.loads((out / "config.json").read_text())
     assert record["status"] == "complete" and list(record["experiments"]) == ["stub-a"]
-    assert sorted(os.listdir(out)) == sorted(record["files"] + [".experiments.lock"])
+    assert sorted(os.listdir(out)) == sorted([*record["files"], "config.json"])      # the lock gone with its run
 
 
 def test_overwrite_of_a_subset_replaces_only_those_experiments_and_keeps_the_others(tmp_path, cli):
@@ -570,14 +595,14 @@ def test_overwrite_of_a_subset_replaces_only_those_experiments_and_keeps_the_oth
     assert cli("stub-a", "stub-b", "--out", out)[0] == 0
     first = json.loads((out / "config.json").read_text())
     b_files = {f: (out / f).read_bytes() for f in first["experiments"]["stub-b"]["files"]}
-    (out / "stub-a.csv").write_text("stale")
+    os.link(out / "stub-a.csv", tmp_path / "old-a")     # the earlier file, kept alive to tell it from a new one
     assert cli("stub-a", "--out", out, "--overwrite")[0] == 0            # the lock released with the first run
     record = json.loads((out / "config.json").read_text())
     assert record["experiments"]["stub-b"] == first["experiments"]["stub-b"]   # kept, with its provenance
     assert {f: (out / f).read_bytes() for f in b_files} == b_files
-    assert (out / "stub-a.csv").read_text() != "stale" and record["completed"] == ["stub-a"]
-    assert set(record["files"]) == {"config.json", "summary.md", "stub-a.csv", "stub-a_table.csv", "stub-b.csv",
-                                    "stub-b_table.csv"}
+    assert not os.path.samefile(out / "stub-a.csv", tmp_path / "old-a") and record["completed"] == ["stub-a"]
+    assert record["files"] == {f: sha256_of(out / f) for f in ("stub-a.csv", "stub-a_table.csv", "stub-b.csv",
+                                                               "stub-b_table.csv", "summary.md")}
     assert "Kept from earlier runs" in (out / "summary.md").read_text()
 
 
@@ -795,8 +820,9 @@ def test_a_file_appearing_under_an_outputs_name_mid_run_is_left_alone_and_the_ru
         status, err = cli("stub-c", "--out", out)
     finally:
         del ex.EXPERIMENTS["stub-c"]
-    assert status == 2 and "stub-c.csv" in err and (out / "stub-c.csv").read_text() == "theirs"
-    assert json.loads((out / "config.json").read_text())["status"] == "running"
+    assert status == ex.EXIT_WRITE_ERROR and "stub-c.csv" in err and (out / "stub-c.csv").read_text() == "theirs"
+    record = json.loads((out / "config.json").read_text())
+    assert record["status"] == "write error" and "stub-c.csv" in record["error"]
 
 
 def test_the_documented_thresholds_decide_rows():
@@ -859,42 +885,30 @@ def test_output_names_and_the_record_checks(tmp_path):
     # record is trusted only with the marker, the tool, this version and a file list of the named
     # experiments' own outputs in the folder itself, read without following a link
     assert ex.output_of("noise", "noise_table.csv") and not ex.output_of("noise", "noise-floor.txt")
-    good = dict(format=ex.FORMAT, tool=ex.TOOL, format_version=ex.FORMAT_VERSION,
+    good = dict(format=ex.FORMAT, tool=ex.TOOL, format_version=ex.FORMAT_VERSION, files={}, writing={},
                 experiments={"noise": {"files": ["noise.csv", "noise_x.csv"]}})
-    variants = {"good": good, "no marker": dict(good, format="other"), "old version": dict(good, format_version=1),
+    variants = {"good": good, "no marker": dict(good, format="other"), "old version": dict(good, format_version=2),
                 "foreign file": dict(good, experiments={"noise": {"files": ["thesis.tex"]}}),
-                "path": dict(good, experiments={"noise": {"files": ["noise_/../../x.csv"]}})}
+                "path": dict(good, experiments={"noise": {"files": ["noise_/../../x.csv"]}}),
+                "no hashes": dict(good, files=["noise.csv"])}
     for label, record in variants.items():
         folder = tmp_path / label.replace(" ", "-")
         folder.mkdir()
         (folder / ex.RECORD).write_text(json.dumps(record))
-        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        out = ex.out_folder(folder)
         try:
-            assert (ex.read_record(dfd) is not None) == (label == "good"), label
+            out.open(overwrite=True, keep_others=False, writes=lambda f: False)
+            trusted = out.earlier is not None
+        except icl_files.Refused as e:
+            trusted = "no record written by experiments.py" not in str(e)
         finally:
-            os.close(dfd)
+            out.close()
+        assert trusted == (label == "good"), label
     linked = tmp_path / "linked"
     linked.mkdir()
     os.symlink(tmp_path / "good" / ex.RECORD, linked / ex.RECORD)
-    dfd = os.open(linked, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        assert ex.read_record(dfd) is None
-    finally:
-        os.close(dfd)
-
-
-def test_outdir_creates_only_new_files(tmp_path):
-    # a file that appeared meanwhile is refused, not truncated
-    out = ex.OutDir(str(tmp_path / "o"))
-    out.open(["noise"], overwrite=False, keep_others=False)
-    try:
-        with out.create("noise.csv") as f:
-            f.write("mine")
-        with pytest.raises(ex.OutputError, match="appeared"):
-            out.create("noise.csv")
-    finally:
-        out.close()
-    assert (tmp_path / "o" / "noise.csv").read_text() == "mine"
+    with pytest.raises(icl_files.Refused, match="no record written by experiments.py"):
+        ex.out_folder(linked).open(overwrite=True, keep_others=False, writes=lambda f: False)
 
 
 def test_best_of_is_the_lowest_converged_run_else_the_smallest_gradient():
@@ -1069,3 +1083,266 @@ def test_shift_rows_at_their_thresholds():
     wu = {r["holds"] for r in ex.shift_rows(shifts(ridge_tuned=1.0 / 1.1 + 1e-9), L_star, 20, GOOD) if "holds" in r}
     assert wu == {"yes"}
     assert {r["holds"] for r in ex.shift_rows(shifts(ridge_tuned=0.9), L_star, 20, GOOD) if "holds" in r} == {"no"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Every way a run ends is recorded, with the exit status README gives it; --overwrite replaces a
+# file only when its bytes are what a run recorded writing (issue 47)
+# ---------------------------------------------------------------------------------------------
+
+def test_a_record_copied_next_to_your_own_file_does_not_make_it_ours(tmp_path, cli):
+    # a config.json copied from a results folder next to the user's own stub-a.csv: it was replaced
+    results, mine = tmp_path / "results", tmp_path / "mine"
+    assert cli("stub-a", "--out", results)[0] == 0
+    mine.mkdir()
+    (mine / "config.json").write_bytes((results / "config.json").read_bytes())
+    (mine / "stub-a.csv").write_text("my own measurements")
+    before = snapshot(tmp_path)
+    status, err = cli("stub-a", "--out", mine, "--overwrite")
+    assert status == 2 and "stub-a.csv' is not the file experiments.py wrote" in err and "not replacing" in err
+    assert snapshot(tmp_path) == before
+
+
+def test_an_output_you_replaced_after_the_run_is_yours(tmp_path, cli):
+    # a recorded output replaced by the user's own file of the same name: it was replaced
+    out = tmp_path / "p"
+    assert cli("stub-a", "stub-b", "--out", out)[0] == 0
+    (out / "stub-a_table.csv").write_text("my edited table")
+    before = snapshot(tmp_path)
+    status, err = cli("stub-a", "--out", out, "--overwrite", "--keep-others")
+    assert status == 2 and "stub-a_table.csv' is not the file experiments.py wrote" in err
+    assert snapshot(tmp_path) == before
+    # another experiment's file you changed is yours too: refused unless --keep-others, then left
+    # alone and no longer vouched for by the record, so that a later run of its experiment refuses it
+    (out / "stub-a_table.csv").unlink()
+    (out / "stub-b.csv").write_text("my edited stub-b")
+    status, err = cli("stub-a", "--out", out, "--overwrite")
+    assert status == 2 and "stub-b.csv' is not the file" in err and "--keep-others" in err
+    assert cli("stub-a", "--out", out, "--overwrite", "--keep-others")[0] == 0
+    assert (out / "stub-b.csv").read_text() == "my edited stub-b"
+    assert "stub-b.csv" not in json.loads((out / "config.json").read_text())["files"]
+    status, err = cli("stub-b", "--out", out, "--overwrite", "--keep-others")
+    assert status == 2 and "stub-b.csv" in err and (out / "stub-b.csv").read_text() == "my edited stub-b"
+
+
+def test_a_closed_stdout_stops_the_run_with_what_it_wrote_recorded(tmp_path):
+    # `experiments.py ... | head -1`: a BrokenPipeError between writing files and recording them,
+    # a traceback, exit 1, a record stuck at "running", and --overwrite then refused
+    out, go = tmp_path / "p", tmp_path / "go"
+    proc = stub_cli("stub-a", "stub-b", "--out", out, env=dict(STUB_WAIT=str(go)), wait=False)
+    for line in proc.stdout:
+        if "READY" in line:
+            break
+    proc.stdout.close()                      # the reader goes away while stub-a runs
+    go.write_text("")
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=60) == ex.EXIT_BROKEN_PIPE, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr and "broken pipe" in stderr
+    record = json.loads((out / "config.json").read_text())
+    assert record["status"] == "broken pipe" and record["completed"] == ["stub-a"] and record["writing"] == {}
+    assert set(record["files"]) == {"stub-a.csv", "stub-a_table.csv", "summary.md"} and not (out / "stub-b.csv").exists()
+    assert "**STOPPED** (broken pipe" in (out / "summary.md").read_text()
+    assert stub_cli("stub-a", "stub-b", "--out", out, "--overwrite").returncode == 0
+
+
+def test_a_reader_gone_at_the_last_line_leaves_a_complete_run(tmp_path, cli, monkeypatch):
+    # the pipe breaks as the final line (after the record says complete) is printed: no traceback,
+    # the run's own exit status, its record complete
+    class ClosesAtTheEnd(BrokenStdout):
+        def write(self, text):
+            if "tally:" in text:
+                super().write(text)
+            return len(text)
+    monkeypatch.setattr(sys, "stdout", ClosesAtTheEnd())
+    status, err = cli("stub-a", "--out", tmp_path / "p")
+    assert status == ex.EXIT_OK and "Traceback" not in err
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["status"] == "complete"
+
+
+def test_a_write_error_is_a_message_and_its_status_and_the_record_says_so(tmp_path):
+    # the file-size limit (EFBIG; disk full and a read-only folder take the same path): a traceback,
+    # exit 1, a record at "running" and a partial file
+    out = tmp_path / "p"
+    proc = stub_cli("stub-a", "stub-b", "--out", out, env=dict(STUB_BIG="1", STUB_FSIZE="16384"))
+    assert proc.returncode == ex.EXIT_WRITE_ERROR, proc.stderr
+    assert "Traceback" not in proc.stderr and "stub-b_table.csv" in proc.stderr and "ulimit -f" in proc.stderr
+    record = json.loads((out / "config.json").read_text())
+    assert record["status"] == "write error" and "stub-b_table.csv" in record["error"] and record["completed"] == ["stub-a"]
+    assert not (out / "stub-b_table.csv").exists() and "stub-b_table.csv" not in record["writing"]   # no partial file
+    assert "**STOPPED** (write error" in (out / "summary.md").read_text()
+    assert stub_cli("stub-a", "stub-b", "--out", out, "--overwrite").returncode == 0
+
+
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_after_a_sigkill_overwrite_takes_back_what_it_proves_and_names_the_rest(tmp_path, when):
+    # a run killed while it wrote stub-b's files: --overwrite refused "no earlier run of
+    # experiments.py wrote it", naming nothing the user could remove
+    out = tmp_path / "p"
+    proc = stub_cli("stub-a", "stub-b", "--out", out, env=dict(STUB_KILL=when))
+    assert proc.returncode == -9, proc.stderr
+    record = json.loads((out / "config.json").read_text())
+    assert record["status"] == "running" and record["experiments"]["stub-b"]["status"] == "writing"
+    assert "stub-b_table.csv" in record["writing"]
+    if when == "during":                     # the table was cut short: not provably ours, named alone
+        before = snapshot(tmp_path)
+        again = stub_cli("stub-a", "stub-b", "--out", out, "--overwrite")
+        refused(again, "stub-b_table.csv' was being written when a run of experiments.py stopped")
+        assert "stub-a.csv" not in again.stderr and "stub-b.csv" not in again.stderr and snapshot(tmp_path) == before
+        (out / "stub-b_table.csv").unlink()  # as the message asks
+    assert stub_cli("stub-a", "stub-b", "--out", out, "--overwrite").returncode == 0
+    assert json.loads((out / "config.json").read_text())["status"] == "complete"
+
+
+def test_a_fifo_named_config_json_is_refused_without_blocking(tmp_path):
+    # reading the record opened it, and a FIFO blocks its reader until a writer comes: forever
+    out = tmp_path / "p"
+    out.mkdir()
+    os.mkfifo(out / "config.json")
+    proc = subprocess.run([sys.executable, "-c", STUB_CLI, "stub-a", "--out", str(out), "--overwrite"], cwd=HERE,
+                          capture_output=True, text=True, timeout=60)
+    refused(proc, "config.json is a FIFO")
+    assert os.listdir(out) == ["config.json"]
+
+
+@pytest.mark.parametrize("spelling", ["", "/", "/."])
+def test_out_named_by_a_symbolic_link_is_refused_however_it_is_spelled(tmp_path, cli, spelling):
+    # `--out LINK/` opened the link's target: a trailing separator makes the system follow the link
+    target, link = tmp_path / "target", tmp_path / "link"
+    target.mkdir()
+    link.symlink_to(target, target_is_directory=True)
+    status, err = cli("stub-a", "--out", str(link) + spelling)
+    assert status == 2 and "symbolic link" in err and os.listdir(target) == []
+
+
+def test_a_crash_in_an_experiment_is_its_own_status_with_the_traceback_and_a_record(tmp_path, cli):
+    out = tmp_path / "p"
+
+    def broken(ctx):
+        raise ZeroDivisionError("a bug")
+    ex.EXPERIMENTS["stub-c"] = (broken, "t")
+    try:
+        status, err = cli("stub-a", "stub-c", "stub-b", "--out", out)
+    finally:
+        del ex.EXPERIMENTS["stub-c"]
+    assert status == ex.EXIT_CRASHED != ex.EXIT_FAILED and "Traceback" in err and "ZeroDivisionError: a bug" in err
+    record = json.loads((out / "config.json").read_text())
+    assert record["status"] == "crashed" and "ZeroDivisionError: a bug" in record["error"]
+    assert record["completed"] == ["stub-a"] and "stub-b" not in record["experiments"]
+    assert "**STOPPED** (crash" in (out / "summary.md").read_text()
+
+
+def readme_exit_statuses():
+    """README's table of exit statuses (section Experiments): {status: the record's status}."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("## Experiments"):]
+    rows = re.findall(r"^\| (\d+) \| .+ \| (`[a-z ]+`|untouched)[^|]*\|$", section, flags=re.M)
+    return {int(code): status.strip("`") for code, status in rows}
+
+
+class BrokenStdout:
+    """A stdout whose reader went away."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        pass
+
+
+def test_readme_exit_statuses_are_what_the_run_returns_and_records(tmp_path, monkeypatch, capsys):
+    import signal
+    documented = readme_exit_statuses()
+    assert documented == {code: status for code, (status, _) in ex.EXIT_STATUSES.items()}
+    help_text = " ".join(ex.HELP_EPILOG.split())
+    assert all(f"{code} {when}" in help_text for code, (_, when) in ex.EXIT_STATUSES.items())
+
+    def ended(experiment, *extra, out=None):
+        """Run one stub experiment: (exit status, the record's status or "untouched")."""
+        out = out or tmp_path / f"run{len(os.listdir(tmp_path))}"
+        monkeypatch.setitem(ex.EXPERIMENTS, "stub", (experiment, "t"))
+        try:
+            status = ex.main(["stub", "--out", str(out), *extra])
+        except SystemExit as e:
+            status = e.code
+        record = out / "config.json"
+        return status, json.loads(record.read_text())["status"] if record.exists() else "untouched"
+
+    def claim(verdict):
+        return lambda ctx: ([ex.row("x", verdict, theory=1.0, measured=2.0)], {})
+
+    def raising(error):
+        def experiment(ctx):
+            raise error
+        return experiment
+
+    def terminated(ctx):
+        os.kill(os.getpid(), signal.SIGTERM)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    real = icl_files._write_fd
+
+    def disk_full(fd, data):
+        if data.startswith(b"experiment,"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data)
+    cases = {ex.EXIT_OK: lambda: ended(claim(ex.INFO)),
+             ex.EXIT_FAILED: lambda: ended(claim(ex.FAIL)),
+             ex.EXIT_REFUSED: lambda: ended(claim(ex.INFO), out=a_file),
+             ex.EXIT_CRASHED: lambda: ended(raising(ValueError("bug"))),
+             ex.EXIT_WRITE_ERROR: lambda: (monkeypatch.setattr(icl_files, "_write_fd", disk_full),
+                                           ended(claim(ex.INFO)))[1],
+             ex.EXIT_SIGINT: lambda: ended(raising(KeyboardInterrupt())),
+             ex.EXIT_BROKEN_PIPE: lambda: (monkeypatch.setattr(sys, "stdout", BrokenStdout()), ended(claim(ex.INFO)))[1],
+             ex.EXIT_SIGTERM: lambda: ended(terminated)}
+    assert set(cases) == set(documented)
+    for code, case in cases.items():
+        assert case() == (code, documented[code]), code
+        monkeypatch.setattr(icl_files, "_write_fd", real)
+        monkeypatch.setattr(sys, "stdout", sys.__stdout__)
+    capsys.readouterr()
+
+
+def test_experiments_py_has_no_file_system_code_of_its_own():
+    # the folder is icl_files' alone: experiments.py neither locks, opens by descriptor, creates,
+    # replaces nor removes a file (its only os.open is the console's os.devnull)
+    with open(os.path.join(HERE, "experiments.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    forbidden = {"fcntl", "flock", "dir_fd", "O_NOFOLLOW", "O_DIRECTORY", "O_EXCL", "O_CREAT", "makedirs", "mkdir",
+                 "unlink", "remove", "rename", "replace", "listdir", "scandir", "lstat", "stat", "fdopen"}
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+             and n.value.id == "os"}
+    used |= {k.arg for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords}
+    used |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not used & forbidden, used & forbidden
+
+
+HIDDEN_RUN = """
+import os, sys
+sys.modules['fcntl'] = None
+del os.O_NOFOLLOW, os.O_DIRECTORY
+os.supports_dir_fd.clear()
+sys.path.insert(0, sys.argv[1])
+import experiments as ex, icl_files
+assert icl_files.Means.detect() == icl_files.Means(None, 0, False)
+sys.exit(ex.main(sys.argv[2:]))
+"""
+
+
+def test_a_quick_experiment_runs_where_fcntl_o_nofollow_o_directory_and_dir_fd_are_missing(tmp_path):
+    # the README's first command failed at import on Windows (import fcntl); its promises hold there too
+    out = tmp_path / "results"
+
+    def run_hidden(*args):
+        return subprocess.run([sys.executable, "-c", HIDDEN_RUN, HERE, "noise", "--quick", "--out", str(out), *args],
+                              capture_output=True, text=True, timeout=120)
+    proc = run_hidden()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    record = json.loads((out / "config.json").read_text())
+    assert record["status"] == "complete" and record["files"]["noise.csv"] == sha256_of(out / "noise.csv")
+    assert sorted(os.listdir(out)) == ["config.json", "noise.csv", "summary.md"]
+    assert run_hidden("--overwrite").returncode == 0
+    (out / "noise.csv").write_text("mine")
+    refused(run_hidden("--overwrite"), "noise.csv' is not the file experiments.py wrote")
+    assert (out / "noise.csv").read_text() == "mine"
