@@ -2,8 +2,15 @@
 
 Checks another implementation (PyTorch, JAX, NumPy, or any language through the vectors' files)
 against icl_ref, in the paper's layout or in the authors' or von Oswald et al.'s, and names the
-convention slip behind a mismatch (MATH.md §13). Built on icl_ref's public names; icl_ref itself
-checks nothing of anyone else's.
+convention slip behind a mismatch (MATH.md §13); the adapters between those layouts and the
+paper's (MATH.md §12) come first. Built on icl_ref's public names (and the input checks its
+PRIVATE_API lists); icl_ref itself checks nothing of anyone else's.
+
+    tokens_as_rows, tokens_as_columns          prompts with tokens as rows (their code) and back
+    params_from_authors, params_to_authors,    the authors' allparam blocks, and their gradient
+    grads_to_authors
+    params_from_von_oswald, grads_to_von_oswald, VON_OSWALD_LOSS_SCALE
+                                               von Oswald et al.'s W_q, W_k, W_v, W_o, and their loss
 
     reference_cases()                          the inputs: small deterministic cases, every structure
                                                and activation
@@ -15,7 +22,7 @@ checks nothing of anyone else's.
     LAYOUTS, DIAGNOSIS_VARIANTS                 what each layout's inputs and outputs mean; the slips
     CHECK_TOLERANCES, VECTOR_TOLERANCES         the default tolerances, with their reasons
 
-Sections follow MATH.md §13.
+Sections follow MATH.md §12-§13.
 """
 import argparse
 import functools
@@ -32,9 +39,143 @@ import zipfile
 import numpy as np
 
 import icl_ref as ir
-from icl_ref import _nonneg
+from icl_ref import _array, _int, _nonneg, _numpy_rules, _params, _prompts
 
 __version__ = ir.__version__
+
+# ---------------------------------------------------------------------------------------------
+# §12 Other code's layouts: the authors' code and von Oswald et al.
+# ---------------------------------------------------------------------------------------------
+
+def tokens_as_columns(Z_rows):
+    """Prompts with tokens as rows, (B, n+1, d+1) (the authors' code, von Oswald et al.), as icl_ref's
+    (B, d+1, n+1). The inverse is tokens_as_rows. MATH.md §12."""
+    Z_rows = _array("Z_rows", Z_rows, 3)
+    return _prompts(Z_rows.transpose(0, 2, 1), name="Z_rows (transposed)").copy()
+
+
+def tokens_as_rows(Z):
+    """icl_ref's prompts (B, d+1, n+1) with tokens as rows, (B, n+1, d+1). MATH.md §12."""
+    return _prompts(Z).transpose(0, 2, 1).copy()
+
+
+def params_from_authors(allparam):
+    """The authors' `allparam` (L, H, 2, d, d) (P block at [..., 0, :, :], Q block at [..., 1, :, :])
+    as icl_ref's (P, Q), each (L, H, d+1, d+1).
+
+    Their layer is Z_rows + (Z_rows Q_full Z_rows^T) M (Z_rows P_full^T) / N with
+    P_full = [[P_blk, 0], [0, 1]] and Q_full = [[Q_blk, 0], [0, 0]]; in columns that is
+    P_full Z M Z^T Q_full^T Z / N, so P = P_full and Q = Q_full^T (MATH.md §12).
+    """
+    allparam = _array("allparam", allparam, 5)
+    L, H, two, d, d2 = allparam.shape
+    if two != 2 or d != d2 or L < 1 or H < 1 or d < 1:
+        raise ValueError(f"allparam must have shape (L, H, 2, d, d), got {allparam.shape}")
+    P, Q = np.zeros((2, L, H, d + 1, d + 1))
+    P[:, :, :d, :d] = allparam[:, :, 0]
+    P[:, :, d, d] = 1.0
+    Q[:, :, :d, :d] = allparam[:, :, 1].transpose(0, 1, 3, 2)
+    return P, Q
+
+
+def params_to_authors(P, Q):
+    """Inverse of params_from_authors: (P, Q) -> allparam (L, H, 2, d, d). Only (P, Q) of the
+    authors' form can be mapped: P's last row and column e_{d+1}, Q's last row and column 0.
+    MATH.md §12."""
+    P, Q = _params(P, Q)
+    d = P.shape[-1] - 1
+    e = np.zeros(d + 1)
+    e[d] = 1.0
+    if (np.any(P[..., d, :] != e) or np.any(P[..., :, d] != e) or np.any(Q[..., d, :])
+            or np.any(Q[..., :, d])):
+        raise ValueError("P, Q must have the authors' form: P's last row and column e_{d+1}, "
+                         "Q's last row and column zero")
+    return np.stack([P[..., :d, :d], Q[..., :d, :d].swapaxes(-1, -2)], axis=2)
+
+
+def grads_to_authors(dP, dQ):
+    """The gradient with respect to the authors' allparam, from icl_ref's (dP, dQ):
+    chain rule through params_from_authors (the Q block enters transposed). MATH.md §12."""
+    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
+    d = dP.shape[-1] - 1
+    return np.stack([dP[..., :d, :d], dQ[..., :d, :d].swapaxes(-1, -2)], axis=2)
+
+
+VON_OSWALD_LOSS_SCALE = 0.5
+"""von Oswald et al. (2023) report 0.5 * mean squared error: multiply icl_ref's loss and gradient by it."""
+
+
+def _von_oswald_heads(W_q, W_k, W_v, W_o, heads, activation, layers=None):
+    """The four projections split into heads, (L, H, D, k), (L, H, D, k), (L, H, D, v), (L, H, v, D),
+    2-d (tied) weights repeated `layers` times, and the score scale s: 1, or 1 / sqrt(key size) for
+    their softmax. Heads are column blocks of W_q, W_k, W_v and row blocks of W_o."""
+    heads = _int("heads", heads, 1)
+    W = [_array(name, w, (2, 3)) for name, w in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v), ("W_o", W_o))]
+    if len({w.ndim for w in W}) != 1:
+        raise ValueError("W_q, W_k, W_v, W_o must all be per layer (3-d) or all shared (2-d)")
+    W = [w if w.ndim == 3 else w[None] for w in W]
+    (L, D, Hk), (_, _, Hv) = W[0].shape, W[2].shape
+    expected = [(L, D, Hk), (L, D, Hk), (L, D, Hv), (L, Hv, D)]
+    for name, w, e in zip(("W_q", "W_k", "W_v", "W_o"), W, expected):
+        if w.shape != e:
+            raise ValueError(f"{name} must have shape {e[1:] if np.ndim(W_q) == 2 else e} to match W_q and W_v, "
+                             f"got {w.shape}")
+    if Hk % heads or Hv % heads or D < 2:
+        raise ValueError(f"the key and value widths ({Hk}, {Hv}) must be multiples of heads = {heads}, and d+1 >= 2")
+    if np.ndim(W_q) == 2:
+        W = [np.repeat(w, _int("layers", layers, 1), axis=0) for w in W]
+    elif layers is not None and _int("layers", layers, 1) != L:
+        raise ValueError(f"layers = {layers} but the weights have {L} layers")
+    Wq, Wk, Wv, Wo = (np.stack(np.split(w, heads, axis=2 if i < 3 else 1), axis=1) for i, w in enumerate(W))
+    return Wq, Wk, Wv, Wo, 1.0 if activation == "linear" else 1.0 / math.sqrt(Wq.shape[-1])
+
+
+@_numpy_rules
+def params_from_von_oswald(W_q, W_k, W_v, W_o, n, heads=1, layers=None, activation="linear"):
+    """von Oswald et al.'s projections as icl_ref's (P, Q), each (L, H, d+1, d+1) (MATH.md §12).
+
+    Their layer, tokens as rows e (n+1, D): per head h, q = e W_q,h, k = e W_k,h, v = e W_v,h,
+    out = concat_h(A_h v) W_o with A_h = q k^T over the context keys only (no 1/n; for "softmax"
+    A_h = softmax(q k^T / sqrt(key size)) over the context keys), e <- e + out. Heads are column
+    blocks of W_q, W_k, W_v and row blocks of W_o. In columns this is icl_ref's layer with
+
+        P_h = n W_o,h^T W_v,h^T,   Q_h = W_k,h W_q,h^T  (/ sqrt(key size) for softmax).
+
+    W_q, W_k: (L, D, H k) or (D, H k); W_v: (L, D, H v) or (D, H v); W_o: (L, H v, D) or (H v, D).
+    2-d weights are tied (the same in every layer, their default): give `layers`. n: context size.
+    activation "linear" or "softmax" (their softmax normalises over the context keys: icl_ref's
+    "softmax"). Returns P, Q.
+    """
+    n = _int("n", n, 1)
+    if activation not in ("linear", "softmax"):
+        raise ValueError(f"activation must be 'linear' or 'softmax' for von Oswald et al.'s model, got {activation!r}")
+    Wq, Wk, Wv, Wo, s = _von_oswald_heads(W_q, W_k, W_v, W_o, heads, activation, layers)
+    P = n * np.swapaxes(Wv @ Wo, -1, -2)                        # n (W_v,h W_o,h)^T = n W_o,h^T W_v,h^T
+    Q = s * Wk @ np.swapaxes(Wq, -1, -2)                        # W_k,h W_q,h^T
+    return P, Q
+
+
+@_numpy_rules
+def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="linear"):
+    """The gradient of von Oswald et al.'s loss (VON_OSWALD_LOSS_SCALE times icl_ref's) with respect to
+    W_q, W_k, W_v, W_o, from icl_ref's (dP, dQ): the chain rule through params_from_von_oswald
+    (MATH.md §12). With P_h = n (W_v,h W_o,h)^T and Q_h = s W_k,h W_q,h^T:
+    dW_v,h = n dP_h^T W_o,h^T, dW_o,h = n W_v,h^T dP_h^T, dW_k,h = s dQ_h W_q,h, dW_q,h = s dQ_h^T W_k,h;
+    tied (2-d) weights get the sum over layers. Returns (dW_q, dW_k, dW_v, dW_o) shaped like the weights.
+    """
+    n = _int("n", n, 1)
+    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
+    tied = np.ndim(W_q) == 2
+    Wq, Wk, Wv, Wo, s = _von_oswald_heads(W_q, W_k, W_v, W_o, heads, activation, dP.shape[0] if tied else None)
+    if dP.shape[:3] != Wq.shape[:3]:
+        raise ValueError(f"dP, dQ must have shape (L, heads, D, D) = ({Wq.shape[0]}, {Wq.shape[1]}, {Wq.shape[2]}, "
+                         f"{Wq.shape[2]}) to match the weights, got {dP.shape}")
+    dPt, c = np.swapaxes(dP, -1, -2), VON_OSWALD_LOSS_SCALE
+    grads = [c * s * np.swapaxes(dQ, -1, -2) @ Wk, c * s * dQ @ Wq,      # dW_q,h, dW_k,h
+             c * n * dPt @ np.swapaxes(Wo, -1, -2), c * n * np.swapaxes(Wv, -1, -2) @ dPt]
+    out = [np.concatenate(list(np.moveaxis(g, 1, 0)), axis=2 if i < 3 else 1) for i, g in enumerate(grads)]
+    return tuple(o.sum(axis=0) if tied else o for o in out)
+
 
 # ---------------------------------------------------------------------------------------------
 # §13 The reference cases and their outputs in each layout
@@ -193,7 +334,7 @@ def _case_layouts(case):
     layouts = ["paper"]
     if case["activation"] in ("linear", "softmax_all"):
         try:
-            ir.params_to_authors(case["P"], case["Q"])
+            params_to_authors(case["P"], case["Q"])
             layouts.append("authors")
         except ValueError:
             pass
@@ -218,9 +359,9 @@ def _layout_inputs(case, layout):
     """The case's input arrays in a layout (LAYOUTS)."""
     if layout == "paper":
         return dict(Z=case["Z"], y=case["y"], P=case["P"], Q=case["Q"])
-    out = dict(Z_rows=ir.tokens_as_rows(case["Z"]), y=case["y"])
+    out = dict(Z_rows=tokens_as_rows(case["Z"]), y=case["y"])
     if layout == "authors":
-        return dict(out, allparam=ir.params_to_authors(case["P"], case["Q"]))
+        return dict(out, allparam=params_to_authors(case["P"], case["Q"]))
     return dict(out, **_case_von_oswald_weights(case))
 
 
@@ -232,15 +373,15 @@ def _layout_outputs(case, layout, out):
     res = {k: v for k, v in (("Z_L_rows", out.get("Z_L")), ("y_hat", out.get("y_hat"))) if v is not None}
     if "Z_L_rows" in res:
         res["Z_L_rows"] = np.swapaxes(res["Z_L_rows"], 1, 2)
-    scale = 1.0 if layout == "authors" else ir.VON_OSWALD_LOSS_SCALE
+    scale = 1.0 if layout == "authors" else VON_OSWALD_LOSS_SCALE
     if "loss" in out:
         res["loss"] = scale * np.asarray(out["loss"])
     if "dP" in out and "dQ" in out:
         if layout == "authors":
-            res["grad_allparam"] = ir.grads_to_authors(out["dP"], out["dQ"])
+            res["grad_allparam"] = grads_to_authors(out["dP"], out["dQ"])
         else:
             W = _case_von_oswald_weights(case)
-            grads = ir.grads_to_von_oswald(out["dP"], out["dQ"], *W.values(), case["Z"].shape[2] - 1,
+            grads = grads_to_von_oswald(out["dP"], out["dQ"], *W.values(), case["Z"].shape[2] - 1,
                                         heads=case["P"].shape[1], activation=case["activation"])
             res.update({f"grad_{k}": g for k, g in zip(W, grads)})
     return res

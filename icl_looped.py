@@ -38,8 +38,8 @@ def optimal_tied_family(L, n, d, blocks=False, noise_var=0.0, starts=8, rng=None
     b NaN when L = 1 (B_0 never enters), loss = icl_ref.family_population_loss at (a 1_L, b 1_L).
     """
     best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng, tied=True)
-    a = float(best.x[0])
-    b = (float(best.x[1]) if L > 1 else math.nan) if blocks else None
+    a = float(best[0])
+    b = (float(best[1]) if L > 1 else math.nan) if blocks else None
     loss = ir.family_population_loss(np.full(L, a), n, d, None if b is None else np.full(L, b), noise_var=noise_var)
     return a, b, loss
 

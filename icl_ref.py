@@ -3,7 +3,7 @@
 "Transformers learn to implement preconditioned gradient descent for in-context learning",
 NeurIPS 2023 (arXiv 2306.00297), cited below as [A]. Equation and section numbers refer to
 [A]; "MATH.md §k" is section k of MATH.md beside this file, which derives every formula below,
-and this module's sections carry the same numbers (§1-§12). Everything is float64 NumPy;
+and this module's sections carry the same numbers (§1-§11). Everything is float64 NumPy;
 gradients are derived by hand and checked in test_icl_ref.py.
 
 Symbols (the paper's names; 0-based indices in code)
@@ -28,21 +28,17 @@ Conventions (MATH.md §1-§3, §5)
     blocks (11) P_l = [[B_l, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]]   (the sign of (8))
 
 Sections, as MATH.md's: §1 data, §2 model, §3 loss and gradient (§3.1 the per-prompt Jacobian),
-§4 attention with an activation ([A] §6), §5 parametrisations, §6 training (L-BFGS and
-Gauss-Newton), §7-§10 closed forms, §11 metrics, §12 other code's layouts; then the engine seam.
-One formulation of each quantity, serial, no file I/O, no process-wide state; every public function
-computes under numpy's default floating-point rules whatever the caller set with np.seterr.
+§4 attention with an activation ([A] §6), §5 parametrisations, §6 training, §7-§10 closed forms,
+§11 metrics; then the engine seam. One formulation of each quantity,
+serial, no file I/O, no process-wide state; every public function computes under numpy's default
+floating-point rules whatever the caller set with np.seterr. A gradient's path: loss_and_grad ->
+_loss_and_grad_gram -> _propagate -> layer_forward, readout_forward; _backpropagate ->
+readout_backward, layer_backward. `engine=`: None for this module's functions, or an object with
+ReferenceEngine's five methods computing the same numbers its own way (icl_fast.engine()).
 
-The path of a gradient: loss_and_grad -> _loss_and_grad_gram -> _gram_chunk -> _propagate ->
-layer_forward, readout_forward, then _backpropagate -> readout_backward, layer_backward.
-The functions that evaluate the loss take `engine=`: None for this module's functions, or an object
-with the five methods of REFERENCE (the last section) computing the same numbers its own way
-(icl_fast.engine(), on every core).
-
-Other products build on this module's public names: icl_check (the conformance kit: reference
-vectors, diagnose, check_implementation), icl_looped (looped models and gradient flow, MATH.md §14),
-icl_estimators (estimators, task pools and shift, MATH.md §15), icl_fast (the engine). The names
-that moved out in 0.4.0 are still reachable here for one release, with a DeprecationWarning.
+icl_check (the conformance kit, with the adapters to other code's layouts: §12-§13), icl_looped
+(§14), icl_estimators (§15) and icl_fast (§16) build on this module; the names that moved to them in
+0.4.0 are reachable here for one release.
 """
 import functools
 import itertools
@@ -593,10 +589,8 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, engine=None):
     """
     P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
     with np.errstate(over="ignore", invalid="ignore"):
-        if engine is None:
-            loss, dP, dQ = _loss_and_grad_gram(P, Q, S0, q0, y, n)
-        else:
-            loss, dP, dQ = engine.loss_and_grad_gram(P, Q, S0, q0, y, n)
+        evaluate = _loss_and_grad_gram if engine is None else engine.loss_and_grad_gram
+        loss, dP, dQ = evaluate(P, Q, S0, q0, y, n)
     _finite({"the loss": loss, "dP": dP, "dQ": dQ}, P=P, Q=Q, S0=S0)
     return loss, dP, dQ
 
@@ -613,7 +607,7 @@ def loss_and_grad(P, Q, Z, y, engine=None):
     n = Z.shape[2] - 1
     q0 = np.ascontiguousarray(Z[:, :, n])
     with np.errstate(over="ignore", invalid="ignore"):
-        if engine is None:
+        if engine is None:                              # this module's functions, by name
             loss, dP, dQ = _loss_and_grad_gram(P, Q, _gram(Z), q0, y, n)
         else:
             loss, dP, dQ = engine.loss_and_grad_gram(P, Q, engine.gram(Z), q0, y, n)
@@ -759,10 +753,8 @@ def loss_and_grad_activation(P, Q, Z, y, activation="relu", engine=None):
     _choice("activation", activation, ACTIVATIONS)
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
     with np.errstate(over="ignore", invalid="ignore"):
-        if engine is None:
-            loss, dP, dQ, _ = _activation_pass(P, Q, Z, y, activation)
-        else:
-            loss, dP, dQ, _ = engine.activation_pass(P, Q, Z, y, activation)
+        evaluate = _activation_pass if engine is None else engine.activation_pass
+        loss, dP, dQ, _ = evaluate(P, Q, Z, y, activation)
     _finite({"the loss": loss, "dP": dP, "dQ": dQ}, P=P, Q=Q, Z=Z)
     return loss, dP, dQ
 
@@ -954,10 +946,8 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=Non
     P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
     _check_structure_of(structure, P, Q, tied)
     with np.errstate(over="ignore", invalid="ignore"):
-        if engine is None:
-            r, JP, JQ = _jacobian_gram(P, Q, S0, q0, y, n)
-        else:
-            r, JP, JQ = engine.jacobian_gram(P, Q, S0, q0, y, n)
+        evaluate = _jacobian_gram if engine is None else engine.jacobian_gram
+        r, JP, JQ = evaluate(P, Q, S0, q0, y, n)
         J = _jacobian_rows(structure, JP, JQ, tied)
     _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, S0=S0)
     return r, J
@@ -968,31 +958,21 @@ class _Batch:
     functions, MATH.md §3-§4); for the linear layer S_0 = Z M Z^T is formed once."""
 
     def __init__(self, Z, y, activation="linear", engine=None):
-        self.Z, self.y, self.activation, self.engine = Z, y, activation, engine
-        self.n = Z.shape[2] - 1
+        self.Z, self.y, self.activation, self.n = Z, y, activation, Z.shape[2] - 1
+        self.gram_form = _loss_and_grad_gram, _jacobian_gram
+        self.explicit = _activation_pass
+        if engine is not None:
+            self.gram_form, self.explicit = (engine.loss_and_grad_gram, engine.jacobian_gram), engine.activation_pass
         if activation == "linear":
             self.S0 = _gram(Z) if engine is None else engine.gram(Z)
             self.q0 = np.ascontiguousarray(Z[:, :, self.n])
 
-    def loss_and_grad(self, P, Q):
-        """(loss, dP, dQ) at (P, Q)."""
-        if self.activation != "linear":
-            if self.engine is None:
-                return _activation_pass(P, Q, self.Z, self.y, self.activation)[:3]
-            return self.engine.activation_pass(P, Q, self.Z, self.y, self.activation)[:3]
-        if self.engine is None:
-            return _loss_and_grad_gram(P, Q, self.S0, self.q0, self.y, self.n)
-        return self.engine.loss_and_grad_gram(P, Q, self.S0, self.q0, self.y, self.n)
-
-    def jacobian(self, P, Q):
-        """(r (B,), JP, JQ (B, L, H, D, D)): each prompt's residual and its gradient (MATH.md §3.1)."""
-        if self.activation != "linear":
-            if self.engine is None:
-                return _activation_pass(P, Q, self.Z, self.y, self.activation, jacobian=True)[:3]
-            return self.engine.activation_pass(P, Q, self.Z, self.y, self.activation, jacobian=True)[:3]
-        if self.engine is None:
-            return _jacobian_gram(P, Q, self.S0, self.q0, self.y, self.n)
-        return self.engine.jacobian_gram(P, Q, self.S0, self.q0, self.y, self.n)
+    def evaluate(self, P, Q, jacobian=False):
+        """(loss, dP, dQ) at (P, Q), or with jacobian (r (B,), JP, JQ (B, L, H, D, D)): each prompt's
+        residual and its gradient (MATH.md §3.1)."""
+        if self.activation == "linear":
+            return self.gram_form[jacobian](P, Q, self.S0, self.q0, self.y, self.n)
+        return self.explicit(P, Q, self.Z, self.y, self.activation, jacobian)[:3]
 
 
 @_numpy_rules
@@ -1007,7 +987,7 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
     _check_structure_of(structure, P, Q, tied)
     with np.errstate(over="ignore", invalid="ignore"):
-        r, JP, JQ = _Batch(Z, y, activation, engine).jacobian(P, Q)
+        r, JP, JQ = _Batch(Z, y, activation, engine).evaluate(P, Q, jacobian=True)
         J = _jacobian_rows(structure, JP, JQ, tied)
     _finite({"the residuals": r, "the Jacobian": J}, P=P, Q=Q, Z=Z)
     return r, J
@@ -1157,7 +1137,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
         # line search backs off instead of the run ending; `last` keeps only finite evaluations
         if np.all(np.isfinite(theta)):
             with np.errstate(over="ignore", invalid="ignore"):
-                loss, dP, dQ = run.batch.loss_and_grad(*run.PQ(theta))
+                loss, dP, dQ = run.batch.evaluate(*run.PQ(theta))
             grad = run.grad(dP, dQ)
             if math.isfinite(loss) and np.all(np.isfinite(grad)):
                 last.update(theta=theta.copy(), loss=loss, grad=grad)
@@ -1282,7 +1262,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         if not np.all(np.isfinite(x)):
             return cache
         with np.errstate(over="ignore", invalid="ignore"):
-            r, JP, JQ = run.batch.jacobian(*run.PQ(full(x)))
+            r, JP, JQ = run.batch.evaluate(*run.PQ(full(x)), jacobian=True)
             J = _jacobian_rows(structure, JP, JQ, run.tied)[:, free]
         if not (np.all(np.isfinite(r)) and np.all(np.isfinite(J))):
             return cache
@@ -1651,8 +1631,12 @@ def family_population_loss(a, n, d, b=None, noise_var=0.0, query_noise=True):
     m = wishart_trace_moments(n, d, max(len(c) - 1, len(e)))
     f = sum(c_k * m_k for c_k, m_k in zip(c, m))
     s2 = Fraction(noise_var)
-    f += s2 / n * sum(e_k * m_k for e_k, m_k in zip(e, m[1:])) + (s2 if query_noise else 0)
-    return float(f)
+    f += s2 / n * sum(e_k * m_k for e_k, m_k in zip(e, m[1:])) + (s2 if _flag("query_noise", query_noise) else 0)
+    try:
+        return float(f)
+    except OverflowError:
+        raise ValueError(f"the loss overflows float64 (about 10^{math.log10(f.numerator) - math.log10(f.denominator):.0f}) "
+                         f"at max |a| = {np.max(np.abs(a)):.3g}: the family's loss grows like the scalars' powers") from None
 
 
 @_numpy_rules
@@ -1719,28 +1703,48 @@ def _family_loss_at_nodes(theta, L, blocks, nodes, weights, n, noise_var):
     return f, np.r_[da + dg * b, dg[:-1] * a[:-1]] if blocks else da
 
 
-def _family_descent(L, n, d, blocks, noise_var, tied=False):
-    """theta0 -> scipy's L-BFGS-B result on the family loss at the exact Gauss nodes (MATH.md §10),
-    theta = (a (L,), b (L-1,) with blocks), with the gradient of _family_loss_at_nodes; tied:
-    theta = (a, b with blocks) shared by the layers, theta_layers = E theta with a 0/1 matrix E,
-    so the gradient is E^T (the layers' gradient), their sum (MATH.md §14). Refuses families whose
-    exact loss needs moments beyond MAX_MOMENT_ORDER."""
+def _family_rule(L, n, d, blocks):
+    """The exact Gauss rule (nodes, weights) for the family loss of L layers (MATH.md §10): exact to
+    degree 2 deg p + 1; refuses families whose rule needs moments beyond MAX_MOMENT_ORDER."""
     degree = (3 ** L - 1) // 2 if blocks else L                  # deg p, MATH.md §10
     if 2 * degree + 1 > MAX_MOMENT_ORDER:
         raise ValueError(f"L must be <= {3 if blocks else (MAX_MOMENT_ORDER - 1) // 2} for the "
                          f"{'blocks' if blocks else 'sparse'} family: its Gauss rule needs Wishart moments "
                          f"up to order 2 deg p + 1 = {2 * degree + 1} > {MAX_MOMENT_ORDER}, got L = {L}")
-    nodes, weights = wishart_quadrature(n, d, degree + 1)       # exact to degree 2 deg p + 1
-    args = (L, blocks, nodes, weights, n, noise_var)
-    E = np.eye(2 * L - 1 if blocks else L)
-    if tied:                               # a column of ones per shared scalar: theta_layers = E theta
-        E = scipy.linalg.block_diag(np.ones((L, 1)), *([np.ones((L - 1, 1))] if blocks else []))
+    return wishart_quadrature(n, d, degree + 1)
 
+
+def _family_ties(L, blocks, tied):
+    """E with theta_layers = E theta (MATH.md §10, §14): the identity, or for tied scalars a column
+    of ones per shared scalar (a for the L layers, b for the first L - 1), so the tied gradient is
+    E^T (the layers' gradient), their sum."""
+    if not tied:
+        return np.eye(2 * L - 1 if blocks else L)
+    return scipy.linalg.block_diag(np.ones((L, 1)), *([np.ones((L - 1, 1))] if blocks else []))
+
+
+def _family_descent(theta0, E, L, blocks, nodes, weights, n, noise_var):
+    """L-BFGS-B on the exact family loss over theta (theta_layers = E theta: a (L,), b (L-1,) with
+    blocks) from theta0, with the gradient of _family_loss_at_nodes (MATH.md §10). L-BFGS-B's tests
+    are absolute where f < 1 (ftol compares the decrease with max(|f|, 1)), while the loss falls like
+    n^-L: a point is accepted when it is stationary relative to f, max |d log f / d theta| <= 1e-6
+    (its relative excess loss, about that squared over the curvature of log f, is then ~1e-12);
+    otherwise the descent continues on log f, whose tests are relative. Returns (theta, f)."""
     def fun(theta):
-        f, g = _family_loss_at_nodes(E @ theta, *args)
+        f, g = _family_loss_at_nodes(E @ theta, L, blocks, nodes, weights, n, noise_var)
         return f, E.T @ g
-    return lambda theta0: scipy.optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
-                                                  options=dict(ftol=1e-15, gtol=1e-12))
+
+    def log_fun(theta):
+        f, g = fun(theta)
+        return math.log(f), g / f
+    theta = scipy.optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
+                                    options=dict(ftol=1e-15, gtol=1e-12)).x
+    f, g = fun(theta)
+    if 0 < f and np.max(np.abs(g)) > 1e-6 * f:
+        theta = scipy.optimize.minimize(log_fun, theta, jac=True, method="L-BFGS-B",
+                                        options=dict(ftol=1e-15, gtol=1e-10)).x
+        f = fun(theta)[0]
+    return theta, f
 
 
 def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
@@ -1763,22 +1767,26 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     MATH.md §10.
     """
     best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng)
-    return _family_result(best.x, L, n, d, blocks, noise_var, sort=not blocks)
+    return _family_result(best, L, n, d, blocks, noise_var, sort=not blocks)
 
 
 def _family_search(L, n, d, blocks, noise_var, starts, rng, tied=False):
-    """The lowest of `starts` descents of the exact family loss (_family_descent) from a ~ U(0, 2),
-    b ~ U(0, 1.5) drawn from rng (default seed 0), one (a, b) per layer or, tied, one for all;
-    returns it and the checked (L, n, d, noise_var)."""
+    """The theta of the lowest of `starts` descents of the exact family loss (_family_descent) from
+    a ~ U(0, 2), b ~ U(0, 1.5) drawn from rng (default seed 0), one (a, b) per layer or, tied, one
+    for all; returns it and the checked (L, n, d, noise_var)."""
     L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
-    noise_var = _nonneg("noise_var", noise_var)
+    noise_var, blocks = _nonneg("noise_var", noise_var), _flag("blocks", blocks)
     starts = _int("starts", starts, 1)
     rng = np.random.default_rng(0) if _rng(rng, optional=True) is None else rng
-    descend = _family_descent(L, n, d, blocks, noise_var, tied=tied)
-    k = 1 if tied else L
-    best = min((descend(np.r_[rng.uniform(0, 2, k), rng.uniform(0, 1.5, (1 if tied else L - 1) if blocks else 0)])
-                for _ in range(starts)), key=lambda res: res.fun)
-    return best, (L, n, d, noise_var)
+    nodes, weights = _family_rule(L, n, d, blocks)
+    E, k = _family_ties(L, blocks, tied), 1 if tied else L
+    best_theta, best_f = None, math.inf
+    for _ in range(starts):
+        theta0 = np.r_[rng.uniform(0, 2, k), rng.uniform(0, 1.5, (1 if tied else L - 1) if blocks else 0)]
+        theta, f = _family_descent(theta0, E, L, blocks, nodes, weights, n, noise_var)
+        if f < best_f:
+            best_theta, best_f = theta, f
+    return best_theta, (L, n, d, noise_var)
 
 
 @_numpy_rules
@@ -1792,8 +1800,10 @@ def family_local_minimum(a, n, d, b=None, noise_var=0.0):
     n, d = _int("n", n, 1), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
     L, blocks = a.size, b is not None
-    res = _family_descent(L, n, d, blocks, noise_var)(np.r_[a, b_full[:-1]] if blocks else a)
-    return _family_result(res.x, L, n, d, blocks, noise_var)
+    theta0 = np.r_[a, b_full[:-1]] if blocks else a
+    theta, _ = _family_descent(theta0, _family_ties(L, blocks, False), L, blocks, *_family_rule(L, n, d, blocks), n,
+                               noise_var)
+    return _family_result(theta, L, n, d, blocks, noise_var)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1887,7 +1897,7 @@ def _gradient_at(structure, coords, batch):
     def grad(theta):
         P, Q = structure_to_PQ(structure, dict(zip(names, unpack(theta, shapes))))
         with np.errstate(over="ignore", invalid="ignore"):
-            _, dP, dQ = batch.loss_and_grad(P, Q)
+            _, dP, dQ = batch.evaluate(P, Q)
         _finite({"the gradient": np.r_[dP.ravel(), dQ.ravel()]}, P=P, Q=Q)
         return np.concatenate([g.ravel() for g in _structure_grad(structure, dP, dQ).values()])
     return pack([coords[k] for k in names]), grad
@@ -1952,7 +1962,7 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     if activation == "linear":
         P_c, Q_c = structure_to_PQ(structure, coords)
         with np.errstate(over="ignore", invalid="ignore"):
-            r, JP, JQ = _Batch(Z, y, "linear", engine).jacobian(P_c, Q_c)
+            r, JP, JQ = _Batch(Z, y, "linear", engine).evaluate(P_c, Q_c, jacobian=True)
             J = _jacobian_rows(structure, JP, JQ)
         _finite({"the Jacobian": J}, P=P_c, Q=Q_c, Z=Z)
         V_U = np.atleast_2d(np.cov(2 * r[:, None] * (J @ U), rowvar=False))
@@ -1969,140 +1979,6 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
 
 
 # ---------------------------------------------------------------------------------------------
-# §12 Other code's layouts: the authors' code and von Oswald et al.
-# ---------------------------------------------------------------------------------------------
-
-def tokens_as_columns(Z_rows):
-    """Prompts with tokens as rows, (B, n+1, d+1) (the authors' code, von Oswald et al.), as icl_ref's
-    (B, d+1, n+1). The inverse is tokens_as_rows. MATH.md §12."""
-    Z_rows = _array("Z_rows", Z_rows, 3)
-    return _prompts(Z_rows.transpose(0, 2, 1), name="Z_rows (transposed)").copy()
-
-
-def tokens_as_rows(Z):
-    """icl_ref's prompts (B, d+1, n+1) with tokens as rows, (B, n+1, d+1). MATH.md §12."""
-    return _prompts(Z).transpose(0, 2, 1).copy()
-
-
-def params_from_authors(allparam):
-    """The authors' `allparam` (L, H, 2, d, d) (P block at [..., 0, :, :], Q block at [..., 1, :, :])
-    as icl_ref's (P, Q), each (L, H, d+1, d+1).
-
-    Their layer is Z_rows + (Z_rows Q_full Z_rows^T) M (Z_rows P_full^T) / N with
-    P_full = [[P_blk, 0], [0, 1]] and Q_full = [[Q_blk, 0], [0, 0]]; in columns that is
-    P_full Z M Z^T Q_full^T Z / N, so P = P_full and Q = Q_full^T (MATH.md §12).
-    """
-    allparam = _array("allparam", allparam, 5)
-    L, H, two, d, d2 = allparam.shape
-    if two != 2 or d != d2 or L < 1 or H < 1 or d < 1:
-        raise ValueError(f"allparam must have shape (L, H, 2, d, d), got {allparam.shape}")
-    P, Q = np.zeros((2, L, H, d + 1, d + 1))
-    P[:, :, :d, :d] = allparam[:, :, 0]
-    P[:, :, d, d] = 1.0
-    Q[:, :, :d, :d] = allparam[:, :, 1].transpose(0, 1, 3, 2)
-    return P, Q
-
-
-def params_to_authors(P, Q):
-    """Inverse of params_from_authors: (P, Q) -> allparam (L, H, 2, d, d). Only (P, Q) of the
-    authors' form can be mapped: P's last row and column e_{d+1}, Q's last row and column 0.
-    MATH.md §12."""
-    P, Q = _params(P, Q)
-    d = P.shape[-1] - 1
-    e = np.zeros(d + 1)
-    e[d] = 1.0
-    if (np.any(P[..., d, :] != e) or np.any(P[..., :, d] != e) or np.any(Q[..., d, :])
-            or np.any(Q[..., :, d])):
-        raise ValueError("P, Q must have the authors' form: P's last row and column e_{d+1}, "
-                         "Q's last row and column zero")
-    return np.stack([P[..., :d, :d], Q[..., :d, :d].swapaxes(-1, -2)], axis=2)
-
-
-def grads_to_authors(dP, dQ):
-    """The gradient with respect to the authors' allparam, from icl_ref's (dP, dQ):
-    chain rule through params_from_authors (the Q block enters transposed). MATH.md §12."""
-    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
-    d = dP.shape[-1] - 1
-    return np.stack([dP[..., :d, :d], dQ[..., :d, :d].swapaxes(-1, -2)], axis=2)
-
-
-VON_OSWALD_LOSS_SCALE = 0.5
-"""von Oswald et al. (2023) report 0.5 * mean squared error: multiply icl_ref's loss and gradient by it."""
-
-
-def _von_oswald_heads(W_q, W_k, W_v, W_o, heads, activation, layers=None):
-    """The four projections split into heads, (L, H, D, k), (L, H, D, k), (L, H, D, v), (L, H, v, D),
-    2-d (tied) weights repeated `layers` times, and the score scale s: 1, or 1 / sqrt(key size) for
-    their softmax. Heads are column blocks of W_q, W_k, W_v and row blocks of W_o."""
-    heads = _int("heads", heads, 1)
-    W = [_array(name, w, (2, 3)) for name, w in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v), ("W_o", W_o))]
-    if len({w.ndim for w in W}) != 1:
-        raise ValueError("W_q, W_k, W_v, W_o must all be per layer (3-d) or all shared (2-d)")
-    W = [w if w.ndim == 3 else w[None] for w in W]
-    (L, D, Hk), (_, _, Hv) = W[0].shape, W[2].shape
-    expected = [(L, D, Hk), (L, D, Hk), (L, D, Hv), (L, Hv, D)]
-    for name, w, e in zip(("W_q", "W_k", "W_v", "W_o"), W, expected):
-        if w.shape != e:
-            raise ValueError(f"{name} must have shape {e[1:] if np.ndim(W_q) == 2 else e} to match W_q and W_v, "
-                             f"got {w.shape}")
-    if Hk % heads or Hv % heads or D < 2:
-        raise ValueError(f"the key and value widths ({Hk}, {Hv}) must be multiples of heads = {heads}, and d+1 >= 2")
-    if np.ndim(W_q) == 2:
-        W = [np.repeat(w, _int("layers", layers, 1), axis=0) for w in W]
-    elif layers is not None and _int("layers", layers, 1) != L:
-        raise ValueError(f"layers = {layers} but the weights have {L} layers")
-    Wq, Wk, Wv, Wo = (np.stack(np.split(w, heads, axis=2 if i < 3 else 1), axis=1) for i, w in enumerate(W))
-    return Wq, Wk, Wv, Wo, 1.0 if activation == "linear" else 1.0 / math.sqrt(Wq.shape[-1])
-
-
-@_numpy_rules
-def params_from_von_oswald(W_q, W_k, W_v, W_o, n, heads=1, layers=None, activation="linear"):
-    """von Oswald et al.'s projections as icl_ref's (P, Q), each (L, H, d+1, d+1) (MATH.md §12).
-
-    Their layer, tokens as rows e (n+1, D): per head h, q = e W_q,h, k = e W_k,h, v = e W_v,h,
-    out = concat_h(A_h v) W_o with A_h = q k^T over the context keys only (no 1/n; for "softmax"
-    A_h = softmax(q k^T / sqrt(key size)) over the context keys), e <- e + out. Heads are column
-    blocks of W_q, W_k, W_v and row blocks of W_o. In columns this is icl_ref's layer with
-
-        P_h = n W_o,h^T W_v,h^T,   Q_h = W_k,h W_q,h^T  (/ sqrt(key size) for softmax).
-
-    W_q, W_k: (L, D, H k) or (D, H k); W_v: (L, D, H v) or (D, H v); W_o: (L, H v, D) or (H v, D).
-    2-d weights are tied (the same in every layer, their default): give `layers`. n: context size.
-    activation "linear" or "softmax" (their softmax normalises over the context keys: icl_ref's
-    "softmax"). Returns P, Q.
-    """
-    n = _int("n", n, 1)
-    if activation not in ("linear", "softmax"):
-        raise ValueError(f"activation must be 'linear' or 'softmax' for von Oswald et al.'s model, got {activation!r}")
-    Wq, Wk, Wv, Wo, s = _von_oswald_heads(W_q, W_k, W_v, W_o, heads, activation, layers)
-    P = n * np.swapaxes(Wv @ Wo, -1, -2)                        # n (W_v,h W_o,h)^T = n W_o,h^T W_v,h^T
-    Q = s * Wk @ np.swapaxes(Wq, -1, -2)                        # W_k,h W_q,h^T
-    return P, Q
-
-
-@_numpy_rules
-def grads_to_von_oswald(dP, dQ, W_q, W_k, W_v, W_o, n, heads=1, activation="linear"):
-    """The gradient of von Oswald et al.'s loss (VON_OSWALD_LOSS_SCALE times icl_ref's) with respect to
-    W_q, W_k, W_v, W_o, from icl_ref's (dP, dQ): the chain rule through params_from_von_oswald
-    (MATH.md §12). With P_h = n (W_v,h W_o,h)^T and Q_h = s W_k,h W_q,h^T:
-    dW_v,h = n dP_h^T W_o,h^T, dW_o,h = n W_v,h^T dP_h^T, dW_k,h = s dQ_h W_q,h, dW_q,h = s dQ_h^T W_k,h;
-    tied (2-d) weights get the sum over layers. Returns (dW_q, dW_k, dW_v, dW_o) shaped like the weights.
-    """
-    n = _int("n", n, 1)
-    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
-    tied = np.ndim(W_q) == 2
-    Wq, Wk, Wv, Wo, s = _von_oswald_heads(W_q, W_k, W_v, W_o, heads, activation, dP.shape[0] if tied else None)
-    if dP.shape[:3] != Wq.shape[:3]:
-        raise ValueError(f"dP, dQ must have shape (L, heads, D, D) = ({Wq.shape[0]}, {Wq.shape[1]}, {Wq.shape[2]}, "
-                         f"{Wq.shape[2]}) to match the weights, got {dP.shape}")
-    dPt, c = np.swapaxes(dP, -1, -2), VON_OSWALD_LOSS_SCALE
-    grads = [c * s * np.swapaxes(dQ, -1, -2) @ Wk, c * s * dQ @ Wq,      # dW_q,h, dW_k,h
-             c * n * dPt @ np.swapaxes(Wo, -1, -2), c * n * np.swapaxes(Wv, -1, -2) @ dPt]
-    out = [np.concatenate(list(np.moveaxis(g, 1, 0)), axis=2 if i < 3 else 1) for i, g in enumerate(grads)]
-    return tuple(o.sum(axis=0) if tied else o for o in out)
-
-
-# ---------------------------------------------------------------------------------------------
 # The engine seam
 # ---------------------------------------------------------------------------------------------
 
@@ -2111,8 +1987,8 @@ class ReferenceEngine:
 
     An engine is any object with these five methods, computing the same numbers its own way
     (icl_fast.engine() runs them on chunks of prompts on every core). They are unchecked: the public
-    functions check their inputs once, then call the engine (or, for engine=None, the private
-    functions named here directly):
+    functions check their inputs once, then call the engine's methods, or for engine=None the
+    functions named here:
         gram(Z)                                   S_0 = Z M Z^T (B, D, D)                      §2
         loss_and_grad_gram(P, Q, S0, q0, y, n)    (loss, dP, dQ) as loss_and_grad_gram          §3
         jacobian_gram(P, Q, S0, q0, y, n)         (r (B,), JP, JQ (B, L, H, D, D)): each
@@ -2121,23 +1997,12 @@ class ReferenceEngine:
                                                   (loss, dP, dQ, Z_L), or (r, JP, JQ, Z_L),
                                                   through the explicit attention               §4
         reduced_least_squares(r, J)               (f, R) with R^T R = J^T J, R^T f = J^T r      §6
-    MATH.md derives each in the section named.
     """
-
-    def gram(self, Z):
-        return _gram(Z)
-
-    def loss_and_grad_gram(self, P, Q, S0, q0, y, n):
-        return _loss_and_grad_gram(P, Q, S0, q0, y, n)
-
-    def jacobian_gram(self, P, Q, S0, q0, y, n):
-        return _jacobian_gram(P, Q, S0, q0, y, n)
-
-    def activation_pass(self, P, Q, Z, y, activation, jacobian=False):
-        return _activation_pass(P, Q, Z, y, activation, jacobian)
-
-    def reduced_least_squares(self, r, J):
-        return _reduced_least_squares(r, J)
+    gram = staticmethod(_gram)
+    loss_and_grad_gram = staticmethod(_loss_and_grad_gram)
+    jacobian_gram = staticmethod(_jacobian_gram)
+    activation_pass = staticmethod(_activation_pass)
+    reduced_least_squares = staticmethod(_reduced_least_squares)
 
 
 REFERENCE = ReferenceEngine()
@@ -2148,9 +2013,9 @@ REFERENCE = ReferenceEngine()
 # For the project's other modules: the private names they may use, and the names that moved
 # ---------------------------------------------------------------------------------------------
 
-PRIVATE_API = ("_numpy_rules", "_array", "_int", "_nonneg", "_flag", "_rng", "_prompts", "_spd", "_finite",
-               "_task_covariance", "_task_moment", "_pool", "_single_layer_moments", "_single_layer_loss",
-               "_family_search")
+PRIVATE_API = ("_numpy_rules", "_array", "_int", "_nonneg", "_flag", "_rng", "_prompts", "_params", "_spd",
+               "_finite", "_task_covariance", "_task_moment", "_pool", "_single_layer_moments",
+               "_single_layer_loss", "_family_search")
 """The private names icl_check, icl_looped, icl_estimators and experiments.py may import (a test pins
 the list): the input checks, so that every module refuses bad input in the same words; the moments
 and loss of one layer (§8), which the shifted loss of MATH.md §15 and the flow of §14 extend; and
@@ -2159,6 +2024,9 @@ the family search of §10, which the looped family optimum of §14 runs with its
 _MOVED = {**dict.fromkeys(("reference_cases", "write_reference_vectors", "diagnose", "check_implementation",
                            "LAYOUTS", "ARRAY_MEANINGS", "DIAGNOSIS_VARIANTS", "CHECK_TOLERANCES",
                            "VECTOR_TOLERANCES", "VECTORS_FORMAT"), "icl_check"),
+          **dict.fromkeys(("tokens_as_columns", "tokens_as_rows", "params_from_authors", "params_to_authors",
+                           "grads_to_authors", "VON_OSWALD_LOSS_SCALE", "params_from_von_oswald",
+                           "grads_to_von_oswald"), "icl_check"),
           **dict.fromkeys(("optimal_tied_family", "one_layer_population_grad", "one_layer_gradient_flow"),
                           "icl_looped"),
           **dict.fromkeys(("ridge_predict", "bayes_predict", "dmmse_predict", "ols_population_risk",

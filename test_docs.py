@@ -165,7 +165,7 @@ def test_readme_api_examples_run_as_written():
     import numpy as np
     readme = read("README.md")
     blocks = python_blocks(readme, "## API, one example each") + python_blocks(readme, "## Speed: icl_fast")
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     # the slowest calls run shorter (their results are not what this test checks): L-BFGS to 50
     # iterations, the family optimum from 2 starts
     import functools

@@ -1,5 +1,6 @@
-"""Tests for icl_ref's conformance kit (MATH.md §13): check_implementation, diagnose, the reference
-vectors and their command line, the package's version and licence.
+"""Tests for icl_check, the conformance kit (MATH.md §12-§13): the adapters to other code's layouts,
+check_implementation, diagnose, the reference vectors and their command line, the package's version
+and licence.
 
 Every implementation checked here is written in this file from the papers' descriptions, apart from
 icl_ref's code: a token-by-token paper layer, the authors' einsums, von Oswald et al.'s model; each
@@ -14,6 +15,7 @@ Tolerances, each with its reason:
 """
 import fcntl
 import functools
+import math
 import json
 import os
 import re
@@ -28,6 +30,7 @@ from numpy.testing import assert_allclose
 
 import icl_check as ic
 import icl_ref as ir
+from test_icl_ref import _same, assert_grad_close, central_diff, random_params, small_problem
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 EXACT = 1e-12
@@ -59,6 +62,166 @@ def numeric_grad(f, X, h=FD_H):
 def softmax(s, axis=-1):
     e = np.exp(s - s.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# §12 Other code's layouts: the authors' code and von Oswald et al.
+# ---------------------------------------------------------------------------------------------
+
+ADAPTERS = {"tokens_as_rows", "tokens_as_columns", "params_from_authors", "params_to_authors", "grads_to_authors",
+            "params_from_von_oswald", "grads_to_von_oswald", "VON_OSWALD_LOSS_SCALE"}
+
+
+
+def authors_forward(allparam, Z_rows):
+    """The authors' layer re-implemented from its published description (linear_transformer.py):
+    tokens as rows, Attn = einsum('BNi,ij,BMj->BNM', Z, Q_full, Z), key = einsum('ij,BNj->BNi',
+    P_full, Z), out = einsum('BNM,ML,BLi->BNi', Attn, A, key) / N, Z <- Z + sum over heads."""
+    L, H, _, d, _ = allparam.shape
+    N = Z_rows.shape[1] - 1
+    A = np.eye(N + 1)
+    A[N, N] = 0
+    for l in range(L):
+        residues = 0
+        for h in range(H):
+            P_full, Q_full = np.zeros((2, d + 1, d + 1))
+            P_full[:d, :d], P_full[d, d] = allparam[l, h, 0], 1
+            Q_full[:d, :d] = allparam[l, h, 1]
+            Attn = np.einsum("BNi,ij,BMj->BNM", Z_rows, Q_full, Z_rows)
+            key = np.einsum("ij,BNj->BNi", P_full, Z_rows)
+            residues = residues + np.einsum("BNM,ML,BLi->BNi", Attn, A, key) / N
+        Z_rows = Z_rows + residues
+    return Z_rows
+
+
+def von_oswald_stack(W_q, W_k, W_v, W_o, E, y, heads, layers, activation):
+    """Their model with tokens as rows E (B, n+1, D): per layer (the same weights in every layer when
+    2-d), q = E W_q, k = E W_k, v = E W_v split into heads, scores q_t . k_T over the n context keys
+    T (softmax of scores / sqrt(key size) for "softmax", the raw scores otherwise, no 1/n), heads
+    concatenated and projected by W_o, E <- E + out. Prediction -E[:, n, d]; loss 0.5 * mean."""
+    B, N, D = E.shape
+    n = N - 1
+    for l in range(layers):
+        Wq, Wk, Wv, Wo = (w if w.ndim == 2 else w[l] for w in (W_q, W_k, W_v, W_o))
+        q, k, v = (np.reshape(E @ w, (B, N, heads, -1)) for w in (Wq, Wk, Wv))
+        logits = np.einsum("bthk,bshk->bhts", q, k[:, :n])               # query t, context key s
+        if activation == "softmax":
+            logits = logits / math.sqrt(q.shape[-1])
+            A = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            A /= A.sum(axis=-1, keepdims=True)
+        else:
+            A = logits
+        out = np.einsum("bhts,bshv->bthv", A, v[:, :n]).reshape(B, N, -1) @ Wo
+        E = E + out
+    y_hat = -E[:, n, D - 1]
+    return E, 0.5 * np.mean((y_hat - y) ** 2)
+
+
+def test_authors_layout_adapter_agrees_and_needs_the_transpose():
+    rng, Z, y = small_problem(seed=70, B=5, n=6)
+    allparam = 0.5 * rng.standard_normal((3, 2, 2, 3, 3))
+    Z_rows = ic.tokens_as_rows(Z)
+    theirs = authors_forward(allparam, Z_rows)
+    P, Q = ic.params_from_authors(allparam)
+    ours = ir.forward(P, Q, ic.tokens_as_columns(Z_rows))
+    assert_allclose(ic.tokens_as_rows(ours), theirs, rtol=0, atol=EXACT * np.max(np.abs(theirs)))
+    wrong = ir.forward(P, Q.swapaxes(-1, -2), Z)               # Q_full taken as the paper's Q
+    assert np.max(np.abs(ic.tokens_as_rows(wrong) - theirs)) > 1e-2 * np.max(np.abs(theirs))
+    # their loss: mean (out[:, N, d] + y)^2, no 1/2; the gradient maps back through the adapter
+    their_loss = lambda ap: np.mean((authors_forward(ap, Z_rows)[:, -1, -1] + y) ** 2)
+    loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    assert loss == pytest.approx(their_loss(allparam), rel=EXACT)
+    assert_grad_close(central_diff(their_loss, allparam), ic.grads_to_authors(dP, dQ))
+    assert np.array_equal(ic.params_to_authors(P, Q), allparam)
+    with pytest.raises(ValueError, match="authors' form"):
+        ic.params_to_authors(*random_params(rng, 1, 1, 3))
+    assert np.array_equal(ic.tokens_as_columns(ic.tokens_as_rows(Z)), Z)
+
+
+def test_von_oswald_loss_is_half_of_ours():
+    rng, Z, y = small_problem(seed=71)
+    P, Q = random_params(rng, 2, 1, 3)
+    half_mse = 0.5 * np.mean((-ir.forward_literal(P, Q, Z)[:, -1, -1] - y) ** 2)
+    assert ic.VON_OSWALD_LOSS_SCALE * ir.in_context_loss(P, Q, Z, y) == pytest.approx(half_mse, rel=EXACT)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("activation", ["linear", "softmax"])
+def test_von_oswald_adapter_agrees_with_an_independent_implementation(tied, activation):
+    rng = np.random.default_rng(140 + tied + 2 * (activation == "softmax"))
+    d, n, L, H, kq, kv = 3, 5, 2, 2, 3, 2
+    D = d + 1
+    Z, y = ir.sample_prompts(rng, 6, n, np.eye(d))
+    lead = () if tied else (L,)
+    W = [0.3 * rng.standard_normal(lead + s) for s in ((D, H * kq), (D, H * kq), (D, H * kv), (H * kv, D))]
+    P, Q = ic.params_from_von_oswald(*W, n, heads=H, layers=L, activation=activation)
+    E, loss = von_oswald_stack(*W, ic.tokens_as_rows(Z), y, H, L, activation)
+    ours = ir.forward(P, Q, Z) if activation == "linear" else ir.forward_activation(P, Q, Z, "softmax")
+    assert_allclose(ic.tokens_as_columns(E), ours, rtol=0, atol=EXACT * np.max(np.abs(ours)))
+    if activation == "linear":
+        l_ours, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+    else:
+        l_ours, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, "softmax")
+    assert loss == pytest.approx(ic.VON_OSWALD_LOSS_SCALE * l_ours, rel=EXACT)
+    grads = ic.grads_to_von_oswald(dP, dQ, *W, n, heads=H, activation=activation)
+    for i, (w, g) in enumerate(zip(W, grads)):
+        def f(X, i=i):
+            return von_oswald_stack(*[X if j == i else W[j] for j in range(4)], ic.tokens_as_rows(Z), y, H, L,
+                                    activation)[1]
+        assert g.shape == w.shape
+        assert_grad_close(central_diff(f, w), g)
+    # the mistakes the adapter prevents: no 1/n (P off by n) and W_q W_k^T for W_k W_q^T
+    wrong = ir.forward(P / n, Q, Z) if activation == "linear" else ir.forward_activation(P / n, Q, Z, "softmax")
+    assert np.max(np.abs(wrong - ours)) > 1e-3 * np.max(np.abs(ours))    # an O(1) change; rounding is 1e-15
+
+
+def test_params_to_authors_refuses_parameters_not_of_their_form():
+    P, Q = ic.params_from_authors(0.3 * np.ones((1, 1, 2, 2, 2)))
+    for X, where in ((P, (0, 0, 2, 0)), (P, (0, 0, 0, 2)), (Q, (0, 0, 2, 0)), (Q, (0, 0, 0, 2))):
+        bad = X.copy()
+        bad[where] = 0.5
+        with pytest.raises(ValueError, match="authors' form"):
+            ic.params_to_authors(bad if X is P else P, bad if X is Q else Q)
+
+def test_the_adapters_refuse_bad_input_by_name():
+    with pytest.raises(ValueError, match="W_o must have shape"):          # list weights of a wrong shape
+        ic.params_from_von_oswald([[1.0] * 3] * 3, [[1.0] * 3] * 3, [[1.0] * 3] * 3, [[1.0] * 2] * 3, 4, layers=1)
+    with pytest.raises(ValueError, match="Z_rows"):
+        ic.tokens_as_columns(np.ones((2, 3)))
+    with pytest.raises(TypeError, match="Z_rows"):
+        ic.tokens_as_columns([[["a"]]])
+    with pytest.raises(ValueError, match="allparam"):
+        ic.params_from_authors(np.ones((1, 1, 3, 2, 2)))
+
+
+def test_the_adapters_work_under_a_strict_caller_and_leave_its_settings():
+    # np.seterr(all="raise") in the caller changes no result: inputs of scale 1e-120 underflow inside
+    rng, Z, y = small_problem(seed=190, B=30, n=6, d=2)
+    tiny = 1e-120
+    P, Q = random_params(rng, 2, 1, 2)
+    allparam = rng.standard_normal((2, 1, 2, 2, 2))
+    calls = {
+        "tokens_as_columns": lambda: ic.tokens_as_columns(Z.transpose(0, 2, 1) * tiny),
+        "tokens_as_rows": lambda: ic.tokens_as_rows(Z * tiny),
+        "params_from_authors": lambda: ic.params_from_authors(allparam * tiny),
+        "params_to_authors": lambda: ic.params_to_authors(*ic.params_from_authors(allparam * tiny)),
+        "grads_to_authors": lambda: ic.grads_to_authors(P * tiny, Q),
+        "params_from_von_oswald": lambda: ic.params_from_von_oswald(
+            *(np.eye(3)[None] * tiny for _ in range(4)), 6),
+        "grads_to_von_oswald": lambda: ic.grads_to_von_oswald(
+            P[:1] * tiny, Q[:1], *(np.eye(3)[None] for _ in range(4)), 6),
+    }
+    assert set(calls) == ADAPTERS - {"VON_OSWALD_LOSS_SCALE"}
+    with np.errstate(under="ignore"):
+        expected = {name: call() for name, call in calls.items()}
+    old = np.seterr(all="raise")
+    try:
+        for name, call in calls.items():
+            assert _same(call(), expected[name]), name
+            assert np.geterr() == dict(divide="raise", over="raise", under="raise", invalid="raise"), name
+    finally:
+        np.seterr(**old)
+
 
 
 # ---------------------------------------------------------------------------------------------
