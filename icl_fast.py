@@ -10,7 +10,7 @@ arguments, checks and results, plus `threads=` (an integer >= 1, at most the cor
 use; None, the default: every core). What makes them faster, and what importing this module
 therefore accepts on the caller's behalf:
 
-- the lanes formulation (MATH.md §3.2) for the linear layer at small D: a chunk of b prompts held
+- the lanes formulation (MATH.md §16) for the linear layer at small D: a chunk of b prompts held
   as (D, D, b), so each prompt's small products are vector operations across the prompts, and the
   layer's kernel acts on S's D(D+1)/2 distinct entries; at larger D, icl_ref's own methods on the
   chunks;
@@ -25,6 +25,9 @@ Each chunk runs under the calling thread's floating-point rules (np.errstate), a
 calling thread. Results do not depend on the thread count (the chunks depend on B and D only and
 are combined in chunk order) and equal icl_ref's to rounding (test_icl_fast.py). Measurements:
 docs/benchmarks.md.
+
+Sections follow MATH.md §16, which derives the lanes formulation and states the engine's rules; the
+thresholds, chunk sizes, threads and BLAS limits are in MATH.md's notes on the code.
 """
 import contextlib
 import ctypes
@@ -61,7 +64,8 @@ PARALLEL_MIN_WORK_JACOBIAN = 2 ** 19
 
 
 # ---------------------------------------------------------------------------------------------
-# Workers: chunks of prompts on the machine's cores, BLAS at one thread meanwhile
+# Workers: chunks of prompts on the machine's cores, BLAS at one thread meanwhile (the machinery of
+# the rules (ii)-(v) of MATH.md §16, detailed in MATH.md's notes on the code)
 # ---------------------------------------------------------------------------------------------
 
 def _cores():
@@ -237,13 +241,13 @@ def _concatenated(parts):
 
 
 # ---------------------------------------------------------------------------------------------
-# The lanes formulation: prompts on the last axis (MATH.md §3.2)
+# §16 The lanes formulation: prompts on the last axis
 # ---------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=64)
 def symmetric_coordinates(D):
     """Index maps between a symmetric D x D matrix S and its U = D (D+1) / 2 distinct entries s
-    (the upper triangle, row by row), for D >= 1. MATH.md §3.2.
+    (the upper triangle, row by row), for D >= 1. MATH.md §16.
 
     Returns (upper, full, E, diagonal), read-only:
         upper     (U,) positions of s in vec(S) (row-major):   s = vec(S)[upper]
@@ -265,13 +269,13 @@ def symmetric_coordinates(D):
 
 def kernel_forward(P_l, Q_l, n):
     """The layer's action on S as one matrix: vec(sum_h P_h S Q_h) / n = K vec(S) (row-major vec),
-    K = (1/n) sum_h P_h kron Q_h^T, (D^2, D^2). P_l, Q_l: (H, D, D). MATH.md §3.2."""
+    K = (1/n) sum_h P_h kron Q_h^T, (D^2, D^2). P_l, Q_l: (H, D, D). MATH.md §16."""
     return sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n
 
 
 def kernel_backward(dK, P_l, Q_l, n):
     """Adjoint of kernel_forward: dK (D^2, D^2) -> dP_l, dQ_l (H, D, D).
-    K[(i l), (j k)] = (1/n) sum_h P_h[i, j] Q_h[k, l]: product rule in P_h and in Q_h. MATH.md §3.2."""
+    K[(i l), (j k)] = (1/n) sum_h P_h[i, j] Q_h[k, l]: product rule in P_h and in Q_h. MATH.md §16."""
     D = P_l.shape[-1]
     dK = dK.reshape(D, D, D, D) / n                              # indices [i, l, j, k]
     dP_l = np.stack([np.einsum("iljk,kl->ij", dK, Q_h) for Q_h in Q_l])
@@ -282,7 +286,7 @@ def kernel_backward(dK, P_l, Q_l, n):
 def _symmetric_product(X, Y):
     """The distinct entries s (U, b) of X Y^T, for stacks with the prompts last, X, Y (D, m, b),
     where X Y^T is known to be symmetric (T S T^T, T^T G T): its upper triangle row by row, written
-    straight into s. MATH.md §3.2."""
+    straight into s. MATH.md §16."""
     D, b = X.shape[0], X.shape[2]
     s = np.empty((D * (D + 1) // 2, b))
     start = 0
@@ -294,7 +298,7 @@ def _symmetric_product(X, Y):
 
 def _symmetric_full(s, D):
     """The symmetric S (D, D, b) from its distinct entries s (U, b): one gather, so S is exactly
-    symmetric. MATH.md §3.2."""
+    symmetric. MATH.md §16."""
     return s.take(symmetric_coordinates(D)[1], axis=0).reshape(D, D, s.shape[-1])
 
 
@@ -304,7 +308,7 @@ def lanes_forward(K_s, S, s, q, last=False):
     K_s: (D^2, U) = K E, the layer's kernel on S's distinct entries; S: (D, D, b) symmetric and
     s (U, b) its distinct entries; q: (D, b). Returns S' (D, D, b), s' (U, b), q' (D, b) and the
     cache. The last layer (`last`) forms only the row d of T that the prediction reads: S' and s'
-    are None and q' is (T q)_d, shape (b,). MATH.md §3.2.
+    are None and q' is (T q)_d, shape (b,). MATH.md §16.
     """
     D, b = q.shape
     if last:
@@ -323,7 +327,7 @@ def lanes_forward(K_s, S, s, q, last=False):
 def lanes_backward(G_next, dq_next, cache, first=False, per_prompt=False):
     """Adjoint of lanes_forward: (G', dq') -> (G, dq, dK_s).
 
-    G is the adjoint of a symmetric S in full form, G = dS + dS^T (MATH.md §3.2): G_next (D, D, b),
+    G is the adjoint of a symmetric S in full form, G = dS + dS^T (MATH.md §16): G_next (D, D, b),
     None for the last layer, whose dq_next is the adjoint of (T q)_d, shape (b,); otherwise dq_next
     is (D, b). Returns G (D, D, b) and dq (D, b), both None for the `first` layer (S_0, q_0 are
     data), and dK_s (D^2, U) = sum_b vec(dT_b) s_b^T; with per_prompt, dT (D, D, b) instead, each
@@ -390,7 +394,7 @@ def _lanes_kernels(P, Q, n):
 def lanes_loss_and_grad_gram(P, Q, S0, q0, y, n, threads=1):
     """REFERENCE.loss_and_grad_gram in the lanes formulation on `threads` workers: (loss, dP, dQ).
     Each chunk's reverse pass is seeded with 2 r / B (the whole batch's B), and the kernels'
-    adjoints dK_s are added over the chunks before kernel_backward. MATH.md §3.2."""
+    adjoints dK_s are added over the chunks before kernel_backward. MATH.md §16."""
     B = y.shape[0]
     Ks, E = _lanes_kernels(P, Q, n)
 
@@ -413,7 +417,7 @@ def lanes_jacobian_gram(P, Q, S0, q0, y, n, threads=1):
     """REFERENCE.jacobian_gram in the lanes formulation on `threads` workers: r (B,), JP, JQ
     (B, L, H, D, D). The reverse pass seeded with dr_b/d(q_L)_d = 1 for every prompt, each prompt's
     dT kept: dr_b/dP_lh = (1/n) dT_b Q^T S_b, dr_b/dQ_lh = (1/n) S_b P^T dT_b, formed with the
-    prompts last. MATH.md §3.1, §3.2."""
+    prompts last. MATH.md §3.1, §16."""
     Ks, _ = _lanes_kernels(P, Q, n)
     B, (L, H) = y.shape[0], P.shape[:2]
     r, JP, JQ = np.empty(B), np.empty((B,) + P.shape), np.empty((B,) + P.shape)
@@ -433,7 +437,7 @@ def lanes_jacobian_gram(P, Q, S0, q0, y, n, threads=1):
 
 
 # ---------------------------------------------------------------------------------------------
-# The engine: icl_ref.REFERENCE's methods on the workers
+# §16 The engine: icl_ref.REFERENCE's methods on the workers
 # ---------------------------------------------------------------------------------------------
 
 def _batch_first_bounds(B, D):
@@ -502,12 +506,12 @@ def engine(threads=None):
     """The evaluator for icl_ref's `engine=` arguments: icl_ref.REFERENCE's five methods (gram,
     loss_and_grad_gram, jacobian_gram, activation_pass, reduced_least_squares), unchecked as
     REFERENCE's are, computing the same numbers on `threads` workers (an integer >= 1, capped at
-    the cores this process may use; None: every core)."""
+    the cores this process may use; None: every core). MATH.md §16."""
     return _Engine(threads)
 
 
 # ---------------------------------------------------------------------------------------------
-# icl_ref's public functions with the engine
+# §16 icl_ref's public functions with the engine (rule (iv))
 # ---------------------------------------------------------------------------------------------
 
 def _with_engine(fn):

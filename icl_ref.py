@@ -1212,7 +1212,7 @@ def _reduced_least_squares(r, J):
 
     The factor is updated by blocks of rows C: LAPACK's dtpqrt makes it the factor of [factor; C]
     with reflectors 4 columns wide, so each block product, 4 x (rows) x (p+1), stays within the
-    2^18 multiply-adds that OpenBLAS runs on the calling thread (§2)."""
+    2^18 multiply-adds that OpenBLAS runs on the calling thread (MATH.md's notes on the code)."""
     B, p = J.shape
     R_aug = np.zeros((p + 1, p + 1), order="F")      # fewer than p + 1 prompts: its last rows stay 0
     rows = max(1, 2 ** 16 // (p + 1))
@@ -1441,7 +1441,7 @@ def full_layer_population_loss(P, Q, Sigma, n, Sigma_w=None):
 
     with p_h = P_h[d, :] = [p_h,x; p_h,y] (the value row), G_h = Q_h[:, :d] = [G_h,x; g_h,y^T] (the
     query label is 0), x ~ N(0, Sigma) and w = w* ~ N(0, Sigma_w). The integrand is a polynomial of
-    degree 6 in w, so a product Gauss-Hermite rule of 4 nodes per coordinate (exact to degree 7 in
+    degree 4 in w, so a product Gauss-Hermite rule of 4 nodes per coordinate (exact to degree 7 in
     each) gives E_w exactly: 4^d nodes, hence d <= MAX_FULL_LAYER_D.
     P, Q: (1, H, D, D); Sigma, Sigma_w: (d, d) SPD; n >= 1. Returns a float. At sparse (P, Q) it is
     single_layer_population_loss; P's other rows and Q's last column do not enter.

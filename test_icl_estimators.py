@@ -1,4 +1,4 @@
-"""Tests for icl_ref's estimators, task pools and shift (MATH.md §15).
+"""Tests for icl_estimators: estimators, task pools and shift (MATH.md §15).
 
 Every check compares two sides computed independently: the estimators against per-prompt normal
 equations, the dual (kernel) form of the posterior or a posterior summed task by task, written here
@@ -42,7 +42,7 @@ def spd(rng, d, lo=0.5, hi=2.0):
 
 
 # ---------------------------------------------------------------------------------------------
-# Estimators against independent computations
+# §15 Estimators against independent computations
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [3, 12])
@@ -111,7 +111,7 @@ def test_dmmse_is_the_posterior_over_the_pool():
 
 
 # ---------------------------------------------------------------------------------------------
-# Task pools
+# §15 Task pools
 # ---------------------------------------------------------------------------------------------
 
 def test_sample_prompts_draws_each_task_of_the_pool_uniformly():
@@ -145,7 +145,7 @@ def test_the_layer_trained_on_a_pool_sees_only_its_second_moment():
 
 
 # ---------------------------------------------------------------------------------------------
-# Exact risks against Monte Carlo
+# §15 Exact risks against Monte Carlo
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n, d, anisotropic", [(12, 4, True), (3, 8, False), (6, 6, False)])
@@ -227,7 +227,7 @@ def test_shifted_loss_without_shift_is_theorem_1s_and_bayes_beats_every_ridge():
 
 
 # ---------------------------------------------------------------------------------------------
-# Bad input
+# Bad input (no MATH.md section)
 # ---------------------------------------------------------------------------------------------
 
 _Z = np.zeros((2, 3, 4))

@@ -103,7 +103,7 @@ class FakeBlas:
 
 
 # ---------------------------------------------------------------------------------------------
-# The seam: only icl_ref's public names
+# The engine seam: only icl_ref's public names (no MATH.md section)
 # ---------------------------------------------------------------------------------------------
 
 def test_icl_fast_uses_only_public_names_of_icl_ref():
@@ -125,7 +125,7 @@ def test_engine_has_the_methods_of_REFERENCE():
 
 
 # ---------------------------------------------------------------------------------------------
-# The same numbers: the engine's methods and kernels against REFERENCE's (MATH.md §3.2)
+# §16 The same numbers: the engine's methods and kernels against REFERENCE's
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("H", [1, 2])
@@ -243,7 +243,7 @@ def test_the_work_that_reaches_the_workers_counts_every_head():
         assert (seen == {threading.current_thread().name}) == (b < B), (b, seen)
 
 # ---------------------------------------------------------------------------------------------
-# icl_ref's public functions, checks and trainers
+# §16 (iv) icl_ref's public functions with the engine: their checks and trainers
 # ---------------------------------------------------------------------------------------------
 
 def test_engine_uses_icl_refs_input_checks():
@@ -331,7 +331,7 @@ def test_every_function_passes_its_thread_count_to_every_method():
 
 
 # ---------------------------------------------------------------------------------------------
-# Threads: the workers, their count, failures, floating-point rules
+# Threads: the workers, their count, failures, floating-point rules (machinery: MATH.md's notes on the code)
 # ---------------------------------------------------------------------------------------------
 
 def test_threads_above_the_cores_are_capped():
@@ -411,7 +411,8 @@ def test_results_do_not_depend_on_the_callers_floating_point_settings():
 
 
 # ---------------------------------------------------------------------------------------------
-# BLAS limits: held at one thread, the caller's restored, concurrent callers, fork
+# BLAS limits: held at one thread, the caller's restored, concurrent callers, fork (machinery: MATH.md's
+# notes on the code)
 # ---------------------------------------------------------------------------------------------
 
 def test_concurrent_calls_equal_serial_and_leave_blas_limits_as_found():
@@ -615,7 +616,7 @@ def test_a_child_forked_inside_a_call_has_the_limit_found_and_its_own_count_and_
     assert blas.limit == 4
 
 # ---------------------------------------------------------------------------------------------
-# The lanes formulation, piece by piece (MATH.md §3.2)
+# §16 The lanes formulation, piece by piece
 # ---------------------------------------------------------------------------------------------
 
 def test_kernel_vec_identity_is_row_major():

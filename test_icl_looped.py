@@ -38,7 +38,7 @@ def problem(seed, B=40, d=3, n=6):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tied structures: the one layer applied L times, and the chain rule of the repetition
+# §14 Tied structures: the one layer applied L times, and the chain rule of the repetition
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("structure", ir.STRUCTURES)
@@ -102,7 +102,7 @@ def test_tied_trainers_return_one_layer_and_agree():
 
 
 # ---------------------------------------------------------------------------------------------
-# The exact optimum of the tied families
+# §14 The exact optimum of the tied families
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("L", [2])
@@ -152,7 +152,7 @@ def test_tied_family_inputs_are_checked():
 
 
 # ---------------------------------------------------------------------------------------------
-# Gradient flow of one layer from Zhang, Frei and Bartlett's initialisation
+# §14 One layer's gradient flow from Zhang, Frei and Bartlett's initialisation
 # ---------------------------------------------------------------------------------------------
 
 def zfb_point(u, U):

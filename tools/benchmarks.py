@@ -187,7 +187,7 @@ def table_formulations(repeats):
     note = (f"The loss at B = 20000 and the Jacobian (full P, Q) at B = 5000, n = 20, L = 3, on every core; "
             f"median of {repeats}; batch-first: icl_ref.REFERENCE's loss_and_grad_gram and jacobian_gram "
             f"on each chunk. icl_fast takes lanes for the loss up to d = {fast.LANES_MAX_D - 1} and for the "
-            f"Jacobian up to d = {fast.LANES_MAX_D_JACOBIAN - 1} (MATH.md §3.2).")
+            f"Jacobian up to d = {fast.LANES_MAX_D_JACOBIAN - 1} (MATH.md §16).")
     return "icl_fast's formulations", head, rows, note
 
 
@@ -215,7 +215,7 @@ def table_workers(repeats, calls=20):
     note = (f"The lanes formulation, n = 20; median of {repeats} means of {calls} calls. icl_fast hands an evaluation "
             f"to the workers from B L H D^3 = {fast.PARALLEL_MIN_WORK} multiply-adds on for the loss and "
             f"{fast.PARALLEL_MIN_WORK_JACOBIAN} for the Jacobian, and runs smaller ones on the calling thread "
-            "(MATH.md §3.2).")
+            "(MATH.md §16).")
     return "icl_fast's workers for small evaluations", head, rows, note
 
 

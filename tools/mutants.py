@@ -332,7 +332,7 @@ MUTANTS = [
      "train_full's Gauss-Newton stage ignores max_nfev (the default 500 evaluations)"),
     ('experiments-family-optimum-uncached', 'experiments.py', 'family_optimum', '@functools.lru_cache(maxsize=16)',
      '@functools.lru_cache(maxsize=0)', 'the family optimum searched again at every call'),
-    # §3.2 the engine: lanes, workers, BLAS (icl_fast.py)
+    # §16 the engine: lanes, workers, BLAS (icl_fast.py)
     ('kernel-no-transpose', 'icl_fast.py', 'kernel_forward', 'return sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n',
      'return sum(np.kron(P_h, Q_h) for P_h, Q_h in zip(P_l, Q_l)) / n', 'column-major vec identity'),
     ('kernel-1/(n+1)', 'icl_fast.py', 'kernel_forward', 'return sum(np.kron(P_h, Q_h.T) for P_h, Q_h in zip(P_l, Q_l)) / n',
@@ -671,7 +671,7 @@ EQUIVALENT = [
      "smaller chunks change only the order of floating-point sums (tested: chunked == unchunked) and "
      "start no BLAS threads either"),
     ("fast-lanes-threshold", "icl_fast.py", None, "LANES_MAX_D = 17\n", "LANES_MAX_D = 15\n",
-     "the threshold chooses the formulation, not the result (MATH.md §3.2 (i): both formulations agree to "
+     "the threshold chooses the formulation, not the result (MATH.md §16 (i): both formulations agree to "
      "rounding, tested); its place is a design constant that docs/benchmarks.md's measurement shows"),
     ("fast-jacobian-threshold", "icl_fast.py", None, "LANES_MAX_D_JACOBIAN = 7\n", "LANES_MAX_D_JACOBIAN = 5\n",
      "as fast-lanes-threshold, for the Jacobian"),
