@@ -327,8 +327,8 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 # Stacks of the prompts' D x D matrices are multiplied with np.matmul, prompt by prompt, except
 # where one factor is shared by every prompt: _times and _summed turn those into one matrix
 # product of the stacked rows. The batch is walked in chunks (_chunks) small enough that BLAS
-# keeps every product on the calling thread: the reference starts no threads (MATH.md's notes on
-# the code give the sizes).
+# keeps every product on the calling thread, so an evaluation starts no BLAS threads (MATH.md's
+# notes on the code give the sizes, and what SciPy's own calls do).
 # ---------------------------------------------------------------------------------------------
 
 def mask(n):

@@ -313,7 +313,7 @@ def test_the_reference_chunks_cover_the_batch_once_and_change_nothing():
         assert bounds[0][0] == 0 and bounds[-1][1] == B
         assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
         # the reason for chunks: a chunk's shared-factor product, b D^3 multiply-adds, stays within
-        # 2^18, which OpenBLAS runs on the calling thread (MATH.md §3); one prompt is the floor
+        # 2^18, which OpenBLAS runs on the calling thread (MATH.md's notes on the code); one prompt is the floor
         assert all((b - a) * D ** 3 <= max(2 ** 18, D ** 3) for a, b in bounds)
     rng = np.random.default_rng(145)
     Z, y = ir.sample_prompts(rng, 2000, 3, np.eye(5))
