@@ -142,16 +142,14 @@ def _params(P, Q, names=("P", "Q")):
     return P, Q
 
 
-LAYERS_GROWTH = ("the output of L layers grows like (|P| |Q| |Z|^2)^((3^L - 1)/2) |Z|, so use smaller "
-                 "parameters or rescale Z")
-
-
-def _finite(results, law=LAYERS_GROWTH, **sizes):
-    """A ValueError saying that float64 overflowed, at what size of the inputs and what to do (`law`),
-    unless every array of results {what: value} is finite."""
+def _finite(results, law="", **sizes):
+    """A ValueError saying that float64 overflowed, at what size of the inputs and what to do (`law`:
+    by default the growth law of L layers, MATH.md §3), unless every array of results is finite."""
     for what, value in results.items():
         if not np.all(np.isfinite(value)):
             size = ", ".join(f"max |{k}| = {np.max(np.abs(v)):.3g}" for k, v in sizes.items())
+            law = law or ("the output of L layers grows like (|P| |Q| |Z|^2)^((3^L - 1)/2) |Z|, so use smaller "
+                          "parameters or rescale Z")
             raise ValueError(f"{what} is not finite: float64 overflowed ({size}); {law}")
 
 
@@ -165,6 +163,13 @@ def _prompts(Z, D=None, name="Z"):
         raise ValueError(f"{name} has token dimension d+1 = {D_Z} but P, Q have d+1 = {D}: "
                          f"{name} must have shape (B, {D}, n+1), got {Z.shape}")
     return Z
+
+
+def _choice(name, value, choices):
+    """value if it is one of the strings `choices`, else a ValueError naming `name`."""
+    if not (isinstance(value, str) and value in choices):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 def _labels(y, B):
@@ -245,35 +250,20 @@ def _flag(name, value):
     return bool(value)
 
 
-def _tied(tied):
-    return _flag("tied", tied)
-
-
-def _choice(name, value, choices):
-    """value if it is one of the strings `choices`, else a ValueError naming `name`."""
-    if not (isinstance(value, str) and value in choices):
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
 # ---------------------------------------------------------------------------------------------
 # §1 Data ([A] §2)
 # ---------------------------------------------------------------------------------------------
 
 @_numpy_rules
 def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_star=False, tasks=None):
-    """Draw B prompts of linear regression, [A] §2 with the data model of [A] Table 1.
+    """Draw B prompts of linear regression, [A] §2 with the data model of [A] Table 1 (MATH.md §1).
 
     x_i ~ N(0, Sigma) iid for i = 0..n (the last is the query), w_star ~ N(0, Sigma_w) per prompt
-    (identity by default), y_i = <w_star, x_i> + noise_std * N(0, 1). Gaussians are drawn through
-    the Cholesky factor F of Sigma (x = F g), never `multivariate_normal`. With a finite pool
-    `tasks` (K, d), w_star is instead a uniformly drawn row of the pool (MATH.md §15).
-
-    Parameters: rng (numpy.random.Generator), batch = B >= 1, n >= 1, Sigma (d, d) SPD,
-    Sigma_w (d, d) SPD or None, noise_std >= 0, tasks (K, d) or None (not with Sigma_w).
+    (identity by default), y_i = <w_star, x_i> + noise_std * N(0, 1), Gaussians drawn through the
+    Cholesky factor F of Sigma (x = F g). With a pool tasks (K, d) in place of Sigma_w, w_star is a
+    uniformly drawn row of the pool (MATH.md §15). rng: a numpy Generator; batch = B >= 1, n >= 1.
     Returns Z (B, d+1, n+1) with the query label slot Z[:, d, n] = 0, and y (B,) the query's label
-    (noise included when noise_std > 0); with return_w_star also w_star (B, d).
-    MATH.md §1.
+    (noise included); with return_w_star also w_star (B, d).
     """
     _rng(rng)
     batch, n = _int("batch", batch, 1), _int("n", n, 1)
@@ -344,8 +334,7 @@ def forward_literal(P, Q, Z):
 
         z_j <- z_j + (1/n) sum_h P_h sum_{i<n} z_i (z_i^T Q_h z_j)   for every j <= n (query too)
 
-    P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1). Cost O(B L H n^2 D^2).
-    MATH.md §2.
+    P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1). Cost O(B L H n^2 D^2). MATH.md §2.
     """
     P, Q, Z = _model_inputs(P, Q, Z)
     Z = Z.copy()
@@ -540,11 +529,8 @@ def predict(P, Q, Z):
 
 @_numpy_rules
 def in_context_loss(P, Q, Z, y):
-    """f = mean_b (Z_L[b, d, n] + y_b)^2 = mean_b (y_hat_b - y_b)^2 (no factor 1/2).
-
-    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,) true query labels. Returns a float.
-    MATH.md §3.
-    """
+    """f = mean_b (Z_L[b, d, n] + y_b)^2 = mean_b (y_hat_b - y_b)^2 (no factor 1/2), MATH.md §3.
+    P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,) true query labels. Returns a float."""
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
     return float(np.mean((predict(P, Q, Z) - y) ** 2))
 
@@ -633,16 +619,11 @@ def _jacobian_gram(P, Q, S0, q0, y, n):
 # ---------------------------------------------------------------------------------------------
 # §4 Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads)
 #
-#     Attn_sigma(Z) = P Z M sigma(Z^T Q Z),   E = Z^T Q Z (B, n+1, n+1), E[i, j] = z_i^T Q z_j,
+#     Attn_sigma(Z) = P Z M sigma(E),   E = Z^T Q Z (B, n+1, n+1), E[i, j] = z_i^T Q z_j (key i, column j).
 #
-# key i, output column j. These layers need the (n+1) x (n+1) matrix; the linear layer above
-# stays the fast default. sigma is applied entrywise ("relu") or per output column j over keys:
-#   "softmax"     normalises over the n context keys i < n (the keys that M lets through, so each
-#                 column's weights sum to 1; icl_ref's choice)
-#   "softmax_all" normalises over all n+1 keys, the query's own key included, and M then drops
-#                 that key's value: the authors' code (torch softmax(dim=2) before the mask), so a
-#                 column's weights on the context sum to less than 1
-#   "linear"      sigma = identity: the explicit-attention twin of the linear layer
+# sigma: "relu" entrywise; "softmax" over each column's n context keys (weights sum to 1);
+# "softmax_all" over all n+1 keys, then M drops the query's value (the authors' code: weights on the
+# context sum to less than 1); "linear" the identity, the explicit twin of the Gram-form layer.
 # ---------------------------------------------------------------------------------------------
 
 @_numpy_rules
@@ -772,10 +753,7 @@ def _blocks(name, A):
 
 def block_params(A, Bm):
     """Structure (11) with the sign of (8): P_l = [[B_l, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]].
-
-    A, Bm: (L, d, d). Returns P, Q of shape (L, 1, d+1, d+1).
-    MATH.md §5.
-    """
+    A, Bm: (L, d, d). Returns P, Q of shape (L, 1, d+1, d+1). MATH.md §5."""
     A, Bm = _blocks("A", A), _blocks("Bm", Bm)
     if A.shape != Bm.shape:
         raise ValueError(f"A and Bm must have the same shape (L, d, d), got {A.shape} and {Bm.shape}")
@@ -787,6 +765,31 @@ def block_params(A, Bm):
     return P, Q
 
 
+def _structure_grad(structure, dP, dQ, tied=False):
+    """structure_grad without the checks, for (dP, dQ) of shape (..., L, H, D, D) (a leading axis
+    of prompts for the Jacobian's rows): the chain rules of block_params act on the last four axes;
+    tied sums over the layer axis."""
+    if tied:
+        dP, dQ = dP.sum(axis=-4, keepdims=True), dQ.sum(axis=-4, keepdims=True)
+    if structure == "full":
+        return {"P": dP, "Q": dQ}
+    # Q_l = -[[A_l, 0], [0, 0]] gives dA = -(dQ's top-left block), P_l = [[B_l, 0], [0, 1]] gives dB = dP's
+    dA, dB = -dQ[..., 0, :-1, :-1], dP[..., 0, :-1, :-1]
+    return {"A": dA, "B": dB} if structure == "blocks" else {"A": dA}
+
+
+def structure_grad(structure, dP, dQ, tied=False):
+    """The gradient in a structure's own coordinates, a dict keyed like structure_shapes. tied: the
+    coordinates are shared by every layer, so their gradient is the sum of the L layers' (the chain
+    rule of the repetition, MATH.md §14), with a leading axis 1. MATH.md §5."""
+    _choice("structure", structure, STRUCTURES)
+    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
+    if structure != "full" and dP.shape[1] != 1:
+        raise ValueError(f"dP, dQ must have one head, shape (L, 1, D, D), for the structures (8) and (11); "
+                         f"got {dP.shape}")
+    return _structure_grad(structure, dP, dQ, _flag("tied", tied))
+
+
 def block_grad(dP, dQ):
     """Chain rule for block_params: (dP, dQ) of shape (L, 1, D, D) -> (dA, dB), each (L, d, d).
     MATH.md §5."""
@@ -796,10 +799,7 @@ def block_grad(dP, dQ):
 
 def sparse_params(A):
     """Structure (8), the family of Lemma 1: P_l = [[0, 0], [0, 1]], Q_l = -[[A_l, 0], [0, 0]].
-
-    A: (L, d, d). Returns P, Q of shape (L, 1, d+1, d+1).
-    MATH.md §5.
-    """
+    A: (L, d, d). Returns P, Q of shape (L, 1, d+1, d+1). MATH.md §5."""
     A = _blocks("A", A)
     return block_params(A, np.zeros_like(A))
 
@@ -841,7 +841,7 @@ def structure_shapes(structure, L, d, H=1, tied=False):
     tied: one layer's coordinates (leading axis 1), applied L times (MATH.md §5, §14). MATH.md §5."""
     _choice("structure", structure, STRUCTURES)
     L, d, H = _int("L", L, 1), _int("d", d, 1), _int("H", H, 1)
-    L = 1 if _tied(tied) else L
+    L = 1 if _flag("tied", tied) else L
     if structure != "full" and H != 1:
         raise ValueError(f"heads must be 1 for structure {structure!r} (one P, Q per layer), got {H}")
     if structure == "full":
@@ -874,31 +874,6 @@ def structure_to_PQ(structure, coords, L=None):
     return np.repeat(P, L, axis=0), np.repeat(Q, L, axis=0)
 
 
-def structure_grad(structure, dP, dQ, tied=False):
-    """The gradient in a structure's own coordinates, a dict keyed like structure_shapes. tied: the
-    coordinates are shared by every layer, so their gradient is the sum of the L layers' (the chain
-    rule of the repetition, MATH.md §14), with a leading axis 1. MATH.md §5."""
-    _choice("structure", structure, STRUCTURES)
-    dP, dQ = _params(dP, dQ, ("dP", "dQ"))
-    if structure != "full" and dP.shape[1] != 1:
-        raise ValueError(f"dP, dQ must have one head, shape (L, 1, D, D), for the structures (8) and (11); "
-                         f"got {dP.shape}")
-    return _structure_grad(structure, dP, dQ, _tied(tied))
-
-
-def _structure_grad(structure, dP, dQ, tied=False):
-    """structure_grad without the checks, for (dP, dQ) of shape (..., L, H, D, D) (a leading axis
-    of prompts for the Jacobian's rows): the chain rules of block_params act on the last four axes;
-    tied sums over the layer axis."""
-    if tied:
-        dP, dQ = dP.sum(axis=-4, keepdims=True), dQ.sum(axis=-4, keepdims=True)
-    if structure == "full":
-        return {"P": dP, "Q": dQ}
-    # Q_l = -[[A_l, 0], [0, 0]] gives dA = -(dQ's top-left block), P_l = [[B_l, 0], [0, 1]] gives dB = dP's
-    dA, dB = -dQ[..., 0, :-1, :-1], dP[..., 0, :-1, :-1]
-    return {"A": dA, "B": dB} if structure == "blocks" else {"A": dA}
-
-
 # ---------------------------------------------------------------------------------------------
 # §3.1 with §4 and §5: the Jacobian in a structure's coordinates, and a batch evaluated by either
 # attention (what the trainers and the statistics of §11 call)
@@ -908,7 +883,7 @@ def _check_structure_of(structure, P, Q, tied=False):
     """A ValueError unless P, Q have the form of `structure` (one head, the fixed entries of (8) or
     (11); with tied, every layer equal): the Jacobian's columns in that structure's coordinates
     assume it."""
-    if _tied(tied) and not (np.all(P == P[:1]) and np.all(Q == Q[:1])):
+    if _flag("tied", tied) and not (np.all(P == P[:1]) and np.all(Q == Q[:1])):
         raise ValueError("P, Q must have every layer equal for tied=True (one (P, Q) applied L times)")
     if structure == "full":
         return
@@ -1054,7 +1029,7 @@ class _Run:
         Z, y = _batch(structure, activation, Z, y)
         layers, heads = _int("layers", layers, 1), _int("heads", heads, 1)
         self.structure, self.activation, self.engine = structure, activation, engine
-        self.tied, self.layers = _tied(tied), layers
+        self.tied, self.layers = _flag("tied", tied), layers
         self.progress = _int("progress", progress, 0)
         self.shapes = structure_shapes(structure, layers, Z.shape[1] - 1, heads, self.tied)
         self.c = _data_scale(Z)
@@ -1097,33 +1072,26 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                 maxls=50, progress=0, keep_iterates=False, activation="linear", engine=None, tied=False):
     """Minimise the in-context loss on the fixed batch (Z, y) with scipy's L-BFGS-B (MATH.md §6).
 
-    Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in {"sparse", "blocks", "full"},
-    heads = H >= 1 (only for "full"). init: "random" (iid N(0, init_scale^2) entries drawn
-    from rng, a numpy Generator, in the units of Z / c below: the same start at any scale) or a dict of arrays in the structure's coordinates (shapes as
-    structure_shapes). The options maxiter, maxfun (default 5 * maxiter), maxcor, ftol, gtol and
-    maxls go to scipy.optimize.minimize(method="L-BFGS-B") as they are; ftol = 0 (the default)
-    stops only on the projected gradient (gtol: its largest entry, L-BFGS-B's own test) or when the
-    loss no longer decreases at all, so a stop is at a small gradient, not at a slow stretch.
-    maxcor = 20 pairs suffice for the sparse structure; the blocks structure wants about twice its
-    coordinates (MATH.md §6). progress = k > 0 prints "iteration, loss, |grad|, elapsed" to stderr
-    every k iterations. keep_iterates stores the coordinates after every iteration (result
-    ["iterates"], a list of dicts, initial point first). activation: "linear" (the paper's layer;
-    S_0 = Z M Z^T is formed once and each evaluation costs O(B L H D^3)) or one of ACTIVATIONS
-    (explicit attention, O(B L H n^2 D)). engine as loss_and_grad_gram (icl_fast's trainers pass
-    theirs: the same numbers, on several cores). tied: one layer's coordinates (structure_shapes
-    with tied=True) applied `layers` times, the looped model of MATH.md §14; its gradient is the
-    sum of the layers'.
+    Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in STRUCTURES, heads = H >= 1 (only for
+    "full"). init: "random" (iid N(0, init_scale^2) entries from rng, a numpy Generator, in the
+    units of Z / c below: the same start at any scale) or a dict of arrays in the structure's
+    coordinates (structure_shapes). maxiter, maxfun (default 5 maxiter), maxcor, ftol, gtol and maxls
+    go to L-BFGS-B as they are; ftol = 0 stops only on the gradient (gtol bounds its largest entry)
+    or when the loss no longer decreases at all. maxcor = 20 suits the sparse structure, about twice
+    the coordinates the blocks one. progress = k > 0 prints "iteration, loss, |grad|, elapsed" to
+    stderr every k iterations; keep_iterates keeps the coordinates after every iteration (result
+    ["iterates"]). activation: "linear" (S_0 formed once, O(B L H D^3) per evaluation) or one of
+    ACTIVATIONS (explicit attention, O(B L H n^2 D)); engine as loss_and_grad_gram; tied: one
+    layer's coordinates applied `layers` times (the looped model of MATH.md §14).
 
-    Returns a dict: structure, tied, coords (the structure's own arrays), P, Q, loss, grad_norm (the
-    gradient's Euclidean norm; gtol bounds its largest entry), scale (c, MATH.md §6), nit, nfev, success, status, message,
-    interrupted, wall_time, scipy_version, history (the loss after each iteration, the initial loss
-    first) and options. success is icl_ref's own verdict: the returned point's loss and gradient are
-    finite and its gradient is within gtol, measured on the batch divided by c = 2^floor(log2 rms(Z))
-    (exact; c = 1 for data of root mean square in [1, 2), as sample_prompts draws), so the test
-    reads the same at any scale of the data; scipy's status and message are kept beside it. A
-    trial point where the model overflows is a failed trial. Ctrl-C before the first evaluation
-    completes raises KeyboardInterrupt (there is nothing to return); after it, the trainer returns
-    the last completed iterate with interrupted=True and success=False.
+    Returns a dict: structure, tied, coords (the structure's own arrays), P, Q, loss, grad_norm
+    (Euclidean), scale (c), nit, nfev, success, status, message, interrupted, wall_time,
+    scipy_version, history (the loss after each iteration, the initial loss first) and options.
+    success is icl_ref's own verdict: a finite loss and gradient, the gradient within gtol on the
+    batch divided by c = 2^floor(log2 rms(Z)) (exact; c = 1 for sample_prompts' data), so it reads
+    the same at any scale of the data; scipy's status and message are kept beside it. A trial point
+    where the model overflows is a failed trial. Ctrl-C before the first evaluation completes raises
+    KeyboardInterrupt; after it, the last completed iterate comes back with interrupted=True.
     """
     options = dict(maxiter=_int("maxiter", maxiter, 1),
                    maxfun=5 * maxiter if maxfun is None else _int("maxfun", maxfun, 1),
@@ -1234,11 +1202,10 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     residuals_and_jacobian_gram, so its objective is half the loss; the solver sees the equivalent
     (p+1)-dimensional system of _reduced_least_squares (the same steps, a small SVD). Arguments as
     train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates that
-    do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) are held at their initial
-    values (result["fixed"] counts them). Converged means a small gradient: grad_norm =
-    |2 J^T r / B| over the free coordinates <= gtol. history holds the loss after each accepted
-    decrease; nit counts evaluations. tied as train_lbfgs (every tied coordinate is free for
-    layers > 1). Returns train_lbfgs's dict (success, scale and Ctrl-C as there) plus fixed.
+    do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) stay at their initial
+    values (result["fixed"] counts them). Converged: grad_norm = |2 J^T r / B| over the free
+    coordinates <= gtol. history: the loss after each accepted decrease; nit counts evaluations.
+    Returns train_lbfgs's dict (success, scale, tied and Ctrl-C as there) plus fixed.
     """
     options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
     run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
@@ -1382,17 +1349,12 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
 
 
 def _single_layer_loss(Gamma, Sigma, moment, Sigma_q, n, noise_var, query_noise):
-    """E (y_hat - y_q)^2 of the one-layer sparse model A_0 = Gamma (MATH.md §8) for checked arguments:
-    context x ~ N(0, Sigma), query x_q ~ N(0, Sigma_q), E[w_star w_star^T] = M given as
-    moment = (W, w), M = w W (_task_moment), label noise noise_var:
-
-        L = tr(Sigma_q Gamma^T K Gamma) - 2 tr(Sigma_q Gamma^T Sigma M) + tr(Sigma_q M) (+ noise_var).
-
-    Computed scale-free: with Sigma = c S, M = w W and Sigma_q = c_q T (largest entries 1) and
-    G = c Gamma, L = c_q w [tr(T G^T K' G) - 2 tr(T G^T S W) + tr(T W)] (+ noise_var), K' being K
-    of (S, W) with the noise noise_var / (c w), so no intermediate under- or overflows. A loss
-    that is not a normal float64 (overflow, or a nonzero value below 2.2e-308) is a ValueError
-    naming the scale."""
+    """E (y_hat - y_q)^2 of the sparse layer A_0 = Gamma (MATH.md §8), checked arguments: context
+    x ~ N(0, Sigma), query x_q ~ N(0, Sigma_q), E[w_star w_star^T] = M = w W as moment = (W, w),
+    label noise noise_var: L = tr(Sigma_q Gamma^T K Gamma) - 2 tr(Sigma_q Gamma^T Sigma M) + tr(Sigma_q M)
+    (+ noise_var). Scale-free: with Sigma = c S, Sigma_q = c_q T (largest entries 1), G = c Gamma,
+    L = c_q w [tr(T G^T K' G) - 2 tr(T G^T S W) + tr(T W)], K' being K of (S, W) with the noise
+    noise_var / (c w). A loss outside float64's normal range is a ValueError naming the scale."""
     (W, w), c, c_q = moment, np.max(np.abs(Sigma)), np.max(np.abs(Sigma_q))
     S, T, G = Sigma / c, Sigma_q / c_q, c * Gamma
     with np.errstate(over="ignore", invalid="ignore"):        # checked below
@@ -1415,8 +1377,8 @@ def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, q
         L(Gamma) = tr(Sigma Gamma^T K Gamma) - 2 tr(Sigma Gamma^T Sigma Sigma_w) + tr(Sigma Sigma_w)
                    (+ noise_var if query_noise),
 
-    K as in gamma_star. Computed without under- or overflow at any scale of Sigma, Sigma_w; a loss
-    outside float64's normal range is a ValueError. Arguments as gamma_star; returns a float.
+    K as in gamma_star; scale-free (a loss outside float64's normal range is a ValueError).
+    Arguments as gamma_star; returns a float.
     """
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
@@ -1477,10 +1439,9 @@ def full_layer_population_loss(P, Q, Sigma, n, Sigma_w=None):
 
 
 def gd_step_size(n, d, noise_var=0.0):
-    """Mahankali et al. (2023): the optimal single layer is one GD step from 0 with the
-    per-example step eta = 1 / (n + 1 + d + noise_var) (MATH.md §8, translated to [A]'s form):
-    Gamma* = n * eta * I for Sigma = Sigma_w = I, and n * eta * Sigma^-1 for Sigma_w = Sigma^-1.
-    """
+    """Mahankali et al. (2023), in [A]'s form (MATH.md §8): the optimal single layer is one GD step
+    from 0 with the per-example step eta = 1 / (n + 1 + d + noise_var): Gamma* = n eta I for
+    Sigma = Sigma_w = I, and n eta Sigma^-1 for Sigma_w = Sigma^-1."""
     return 1.0 / (_int("n", n, 1) + 1 + _int("d", d, 1) + _nonneg("noise_var", noise_var))
 
 
@@ -1512,6 +1473,14 @@ def _wishart_T(n, d, parts, memo):
     return total
 
 
+@functools.lru_cache(maxsize=64)
+def _trace_moments(n, d, kmax):
+    """wishart_trace_moments as a tuple, kept for the 64 most recent (n, d, kmax): the exact loss
+    and the quadrature ask for the same moments at every evaluation."""
+    memo = {}
+    return (Fraction(d),) + tuple(Fraction(_wishart_T(n, d, (k,), memo), n ** k) for k in range(1, kmax + 1))
+
+
 def wishart_trace_moments(n, d, kmax):
     """m_k = E tr(S^k), k = 0..kmax, for S = W/n, W ~ Wishart_d(n, I) (MATH.md §9), exactly.
 
@@ -1523,14 +1492,6 @@ def wishart_trace_moments(n, d, kmax):
         raise ValueError(f"kmax must be <= {MAX_MOMENT_ORDER} (exact moments cost every partition of k), "
                          f"got {kmax}")
     return list(_trace_moments(n, d, kmax))
-
-
-@functools.lru_cache(maxsize=64)
-def _trace_moments(n, d, kmax):
-    """wishart_trace_moments as a tuple, kept for the 64 most recent (n, d, kmax): the exact loss
-    and the quadrature ask for the same moments at every evaluation."""
-    memo = {}
-    return (Fraction(d),) + tuple(Fraction(_wishart_T(n, d, (k,), memo), n ** k) for k in range(1, kmax + 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1646,9 +1607,8 @@ def wishart_quadrature(n, d, K):
         E tr g(S) = integral g dmu = sum_j weights_j g(nodes_j)   exactly for deg g <= 2K - 1.
 
     The recurrence coefficients come from the exact moments by Chebyshev's algorithm in rational
-    arithmetic (Gautschi, "Orthogonal polynomials", 2004, §2.1.7), so only the final symmetric
-    tridiagonal eigenproblem is in floating point. Returns nodes (K,), weights (K,) (positive).
-    MATH.md §10.
+    arithmetic (Gautschi, "Orthogonal polynomials", 2004, §2.1.7): only the final tridiagonal
+    eigenproblem is in floating point. Returns nodes (K,), weights (K,) (positive). MATH.md §10.
     """
     K = _int("K", K, 1)
     if 2 * K - 1 > MAX_MOMENT_ORDER:
@@ -1714,15 +1674,6 @@ def _family_rule(L, n, d, blocks):
     return wishart_quadrature(n, d, degree + 1)
 
 
-def _family_ties(L, blocks, tied):
-    """E with theta_layers = E theta (MATH.md §10, §14): the identity, or for tied scalars a column
-    of ones per shared scalar (a for the L layers, b for the first L - 1), so the tied gradient is
-    E^T (the layers' gradient), their sum."""
-    if not tied:
-        return np.eye(2 * L - 1 if blocks else L)
-    return scipy.linalg.block_diag(np.ones((L, 1)), *([np.ones((L - 1, 1))] if blocks else []))
-
-
 def _family_descent(theta0, E, L, blocks, nodes, weights, n, noise_var):
     """L-BFGS-B on the exact family loss over theta (theta_layers = E theta: a (L,), b (L-1,) with
     blocks) from theta0, with the gradient of _family_loss_at_nodes (MATH.md §10). L-BFGS-B's tests
@@ -1754,22 +1705,6 @@ def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
     return a, b, family_population_loss(a, n, d, b, noise_var=noise_var)
 
 
-@_numpy_rules
-def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=None):
-    """Best member of the family of Theorem 3 (A_l = a_l Sigma^-1) or, with blocks, of
-    Theorem 4 (also B_l = b_l I), by multi-start L-BFGS-B on the exact population loss.
-
-    The loss is evaluated with the exact Gauss rule of wishart_quadrature (float64, no
-    cancellation); the reported loss is family_population_loss at the optimum (exact rationals).
-    Starts: a_l ~ U(0, 2), b_l ~ U(0, 1.5) from rng (default seed 0).
-    Returns (a (L,), b (L,) or None, loss); b[L-1] is NaN since B_{L-1} does not enter the loss
-    ([A] footnote 4). For the sparse family a is sorted (the loss is symmetric, Lemma 4).
-    MATH.md §10.
-    """
-    best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng)
-    return _family_result(best, L, n, d, blocks, noise_var, sort=not blocks)
-
-
 def _family_search(L, n, d, blocks, noise_var, starts, rng, tied=False):
     """The theta of the lowest of `starts` descents of the exact family loss (_family_descent) from
     a ~ U(0, 2), b ~ U(0, 1.5) drawn from rng (default seed 0), one (a, b) per layer or, tied, one
@@ -1779,7 +1714,9 @@ def _family_search(L, n, d, blocks, noise_var, starts, rng, tied=False):
     starts = _int("starts", starts, 1)
     rng = np.random.default_rng(0) if _rng(rng, optional=True) is None else rng
     nodes, weights = _family_rule(L, n, d, blocks)
-    E, k = _family_ties(L, blocks, tied), 1 if tied else L
+    E, k = np.eye(2 * L - 1 if blocks else L), 1 if tied else L
+    if tied:          # a column of ones per shared scalar: theta_layers = E theta, the gradient E^T g (§14)
+        E = scipy.linalg.block_diag(np.ones((L, 1)), *([np.ones((L - 1, 1))] if blocks else []))
     best_theta, best_f = None, math.inf
     for _ in range(starts):
         theta0 = np.r_[rng.uniform(0, 2, k), rng.uniform(0, 1.5, (1 if tied else L - 1) if blocks else 0)]
@@ -1787,6 +1724,20 @@ def _family_search(L, n, d, blocks, noise_var, starts, rng, tied=False):
         if f < best_f:
             best_theta, best_f = theta, f
     return best_theta, (L, n, d, noise_var)
+
+
+@_numpy_rules
+def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=None):
+    """Best member of the family of Theorem 3 (A_l = a_l Sigma^-1) or, with blocks, of Theorem 4
+    (also B_l = b_l I), by multi-start L-BFGS-B on the exact population loss (MATH.md §10).
+
+    The loss is evaluated with the exact Gauss rule of wishart_quadrature; the reported loss is
+    family_population_loss at the optimum (exact rationals). Starts: a_l ~ U(0, 2), b_l ~ U(0, 1.5)
+    from rng (default seed 0). Returns (a (L,), b (L,) or None, loss); b[L-1] is NaN since B_{L-1}
+    does not enter ([A] footnote 4); the sparse family's a is sorted (Lemma 4: the loss is symmetric).
+    """
+    best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng)
+    return _family_result(best, L, n, d, blocks, noise_var, sort=not blocks)
 
 
 @_numpy_rules
@@ -1801,8 +1752,7 @@ def family_local_minimum(a, n, d, b=None, noise_var=0.0):
     noise_var = _nonneg("noise_var", noise_var)
     L, blocks = a.size, b is not None
     theta0 = np.r_[a, b_full[:-1]] if blocks else a
-    theta, _ = _family_descent(theta0, _family_ties(L, blocks, False), L, blocks, *_family_rule(L, n, d, blocks), n,
-                               noise_var)
+    theta, _ = _family_descent(theta0, np.eye(theta0.size), L, blocks, *_family_rule(L, n, d, blocks), n, noise_var)
     return _family_result(theta, L, n, d, blocks, noise_var)
 
 
@@ -1855,17 +1805,13 @@ def fitted_scalar(M, T):
 @_numpy_rules
 def symmetry_directions(structure, coords, query_label_zero=True):
     """An orthonormal basis (p, k) of the directions in which the loss is exactly constant at
-    coords, in the structure's pack order (MATH.md §11):
-
+    coords, in the structure's pack order (MATH.md §11); the sparse structure has none (k = 0):
     - coordinates that never reach the loss: blocks B_{L-1}; for full (P, Q) the x-rows of every
       head of the last layer's P, and for one layer the last column of Q when every query's label
       slot is 0 (query_label_zero, as sample_prompts makes them; _fixed_coordinates);
     - for full (P, Q), each layer's heads enter only through K_l = sum_h P_lh kron Q_lh^T, which
       (P_lh, Q_lh) -> (sum_g A_hg P_lg, sum_g (A^-T)_hg Q_lg) leaves unchanged for any invertible
-      A: the tangent directions dP_lh = P_lg, dQ_lg = -Q_lh for every pair (h, g), the rescaling
-      (P_lh, -Q_lh) among them (h = g).
-
-    The sparse structure has none (k = 0). Returns an array (p, k)."""
+      A: the tangent directions dP_lh = P_lg, dQ_lg = -Q_lh for every pair (h, g)."""
     _choice("structure", structure, STRUCTURES)
     P, Q = structure_to_PQ(structure, coords)
     L, H = P.shape[:2]
@@ -1913,8 +1859,7 @@ def identifiable_hessian(structure, coords, Z, y, h=1e-5, activation="linear", e
     The Hessian is central differences of the exact gradient along each column of U (h = 1e-5
     balances truncation h^2 against rounding eps/h), symmetrised. Arguments as sandwich_covariance.
     Returns a dict: basis U (p, m), gradient (m,) = U^T grad, hessian (m, m), eigenvalues (m,)
-    ascending, symmetries k = p - m (the directions removed).
-    """
+    ascending, symmetries k = p - m (the directions removed)."""
     Z, y = _batch(structure, activation, Z, y)
     h = _nonneg("h", h)
     if h == 0:
@@ -1938,12 +1883,11 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
 
     U the identifiable coordinates and H_U the batch Hessian there (identifiable_hessian: the
     exact symmetry directions removed by construction, so H_U is invertible at a strict minimum),
-    V_U = U^T V U with V the covariance of one prompt's gradient: exact from the per-prompt gradients
-    2 r_b J_b for the linear layer (MATH.md §3.1), else estimated as the chunk size times the
-    covariance of `chunks` chunk-mean gradients. The result is symmetric and positive semi-definite,
-    zero along the symmetry directions. Valid near a strict minimiser of the batch loss (a Hessian
-    with an eigenvalue <= 0 there is a ValueError), for gradients that are not heavy-tailed
-    (MATH.md §10-§11). Returns a (p, p) array in pack order.
+    V_U = U^T V U with V the covariance of one prompt's gradient: the sample covariance of the exact
+    per-prompt gradients 2 r_b J_b for the linear layer (MATH.md §3.1), else the chunk size times
+    the covariance of `chunks` chunk-mean gradients. Symmetric, positive semi-definite, zero along
+    the symmetries. Valid near a strict minimiser of the batch loss (else a ValueError), for
+    gradients that are not heavy-tailed (MATH.md §10-§11). Returns a (p, p) array in pack order.
     """
     Z, y = _batch(structure, activation, Z, y)
     chunks = _int("chunks", chunks, 2)
@@ -2016,17 +1960,15 @@ REFERENCE = ReferenceEngine()
 PRIVATE_API = ("_numpy_rules", "_array", "_int", "_nonneg", "_flag", "_rng", "_prompts", "_params", "_spd",
                "_finite", "_task_covariance", "_task_moment", "_pool", "_single_layer_moments",
                "_single_layer_loss", "_family_search")
-"""The private names icl_check, icl_looped, icl_estimators and experiments.py may import (a test pins
-the list): the input checks, so that every module refuses bad input in the same words; the moments
-and loss of one layer (§8), which the shifted loss of MATH.md §15 and the flow of §14 extend; and
-the family search of §10, which the looped family optimum of §14 runs with its scalars tied."""
+"""The private names the project's other modules may import (a test pins the list): the input checks,
+so that all refuse bad input in the same words; one layer's moments and loss (§8), which MATH.md
+§14-§15 extend; the family search (§10), which §14 runs with its scalars tied."""
 
 _MOVED = {**dict.fromkeys(("reference_cases", "write_reference_vectors", "diagnose", "check_implementation",
                            "LAYOUTS", "ARRAY_MEANINGS", "DIAGNOSIS_VARIANTS", "CHECK_TOLERANCES",
-                           "VECTOR_TOLERANCES", "VECTORS_FORMAT"), "icl_check"),
-          **dict.fromkeys(("tokens_as_columns", "tokens_as_rows", "params_from_authors", "params_to_authors",
-                           "grads_to_authors", "VON_OSWALD_LOSS_SCALE", "params_from_von_oswald",
-                           "grads_to_von_oswald"), "icl_check"),
+                           "VECTOR_TOLERANCES", "VECTORS_FORMAT", "tokens_as_columns", "tokens_as_rows",
+                           "params_from_authors", "params_to_authors", "grads_to_authors",
+                           "VON_OSWALD_LOSS_SCALE", "params_from_von_oswald", "grads_to_von_oswald"), "icl_check"),
           **dict.fromkeys(("optimal_tied_family", "one_layer_population_grad", "one_layer_gradient_flow"),
                           "icl_looped"),
           **dict.fromkeys(("ridge_predict", "bayes_predict", "dmmse_predict", "ols_population_risk",
