@@ -190,13 +190,6 @@ VECTOR_TOLERANCES = {
 }
 
 
-def reference_cases():
-    """The inputs of the reference vectors: a list of dicts (name, description, activation, structure,
-    Z, y, P, Q, and the covariances Sigma, Sigma_w its prompts were drawn with), deterministic (fixed
-    seeds), built once per process; fresh copies on every call. MATH.md §13."""
-    return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()} for c in _reference_cases()]
-
-
 @functools.lru_cache(maxsize=1)
 def _reference_cases():
     """reference_cases, built once (the family optimum takes a second)."""
@@ -248,6 +241,13 @@ def _reference_cases():
             if isinstance(v, np.ndarray):
                 v.setflags(write=False)
     return tuple(cases)
+
+
+def reference_cases():
+    """The inputs of the reference vectors: a list of dicts (name, description, activation, structure,
+    Z, y, P, Q, and the covariances Sigma, Sigma_w its prompts were drawn with), deterministic (fixed
+    seeds), built once per process; fresh copies on every call. MATH.md §13."""
+    return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()} for c in _reference_cases()]
 
 
 def _case_outputs(P, Q, Z, y, activation):

@@ -202,6 +202,12 @@ def _same(a, b):
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def _plain(name):
+    """Whether `name` names a file in the folder itself: no separator, not '.' or '..', no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
+            and not any(s and s in name for s in (os.sep, os.altsep)))
+
+
 def _hashes(value):
     """`value` as {plain name: sha256} when it is one, else None (a record that is not one is not trusted)."""
     if not isinstance(value, dict):
@@ -211,12 +217,6 @@ def _hashes(value):
                 and all(c in "0123456789abcdef" for c in digest)):
             return None
     return value
-
-
-def _plain(name):
-    """Whether `name` names a file in the folder itself: no separator, not '.' or '..', no NUL."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
-            and not any(s and s in name for s in (os.sep, os.altsep)))
 
 
 def _running(pid):
@@ -757,6 +757,16 @@ class Folder:
         self.record_id = None
 
 
+def _record_ending(folder, error):
+    """Record why a run of write_file_set stopped, when the record can still be written."""
+    status = ("write error" if isinstance(error, (WriteFailed, Refused)) else
+              "interrupted" if isinstance(error, KeyboardInterrupt) else "crashed")
+    try:
+        folder.save(status, error=str(error) or type(error).__name__)
+    except (OSError, Refused):
+        pass                                # the error that stopped the run is the one to report
+
+
 def write_file_set(path, files, tool, record, lock, vouchers, overwrite):
     """Write `files` ({name: bytes}, in this order; the tool's own record, which vouches for the
     others, last) into the folder `path` as one run of `tool`, with the promises of this module:
@@ -780,13 +790,3 @@ def write_file_set(path, files, tool, record, lock, vouchers, overwrite):
         folder.discard_record()
     finally:
         folder.close()
-
-
-def _record_ending(folder, error):
-    """Record why a run of write_file_set stopped, when the record can still be written."""
-    status = ("write error" if isinstance(error, (WriteFailed, Refused)) else
-              "interrupted" if isinstance(error, KeyboardInterrupt) else "crashed")
-    try:
-        folder.save(status, error=str(error) or type(error).__name__)
-    except (OSError, Refused):
-        pass                                # the error that stopped the run is the one to report

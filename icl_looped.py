@@ -115,7 +115,7 @@ def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1
     scipy.integrate.solve_ivp's LSODA, which switches from Adams steps to implicit BDF steps when the
     flow turns stiff (its rates differ by the spread of K and Sigma), with the exact Hessian as its
     Jacobian: once the flow has converged its steps grow, so the cost stops growing with t. rtol in
-    [1e-13, 0.1]; atol = rtol * 1e-3 of the state's scale. BDF does not conserve the invariant
+    [1e-13, 0.1]; atol = rtol / 100 of the state's scale. BDF does not conserve the invariant
     exactly: it drifts by about the accumulated local error, rtol times the evaluations.
     Sigma, Sigma_w: (d, d) SPD; n >= 1; sigma > 0; t: increasing times >= 0, (T,); Theta: (d, d),
     nonzero (default I). Returns a dict: t (T,), u (T,), U (T, d, d), Gamma (T, d, d) = u U (the
@@ -139,6 +139,10 @@ def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1
     Theta = Theta / np.max(np.abs(Theta))               # Theta Theta^T neither over- nor underflows
     M = Theta @ Theta.T
     y0 = sigma * np.r_[1.0, (M / np.linalg.norm(M)).ravel()]
+    # the state's scale from start to rest (u^2 ~ |U| ~ |Gamma*|^(1/2) at rest): an absolute tolerance
+    # below 1e-2 rtol of it would ask for less than the field's own rounding there, and the implicit
+    # steps would shrink without end once the flow rests
+    scale = max(sigma, math.sqrt(np.max(np.abs(np.linalg.solve(K, E_hw)))))
 
     def field(_, y):
         _, du, dU = _one_layer_field(y[0], y[1:].reshape(d, d), Sigma, K, E_hw)
@@ -150,7 +154,7 @@ def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1
     if t[-1] > 0:
         with np.errstate(over="ignore", invalid="ignore"):
             sol = scipy.integrate.solve_ivp(field, (0.0, t[-1]), y0, method="LSODA", t_eval=t, rtol=rtol,
-                                            atol=rtol * 1e-3 * sigma, jac=jacobian)
+                                            atol=rtol * 1e-2 * scale, jac=jacobian)
         if not np.all(np.isfinite(sol.y)):
             raise ValueError(f"the flow overflowed float64 (sigma = {sigma:.3g}, max |Sigma| = "
                              f"{np.max(np.abs(Sigma)):.3g}): start smaller or rescale x")

@@ -10,6 +10,7 @@ Tolerances, each with its reason:
     Z_MC   = 4      Monte Carlo: |estimate - exact| <= 4 standard errors computed from the samples
 Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
 """
+import ast
 import functools
 import inspect
 import math
@@ -70,6 +71,24 @@ def small_problem(seed=0, B=6, n=5, d=3, noise_std=0.0):
     Sigma, _ = ir.rotated_covariance(rng, np.linspace(0.5, 1.5, d))
     Z, y = ir.sample_prompts(rng, B, n, Sigma, noise_std=noise_std)
     return rng, Z, y
+
+
+def adjoint_check(phi, inputs, adjoints, h, scale, symmetric=()):
+    """Each input's adjoint against five-point central differences of the scalar phi(*inputs), entry
+    by entry, within 20 eps scale / h: the rounding of the stencil's four values of phi (scale bounds
+    sum |terms| of phi; the weights (8 + 8 + 1 + 1) / 12h, doubled for the sums inside phi). Where phi
+    is a polynomial of degree <= 4 in each entry the stencil has no truncation error at all. An input
+    whose index is in `symmetric` is a symmetric stack S (a Gram matrix): the adjoint owes only the
+    symmetric part of the gradient (MATH.md §3), so (dS + dS^T) / 2 is compared along the symmetric
+    perturbations (E_ij + E_ji) / 2."""
+    for k, (X, dX) in enumerate(zip(inputs, adjoints)):
+        def along(Y, k=k):
+            if k in symmetric:
+                Y = (Y + np.swapaxes(Y, -1, -2)) / 2
+            return phi(*inputs[:k], Y, *inputs[k + 1:])
+        expected = (dX + np.swapaxes(dX, -1, -2)) / 2 if k in symmetric else dX
+        assert_allclose(expected, central_diff(along, X, h), rtol=0, atol=20 * np.finfo(float).eps * scale / h,
+                        err_msg=f"input {k}")
 
 
 def pytest_generate_tests(metafunc):
@@ -135,6 +154,47 @@ def test_layer_is_the_matrix_form_with_the_mask():
         out = np.stack([Zb + sum(P_h @ Zb @ M @ Zb.T @ Q_h @ Zb for P_h, Q_h in zip(P_l, Q_l)) / 5
                         for Zb in out])
     assert_allclose(ir.forward(P, Q, Z), out, rtol=EXACT, atol=EXACT * np.max(np.abs(out)))
+
+
+def test_layer_backward_is_the_adjoint_of_layer_forward_for_each_input():
+    # phi = <G, S'> + <g, q'> with a random upstream (G, g), G not symmetric: layer_backward(G, g)
+    # must be phi's gradient in P_l, Q_l, S and q, each entry (phi has degree <= 3 in any one
+    # entry, so h = 1e-2 leaves rounding alone); per_prompt keeps each prompt's part of dP, dQ
+    rng, Z, _ = small_problem(seed=30, B=3, n=5, d=3)
+    S, q, n = ir.gram(Z), Z[:, :, -1].copy(), 5
+    P, Q = random_params(rng, 1, 2, 3, scale=0.75)[:, 0]                # one layer's (H, D, D)
+    G, g = rng.standard_normal(S.shape), rng.standard_normal(q.shape)
+
+    def phi(P_l, Q_l, S_, q_):
+        S1, q1, _, _ = ir.layer_forward(P_l, Q_l, S_, q_, n)
+        return np.sum(G * S1) + np.sum(g * q1)
+    S1, q1, _, cache = ir.layer_forward(P, Q, S, q, n)
+    dS, dq, dP, dQ = ir.layer_backward(G, g, cache)
+    scale = np.sum(np.abs(G * S1)) + np.sum(np.abs(g * q1))
+    adjoint_check(phi, [P, Q, S, q], [dP, dQ, dS, dq], 1e-2, scale, symmetric=(2,))
+    none, dq2, dP2, dQ2 = ir.layer_backward(G, g, cache, need_dS=False, per_prompt=True)
+    assert none is None and np.array_equal(dq2, dq) and dP2.shape == (3,) + P.shape
+    assert_allclose(dP2.sum(axis=0), dP, rtol=EXACT) and assert_allclose(dQ2.sum(axis=0), dQ, rtol=EXACT)
+
+
+def test_readout_backward_is_the_adjoint_of_readout_forward_for_each_input():
+    # phi = <u, (T q)_d> with a random upstream u: readout_backward(u) is phi's gradient in P_l, Q_l,
+    # S (its symmetric part: here dS is not symmetric) and q; phi is linear in each entry (exact
+    # stencil); dP_l lives in row d alone
+    rng, Z, _ = small_problem(seed=31, B=3, n=5, d=3)
+    S, q, n = ir.gram(Z), Z[:, :, -1].copy(), 5
+    P, Q = random_params(rng, 1, 2, 3, scale=0.75)[:, 0]                # one layer's (H, D, D)
+    u = rng.standard_normal(3)
+
+    def phi(P_l, Q_l, S_, q_):
+        return np.sum(u * ir.readout_forward(P_l, Q_l, S_, q_, n)[0])
+    out, cache = ir.readout_forward(P, Q, S, q, n)
+    dS, dq, dP, dQ = ir.readout_backward(u, cache)
+    adjoint_check(phi, [P, Q, S, q], [dP, dQ, dS, dq], 1e-2, np.sum(np.abs(u * out)) + np.sum(np.abs(S)),
+                  symmetric=(2,))
+    assert not np.any(dP[:, :-1])
+    per = ir.readout_backward(u, cache, per_prompt=True)
+    assert_allclose(per[2].sum(axis=0), dP, rtol=EXACT) and assert_allclose(per[3].sum(axis=0), dQ, rtol=EXACT)
 
 
 def test_hand_computed_layer_d1_n2():
@@ -393,6 +453,28 @@ def test_activation_gradients_match_finite_differences(activation):
     h = FD_H2 if activation == "relu" else FD_H
     assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(X, Q, Z, y, activation)[0], P, h), dP)
     assert_grad_close(central_diff(lambda X: ir.loss_and_grad_activation(P, X, Z, y, activation)[0], Q, h), dQ)
+
+
+@pytest.mark.parametrize("activation", ir.ACTIVATIONS)
+def test_attention_backward_is_the_adjoint_of_attention_forward_for_each_input(activation):
+    # phi = <G, out> with a random upstream G (B, D, n+1): attention_backward(G) is phi's gradient in
+    # P_h, Q_h and Z (Z enters three times: keys, queries, values). h = 1e-4: linear attention is a
+    # cubic in each entry (no truncation); relu is one where no score crosses 0, and none comes
+    # within 1e-2 of it here, far beyond what a step of 2h moves a score; softmax's truncation
+    # (h^4/30) f^(5) is below 1e-15 at this h (measured 7e-8 at h = 1e-2, falling as h^4)
+    rng, Z, _ = small_problem(seed=32, B=3, n=4, d=2)
+    P, Q = 0.7 * rng.standard_normal((2, 3, 3))
+    G = rng.standard_normal(Z.shape)
+
+    def phi(P_h, Q_h, Z_):
+        return np.sum(G * ir.attention_forward(P_h, Q_h, Z_, activation)[0])
+    out, cache = ir.attention_forward(P, Q, Z, activation)
+    assert np.min(np.abs(cache[3])) > 1e-2                     # the scores E: none near relu's kink
+    dZ, dP, dQ = ir.attention_backward(G, cache)
+    adjoint_check(phi, [P, Q, Z], [dP, dQ, dZ], 1e-4, np.sum(np.abs(G * out)) + np.sum(np.abs(G)))
+    per = ir.attention_backward(G, cache, per_prompt=True)
+    assert np.array_equal(per[0], dZ)
+    assert_allclose(per[1].sum(axis=0), dP, rtol=EXACT) and assert_allclose(per[2].sum(axis=0), dQ, rtol=EXACT)
 
 
 def test_explicit_linear_attention_is_an_independent_twin_of_the_fast_path():
@@ -1982,18 +2064,102 @@ def test_scale_free_quantities_hold_at_extreme_scales():
     assert np.all(np.isfinite(Z))
 
 
-def test_icl_ref_imports_only_numpy_scipy_and_the_standard_library():
+def test_icl_ref_imports_only_numpy_scipy_and_the_standard_librarys_math_modules():
     # every import statement of the module, wherever it stands (numpy and scipy may load what they
-    # like; icl_ref itself asks for nothing else, so the file can be copied into another project)
-    import ast
-    import sys
+    # like; icl_ref asks for nothing else, so the file can be copied into another project). No file
+    # I/O, command line or threads: importlib, warnings and runpy serve only the 0.4.0 forwarding
     with open(ir.__file__, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     names = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
              for alias in node.names}
     names |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert {"numpy", "scipy"} <= names
-    assert names - {"numpy", "scipy"} <= set(sys.stdlib_module_names) - {"threading", "concurrent", "ctypes"}
+    assert names - {"numpy", "scipy"} <= {"functools", "itertools", "math", "sys", "time", "fractions",
+                                          "importlib", "warnings", "runpy"}
+
+
+PROJECT = ("icl_ref", "icl_check", "icl_looped", "icl_estimators", "icl_fast", "icl_files")
+PINNED_PRIVATE_API = ("_numpy_rules", "_array", "_int", "_nonneg", "_flag", "_rng", "_prompts", "_params", "_spd",
+                      "_finite", "_task_covariance", "_task_moment", "_pool", "_single_layer_moments",
+                      "_single_layer_loss", "_family_search")
+
+
+def _top_level_imports(path):
+    """The project modules a file imports at its top level (not inside functions)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+    return names & set(PROJECT)
+
+
+def test_the_modules_import_one_way_towards_icl_ref():
+    # icl_ref imports no module of the project; the others import icl_ref (and the file writer), and
+    # the graph has no cycle: each module's imports come earlier in this order
+    order = ("icl_files", "icl_ref", "icl_estimators", "icl_looped", "icl_check", "icl_fast")
+    here = os.path.dirname(os.path.abspath(__file__))
+    for k, module in enumerate(order):
+        imports = _top_level_imports(os.path.join(here, module + ".py"))
+        assert imports <= set(order[:k]), (module, imports)
+    assert _top_level_imports(os.path.join(here, "icl_ref.py")) == set()
+    assert {"icl_ref"} <= _top_level_imports(os.path.join(here, "icl_check.py"))
+
+
+def test_other_modules_use_only_the_pinned_private_names_of_icl_ref():
+    # the private names another part of the project may take from icl_ref are listed in
+    # icl_ref.PRIVATE_API (pinned here): `from icl_ref import _x` and `ir._x` elsewhere use only them
+    assert ir.PRIVATE_API == PINNED_PRIVATE_API and all(callable(getattr(ir, n)) for n in ir.PRIVATE_API)
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(here, m + ".py") for m in PROJECT if m != "icl_ref"] + [os.path.join(here, "experiments.py")]
+    for folder in ("tools", "examples"):
+        files += sorted(os.path.join(here, folder, f) for f in os.listdir(os.path.join(here, folder)) if f.endswith(".py"))
+    used = {}
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                   for a in n.names if a.name == "icl_ref"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "icl_ref":
+                used.setdefault(path, set()).update(a.name for a in node.names if a.name.startswith("_"))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                used.setdefault(path, set()).add(node.attr)
+    outside = {os.path.relpath(p, here): sorted(n - set(ir.PRIVATE_API)) for p, n in used.items() if n - set(ir.PRIVATE_API)}
+    assert not outside, outside
+
+
+def test_the_gradients_path_to_the_layer_is_named_calls_without_lambdas():
+    # from loss_and_grad, calls by name reach layer_forward and layer_backward (three hops each:
+    # through _loss_and_grad_gram and _propagate or _backpropagate) and no function on the way holds
+    # a lambda or a functools.partial (tools/layout.py prints the path)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+    try:
+        import layout
+    finally:
+        sys.path.pop(0)
+    with open(ir.__file__, encoding="utf-8") as f:
+        source = f.read()
+    paths, indirect = layout.named_path(source, "loss_and_grad", ("layer_forward", "layer_backward"))
+    assert set(paths) == {"layer_forward", "layer_backward"} and indirect == []
+    assert all(len(path) - 1 <= 4 for path in paths.values()), paths
+    # the tool itself sees what it looks for: a lambda on the path, a function used before it is defined
+    toy = "def f(x):\n    return g(x)\n\n\ndef g(x):\n    return (lambda y: h(y))(x)\n\n\ndef h(y):\n    return y\n"
+    assert layout.used_before_defined(toy) == [("f", "g"), ("g", "h")]
+    assert layout.named_path(toy, "f", ("h",)) == ({"h": ["f", "g", "h"]}, ["g"])
+
+
+def test_moved_names_are_reachable_from_icl_ref_with_a_warning_naming_their_home():
+    # users' code keeps working for one release: icl_ref.<name> is the new home's object, with a
+    # DeprecationWarning that names the module to import it from
+    import importlib
+    assert len(ir._MOVED) == 27
+    for name, home in ir._MOVED.items():
+        with pytest.warns(DeprecationWarning, match=f"icl_ref.{name} moved to {home}.{name}"):
+            assert getattr(ir, name) is getattr(importlib.import_module(home), name)
+        assert name not in vars(ir)                         # the only copy lives in its new home
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        ir.no_such_name
 
 
 def test_reference_leaves_no_threads_or_process_state_and_concurrent_calls_equal_serial():
