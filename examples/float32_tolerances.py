@@ -85,7 +85,7 @@ def main(argv=None):
                                                     time.perf_counter() - start, torch=torch.__version__), grid=GRID,
                       worst={str(L): dict(zip(KINDS, map(float, worst[L]))) for L in Ls},
                       overall=dict(zip(KINDS, map(float, overall))), suggested=dict(zip(KINDS, suggest)))
-        records.write_record(RECORD, record)
+        records.write(RECORD, record)
         print(RECORD)
 
 

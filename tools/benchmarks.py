@@ -325,7 +325,7 @@ def main(argv=None):
                                                 time.perf_counter() - start, **peer_versions()),
                   machine=machine(), tables=tables)
     try:
-        records.write_record(os.path.abspath(args.out), record)
+        records.write(os.path.abspath(args.out), record)
     except (icl_files.Refused, icl_files.WriteFailed) as e:
         print(f"not written: {e}", file=sys.stderr)
         return 2

@@ -142,7 +142,7 @@ def main(argv=None):
         records.write(FIGURE, figure(record))
         record = dict(provenance=records.provenance(["tools/blocks_basins.py", "--starts", str(args.starts), "--seed",
                                                      str(args.seed)], SOURCES, time.time() - t0, [FIGURE]), **record)
-        records.write_record(RECORD, record)
+        records.write(RECORD, record)
     except (icl_files.Refused, icl_files.WriteFailed) as e:
         print(f"not written: {e}", file=sys.stderr)
         return 2

@@ -72,8 +72,8 @@ def copy_from(out):
     try:
         for name, data in files.items():
             records.write(f"docs/{name}", data)
-        records.write_record(records.TOOLS["figures"][0], dict(
-            provenance=records.provenance(records.TOOLS["figures"][1], [*experiments.SOURCES, "tools/docs_figures.py"],
+        records.write(records.TOOLS["figures"][0], dict(
+            provenance=records.provenance(records.TOOLS["figures"][1], list(experiments.SOURCES),
                                           math.fsum(t["seconds"] for t in times.values()), [f"docs/{n}" for n in files],
                                           state=dict(commit=run["commit"], dirty=False)),
             timing=dict(machine=benchmarks.machine()[0],           # --from takes a run made here

@@ -1,5 +1,5 @@
-"""Mutation check: does the default test suite notice plausible slips in icl_ref.py, icl_fast.py and
-experiments.py?
+"""Mutation check: does the default test suite notice plausible slips in icl_ref.py, icl_fast.py,
+experiments.py, its command line and the records' tools (tools/records.py, tools/docs_figures.py)?
 
 Each mutant names a function (its qualified name, "outer.inner" for a nested one; None: module level)
 and a piece of its code; it is found inside that function whatever the layout (any run of spaces,

@@ -77,12 +77,10 @@ def provenance(command, depends, seconds, outputs=(), state=None, **versions):
 
 
 def write(path, data):
-    """Write a document or record of the project (a path from the root), never through a link."""
+    """Write a document, figure or record (a dict, as JSON) of the project (a path from the root), never
+    through a symbolic link."""
+    data = json.dumps(data, indent=1) + "\n" if isinstance(data, dict) else data
     icl_files.replace_file(os.path.join(ROOT, path), data.encode("utf-8") if isinstance(data, str) else data)
-
-
-def write_record(path, record):
-    write(path, json.dumps(record, indent=1) + "\n")
 
 
 def read(path):
@@ -116,12 +114,13 @@ def checked_provenance(name, record):
     if not isinstance(p, dict):
         raise Problem(f"{path} has no provenance")
     paths = lambda v: isinstance(v, list) and all(isinstance(f, str) and PATH.fullmatch(f) for f in v)
+    command, outputs = p.get("command"), p.get("outputs", {})
     problems = [what for what, ok in (
-        ("command", isinstance(p.get("command"), list) and p["command"] and paths(p["command"][:1])
-         and all(isinstance(a, str) for a in p["command"])), ("commit", p.get("commit") is None or COMMIT.fullmatch(str(p["commit"]))),
+        ("command", isinstance(command, list) and command and paths(command[:1]) and all(isinstance(a, str) for a in command)),
+        ("commit", p.get("commit") is None or COMMIT.fullmatch(str(p["commit"]))),
         ("dirty", p.get("dirty") in (True, False, None)), ("depends", paths(p.get("depends"))),
-        ("outputs", isinstance(p.get("outputs", {}), dict) and paths(list(p.get("outputs", {})))
-         and all(f.startswith("docs/") and isinstance(h, str) for f, h in p.get("outputs", {}).items()))) if not ok]
+        ("outputs", isinstance(outputs, dict) and paths(list(outputs)) and all(
+            f.startswith("docs/") and isinstance(h, str) for f, h in outputs.items()))) if not ok]
     if problems:
         raise Problem(f"{path}: provenance field(s) {', '.join(problems)} missing or malformed")
     return p
@@ -188,12 +187,12 @@ def cell(text):
     """A CSV cell as a value: empty None, True/False, a JSON list, a number, else the text."""
     if text in ("", "True", "False"):
         return {"": None, "True": True, "False": False}[text]
-    if text.startswith("["):
-        return json.loads(text)
-    try:
-        return float(text)
-    except ValueError:
-        return text
+    for parse in (float, json.loads):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return text
 
 
 _tables = {}
@@ -206,12 +205,13 @@ def rows(pattern):
     if stem not in _tables:                     # read once per render
         try:
             with open(os.path.join(ROOT, "docs", f"{stem}.csv"), encoding="utf-8", newline="") as f:
-                _tables[stem] = [Fields((k, cell(v)) for k, v in r.items()) for r in csv.DictReader(f)]
+                table = [Fields((k, cell(v)) for k, v in r.items()) for r in csv.DictReader(f)]
         except (OSError, ValueError, csv.Error) as e:
             raise Problem(f"docs/{stem}.csv cannot be read: {e}") from None
-        ids = [r.get("id") for r in _tables[stem]]
+        ids = [r.get("id") for r in table]
         if not ids or None in ids or len(set(ids)) != len(ids):
             raise Problem(f"docs/{stem}.csv is empty, has no id column or repeats an id")
+        _tables[stem] = table
     found = Rows(r for r in _tables[stem] if fnmatch.fnmatchcase(r["id"], pattern))
     if not found:
         raise Problem(f"docs/{stem}.csv has no row {pattern}")
@@ -427,17 +427,17 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="name every stale record and every block that differs")
-    r = sub.add_parser("refresh", help="run the tools of the named records (default: the stale ones), then render")
-    r.add_argument("names", nargs="*", metavar="NAME", help=", ".join(TOOLS))
-    r = sub.add_parser("render", help="write the generated blocks of " + ", ".join(DOCS))
-    r.add_argument("--check", action="store_true", help="write nothing; exit 1 if a block differs")
+    sub.add_parser("refresh", help="run the tools of the named records (default: the stale ones), then render") \
+        .add_argument("names", nargs="*", metavar="NAME", help=", ".join(TOOLS))
+    sub.add_parser("render", help="write the generated blocks of " + ", ".join(DOCS)) \
+        .add_argument("--check", action="store_true", help="write nothing; exit 1 if a block differs")
     args = ap.parse_args(argv)
-    if args.cmd == "check":
-        return check()
-    if args.cmd == "refresh":
-        return refresh(list(args.names))
-    return render(check=args.check)
+    return check() if args.cmd == "check" else refresh(list(args.names)) if args.cmd == "refresh" else render(args.check)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:                     # a reader gone (| head): no traceback; a shell's 128 + SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
