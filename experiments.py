@@ -4,9 +4,10 @@
 
 Every experiment states claims, computes the theory side with icl_ref's closed forms and the
 measured side with icl_ref's trained models, and returns one record per claim: the fields FIELDS
-(experiment, claim, theory, measured, se, k, tolerance, check, verdict, converged, why) and named
-extras, all numbers or lists of numbers. The printed table, summary.md, the CSVs and the figures
-are rendered from these fields. Verdicts:
+(id, experiment, claim, theory, measured, se, k, tolerance, check, verdict, converged, why) and
+named extras, all numbers or lists of numbers, and extra tables whose rows carry ids too (keyed).
+A row's id (ID_PATTERN, e.g. "noise/isotropic-var2") is how the documents and tests find it, so a
+claim's words can change freely. Verdicts:
   PASS / FAIL  a checked claim (its `check` says how: two-sided |measured - theory| <= tolerance,
                or one-sided and named so; tolerance = k se + slack, k printed in the row);
   INFO         a finding reported, not checked; also a claim the --quick sizes cannot decide,
@@ -14,44 +15,26 @@ are rendered from these fields. Verdicts:
   NO VERDICT   a checked claim or finding whose trained models did not all converge (|grad| >
                GRAD_TOL, or interrupted), or, for a model trained from several starts, when no start
                reached the reference loss (all stopped at higher stationary points); `why` says which.
-The run ends with a tally line; the exit status is 1 when a checked claim fails (EXIT_STATUSES:
-each way a run can end, README's table). --out DIR receives config.json (the run's record: format
-marker, options, versions, status, each experiment's files and provenance, every file with its
-SHA-256), one CSV per experiment (and per extra table), summary.md and, when matplotlib is
-importable, PNG figures; icl_files writes them, replacing only files a record proves this script's.
+The command line (experiments_cli.py: the run's folder, record, summary, signals and exit statuses)
+renders the printed table, summary.md, the CSVs and the figures from these fields.
 Setups: [A] §4.3, §5.1 and App. D; the math is in MATH.md.
 "The rebuttal" is the authors' response to the NeurIPS 2023 reviewers (on OpenReview).
 """
-import argparse
-import ast
-import contextlib
-import csv
 import dataclasses
 import functools
-import hashlib
-import io
 import itertools
-import json
 import math
-import os
-import platform
-import signal
+import re
 import sys
-import textwrap
-import threading
 import time
-import traceback
-import zlib
 
 import numpy as np
 import scipy
 import scipy.linalg
 import scipy.optimize
-import threadpoolctl
 
 import icl_estimators as est
 import icl_fast as fast
-import icl_files
 import icl_looped as lp
 import icl_ref as ir
 
@@ -80,8 +63,12 @@ CHECKS = {"two-sided": "|measured - theory| <= tolerance",
           "at most (one-sided)": "measured <= theory + tolerance",
           "above (one-sided)": "measured >= theory + tolerance (a difference resolved by k SE)",
           "holds": "the stated property holds exactly (to rounding)"}
+# A row's id: "experiment/name" for a claim, "experiment_table/name" for a row of an extra table
+ID_PATTERN = r"[a-z0-9_-]+/[A-Za-z0-9][A-Za-z0-9.-]*"
+# The code whose results a run records (config.json: its commit, and whether any of it was edited since)
+SOURCES = ("icl_ref.py", "icl_fast.py", "icl_estimators.py", "icl_looped.py", "experiments.py", "experiments_cli.py")
 # The fields every row carries, in this order; an experiment adds named extras after them
-FIELDS = ("experiment", "claim", "theory", "measured", "se", "k", "tolerance", "check", "verdict", "converged", "why")
+FIELDS = ("id", "experiment", "claim", "theory", "measured", "se", "k", "tolerance", "check", "verdict", "converged", "why")
 
 
 def experiment(name, answers, plot=None):
@@ -100,11 +87,26 @@ def converged(res):
     return not res["interrupted"] and res["grad_norm"] <= GRAD_TOL
 
 
-def row(claim, verdict, theory=None, measured=None, se=None, k=None, tolerance=None, check=None,
+def row(id, claim, verdict, theory=None, measured=None, se=None, k=None, tolerance=None, check=None,
         converged=None, why="", **extras):
-    """One claim's result as a record: numbers in fields, no prose beyond the claim and `why`."""
-    return dict(claim=claim, theory=theory, measured=measured, se=se, k=k, tolerance=tolerance, check=check,
-                verdict=verdict, converged=converged, why=why, **extras)
+    """One claim's result as a record: numbers in fields, no prose beyond the claim and `why`. `id`
+    names the row within its experiment (the run prefixes "experiment/"): stable, whatever the claim's
+    words, so the documents and tests find a row by it (ID_PATTERN)."""
+    return dict(id=id, claim=claim, theory=theory, measured=measured, se=se, k=k, tolerance=tolerance,
+                check=check, verdict=verdict, converged=converged, why=why, **extras)
+
+
+def slug(text):
+    """A name as a part of a row id: "Gauss-Newton" -> "gauss-newton", "d=2" -> "d2"."""
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower().replace("=", "").replace("'", "")).strip("-")
+
+
+def keyed(table, *fields):
+    """An extra table's rows, each given the id its `fields` make: a text as its slug, a number after
+    its field's name ("family", "L" -> "sparse-L2")."""
+    for r in table:
+        r["id"] = "-".join(slug(r[f]) if isinstance(r[f], str) else f"{f}{r[f]:g}" for f in fields)
+    return table
 
 
 def unconverged(runs):
@@ -150,9 +152,9 @@ def info(runs=(), blocked="", **fields):
     return decide(None, runs, blocked, **fields)
 
 
-def full_run_only(claim, why, **extras):
+def full_run_only(id, claim, why, **extras):
     """A claim the --quick sizes cannot decide: reported once, as INFO, saying so."""
-    return row(claim, INFO, why=f"full run only: {why}", **extras)
+    return row(id, claim, INFO, why=f"full run only: {why}", **extras)
 
 
 def best_of(runs):
@@ -243,6 +245,50 @@ def not_reached(said):
             f"({said['not_converged']} did not converge; the others stopped at higher stationary points)")
 
 
+def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
+    """Heat maps in rows (grid: a list of rows of matrices) with the values written in. Every panel has
+    its own symmetric colour scale and colour bar (so a small matrix is not left white beside a large
+    one); values on dark cells are written in white. Constrained layout: no label overprints another."""
+    fig, axes = plt.subplots(len(grid), len(grid[0]), figsize=(2.9 * len(grid[0]), 2.5 * len(grid) + 0.9),
+                             squeeze=False, layout="constrained")
+    for r, (row_, row_titles) in enumerate(zip(grid, titles)):
+        for c, (ax, M, title) in enumerate(zip(axes[r], row_, row_titles)):
+            v = float(np.max(np.abs(M))) or 1.0
+            image = ax.imshow(M, cmap="RdBu_r", vmin=-v, vmax=v)
+            for (i, j), x in np.ndenumerate(M):
+                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=6,
+                        color="white" if abs(x) > 0.55 * v else "black")
+            ax.set_title(title, fontsize=9)
+            ax.set(xticks=[], yticks=[])
+            fig.colorbar(image, ax=ax, shrink=0.75)
+        if row_labels:
+            axes[r][0].set_ylabel(row_labels[r], fontsize=8)
+    fig.suptitle(suptitle, fontsize=10)
+    return save(fig, suffix)
+
+
+def heat_matrices(table, **match):
+    """The matrices of a heat-map table (rows with c0, c1, ...) whose columns equal `match`, by layer."""
+    picked = [h for h in table if all(h.get(k) == v for k, v in match.items())]
+    layers = sorted({h["layer"] for h in picked})
+    return [np.array([[h[f"c{j}"] for j in range(sum(k.startswith("c") and k[1:].isdigit() for k in h))]
+                      for h in sorted((h for h in picked if h["layer"] == l), key=lambda h: h["row"])])
+            for l in layers]
+
+
+
+
+def plural(k, word):
+    return f"{k} {word}" + ("" if k == 1 else "s")
+
+
+def stop_if_interrupted(res):
+    """icl_ref's trainers return the last iterate on Ctrl-C; an experiment must stop instead."""
+    if res["interrupted"]:
+        raise KeyboardInterrupt
+    return res
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared pieces: data, test losses, baselines
 # ---------------------------------------------------------------------------------------------
@@ -291,27 +337,6 @@ def best_constant_step(Z, y, L, precond, drop_last=False):
     return float(res.x)
 
 
-def bayes_predict(Z, Sigma_w, noise_var=0.0):
-    """Posterior-mean (ridge) prediction for w* ~ N(0, Sigma_w): w = Sigma_w X^T (X Sigma_w X^T +
-    noise_var I)^-1 y. Noiseless with n >= d this is OLS, computed as lstsq (X Sigma_w X^T is
-    singular there)."""
-    X, Yc, xq = context(Z)
-    n, d = X.shape[1:]
-    if noise_var == 0 and n >= d:
-        w = np.linalg.solve(np.einsum("bid,bie->bde", X, X), np.einsum("bid,bi->bd", X, Yc)[:, :, None])[:, :, 0]
-    else:
-        K = np.einsum("bid,de,bje->bij", X, Sigma_w, X) + noise_var * np.eye(n)
-        w = np.einsum("de,bie,bi->bd", Sigma_w, X, np.linalg.solve(K, Yc[:, :, None])[:, :, 0])
-    return np.einsum("bd,bd->b", w, xq)
-
-
-def ols_predict(Z):
-    """Least squares (minimum norm when n < d) from the n context examples."""
-    X, Yc, xq = context(Z)
-    w = np.einsum("bdi,bi->bd", np.linalg.pinv(X), Yc)
-    return np.einsum("bd,bd->b", w, xq)
-
-
 def quadratic_excess_bound(loss, G_star, cov, sds=5.0):
     """For an exact quadratic loss with minimiser G_star and an estimate G_hat ~ N(G_star, cov):
     loss(G_hat) - loss(G_star) = delta^T M delta, a weighted chi-square with weights eig(M cov).
@@ -354,7 +379,7 @@ def single_layer(ctx):
         # within the sampling bound: mean + 5 sd of its weighted chi-square law (k = 5, not K_SE: the
         # law's right tail is heavier than a normal one's); both sides checked
         bound = quadratic_excess_bound(loss, G, cov, sds=5.0)
-        rows.append(row(f"n={n}: trained sparse Gamma's exact excess loss over L* lies in [0, sampling bound]",
+        rows.append(row(f"n{n}-sparse-excess", f"n={n}: trained sparse Gamma's exact excess loss over L* lies in [0, sampling bound]",
                         **decide(0 <= excess <= bound, [res], theory=0.0, measured=excess, tolerance=bound,
                                  k=5.0, check="0 <= measured <= tolerance (mean + k sd of its chi-square law)"),
                         n=n, L_star=L_star, grad_norm=res["grad_norm"],
@@ -371,7 +396,7 @@ def single_layer(ctx):
         rel = math.sqrt(np.mean((ir.predict(best["P"], best["Q"], Zt) - star) ** 2) / np.mean(star ** 2))
         # one-sided by its nature: no model beats the global optimum L* on fresh prompts; that training
         # reaches it is the batch side, checked by `reached` (the sparse model's batch loss or below)
-        rows.append(row(f"n={n}: full (P, Q), best start, cannot beat Gamma* (the global optimum) on fresh prompts",
+        rows.append(row(f"n{n}-full-best", f"n={n}: full (P, Q), best start, cannot beat Gamma* (the global optimum) on fresh prompts",
                         **judge("at least (one-sided)", mean, L_star, se, runs=[res, best],
                                 blocked=not_reached(said)),
                         n=n, rel_prediction_diff=rel, **said))
@@ -380,7 +405,7 @@ def single_layer(ctx):
     # Gamma* = Sigma^-1 + O(1/n) (MATH.md §8): ten times n gives a tenth of the distance, so the ratio
     # dist(10^3)/dist(10^4) is 10 up to the O(1/n^2) terms; (5, 20) allows them a factor 2 either way
     ratio = dists[-2] / dists[-1]
-    rows.append(row("dist(Gamma*(n), Sigma^-1), n = 2..10^4, decreases monotonically to 0 like 1/n (exact)",
+    rows.append(row("gamma-star-limit", "dist(Gamma*(n), Sigma^-1), n = 2..10^4, decreases monotonically to 0 like 1/n (exact)",
                     **decide(bool(np.all(np.diff(dists) < 0)) and 5 < ratio < 20, theory=10.0, measured=ratio,
                              check="monotone and 5 < dist(10^3)/dist(10^4) < 20"),
                     distances=dists))
@@ -400,7 +425,7 @@ def plot_three_layer_sparse(plt, save, rows, tables):
     made = []
     k_se = fmt(K_SE)
     curve, a_star = tables["curve"], [o["a_star"] for o in tables["optimum"]]
-    fits = [r for r in rows if r["claim"].startswith(f"seed {r.get('seed')}: fitted a_l")]
+    fits = [r for r in rows if r["id"].endswith(f"/seed{r.get('seed')}-fit")]
     ok = {r["seed"]: bool(r["converged"]) for r in fits}
     seeds = sorted(ok)
     fig, ax = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
@@ -477,22 +502,23 @@ def three_layer_sparse(ctx):
         a_hat, se = np.array([f[0] for f in fits]), np.array([f[1] for f in fits])
         fitted += [dict(seed=s, layer=l, a_hat=a_hat[l], se=se[l]) for l in range(L)]
         order = np.argsort(a_hat)
-        rows.append(row(f"seed {s}: fitted a_l (sorted) = exact family optimum (Lemma 4: as a multiset), L-BFGS",
+        rows.append(row(f"seed{s}-fit", f"seed {s}: fitted a_l (sorted) = exact family optimum (Lemma 4: as a multiset), L-BFGS",
                         **judge("two-sided", a_hat[order], a_star, se[order], runs=[res]),
                         seed=s, B=B, loss=res["loss"], f_star=f_star, nit=res["nit"], seconds=res["wall_time"],
                         grad_norm=res["grad_norm"]))
         same = permutation_distance(gn["coords"]["A"], A)
-        rows.append(row(f"seed {s}: Gauss-Newton from the same start: the same stationary point? (relative "
+        rows.append(row(f"seed{s}-gauss-newton", f"seed {s}: Gauss-Newton from the same start: the same stationary point? (relative "
                         "distance of the A_l, up to layer order)",
                         **info([res, gn], measured=same), seed=s, gn_loss=gn["loss"], lbfgs_loss=res["loss"],
                         rel_dist=same, gn_a_sorted=sorted(ir.fitted_scalar(gn["coords"]["A"][l], Si) for l in range(L)),
                         gn_nfev=gn["nfev"], gn_seconds=gn["wall_time"], lbfgs_nit=res["nit"],
                         lbfgs_seconds=res["wall_time"]))
-        rows.append(row(f"seed {s}: A_l ~ a_l Sigma^-1, not ~ I (relative distances to multiples)",
+        rows.append(row(f"seed{s}-distances", f"seed {s}: A_l ~ a_l Sigma^-1, not ~ I (relative distances to multiples)",
                         **info([res], theory=0.0, measured=[ir.distance_to_multiple(A[l], Si) for l in range(L)]),
                         seed=s, dist_A_I=[ir.distance_to_multiple(A[l]) for l in range(L)]))
-    return rows, {"curve": curve, "heatmaps": heat, "fitted": fitted,
-                  "optimum": [dict(layer=l, a_star=a_star[l]) for l in range(L)]}
+    return rows, {"curve": keyed(curve, "seed", "iteration"), "heatmaps": keyed(heat, "seed", "layer", "row"),
+                  "fitted": keyed(fitted, "seed", "layer"),
+                  "optimum": keyed([dict(layer=l, a_star=a_star[l]) for l in range(L)], "layer")}
 
 
 def plot_three_layer_blocks(plt, save, rows, tables):
@@ -538,9 +564,9 @@ def three_layer_blocks(ctx):
         init = {"A": 0.1 * rng.standard_normal((L, d, d)), "B": 0.1 * rng.standard_normal((L, d, d))}
         lb = ctx.train_lbfgs(Z, y, L, "blocks", init=init, maxiter=FOOTNOTE_STEPS)
         moved = not np.array_equal(lb["coords"]["B"][-1], init["B"][-1])
-        return [row(f"seed 0: B_(L-1) never moves under {lb['nit']} L-BFGS iterations (footnote 4: it does not "
+        return [row("seed0-footnote4", f"seed 0: B_(L-1) never moves under {lb['nit']} L-BFGS iterations (footnote 4: it does not "
                     "enter the loss)", **decide(not moved, blocked="" if lb["nit"] else "L-BFGS took no step", measured=moved), seed=0, nit=lb["nit"]),
-                full_run_only("the trained blocks model (Gauss-Newton, 3 seeds) against the exact blocks "
+                full_run_only("trained", "the trained blocks model (Gauss-Newton, 3 seeds) against the exact blocks "
                               "family optimum: fitted (a_l, b_l), population basin, Gauss-Newton spectrum; f* at n = 10 "
                               "and 20 against the notebook's loss", "the blocks family optimum's 24-start search "
                               "(~10 s) and Gauss-Newton at B = 20000")], {"heatmaps": [], "optimum": []}
@@ -562,7 +588,7 @@ def three_layer_blocks(ctx):
             log(f"  seed {s} {name}: loss {res['loss']:.3e}, |grad| {res['grad_norm']:.1e}, "
                 f"{res['wall_time']:.1f} s, {res['message']}")
         moved = not np.array_equal(lb["coords"]["B"][-1], init["B"][-1])
-        rows.append(row(f"seed {s}: B_(L-1) never moves under {lb['nit']} L-BFGS iterations "
+        rows.append(row(f"seed{s}-footnote4", f"seed {s}: B_(L-1) never moves under {lb['nit']} L-BFGS iterations "
                         "(footnote 4: it does not enter the loss)",
                         **decide(not moved, blocked="" if lb["nit"] else "L-BFGS took no step", measured=moved), seed=s, nit=lb["nit"]))
         R = sqrtm_spd(Sigma)
@@ -574,13 +600,13 @@ def three_layer_blocks(ctx):
                         heat.append(dict(seed=s, trainer=name, matrix=matrix, layer=l, row=i,
                                          **{f"c{j}": v for j, v in enumerate(r)}))
             if quick and not converged(res):
-                rows.append(full_run_only(f"seed {s}, {name}: (a_l, b_l), basin and spectrum of the trained blocks model",
+                rows.append(full_run_only(f"seed{s}-{slug(name)}-fit", f"seed {s}, {name}: (a_l, b_l), basin and spectrum of the trained blocks model",
                                           f"{res['nit']} iterations at quick size stop at |grad| "
                                           f"{res['grad_norm']:.1e} > {GRAD_TOL:g}", seed=s, trainer=name))
                 continue
             a_hat = [ir.fitted_scalar(A[l], Si) for l in range(L)]
             b_hat = [ir.fitted_scalar(Bm[l], np.eye(d)) for l in range(L)]
-            rows.append(row(f"seed {s}, {name}: batch loss vs population f* of the exact family optimum; fitted (a_l, b_l)",
+            rows.append(row(f"seed{s}-{slug(name)}-fit", f"seed {s}, {name}: batch loss vs population f* of the exact family optimum; fitted (a_l, b_l)",
                             **info([res], theory=f_star, measured=res["loss"]),
                             seed=s, trainer=name, a_hat=a_hat, b_hat=b_hat[:-1], a_star=a_star, b_star=b_star[:-1],
                             loss=res["loss"], grad_norm=res["grad_norm"], seconds=res["wall_time"],
@@ -589,7 +615,7 @@ def three_layer_blocks(ctx):
             if converged(res):
                 # which population minimum of the exact family loss the fitted scalars belong to
                 a_loc, b_loc, f_loc = ir.family_local_minimum(a_hat, n, d, b=b_hat)
-                rows.append(row(f"seed {s}, {name}: the population minimum the fitted (a_l, b_l) descend to "
+                rows.append(row(f"seed{s}-{slug(name)}-basin", f"seed {s}, {name}: the population minimum the fitted (a_l, b_l) descend to "
                                 "(global: within 1e-9 of f*, relative)",
                                 **info([res], theory=f_star, measured=f_loc), seed=s, trainer=name, basin_loss=f_loc,
                                 global_basin=bool(f_loc <= f_star * (1 + 1e-9)), a_basin=a_loc, b_basin=b_loc[:-1]))
@@ -598,16 +624,17 @@ def three_layer_blocks(ctx):
                 # of the Gauss-Newton model, with no other null direction in this structure
                 _, J = fast.residuals_and_jacobian(res["P"], res["Q"], Z, y, structure="blocks", threads=ctx.threads)
                 eig = np.linalg.eigvalsh(2 * J[:, :-d * d].T @ J[:, :-d * d] / B)
-                rows.append(row(f"seed {s}, {name}: the stationary point's smallest Gauss-Newton eigenvalue (B_2 excluded; "
+                rows.append(row(f"seed{s}-{slug(name)}-spectrum", f"seed {s}, {name}: the stationary point's smallest Gauss-Newton eigenvalue (B_2 excluded; "
                                 "> 0 at a strict minimum)", **info([res], measured=eig[0]),
                                 seed=s, trainer=name, eig_min=eig[0], eig_max=eig[-1],
                                 eig_below_1e_10=int(np.sum(eig < 1e-10 * eig[-1]))))
     f10 = family_optimum(L, 10, d, blocks=True)[2]
-    rows.append(row("family optimum f* at n=20 (notebook) vs the loss the notebook reached, exp(-7.12); f* at n=10 "
+    rows.append(row("f-star", "family optimum f* at n=20 (notebook) vs the loss the notebook reached, exp(-7.12); f* at n=10 "
                     "(paper text) beside it", **info(theory=f_star, measured=math.exp(-7.12)),
                     f_star_n10=f10, f_star_n20=f_star, notebook_log_loss=-7.12))
-    return rows, {"heatmaps": heat, "optimum": [dict(layer=l, a_star=a_star[l], b_star=b_star[l], f_star=f_star)
-                                                for l in range(L)]}
+    return rows, {"heatmaps": keyed(heat, "seed", "trainer", "matrix", "layer", "row"),
+                  "optimum": keyed([dict(layer=l, a_star=a_star[l], b_star=b_star[l], f_star=f_star) for l in range(L)],
+                                   "layer")}
 
 
 @experiment("two-layer-isotropic", "Theorem 2: a diagonal global minimiser exists; is it a multiple of I?")
@@ -632,11 +659,11 @@ def two_layer_isotropic(ctx):
         # one-sided by its nature: the scalar family is a subset of the sparse models, so the trained
         # batch loss is at most the best scalar member's on the same batch (slack 1e-9 relative: the
         # stopping gradient's |grad|^2 / curvature)
-        rows.append(row(f"init {k}: trained batch loss <= the best scalar member's (a*, the exact family optimum) "
+        rows.append(row(f"init{k}-loss", f"init {k}: trained batch loss <= the best scalar member's (a*, the exact family optimum) "
                         "on the same batch", **judge("at most (one-sided)", res["loss"], family, 0.0, k=0.0,
                                                     slack=1e-9 * family, runs=[res]),
                         init=k, loss=res["loss"], a_star=a, f_star=f_star))
-        rows.append(row(f"init {k}: multiples of I, diagonal (commuting, symmetric) or neither? (Theorem 2: a "
+        rows.append(row(f"init{k}-shape", f"init {k}: multiples of I, diagonal (commuting, symmetric) or neither? (Theorem 2: a "
                         "diagonal minimiser exists)", **info([res], measured=comm), init=k,
                         dist_A0_I=ir.distance_to_multiple(A[0]), dist_A1_I=ir.distance_to_multiple(A[1]),
                         commutator=comm, asymmetry=asym, eig_A0=eig[0], eig_A1=eig[1]))
@@ -647,7 +674,7 @@ def two_layer_isotropic(ctx):
 # 4-6. Depth, prompt length, conditioning
 # ---------------------------------------------------------------------------------------------
 
-def optimum_checks(label, res, Z, y, Zv, yv, a_star, f_star, Si, **extras):
+def optimum_checks(key, label, res, Z, y, Zv, yv, a_star, f_star, Si, **extras):
     """The two sides of "training finds the exact family optimum" (sparse A_l = a*_l Sigma^-1, [A]
     Theorem 3 / MATH.md §10) for a trained sparse model `res`: on fresh prompts (Zv, yv) its test loss
     is not below f* by more than K_SE standard errors (no model beats the global optimum; one-sided by
@@ -656,9 +683,9 @@ def optimum_checks(label, res, Z, y, Zv, yv, a_star, f_star, Si, **extras):
     Returns the two rows and the test loss (mean, se)."""
     mean, se = test_loss(res["P"], res["Q"], Zv, yv)
     optimum = ir.in_context_loss(*ir.sparse_params(np.asarray(a_star)[:, None, None] * Si), Z, y)
-    return [row(f"{label}: trained transformer's test loss does not beat the exact family optimum f*",
+    return [row(f"{key}-test", f"{label}: trained transformer's test loss does not beat the exact family optimum f*",
                 **judge("at least (one-sided)", mean, f_star, se, runs=[res]), **extras),
-            row(f"{label}: trained batch loss <= the exact family optimum model's on the same batch (it reached "
+            row(f"{key}-batch", f"{label}: trained batch loss <= the exact family optimum model's on the same batch (it reached "
                 "the optimum)", **judge("at most (one-sided)", res["loss"], optimum, 0.0, k=0.0,
                                         slack=1e-9 * optimum, runs=[res]), **extras)], (mean, se)
 
@@ -672,8 +699,8 @@ def baselines(Z_tune, y_tune, Z_test, y_test, L, Si, n, d):
     res = scipy.optimize.minimize_scalar(lambda a: ir.family_population_loss([a] * L, n, d),
                                          bounds=(0, 3), method="bounded", options=dict(xatol=1e-8))
     out["PGD exact"] = (float(res.fun), 0.0, float(res.x))
-    out["OLS"] = mean_se((ols_predict(Z_test) - y_test) ** 2)
-    out["ridge"] = mean_se((bayes_predict(Z_test, Si) - y_test) ** 2)
+    out["OLS"] = mean_se((est.ridge_predict(Z_test) - y_test) ** 2)
+    out["ridge"] = mean_se((est.bayes_predict(Z_test, Si) - y_test) ** 2)
     return out
 
 
@@ -721,7 +748,7 @@ def depth(ctx):
     for L in Ls:
         res = ctx.train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
         a_star, _, f_star = family_optimum(L, n, d)
-        checks, (mean, se) = optimum_checks(f"L={L}", res, Z, y, Zv, yv, a_star, f_star, Si, L=L)
+        checks, (mean, se) = optimum_checks(f"L{L}", f"L={L}", res, Z, y, Zv, yv, a_star, f_star, Si, L=L)
         base = baselines(Zt, yt, Zv, yv, L, Si, n, d)
         a_drop = best_constant_step(Zt, yt, L, Si, drop_last=True)
         drop = mean_se((gd_predict(Zv, a_drop, L, Si, drop_last=True) - yv) ** 2)
@@ -729,12 +756,12 @@ def depth(ctx):
         rows += checks
         curve.append(dict(L=L, transformer=mean, transformer_se=se, family_optimum=f_star, converged=converged(res),
                           **{f"{k}_loss": v[0] for k, v in base.items()}, PGD_n_minus_1_loss=drop[0]))
-        rows.append(row(f"L={L}: PGD-{L} with the exact best constant step (population), beside the baselines with all "
+        rows.append(row(f"L{L}-baselines", f"L={L}: PGD-{L} with the exact best constant step (population), beside the baselines with all "
                         "n examples (best constant step on tuning prompts; the authors' baselines dropped one)",
                         **info(theory=base["PGD exact"][0], measured=base["PGD"][0]), L=L,
                         PGD_exact_step=base["PGD exact"][2], GD_loss=base["GD"][0], PGD_loss=base["PGD"][0],
                         PGD_n_minus_1_loss=drop[0], OLS_loss=base["OLS"][0], ridge_loss=base["ridge"][0]))
-    return rows, {"curve": curve}
+    return rows, {"curve": keyed(curve, "L")}
 
 
 def plot_icl_curve(plt, save, rows, tables):
@@ -778,7 +805,7 @@ def icl_curve(ctx):
         Zv, yv = ir.sample_prompts(rng, B, n, Sigma, Si)
         res = ctx.train_gauss_newton(Z, y, L, "sparse", rng=rng, init_scale=0.1)
         a_star, _, f_star = family_optimum(L, n, d)
-        checks, (mean, se) = optimum_checks(f"n={n}", res, Z, y, Zv, yv, a_star, f_star, Si, n=n)
+        checks, (mean, se) = optimum_checks(f"n{n}", f"n={n}", res, Z, y, Zv, yv, a_star, f_star, Si, n=n)
         base = baselines(Zt, yt, Zv, yv, L, Si, n, d)
         log(f"  n={n}: transformer {mean:.4f}, family optimum {f_star:.4f}")
         curve.append(dict(n=n, transformer=mean, transformer_se=se, family_optimum=f_star, converged=converged(res),
@@ -794,9 +821,9 @@ def icl_curve(ctx):
         Zv, yv = ir.sample_prompts(rng, 5 * B, M, Sigma, Si)
         mean, se = test_loss(*ir.sparse_params(G[None]), Zv, yv)
         # an identity for any Gamma (the trained one is just a point to evaluate it at): no convergence needed
-        rows.append(row(f"1 layer trained at n=20, tested at n={M}: exact formula (M in K) = Monte Carlo",
+        rows.append(row(f"one-layer-at-n{M}", f"1 layer trained at n=20, tested at n={M}: exact formula (M in K) = Monte Carlo",
                         **judge("two-sided", mean, exact, se), M=M))
-    return rows, {"curve": curve}
+    return rows, {"curve": keyed(curve, "n")}
 
 
 @experiment("conditioning", "reviewers: does A ~ Sigma^-1 hold across d and condition numbers?")
@@ -812,7 +839,7 @@ def conditioning(ctx):
         a_star, _, f_star = family_optimum(L, n, d)          # the same for every Sigma (MATH.md §10)
         A = res["coords"]["A"]
         checks, (mean, se) = optimum_checks(
-            f"d={d}, kappa={kappa}", res, Z, y, Zv, yv, a_star, f_star, Si, d=d, kappa=kappa,
+            f"d{d}-kappa{kappa}", f"d={d}, kappa={kappa}", res, Z, y, Zv, yv, a_star, f_star, Si, d=d, kappa=kappa,
             dist_A_Sigma_inv=[ir.distance_to_multiple(A[l], Si) for l in range(L)],
             dist_A_I=[ir.distance_to_multiple(A[l]) for l in range(L)])
         rows += checks
@@ -860,7 +887,7 @@ def optimizers(ctx):
     res = ctx.train_lbfgs(Z, y, L, init={"A": A0}, maxiter=3000)
     gn = ctx.train_gauss_newton(Z, y, L, init={"A": A0})
     target = 1.01 * res["loss"]
-    rows = [row(f"{name} from the shared init: batch loss, iterations ({unit}) and seconds",
+    rows = [row(slug(name), f"{name} from the shared init: batch loss, iterations ({unit}) and seconds",
                 **info([r], measured=r["loss"]), method=name, loss=r["loss"], nit=r["nit"], nfev=r["nfev"],
                 seconds=r["wall_time"], grad_norm=r["grad_norm"])
             for name, unit, r in (("L-BFGS-B", "iterations", res), ("Gauss-Newton", "evaluations", gn))]
@@ -868,7 +895,7 @@ def optimizers(ctx):
         A, losses, sec = first_order(ctx, Z, y, A0, steps, lr, method, rng, batch)
         hit = np.nonzero(losses <= target)[0]
         reached = int(hit[0] + 1) if hit.size else None
-        rows.append(row(f"{method} (lr {lr}{', batch ' + str(batch) if batch else ', full batch'}): the step where "
+        rows.append(row(method, f"{method} (lr {lr}{', batch ' + str(batch) if batch else ', full batch'}): the step where "
                         "the full-batch loss is first within 1% of L-BFGS's (empty: not within the steps run); "
                         "relative distance of its A_l to L-BFGS's, up to layer order",
                         **info([res], theory=target, measured=losses[-1]), method=method, loss=losses[-1],
@@ -910,7 +937,7 @@ def factored_qk(ctx):
     for L in (1, 2):
         claim = f"L={L}: factored and merged Q reach the same batch loss and predictor"
         if quick and L == 2:
-            rows.append(full_run_only(claim, "the factored L = 2 model needs ~1500 L-BFGS iterations", L=L))
+            rows.append(full_run_only(f"L{L}", claim, "the factored L = 2 model needs ~1500 L-BFGS iterations", L=L))
             continue
         merged = train_full(ctx, Z, y, L, rng, maxiter)
         P, Q, fac = train_factored(ctx, Z, y, L, rng, maxiter)
@@ -918,7 +945,7 @@ def factored_qk(ctx):
         factored = dict(loss=float(fac.fun), grad_norm=float(np.linalg.norm(fac.jac)), interrupted=False)
         y_m, y_f = ir.predict(merged["P"], merged["Q"], Zv), ir.predict(P, Q, Zv)
         rel = math.sqrt(np.mean((y_m - y_f) ** 2) / np.mean(y_m ** 2))
-        rows.append(row(claim, **info([merged, factored], theory=merged["loss"], measured=factored["loss"]), L=L,
+        rows.append(row(f"L{L}", claim, **info([merged, factored], theory=merged["loss"], measured=factored["loss"]), L=L,
                         merged=merged["loss"], factored=factored["loss"], factored_grad_norm=factored["grad_norm"],
                         rel_prediction_diff=rel))
     return rows, {}
@@ -930,7 +957,7 @@ def unconstrained(ctx):
     B, max_nfev, starts = (1000, 30, 2) if quick else (10000, 500, 3)
     d, n, L = 5, 20, 3
     if quick:
-        return [full_run_only("3 full layers (Gauss-Newton), the best of several starts: batch loss and the blocks "
+        return [full_run_only("trained", "3 full layers (Gauss-Newton), the best of several starts: batch loss and the blocks "
                               "that appear", "three full layers need ~500 Gauss-Newton evaluations from several starts")], {}
     Sigma, Si, Z, y = paper_data(rng, B, n)
     runs = []
@@ -943,7 +970,7 @@ def unconstrained(ctx):
     reached, said = starts_summary(runs)
     res = reached[0] if reached else best_of(runs)
     blocked = not_reached(said)
-    rows = [row("3 full layers (Gauss-Newton), the best of several starts: batch loss (theory: the blocks family "
+    rows = [row("best-start", "3 full layers (Gauss-Newton), the best of several starts: batch loss (theory: the blocks family "
                 "optimum f*, population; the sparse one beside it)",
                 **info([res], blocked, theory=family_optimum(L, n, d, True)[2], measured=res["loss"]),
                 sparse_f_star=family_optimum(L, n, d)[2], grad_norm=res["grad_norm"], **said)]
@@ -951,7 +978,7 @@ def unconstrained(ctx):
         P, Q = res["P"][l, 0], res["Q"][l, 0]
         # the rescaling (P, Q) -> (cP, Q/c) is free: normalise by P's bottom-right entry
         c = P[d, d] if abs(P[d, d]) > 1e-8 else 1.0
-        rows.append(row(f"layer {l}: blocks that appear (after fixing P[d,d] = 1 by rescaling): Q[:d,:d] ~ -a Sigma^-1, "
+        rows.append(row(f"layer{l}-blocks", f"layer {l}: blocks that appear (after fixing P[d,d] = 1 by rescaling): Q[:d,:d] ~ -a Sigma^-1, "
                         "P[:d,:d] ~ b I, other blocks ~ 0? (measured: dist(Q_xx, Sigma^-1))",
                         **info([res], blocked, theory=0.0, measured=ir.distance_to_multiple(Q[:d, :d], Si)), layer=l,
                         dist_Qxx_Sigma_inv=ir.distance_to_multiple(Q[:d, :d], Si),
@@ -1081,7 +1108,7 @@ def single_layer_landscape(ctx):
             table.append(dict(setting=label, trainer=name, starts=starts, optimum=counts.get("optimum", 0),
                               higher=sum(v for k, v in counts.items() if k not in ("optimum", "not converged")),
                               not_converged=counts.get("not converged", 0), **s))
-            rows.append(row(f"{label}: {name}, {starts} starts (init {s['init']:g}): how many reached the batch optimum "
+            rows.append(row(f"{slug(label)}-{slug(name)}", f"{label}: {name}, {starts} starts (init {s['init']:g}): how many reached the batch optimum "
                             "(theory: its loss, the lowest found)", **info(theory=best, measured=counts.get("optimum", 0)),
                             setting=label, trainer=name, starts=starts, optimum=counts.get("optimum", 0),
                             higher_losses=sorted(r["loss"] for r in rs if converged(r) and basin_label(r["loss"], best)
@@ -1097,7 +1124,7 @@ def single_layer_landscape(ctx):
         back = [ctx.train_lbfgs(Z, y, 1, "full", init={k: v + 1e-2 * rng.standard_normal(v.shape)
                                                    for k, v in high["coords"].items()}, maxiter=3000)["loss"]
                 for _ in range(3)]
-        rows.append(row("base: the lowest spurious point is a strict local minimum modulo the exact symmetries (gradient 0, "
+        rows.append(row("base-spurious-minimum", "base: the lowest spurious point is a strict local minimum modulo the exact symmetries (gradient 0, "
                         "smallest Hessian eigenvalue in the identifiable coordinates > 0, at the balanced point of the "
                         "rescaling; L-BFGS from 3 perturbations of 1e-2 returns to it)",
                         **info([high, low], measured=curv["eigenvalues"][0]), loss=high["loss"], loss_optimum=low["loss"],
@@ -1121,7 +1148,7 @@ def single_layer_landscape(ctx):
         # k SE, and the retrained spurious point is again a strict minimum (smallest eigenvalue > 0)
         gap_row = judge("above (one-sided)", gap, 0.0, gap_se, runs=[again["high"], again["low"]])
         hessian_ok = curv2["eigenvalues"][0] > 0
-        rows.append(row(f"base: both points retrained on an independent batch of {10 * B} prompts: the spurious one is "
+        rows.append(row("base-independent-batch", f"base: both points retrained on an independent batch of {10 * B} prompts: the spurious one is "
                         f"again a strict minimum and worse on {20 * B} fresh prompts by more than k SE of the paired "
                         "difference (measured: the gap)",
                         **dict(gap_row, verdict=gap_row["verdict"] if gap_row["verdict"] != PASS or hessian_ok else FAIL,
@@ -1137,7 +1164,7 @@ def single_layer_landscape(ctx):
         # certified: the finite-difference gradient at the rounding-and-truncation level of the steps
         # (1e-6), a Hessian eigenvalue far above its second-difference error (~1e-6 here)
         ok = g_hi < 1e-6 and eig_hi[0] > 1e-4 and f_hi > L_star * (1 + 1e-3) and abs(f_lo - L_star) <= 1e-9 * L_star
-        rows.append(row("base: the exact population loss (MATH.md §8) has a spurious strict local minimum where the "
+        rows.append(row("base-population-minimum", "base: the exact population loss (MATH.md §8) has a spurious strict local minimum where the "
                         "batch one is (measured: its loss; theory: Theorem 1's optimum L*; certified: max |gradient| < 1e-6, "
                         "smallest Hessian eigenvalue > 1e-4, loss > 1.001 L*, and the optimum's descent ends at L* "
                         "within 1e-9 relative)",
@@ -1147,13 +1174,13 @@ def single_layer_landscape(ctx):
                         population_hessian_max=eig_hi[-1]))
         # |p_x|/|p_y| > 1: the spurious point reads the covariates' Gram sum_i x_i x_i^T through p_x more
         # than the label-weighted sum_i y_i x_i through p_y
-        rows.append(row("base: what the spurious minimum computes: |p_x|/|p_y| of the value row p = P[d, :] (theory: "
+        rows.append(row("base-what-it-computes", "base: what the spurious minimum computes: |p_x|/|p_y| of the value row p = P[d, :] (theory: "
                         "the optimum's), and |Q_xx| with p_y scaled to 1",
                         **info(theory=value_row_split(low["P"]), measured=value_row_split(high["P"])),
                         split_spurious=value_row_split(high["P"]), split_optimum=value_row_split(low["P"]),
                         Qxx_spurious=np.linalg.norm(high["Q"][0, 0, :-1, :-1] * high["P"][0, 0, -1, -1]),
                         Qxx_optimum=np.linalg.norm(low["Q"][0, 0, :-1, :-1] * low["P"][0, 0, -1, -1])))
-    return rows, {"basins": table}
+    return rows, {"basins": keyed(table, "setting", "trainer")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1174,7 +1201,7 @@ def noise(ctx):
         cov = ctx.sandwich_covariance("sparse", res["coords"], Z, y)
         a_hat, se = scalar_fit(res["coords"]["A"][0], Si, cov)
         a_theory = n * ir.gd_step_size(n, d, s2)
-        rows.append(row(f"noise_var={s2}, {'Sigma^-1-preconditioned' if precond else 'isotropic'}: "
+        rows.append(row(f"{'preconditioned' if precond else 'isotropic'}-var{s2:g}", f"noise_var={s2}, {'Sigma^-1-preconditioned' if precond else 'isotropic'}: "
                         "n * step = n/(n+1+d+noise_var)", **judge("two-sided", a_hat, a_theory, se, runs=[res]),
                         noise_var=s2, preconditioned=precond))
     return rows, {}
@@ -1191,18 +1218,18 @@ def multi_head(ctx):
     summed = ir.forward(P1[:, None], (Q1 + Q2)[:, None], Z)
     err = np.max(np.abs(shared - summed)) / np.max(np.abs(summed))
     # rounding: a few additions of O(1) terms, relative error ~1e-16 per operation; 1e-12 leaves 10^4 of room
-    rows = [row("heads sharing P: sum of heads = one head (P, Q1 + Q2) (exact: linear in Q; measured: the largest "
+    rows = [row("shared-P", "heads sharing P: sum of heads = one head (P, Q1 + Q2) (exact: linear in Q; measured: the largest "
                 "relative difference)", **judge("at most (one-sided)", err, 0.0, 0.0, k=0.0, slack=1e-12))]
     P2 = 0.3 * rng.standard_normal((2, d + 1, d + 1))
     general = ir.forward(np.stack([P1, P2], 1), np.stack([Q1, Q2], 1), Z)
     summed = ir.forward((P1 + P2)[:, None], (Q1 + Q2)[:, None], Z)
     err = np.max(np.abs(general - summed)) / np.max(np.abs(summed))
     # the cross terms are O(1) for random heads of scale 0.3: 1e-2 is far above rounding, far below O(1)
-    rows.append(row("general heads: sum of heads != one head (P1+P2, Q1+Q2) (bilinear: cross terms "
+    rows.append(row("general-heads", "general heads: sum of heads != one head (P1+P2, Q1+Q2) (bilinear: cross terms "
                     "P1 S Q2 + P2 S Q1; measured: the largest relative difference)",
                     **judge("above (one-sided)", err, 0.0, 0.0, k=0.0, slack=1e-2)))
     if quick:
-        rows.append(full_run_only("trained 1-head vs 2-head (full P, Q) batch loss, L = 1 and 2 (2 heads contain 1)",
+        rows.append(full_run_only("trained", "trained 1-head vs 2-head (full P, Q) batch loss, L = 1 and 2 (2 heads contain 1)",
                                   "full (P, Q) with two heads needs ~500 Gauss-Newton evaluations"))
         return rows, {}
     for L in (1, 2):
@@ -1210,7 +1237,7 @@ def multi_head(ctx):
         two = train_full(ctx, Z, y, L, rng, maxiter, heads=2, max_nfev=max_nfev)
         # the 2-head model contains the 1-head one, so its optimum is at most as high; trained from
         # random starts a spurious minimum can sit above: a finding, not a check
-        rows.append(row(f"L={L}: trained 2-head vs 1-head (full P, Q) batch loss (2 heads contain 1)",
+        rows.append(row(f"L{L}-trained", f"L={L}: trained 2-head vs 1-head (full P, Q) batch loss (2 heads contain 1)",
                         **info([one, two], theory=one["loss"], measured=two["loss"]),
                         L=L, one_head=one["loss"], two_heads=two["loss"]))
     return rows, {}
@@ -1248,12 +1275,12 @@ def nonlinear_targets(ctx):
     cov = ctx.sandwich_covariance("sparse", res["coords"], Z, y)
     a_hat, se = scalar_fit(res["coords"]["A"][0], np.eye(d), cov)
     # both sides carry a computed error: the difference's SE is their root sum of squares
-    return [row("trained single layer = eta I with Mahankali's eta (se: of the difference, both sides' errors)",
+    return [row("eta", "trained single layer = eta I with Mahankali's eta (se: of the difference, both sides' errors)",
                 **judge("two-sided", a_hat, eta, math.hypot(se, eta_se), runs=[res]), eta=eta, eta_se=eta_se,
                 a_hat=a_hat, a_hat_se=se),
-            row("trained Gamma is a multiple of I (measured: dist(Gamma, I), -> 0 as B grows)",
+            row("multiple-of-I", "trained Gamma is a multiple of I (measured: dist(Gamma, I), -> 0 as B grows)",
                 **info([res], theory=0.0, measured=ir.distance_to_multiple(res["coords"]["A"][0]))),
-            row("linear targets would give n/(n+d+1) instead (theory) of the trained eta (measured)",
+            row("linear-targets", "linear targets would give n/(n+d+1) instead (theory) of the trained eta (measured)",
                 **info([res], theory=n / (n + d + 1), measured=a_hat))], {}
 
 
@@ -1288,7 +1315,7 @@ def plot_softmax_two_head(plt, save, rows, tables):
     axes[0].set_ylabel(f"test loss (±{k_se} SE)")
     fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer")
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=3)
-    claims = {r["activation"]: r for r in rows if r["claim"].startswith(f"{r.get('activation')}: rebuttal's claim")}
+    claims = {r["activation"]: r for r in rows if r["id"].endswith("-claim")}
     said = "; ".join(f"{act}: the claim {r['holds']}" if r["verdict"] == INFO else f"{act}: no verdict ({r['why']})"
                      for act, r in claims.items())
     made.append((save(fig, ""), f"Softmax heads: each start's test loss (stars: the rebuttal's own construction; red: "
@@ -1312,13 +1339,13 @@ def softmax_two_head(ctx):
     linear = reached[0] if reached else best_of(linears)
     y_lin = ir.predict(linear["P"], linear["Q"], Zt)
     lin_loss = mean_se((y_lin - yt) ** 2)
-    rows = [row("linear single layer, the best of several starts: test loss vs Theorem 1's population optimum "
+    rows = [row("linear", "linear single layer, the best of several starts: test loss vs Theorem 1's population optimum "
                 f"(a trained model on a batch of {B} has excess O(p/B))",
                 **info([linear], not_reached(said), theory=ir.single_layer_population_loss(G, np.eye(d), n),
                        measured=lin_loss[0], se=lin_loss[1]), **said)]
     table = []
     if quick:
-        rows.append(full_run_only("softmax heads (both softmax forms), 1 and 2 heads from several starts and the "
+        rows.append(full_run_only("softmax", "softmax heads (both softmax forms), 1 and 2 heads from several starts and the "
                                   "rebuttal's construction: the rebuttal's claim", "explicit-attention models need "
                                   "~600 Gauss-Newton evaluations on 4000 prompts"))
         return rows, {"starts": table}
@@ -1355,12 +1382,12 @@ def softmax_two_head(ctx):
         twos += [run(2, "rebuttal's construction", construction), run(2, "best 1 head + a small head", padded)]
         y_c = ir.predict_activation(construction["P"], construction["Q"], Zt, act)
         c_loss, c_se = mean_se((y_c - yt) ** 2)
-        rows.append(row(f"{act}: the rebuttal's construction itself (eps = {eps}), untrained: test loss (theory: the "
+        rows.append(row(f"{slug(act)}-construction", f"{act}: the rebuttal's construction itself (eps = {eps}), untrained: test loss (theory: the "
                         "trained linear layer's)", **info(theory=lin_loss[0], measured=c_loss, se=c_se), activation=act))
         for H, runs in ((1, ones), (2, twos)):
             done = [t for t in table if t["activation"] == act and t["heads"] == H]
             # a finding per start: converged or not is in its own fields, not a verdict
-            rows.append(row(f"{act}, {H} head(s): test losses over {len(done)} starts ({label})",
+            rows.append(row(f"{slug(act)}-H{H}", f"{act}, {H} head(s): test losses over {len(done)} starts ({label})",
                             **info(measured=[t["test_loss"] for t in done]), activation=act, heads=H,
                             start_kinds=[t["start"] for t in done], converged_starts=[t["converged"] for t in done]))
         conv_one = [r for r, _ in ones if converged(r)]
@@ -1372,7 +1399,7 @@ def softmax_two_head(ctx):
             # 2 heads contain 1 head: a best 2-head batch loss above the best 1-head one is a training failure
             blocked = "the best converged 2-head batch loss is above the best 1-head one: training failed"
         if blocked:
-            rows.append(row(claim, NO_VERDICT, why=blocked, activation=act))
+            rows.append(row(f"{slug(act)}-claim", claim, NO_VERDICT, why=blocked, activation=act))
             continue
         two, y_two = min(conv_two, key=lambda t: t[0]["loss"])
         best1 = min(r["loss"] for r in conv_one)
@@ -1386,11 +1413,11 @@ def softmax_two_head(ctx):
                      test_within_k_se=abs(gap) <= K_SE * gap_se, predictor_within_10pct=rel2 < 0.1)
         holds = "holds" if all(parts.values()) else "holds in part" if any(parts.values()) else "does not hold"
         # the claim has four parts; which hold is the finding (INFO), each part's test in its own field
-        rows.append(row(claim, **info([two, linear], theory=0.0, measured=gap, se=gap_se, k=K_SE), activation=act,
+        rows.append(row(f"{slug(act)}-claim", claim, **info([two, linear], theory=0.0, measured=gap, se=gap_se, k=K_SE), activation=act,
                         gap_in_se=gap / gap_se, batch_two_heads=two["loss"], batch_one_head_best=best1, cos_P=cos_P,
                         cos_Q=cos_Q, test_two_heads=two_loss[0], test_two_heads_se=two_loss[1], test_linear=lin_loss[0],
                         rel_prediction_diff=rel2, **parts, holds=holds))
-    return rows, {"starts": table}
+    return rows, {"starts": keyed(table, "activation", "heads", "start")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1433,13 +1460,13 @@ def tied_family_rows(exact):
     steps = [r["a_tied"] for r in exact if r["family"] == "sparse"]
     # both optima come from searches converged to a gradient of 1e-12 on the Gauss rule: their losses
     # agree to ~1e-12 relative where they are the same point (at L = 1 they must be)
-    return [row("the tied optimum's loss is never below the untied one's (a restriction of the same family), "
+    return [row("tied-not-below", "the tied optimum's loss is never below the untied one's (a restriction of the same family), "
                 "relative difference, sparse and blocks", **judge("at least (one-sided)", min(rel), 0.0, slack=1e-12)),
-            row("at L = 1 tying changes nothing: largest relative difference of the two optima's losses",
+            row("L1-same", "at L = 1 tying changes nothing: largest relative difference of the two optima's losses",
                 **judge("two-sided", max(at_one), 0.0, slack=1e-12)),
-            row("the tied sparse step a*_L decreases with L (MATH.md §14: it tends to 0)",
+            row("step-decreases", "the tied sparse step a*_L decreases with L (MATH.md §14: it tends to 0)",
                 **decide(all(s > t for s, t in zip(steps, steps[1:])), measured=steps))] + [
-        row(f"{r['family']}, L = {r['L']}: exact tied optimum against the untied one (gain_kept: the share of the "
+        row(f"{r['family']}-L{r['L']}", f"{r['family']}, L = {r['L']}: exact tied optimum against the untied one (gain_kept: the share of the "
             "untied drop in loss from L = 1 that tying keeps)",
             **info(theory=r["loss_untied"], measured=r["loss_tied"]), **r) for r in exact if r["L"] > 1]
 
@@ -1454,18 +1481,18 @@ def tied_trained_rows(t, res):
     # flat (curvature_rows; finding 17): the batch minimiser trades symmetric scale for an
     # antisymmetric part, and a is a finding (seen: 1-6% from a*_L)
     if L == 1:
-        fit = row(fit_claim + " (within 5%)", **judge("two-sided", t["a_fitted"], t["a_star"],
+        fit = row(f"trained-L{L}-fit", fit_claim + " (within 5%)", **judge("two-sided", t["a_fitted"], t["a_star"],
                                                        slack=0.05 * t["a_star"], runs=[res]), L=L)
     else:
-        fit = row(fit_claim + " (relative error: finding 17)",
+        fit = row(f"trained-L{L}-fit", fit_claim + " (relative error: finding 17)",
                   **info([res], theory=t["a_star"], measured=t["a_fitted"]), L=L,
                   rel_err=abs(t["a_fitted"] / t["a_star"] - 1))
     return [fit,
-            row(f"L = {L}: Dist of A's whitened symmetric part to a multiple of Sigma^-1 ([A] §4.3's distance) "
+            row(f"trained-L{L}-dist-sym", f"L = {L}: Dist of A's whitened symmetric part to a multiple of Sigma^-1 ([A] §4.3's distance) "
                 "is at most 0.05", **judge("at most (one-sided)", t["dist_sym"], 0.05, runs=[res]), L=L),
-            row(f"L = {L}: the trained model's test loss equals the exact tied optimum's (paired, fresh prompts)",
+            row(f"trained-L{L}-test", f"L = {L}: the trained model's test loss equals the exact tied optimum's (paired, fresh prompts)",
                 **judge("two-sided", t["test_minus_family"], 0.0, se=t["test_minus_family_se"], runs=[res]), L=L),
-            row(f"L = {L}: Dist(A, Sigma^-1) of the whole A, and its antisymmetric part's norm relative to the "
+            row(f"trained-L{L}-dist", f"L = {L}: Dist(A, Sigma^-1) of the whole A, and its antisymmetric part's norm relative to the "
                 "symmetric part's (finding 17: poorly determined for L >= 2)",
                 **info([res], measured=t["dist"]), L=L, antisym=t["antisym"])]
 
@@ -1476,22 +1503,22 @@ def curvature_rows(curvature):
     in the same L order for both directions."""
     anti = [c for c in curvature if c["direction"] == "antisymmetric"]
     sym = [c for c in curvature if c["direction"] != "antisymmetric"]
-    rows = [row("along a symmetric traceless direction the family point a*_L Sigma^-1 is a minimum at every L "
+    rows = [row("symmetric-minimum", "along a symmetric traceless direction the family point a*_L Sigma^-1 is a minimum at every L "
                 "(second difference above 0)", **judge("above (one-sided)", [c["second_difference"] for c in sym],
                                                      0.0, se=[c["se"] for c in sym]), Ls=[c["L"] for c in sym]),
-            row("along an antisymmetric direction: curved at L = 1 (above 0)",
+            row("antisymmetric-L1", "along an antisymmetric direction: curved at L = 1 (above 0)",
                 **judge("above (one-sided)", anti[0]["second_difference"], 0.0, se=anti[0]["se"])),
-            row("along the antisymmetric direction at least 10 times flatter than along the symmetric one for L >= 2",
+            row("antisymmetric-flat", "along the antisymmetric direction at least 10 times flatter than along the symmetric one for L >= 2",
                 **decide(all(abs(a["second_difference"]) < s["second_difference"] / 10 for a, s in zip(anti, sym)
                              if a["L"] > 1), measured=[a["second_difference"] for a in anti[1:]]))]
     at_4 = [c for c in anti if c["L"] == 4]
     if at_4:
-        rows.append(row("at L = 4 the antisymmetric second difference is below 0 (measured: minus it): a*_4 Sigma^-1 "
+        rows.append(row("antisymmetric-L4", "at L = 4 the antisymmetric second difference is below 0 (measured: minus it): a*_4 Sigma^-1 "
                         "is not the minimum of the tied sparse loss (finding 17)",
                         **judge("above (one-sided)", -at_4[0]["second_difference"], 0.0, se=at_4[0]["se"]),
                         second_difference=at_4[0]["second_difference"]))
     else:
-        rows.append(full_run_only("at L = 4 the antisymmetric second difference is below 0 (finding 17)",
+        rows.append(full_run_only("antisymmetric-L4", "at L = 4 the antisymmetric second difference is below 0 (finding 17)",
                                   "L = 4 and 400000 prompts"))
     return rows
 
@@ -1564,7 +1591,8 @@ def looped(ctx):
             m, se = mean_se((sq(a * np.eye(d) + eps * E) + sq(a * np.eye(d) - eps * E)) / 2 - base)
             curvature.append(dict(L=L, direction=name, second_difference=m, se=se, B=B_curv, eps=eps))
     rows += curvature_rows(curvature)
-    return rows, {"exact": exact, "trained": trained, "curvature": curvature}
+    return rows, {"exact": keyed(exact, "family", "L"), "trained": keyed(trained, "L"),
+                  "curvature": keyed(curvature, "L", "direction")}
 
 
 def plot_dynamics(plt, save, rows, tables):
@@ -1596,10 +1624,10 @@ def flow_rows(f):
     """The claims on one start of the one-layer gradient flow: `f` holds start, sigma, sigma_bound,
     rel_err_end (|Gamma(t_end) - Gamma*| / |Gamma*|), half_way_t, invariant_max, loss_first, loss_last."""
     # 1e-8: the issue's bound; solve_ivp runs at rtol 1e-10 and t = 400 is ~100 e-folds past the drop
-    return [row(f"sigma = {f['sigma']:.4f} ({f['start']} their bound {f['sigma_bound']:.4f}): the flow's Gamma(400) "
+    return [row(f"{f['start']}-end", f"sigma = {f['sigma']:.4f} ({f['start']} their bound {f['sigma_bound']:.4f}): the flow's Gamma(400) "
                 "equals gamma_star (relative Frobenius error)", **judge("two-sided", f["rel_err_end"], 0.0, slack=1e-8),
                 start=f["start"], sigma=f["sigma"], sigma_bound=f["sigma_bound"]),
-            row(f"sigma = {f['sigma']:.4f} ({f['start']}): the flow's plateau (half-way down at t = half_way_t) and its "
+            row(f"{f['start']}-plateau", f"sigma = {f['sigma']:.4f} ({f['start']}): the flow's plateau (half-way down at t = half_way_t) and its "
                 "balance u^2 - |U|_F^2, conserved by the flow", **info(measured=f["invariant_max"]),
                 start=f["start"], half_way_t=f["half_way_t"], loss_first=f["loss_first"], loss_last=f["loss_last"])]
 
@@ -1607,7 +1635,7 @@ def flow_rows(f):
 def descent_row(at, mean, target, se):
     """The claim that gradient descent on independent batches follows the flow at one time: `at` holds
     t, R, B, eta and step_error_in_se; mean and se are the batches' Gamma(t) entries, target the flow's."""
-    return row(f"t = {at['t']:.2f}: gradient descent (eta = {at['eta']}) on {at['R']} batches of {at['B']} prompts "
+    return row(f"descent-t{at['t']:.2f}", f"t = {at['t']:.2f}: gradient descent (eta = {at['eta']}) on {at['R']} batches of {at['B']} prompts "
                "matches the flow's Gamma(t), every entry (SE from the batches)",
                **judge("two-sided", mean, target, se=se), t=at["t"], step_error_in_se=at["step_error_in_se"])
 
@@ -1660,7 +1688,7 @@ def dynamics(ctx):
             entries.update({f"flow_{key}": target[k, i, j], f"gd_{key}": mean[k, i, j], f"gd_{key}_se": se[k, i, j]})
         descent.append(entries)
         rows.append(descent_row(entries, mean[k], target[k], se[k]))
-    return rows, {"flow": flow, "descent": descent}
+    return rows, {"flow": keyed(flow, "start", "t"), "descent": keyed(descent, "t")}
 
 
 def plot_task_diversity(plt, save, rows, tables):
@@ -1692,27 +1720,27 @@ def pool_rows(pools, L1_prior, L3_prior, fit):
     last = pools[-1]
     L3 = [r for r in pools if "L3_fresh" in r][-1]
     small = [r for r in pools if r["K"] <= 16]
-    rows = [row(f"one layer: fresh-task loss at K = {last['K']} equals its unbounded-prior optimum within 1% (exact "
+    rows = [row("one-layer-fresh", f"one layer: fresh-task loss at K = {last['K']} equals its unbounded-prior optimum within 1% (exact "
                 "both: the layer sees the pool's second moment only)",
                 **judge("two-sided", last["L1_fresh"], L1_prior, slack=0.01 * L1_prior), K=last["K"]),
             # 10%: a finite training batch and a capped L-BFGS leave the trained model a few % above it
-            row(f"three layers: fresh-task loss at K = {L3['K']} equals the sparse family's exact optimum for the "
+            row("three-layers-fresh", f"three layers: fresh-task loss at K = {L3['K']} equals the sparse family's exact optimum for the "
                 "unbounded prior within 10%", **judge("two-sided", L3["L3_fresh"], L3_prior, se=L3["L3_fresh_se"],
                                                      slack=0.1 * L3_prior, runs=[fit]), K=L3["K"]),
-            row(f"three layers at K = {L3['K']}: pool and fresh-task losses agree (no memorisation)",
+            row("three-layers-memorisation", f"three layers at K = {L3['K']}: pool and fresh-task losses agree (no memorisation)",
                 **judge("two-sided", L3["L3_pool"], L3["L3_fresh"], se=math.hypot(L3["L3_pool_se"], L3["L3_fresh_se"]),
                         runs=[fit]), K=L3["K"]),
-            row("dMMSE memorises small pools: ridge's pool risk minus dMMSE's, at every K <= 16",
+            row("dmmse-memorises", "dMMSE memorises small pools: ridge's pool risk minus dMMSE's, at every K <= 16",
                 **judge("above (one-sided)", [r["ridge_pool"] - r["dmmse_pool"] for r in small], 0.0,
                         se=[math.hypot(r["ridge_pool_se"], r["dmmse_pool_se"]) for r in small]))]
     for name, r in (("L1", last), ("L3", L3), ("dmmse", last)):
         ratio = r[f"{name}_fresh"] / r["ridge_fresh"]
-        rows.append(row(f"{name}: Raventós et al.'s claim, the fresh-task loss approaches ridge's as K grows (holds: "
+        rows.append(row(f"{name}-ridge", f"{name}: Raventós et al.'s claim, the fresh-task loss approaches ridge's as K grows (holds: "
                         f"within 10% at K = {r['K']})", **info(theory=r["ridge_fresh"], measured=r[f"{name}_fresh"]),
                         model=name, K=r["K"], ratio_to_ridge=ratio, at_K1=pools[0][f"{name}_fresh"],
                         holds="yes" if ratio <= 1.1 else "no"))
     curve = [r for r in pools if "L3_fresh" in r]
-    rows.append(row("the transition: three layers' fresh-task loss within 10% of its last value from K = settled_from_K "
+    rows.append(row("transition", "the transition: three layers' fresh-task loss within 10% of its last value from K = settled_from_K "
                     "on; dMMSE's fresh-task risk over ridge's at the largest K",
                     **info(measured=last["dmmse_fresh"] / last["ridge_fresh"]), L1_prior=L1_prior, L3_prior=L3_prior,
                     settled_from_K=next(r["K"] for r in curve if r["L3_fresh"] <= 1.1 * L3["L3_fresh"]),
@@ -1756,7 +1784,7 @@ def task_diversity(ctx):
         pools.append(r)
         ctx.log(f"  K = {K}: one layer {r['L1_fresh']:.3f} on fresh tasks, ridge {r['ridge_fresh']:.3f}")
     L3 = [r for r in pools if "L3_fresh" in r][-1]
-    return pool_rows(pools, L1_prior, L3_prior, fits[L3["K"]]), {"pools": pools}
+    return pool_rows(pools, L1_prior, L3_prior, fits[L3["K"]]), {"pools": keyed(pools, "K")}
 
 
 def plot_shift(plt, save, rows, tables):
@@ -1778,22 +1806,22 @@ def shift_rows(shifts, L_star, n_train, fit):
     at the training length n_train, `fit` the trained layer's run."""
     at_train = next(r for r in shifts if r["shift"] == f"n = {n_train}")
     other = [r for r in shifts if r["kind"] == "length" and r["n"] != n_train]
-    rows = [row(f"the trained layer's exact shifted loss (MATH.md §15) equals its Monte Carlo loss through the "
+    rows = [row("exact-equals-mc", f"the trained layer's exact shifted loss (MATH.md §15) equals its Monte Carlo loss through the "
                 f"transformer at all {len(shifts)} test distributions",
                 **judge("two-sided", [r["layer_mc"] for r in shifts], [r["layer_exact"] for r in shifts],
                         se=[r["layer_mc_se"] for r in shifts])),
             # 1%: a batch of 20000 prompts leaves the trained layer ~0.3% above Theorem 1's optimum
-            row(f"trained at n = {n_train}: the layer's exact loss equals Theorem 1's optimum within 1%",
+            row("at-training-length", f"trained at n = {n_train}: the layer's exact loss equals Theorem 1's optimum within 1%",
                 **judge("two-sided", at_train["layer_exact"], L_star, slack=0.01 * L_star, runs=[fit])),
-            row("a length shift costs: at every other length the trained layer's exact loss is more than 1% above the "
+            row("length-costs", "a length shift costs: at every other length the trained layer's exact loss is more than 1% above the "
                 "best layer's for that length (relative excess)",
                 **judge("above (one-sided)", [r["layer_exact"] / r["best_layer"] - 1 for r in other], 0.01, runs=[fit]),
                 lengths=[r["n"] for r in other]),
-            row("the Bayes predictor for the test prior is never worse than tuned ridge (paired difference; it is "
+            row("bayes-vs-ridge", "the Bayes predictor for the test prior is never worse than tuned ridge (paired difference; it is "
                 "optimal, and a covariate shift does not change it)",
                 **judge("at most (one-sided)", [r["bayes_minus_ridge"] for r in shifts], 0.0,
                         se=[r["bayes_minus_ridge_se"] for r in shifts])),
-            row("Wu et al.'s claim: at its training length the layer nearly matches tuned ridge (holds: within 10%)",
+            row("wu-claim", "Wu et al.'s claim: at its training length the layer nearly matches tuned ridge (holds: within 10%)",
                 **info([fit], theory=at_train["ridge_tuned"], measured=at_train["layer_exact"]),
                 holds="yes" if at_train["layer_exact"] <= 1.1 * at_train["ridge_tuned"] else "no")]
     return rows
@@ -1834,595 +1862,10 @@ def shift(ctx):
             r[name], r[name + "_se"] = mean_se(e)
         shifts.append(r)
     L_star = ir.single_layer_population_loss(ir.gamma_star(I, n_train, noise_var=noise), I, n_train, noise_var=noise)
-    return shift_rows(shifts, L_star, n_train, fit), {"shifts": shifts}
-
-
-# ---------------------------------------------------------------------------------------------
-# Running, tables, files
-# ---------------------------------------------------------------------------------------------
-
-def cell(value):
-    """A field's value in a CSV cell: numbers as Python writes them (repr, full precision), vectors as
-    JSON lists, None as an empty cell."""
-    if value is None:
-        return ""
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return json.dumps(np.asarray(value, dtype=object).tolist(), default=lambda x: x.item())
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def csv_bytes(rows):
-    """rows (dicts) as the bytes of a CSV file (UTF-8): one column per field, FIELDS first when the
-    rows are claims. Made in memory, so that the record holds its SHA-256 before it is written."""
-    keys = list(dict.fromkeys([k for k in FIELDS if any(k in r for r in rows)] + [k for r in rows for k in r]))
-    f = io.StringIO(newline="")
-    w = csv.DictWriter(f, fieldnames=keys)
-    w.writeheader()
-    w.writerows({k: cell(r.get(k)) for k in keys} for r in rows)
-    return f.getvalue().encode("utf-8")
-
-
-def render(r):
-    """A row's cells as the printed table and summary.md show them, from its fields only."""
-    measured = fmt(r["measured"])
-    if r["se"] is not None and np.any(np.asarray(r["se"]) != 0):      # se 0: an exact quantity
-        measured += f" ± {fmt(r['se'], 2)}"
-    check = ""
-    if r["check"]:
-        check = r["check"]
-        if r["tolerance"] is not None:
-            check += f"; tolerance {fmt(r['tolerance'], 2)}" + (f" ({fmt(r['k'])} SE)" if r["k"] else "")
-    verdict = r["verdict"] + (f": {r['why']}" if r["why"] else "")
-    details = "; ".join(f"{k} {fmt(v)}" for k, v in r.items() if k not in FIELDS and v is not None)
-    return [r["claim"], fmt(r["theory"]), measured, check, verdict, details]
-
-
-def markdown_table(rows):
-    lines = ["| claim | theory | measured | check | verdict | details |", "|---|---|---|---|---|---|"]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in render(r)) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
-    """Heat maps in rows (grid: a list of rows of matrices) with the values written in. Every panel has
-    its own symmetric colour scale and colour bar (so a small matrix is not left white beside a large
-    one); values on dark cells are written in white. Constrained layout: no label overprints another."""
-    fig, axes = plt.subplots(len(grid), len(grid[0]), figsize=(2.9 * len(grid[0]), 2.5 * len(grid) + 0.9),
-                             squeeze=False, layout="constrained")
-    for r, (row_, row_titles) in enumerate(zip(grid, titles)):
-        for c, (ax, M, title) in enumerate(zip(axes[r], row_, row_titles)):
-            v = float(np.max(np.abs(M))) or 1.0
-            image = ax.imshow(M, cmap="RdBu_r", vmin=-v, vmax=v)
-            for (i, j), x in np.ndenumerate(M):
-                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=6,
-                        color="white" if abs(x) > 0.55 * v else "black")
-            ax.set_title(title, fontsize=9)
-            ax.set(xticks=[], yticks=[])
-            fig.colorbar(image, ax=ax, shrink=0.75)
-        if row_labels:
-            axes[r][0].set_ylabel(row_labels[r], fontsize=8)
-    fig.suptitle(suptitle, fontsize=10)
-    return save(fig, suffix)
-
-
-def heat_matrices(table, **match):
-    """The matrices of a heat-map table (rows with c0, c1, ...) whose columns equal `match`, by layer."""
-    picked = [h for h in table if all(h.get(k) == v for k, v in match.items())]
-    layers = sorted({h["layer"] for h in picked})
-    return [np.array([[h[f"c{j}"] for j in range(sum(k.startswith("c") and k[1:].isdigit() for k in h))]
-                      for h in sorted((h for h in picked if h["layer"] == l), key=lambda h: h["row"])])
-            for l in layers]
-
-
-
-
-def plural(k, word):
-    return f"{k} {word}" + ("" if k == 1 else "s")
-
-
-def figures(name, rows, tables):
-    """PNG figures of what an experiment reproduces, drawn by its plot function (PLOTS) from its rows'
-    and tables' fields, with the exact theory beside the measured values (matplotlib, optional).
-    Titles and captions say what this run showed: its seed and start counts, which runs converged (a
-    "not converged" style in the legend), and a claim only where the run's rows decided it. Returns
-    ([(file name, caption)], {file name: PNG bytes}, a note for the run or None): without matplotlib
-    the note says once how to get figures."""
-    if name not in PLOTS:
-        return [], {}, None
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], {}, "No figures: matplotlib is not installed (python3 -m pip install matplotlib, or pip install .[plot])."
-    pngs = {}
-
-    def save(fig, suffix):
-        filename = f"{name}{suffix}.png"
-        f = io.BytesIO()
-        fig.savefig(f, format="png", dpi=90)
-        plt.close(fig)
-        pngs[filename] = f.getvalue()
-        return filename
-    return PLOTS[name](plt, save, rows, tables), pngs, None
-
-
-def experiment_files(name, rows, tables):
-    """An experiment's files as bytes, {file name: bytes}: name.csv (its rows), name_TABLE.csv per
-    extra table, its figures; with the figures' captions and a note when matplotlib is missing."""
-    files = {f"{name}.csv": csv_bytes(rows)}
-    files.update({f"{name}_{table}.csv": csv_bytes(content) for table, content in tables.items()})
-    captions, pngs, note = figures(name, rows, tables)
-    files.update(pngs)
-    return files, captions, note
-
-
-def nonneg_int(text):
-    """argparse type: an integer >= 0."""
-    return bounded_int(text, 0)
-
-
-def positive_int(text):
-    """argparse type: an integer >= 1."""
-    return bounded_int(text, 1)
-
-
-def bounded_int(text, least):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
-    return value
-
-
-RECORD = "config.json"              # the run's record: options, versions, status, each file written with its SHA-256
-SUMMARY = "summary.md"
-LOCK = ".experiments.lock"          # present while a run holds the folder (icl_files: flock, or created exclusively)
-FORMAT = "icl_ref experiments record"
-FORMAT_VERSION = 3                  # 3: every file with its SHA-256 (icl_files); 2 listed names only
-TOOL = "experiments.py"
-SOURCES = ("icl_ref.py", "icl_fast.py", "experiments.py")   # the code whose results a run records
-
-# The exit statuses (README's table): each with the status config.json says and when it is returned.
-# 70 and 74 are sysexits.h's EX_SOFTWARE and EX_IOERR; 128 + N is what a shell shows for signal N
-# (a broken pipe: SIGPIPE, 13, which Python ignores to raise BrokenPipeError instead).
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_CRASHED, EXIT_WRITE_ERROR = 0, 1, 2, 70, 74
-EXIT_SIGINT, EXIT_BROKEN_PIPE, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + 13, 128 + signal.SIGTERM
-EXIT_STATUSES = {
-    EXIT_OK: ("complete", "every checked claim holds"),
-    EXIT_FAILED: ("complete", "a checked claim failed (named on stderr and in summary.md)"),
-    EXIT_REFUSED: ("untouched", "bad arguments, or --out refused (nothing written; the message says why)"),
-    EXIT_CRASHED: ("crashed", "an experiment raised an error (a bug): its traceback on stderr"),
-    EXIT_WRITE_ERROR: ("write error", "a write into --out failed: disk full, file-size limit, no permission, "
-                                      "or a file not the run's appeared under an output's name"),
-    EXIT_SIGINT: ("interrupted", "stopped by Ctrl-C (SIGINT)"),
-    EXIT_BROKEN_PIPE: ("broken pipe", "stdout was closed (`| head`, a pager quit)"),
-    EXIT_SIGTERM: ("interrupted", "stopped by SIGTERM"),
-}
-
-
-def code_text(source):
-    """What Python runs of a module's `source` text, as one canonical string: its syntax tree with
-    every bare string statement (docstrings) dropped, node by node with its non-empty fields, so
-    comments, docstrings and layout do not count, and the same text on every supported Python."""
-    def canon(node):
-        if isinstance(node, list):
-            return "[" + ",".join(canon(x) for x in node if not (
-                isinstance(x, ast.Expr) and isinstance(x.value, ast.Constant) and isinstance(x.value.value, str)
-            )) + "]"
-        if not isinstance(node, ast.AST):
-            return repr(node)
-        fields = ",".join(f"{k}={canon(v)}" for k, v in ast.iter_fields(node) if v is not None and v != [])
-        return f"{type(node).__name__}({fields})"
-    return canon(ast.parse(source))
-
-
-def sources_digest(names=SOURCES):
-    """One SHA-256 over the code of the files `names` (paths from this directory; code_text of
-    each, file by file in the given order): by default the code that computes and draws the
-    results (tools/docs_figures.py compares it with the figures' record; the other tools pass the
-    files their records depend on). An edit of a comment or a docstring leaves it as it was."""
-    h = hashlib.sha256()
-    for name in names:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), encoding="utf-8") as f:
-            h.update(name.encode() + b"\0" + code_text(f.read()).encode() + b"\0")
-    return h.hexdigest()
-
-
-def output_of(name, filename):
-    """Whether `filename` is a name experiment `name` writes: name.csv, name.png or name_*."""
-    return filename in (f"{name}.csv", f"{name}.png") or filename.startswith(f"{name}_")
-
-
-def trusted_record(record):
-    """Whether a record (a parsed config.json) is experiments.py's in this format: the marker, the
-    tool, this version, and per experiment a list of its own outputs' names. icl_files then trusts
-    the SHA-256 of each file it lists, and nothing else."""
-    if not (record.get("format") == FORMAT and record.get("tool") == TOOL
-            and record.get("format_version") == FORMAT_VERSION and isinstance(record.get("experiments"), dict)):
-        return False
-    for name, entry in record["experiments"].items():
-        files = entry.get("files") if isinstance(entry, dict) else None
-        if not (isinstance(files, list) and all(isinstance(f, str) and os.path.basename(f) == f and output_of(name, f)
-                                                for f in files)):
-            return False
-    return True
-
-
-def out_folder(path):
-    """--out as an icl_files.Folder: config.json its record, .experiments.lock its lock."""
-    return icl_files.Folder(path, TOOL, RECORD, LOCK, trusted=trusted_record)
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGTERM, raised where the run is, so that it stops as a Ctrl-C does (the trainers return
-    their last iterate, the run writes what completed)."""
-
-
-def stop_if_interrupted(res):
-    """icl_ref's trainers return the last iterate on Ctrl-C; an experiment must stop instead."""
-    if res["interrupted"]:
-        raise KeyboardInterrupt
-    return res
-
-
-def exit_table():
-    """EXIT_STATUSES as --help lists them."""
-    return "\n".join(textwrap.fill(when, 100, initial_indent=f"  {code:3d}  ", subsequent_indent=" " * 7)
-                     for code, (_, when) in EXIT_STATUSES.items())
-
-
-HELP_EPILOG = f"""\
---out: a new or empty directory, or (with --overwrite) one an earlier run of experiments.py wrote.
---overwrite replaces only the files of the experiments named on this command line, and only those
-whose bytes are what the earlier run's {RECORD} says it wrote (their SHA-256); the other
-experiments' results stay, and stay in the record. A file of yours (any other file, or one you
-changed) is refused, named, never replaced; nothing is written through a symbolic link; a directory
-another run is writing into is refused. Files of yours beside the results are refused unless
---keep-others. After a run was killed, --overwrite takes back the files it can prove and names the
-ones you must remove.
-Exit status ({RECORD} says how the run ended):
-{exit_table()}"""
-
-
-class Console:
-    """The run's printed lines (stdout). A reader that goes away (`| head`, a pager quit) must not
-    crash the run between writing an experiment's files and recording them: the first broken pipe
-    closes the console (later lines go nowhere; stdout is pointed at os.devnull, as Python's
-    documentation advises, so that its flush at exit is quiet too), and the run stops where it is
-    safe, with EXIT_BROKEN_PIPE."""
-
-    def __init__(self, start):
-        self.start, self.closed = start, False
-
-    def say(self, text):
-        if not self.closed:
-            try:
-                print(text, flush=True)
-            except BrokenPipeError:
-                self.close()
-
-    def log(self, msg):
-        self.say(f"[{time.perf_counter() - self.start:7.1f} s] {msg}")
-
-    def close(self):
-        self.closed = True
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError, AttributeError):         # a stdout without a descriptor (a test's capture)
-            pass
-
-
-class Ending:
-    """How a run ended other than by running every experiment to its record: the record's status,
-    the exit status, what stopped it (the record's stopped_by) and the error's message."""
-
-    def __init__(self, status, exit_status, stopped_by, error=None):
-        self.status, self.exit_status, self.stopped_by, self.error = status, exit_status, stopped_by, error
-
-    @classmethod
-    def of(cls, e, term):
-        """The ending an exception raised in the run means; `term`: a SIGTERM arrived."""
-        if isinstance(e, KeyboardInterrupt):
-            if isinstance(e, Stopped) or term:
-                return cls("interrupted", EXIT_SIGTERM, "SIGTERM")
-            return cls("interrupted", EXIT_SIGINT, "SIGINT (Ctrl-C)")
-        if isinstance(e, BrokenPipeError):
-            return cls("broken pipe", EXIT_BROKEN_PIPE, "broken pipe: stdout was closed")
-        if isinstance(e, (icl_files.WriteFailed, icl_files.Refused)):
-            return cls("write error", EXIT_WRITE_ERROR, "write error", str(e))
-        return cls("crashed", EXIT_CRASHED, "crash", "".join(traceback.format_exception_only(type(e), e)).strip())
-
-    def fields(self):
-        return dict(stopped_by=self.stopped_by, **({} if self.error is None else dict(error=self.error)))
-
-    def headline(self, names, done):
-        """summary.md's first line: what stopped the run and what of it completed."""
-        what = ("every experiment completed" if done == names else
-                f"only {', '.join(done)} completed; this is not a full run" if done else
-                "no experiment completed, so there are no results; this is not a full run")
-        if self.status == "interrupted":
-            return f"**INTERRUPTED** by {self.stopped_by}: {what}."
-        return f"**STOPPED** ({self.stopped_by}{': ' + self.error if self.error else ''}): {what}."
-
-
-@contextlib.contextmanager
-def signals_held(held):
-    """`with signals_held(held):` SIGINT and SIGTERM wait (their numbers appended to `held`) while
-    the block runs, so an experiment's files and its record entry are written whole; the handlers
-    before it are back after it, however it ends. Only the main thread can set handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    outer = [signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)]
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, outer[0])
-        signal.signal(signal.SIGTERM, outer[1])
-
-
-def parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=HELP_EPILOG,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", help="experiments to run (default: all; a name given twice runs once)")
-    ap.add_argument("--quick", action="store_true", help="reduced sizes (about a minute in all)")
-    ap.add_argument("--seed", type=nonneg_int, default=0, help="integer >= 0 (default: 0)")
-    ap.add_argument("--out", default="results", help="directory for the results (default: results)")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace the named experiments' files of an earlier run in --out (see below)")
-    ap.add_argument("--keep-others", action="store_true",
-                    help="with --overwrite: leave files in --out that no run wrote, instead of refusing")
-    ap.add_argument("--list", action="store_true", help="list the experiments and exit")
-    ap.add_argument("--progress", type=nonneg_int, default=0,
-                    help="print training progress every k steps (default: 0, off)")
-    ap.add_argument("--threads", type=positive_int, default=None,
-                    help="icl_fast's worker threads per evaluation, an integer >= 1 (default: every core)")
-    return ap
-
-
-class Heartbeat:
-    """While a `with Heartbeat(log, what)` block runs, a line every `every` seconds saying it still does."""
-
-    def __init__(self, log, what, every=10.0):
-        self.log, self.what, self.every = log, what, every
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.beat, daemon=True)
-
-    def beat(self):
-        start = time.perf_counter()
-        while not self.stop.wait(self.every):
-            self.log(f"  ... {self.what} still running ({time.perf_counter() - start:.0f} s)")
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-
-
-def tally(rows):
-    """{verdict: count} over rows, every verdict present (0 when absent)."""
-    return {v: sum(r["verdict"] == v for r in rows) for v in (PASS, FAIL, INFO, NO_VERDICT)}
-
-
-def main(argv=None):
-    """The command line; returns the exit status (EXIT_STATUSES; bad arguments and a refused --out
-    raise SystemExit(2) through argparse). The caller's signal handlers are as they were after it."""
-    ap = parser()
-    args = ap.parse_args(argv)
-    if args.list:
-        for name, (_, answers) in EXPERIMENTS.items():
-            print(f"{name:24s} {answers}")
-        return EXIT_OK
-    unknown = [n for n in args.names if n not in EXPERIMENTS]
-    if unknown:
-        ap.error(f"unknown experiment(s) {unknown}; --list shows the names")
-    names = list(dict.fromkeys(args.names)) or list(EXPERIMENTS)
-    out = out_folder(args.out)
-    try:
-        out.open(args.overwrite, args.keep_others,
-                 writes=lambda f: f == SUMMARY or any(output_of(n, f) for n in names))
-    except icl_files.Refused as e:
-        out.close()
-        ap.error(f"--out {e}")
-    try:
-        return run(args, names, out)
-    finally:
-        out.close()
-
-
-def kept_experiments(out, names):
-    """The earlier run's complete experiments this run does not redo, from its record: they stay,
-    in the folder and in the record."""
-    earlier = out.earlier["experiments"] if out.earlier else {}
-    return {n: e for n, e in earlier.items() if n not in names and e.get("status") == "complete"}
-
-
-def leftovers(out, kept, names):
-    """The files the record proves ours that no kept experiment lists and this run does not write
-    again: what a stopped run left of an experiment it did not finish."""
-    listed = {f for e in kept.values() for f in e["files"]}
-    return sorted(f for f in out.owned if f not in listed and f != SUMMARY and not any(output_of(n, f) for n in names))
-
-
-def record_experiment(out, experiments, done, name, files, entry):
-    """Write an experiment's files and its record entry: the entry first (status "writing"), the
-    earlier run's files of the experiment that this one does not write again removed, the files
-    written (icl_files records each one's hash before and after), then the entry "complete"."""
-    experiments.pop(name, None)
-    experiments[name] = dict(entry, files=list(files), status="writing")
-    out.remove(sorted(f for f in out.owned if output_of(name, f) and f not in files))
-    out.write(files)
-    experiments[name]["status"] = "complete"
-    done.append(name)
-    out.save()
-
-
-def run(args, names, out):
-    """Run the experiments `names` into the open folder `out`; returns the exit status. However the
-    run ends (EXIT_STATUSES) it writes summary.md and the record when it can, saying how it ended."""
-    start = time.perf_counter()
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    console = Console(start)
-    log = console.log
-    this_run = dict(argv=sys.argv, names=names, quick=args.quick, seed=args.seed, threads=args.threads,
-                    started_utc=started, sources_sha256=sources_digest(), numpy=np.__version__,
-                    scipy=scipy.__version__, python=platform.python_version(),
-                    threadpoolctl=threadpoolctl.__version__, cores=len(os.sched_getaffinity(0))
-                    if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    done, results, experiments = [], {}, {}
-    out.fields = dict(format=FORMAT, tool=TOOL, format_version=FORMAT_VERSION, **this_run, completed=done,
-                      experiments=experiments)
-    ending, plot_note = None, None
-    # SIGTERM stops the run as Ctrl-C does; while the results are written at the end, both wait
-    main_thread = threading.current_thread() is threading.main_thread()
-    term = []                   # the trainers turn the exception into a result: the run remembers the signal here
-
-    def on_sigterm(signum, frame):
-        term.append(signum)
-        raise Stopped()
-    previous_term = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
-    previous_int = signal.getsignal(signal.SIGINT) if main_thread else None
-    late = []
-    try:
-        try:
-            # the earlier run's experiments stay in the record until this run replaces them (an
-            # experiment's old files are removed only once its new results are ready)
-            experiments.update(kept_experiments(out, names))
-            out.save("running")
-            out.remove(leftovers(out, experiments, names))
-            for k, name in enumerate(names, 1):
-                if console.closed:
-                    raise BrokenPipeError
-                fn, answers = EXPERIMENTS[name]
-                log(f"[{k}/{len(names)}] {name}: {answers}")
-                t0, cpu0 = time.perf_counter(), time.process_time()
-                # the stream depends on the experiment's name, not its position: each reproduces alone
-                ctx = Context(rng=np.random.default_rng([args.seed, zlib.crc32(name.encode())]), seed=args.seed,
-                              quick=args.quick, log=log, progress=args.progress, threads=args.threads)
-                with Heartbeat(log, name):
-                    rows, tables = fn(ctx)
-                rows = [{"experiment": name, **r} for r in rows]
-                seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-                files, pngs, note = experiment_files(name, rows, tables)
-                plot_note = plot_note or note
-                held = []
-                with signals_held(held):
-                    record_experiment(out, experiments, done, name, files, dict(
-                        answers=answers, quick=args.quick, seed=args.seed, run_started_utc=started,
-                        seconds=round(seconds, 1), cpu_seconds=round(cpu, 1),
-                        sources_sha256=this_run["sources_sha256"], tally=tally(rows)))
-                results[name] = (rows, pngs, seconds)
-                console.say(markdown_table(rows))
-                if held:
-                    term.extend(s for s in held if s == signal.SIGTERM)
-                    raise Stopped() if signal.SIGTERM in held else KeyboardInterrupt()
-                log(f"[{k}/{len(names)}] {name} done in {seconds:.1f} s ({cpu:.1f} s of CPU); "
-                    f"{time.perf_counter() - start:.0f} s so far")
-            if console.closed:                                   # the last lines were not all delivered
-                raise BrokenPipeError
-        except Exception as e:
-            ending = Ending.of(e, term)
-            if ending.status == "crashed":
-                traceback.print_exc()                            # the bug's traceback, on stderr
-            if ending.status == "broken pipe":
-                console.close()
-        except KeyboardInterrupt as e:
-            ending = Ending.of(e, term)
-        if main_thread:
-            signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
-            signal.signal(signal.SIGINT, lambda signum, frame: late.append(signum))
-        ending = finish(args, names, out, results, done, ending, plot_note, start, log)
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous_term)
-            signal.signal(signal.SIGINT, previous_int)
-    if ending is None and late:
-        # every experiment had completed, so the record says complete; the exit status says a stop came
-        log(f"{signal.Signals(late[0]).name} arrived while the results were written: they are complete; stopping")
-        return 128 + late[0]
-    if ending is not None and ending.status == "broken pipe":
-        print(f"{TOOL}: stdout was closed (broken pipe): stopped after {len(done)} of {len(names)} experiments; "
-              f"{out.show(RECORD)} says so; exit status {ending.exit_status}", file=sys.stderr)
-    return ending.exit_status if ending else EXIT_FAILED if failed_claims(results) else EXIT_OK
-
-
-def failed_claims(results):
-    return [f"{r['experiment']}: {r['claim']}" for rs, _, _ in results.values() for r in rs if r["verdict"] == FAIL]
-
-
-def summary_text(args, names, out, results, done, ending, plot_note, start):
-    """summary.md: the tally, how the run ended, each experiment's table and figures, the kept ones."""
-    rows = [r for rs, _, _ in results.values() for r in rs]
-    summary = [f"# icl_ref experiments ({'quick' if args.quick else 'full'}, seed {args.seed})", ""]
-    if ending:
-        summary += [ending.headline(names, done), ""]
-    summary += [tally_line(tally(rows)), ""]
-    deferred = [r for r in rows if r["why"].startswith("full run only")]
-    if deferred:
-        summary += ["Full run only (the --quick sizes cannot decide these; reported as INFO):", ""]
-        summary += [f"- {r['experiment']}: {r['claim']}" for r in deferred] + [""]
-    for name, (rs, pngs, seconds) in results.items():
-        summary += [f"## {name}", f"_{EXPERIMENTS[name][1]}_ ({seconds:.1f} s)", "", markdown_table(rs), ""]
-        for p, caption in pngs:
-            summary += [f"![{name}]({p})", "", f"_{caption}_", ""]
-    experiments = out.fields["experiments"]
-    kept = [n for n in experiments if n not in results]
-    if kept:
-        summary += ["## Kept from earlier runs", ""] + [
-            f"- {n}: {', '.join(experiments[n]['files'])} ({'quick' if experiments[n].get('quick') else 'full'}, "
-            f"seed {experiments[n].get('seed')}, run started {experiments[n].get('run_started_utc')})"
-            for n in kept] + [""]
-    if plot_note:
-        summary += ["", plot_note]
-    summary.append(f"Total {time.perf_counter() - start:.1f} s; numpy {np.__version__}, scipy {scipy.__version__}.")
-    failed = failed_claims(results)
-    if failed:
-        summary += ["", "## Failed claims", ""] + [f"- {f}" for f in failed]
-    return "\n".join(summary) + "\n"
-
-
-def finish(args, names, out, results, done, ending, plot_note, start, log):
-    """Write summary.md and the record's final status; returns the run's ending (None: it ran to
-    the end), which becomes a write error when these writes fail."""
-    if ending:
-        log(f"stopped by {ending.stopped_by}: writing the experiments that completed, then stopping")
-    if plot_note:
-        log(plot_note)
-    try:
-        out.write({SUMMARY: summary_text(args, names, out, results, done, ending, plot_note, start).encode("utf-8")})
-    except (icl_files.WriteFailed, icl_files.Refused) as e:
-        ending = ending if ending and ending.status == "write error" else Ending.of(e, [])
-    counts = tally([r for rs, _, _ in results.values() for r in rs])
-    try:
-        out.save(ending.status if ending else "complete", tally=counts, **(ending.fields() if ending else {}))
-    except (icl_files.WriteFailed, icl_files.Refused) as e:
-        print(f"{TOOL}: error: {e}; the record {out.show(RECORD)!r} could not be updated (it says "
-              f"{out.status!r})", file=sys.stderr)
-        ending = ending if ending and ending.status == "write error" else Ending.of(e, [])
-    if ending and ending.status == "write error":
-        print(f"{TOOL}: error: {ending.error}", file=sys.stderr)
-    failed = failed_claims(results)
-    if failed:
-        print("FAILED claims:\n  " + "\n  ".join(failed), file=sys.stderr)
-    status = ending.exit_status if ending else EXIT_FAILED if failed else EXIT_OK
-    log(f"{tally_line(counts)}; {'STOPPED, ' if ending else ''}{len(done)} of {len(names)} experiments "
-        f"in {time.perf_counter() - start:.0f} s; exit status {status}; summary in {out.show(SUMMARY)}")
-    return ending
-
-
-def tally_line(counts):
-    return "tally: " + ", ".join(f"{c} {v}" for v, c in counts.items())
+    return shift_rows(shifts, L_star, n_train, fit), {"shifts": keyed(shifts, "kind", "shift")}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.modules["experiments"] = sys.modules[__name__]     # the command line reads this module, not a second copy
+    import experiments_cli
+    sys.exit(experiments_cli.main())

@@ -62,6 +62,12 @@ API
     write_file_set(path, files, tool, record, lock, vouchers, overwrite)
                       the whole of a run that writes a fixed set of files: the vectors writer's use
     sha256(data)      the hex SHA-256 of bytes, as records carry it
+    replace_file(path, data)
+                      one of the project's own tracked files (a document, a record under docs/),
+                      written whole and renamed into place; never through a symbolic link
+    source_state(files)
+                      {commit, dirty}: the git commit a run's code comes from, and whether
+                      any of `files` differs from it (a record's provenance)
     Refused           (a ValueError) the folder or a file in it refused by the rules above
     WriteFailed       (an OSError) the operating system refused a write; the message says what to do
     STATUSES          a record's statuses: running, complete, interrupted, broken pipe,
@@ -93,6 +99,7 @@ import json
 import os
 import socket
 import stat
+import subprocess
 
 STATUSES = ("running", "complete", "interrupted", "broken pipe", "write error", "crashed")
 JOURNAL_FORMAT = "icl_files record"
@@ -790,3 +797,58 @@ def write_file_set(path, files, tool, record, lock, vouchers, overwrite):
         folder.discard_record()
     finally:
         folder.close()
+
+
+def replace_file(path, data):
+    """Write `data` (bytes) whole to `path`, one of the project's own tracked files (a document, a
+    record under docs/), which no record vouches for: refused (Refused, nothing touched) when `path`
+    or its folder is a symbolic link or `path` is there but not a regular file. The bytes go to a new
+    file beside it, created exclusively (so never through a link), which is then renamed over `path`:
+    a reader sees the old file or the new one, and a link put there meanwhile is replaced, never
+    followed. WriteFailed when the operating system refuses the write."""
+    folder = os.path.dirname(os.path.abspath(path))
+    mode = 0o644
+    for where in (folder, path):
+        try:
+            st = os.lstat(where)
+        except FileNotFoundError:
+            if where == folder:
+                raise Refused(f"{folder!r} does not exist") from None
+            continue
+        if _is_link(st):
+            raise Refused(f"{where!r} is a symbolic link: not writing through it (remove it, or write elsewhere)")
+        if where == path and not stat.S_ISREG(st.st_mode):
+            raise Refused(f"{path!r} is {_kind(st)}, not a regular file: not replacing it")
+        mode = stat.S_IMODE(st.st_mode)
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except OSError as e:
+        raise WriteFailed(path, e) from None
+    try:
+        try:
+            _write_fd(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except OSError as e:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise WriteFailed(path, e) from None
+
+
+def source_state(files, root=None):
+    """Which code a record of a run comes from: {"commit": the git commit checked out in `root`
+    (default: this module's folder), "dirty": whether any of `files` (paths from `root`) differs from
+    that commit (edited, or not committed)}; both None where git or the checkout is missing (an
+    installed copy)."""
+    root = root or os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+    try:
+        return dict(commit=git("rev-parse", "HEAD").strip(), dirty=bool(git("status", "--porcelain", "--", *files)))
+    except (OSError, subprocess.CalledProcessError):
+        return dict(commit=None, dirty=None)

@@ -18,6 +18,7 @@ import pytest
 from numpy.testing import assert_allclose
 
 import experiments as ex
+import experiments_cli as runner
 import icl_files
 import icl_ref as ir
 
@@ -37,15 +38,21 @@ def quick_run(out, names):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     config = json.loads((out / "config.json").read_text())
     assert config["quick"] and config["numpy"] == np.__version__ and config["status"] == "complete"
-    assert config["format"] == ex.FORMAT and config["tally"]["FAIL"] == 0 and config["tally"]["NO VERDICT"] == 0
+    assert config["format"] == runner.FORMAT and config["tally"]["FAIL"] == 0 and config["tally"]["NO VERDICT"] == 0
     summary = (out / "summary.md").read_text()
-    assert ex.tally_line(config["tally"]) in summary and ex.tally_line(config["tally"]) in proc.stdout
+    assert runner.tally_line(config["tally"]) in summary and runner.tally_line(config["tally"]) in proc.stdout
     for name in names or ex.EXPERIMENTS:
         assert f"## {name}" in summary
         with open(out / f"{name}.csv", encoding="utf-8") as f:
             rows = list(csv.DictReader(f))
         # every row a record with the common fields; every checked claim decided and holding
         assert rows and all(list(r)[:len(ex.FIELDS)] == list(ex.FIELDS) for r in rows), name
+        # every row of every table found by its id: unique, of the pattern, named by its file
+        for table in [f for f in os.listdir(out) if f == f"{name}.csv" or f.startswith(f"{name}_") and f.endswith(".csv")]:
+            with open(out / table, encoding="utf-8") as f:
+                ids = [r["id"] for r in csv.DictReader(f)]
+            assert len(set(ids)) == len(ids), (table, ids)
+            assert all(re.fullmatch(ex.ID_PATTERN, i) and i.startswith(table[:-4] + "/") for i in ids), (table, ids)
         checked = [r for r in rows if r["check"]]
         assert all(r["verdict"] == ex.PASS for r in checked), (name, [r["claim"] for r in checked])
         assert all(r["verdict"] == ex.INFO for r in rows if not r["check"]), name
@@ -73,13 +80,13 @@ def test_list_and_unknown_names(capsys):
                           capture_output=True, text=True)
     assert proc.returncode == 0 and all(name in proc.stdout for name in ex.EXPERIMENTS)
     with pytest.raises(SystemExit) as stop:
-        ex.main(["no-such"])
+        runner.main(["no-such"])
     assert stop.value.code == 2 and "no-such" in capsys.readouterr().err
 
 
 def test_a_failing_claim_makes_the_exit_status_nonzero(tmp_path, monkeypatch):
-    monkeypatch.setitem(ex.EXPERIMENTS, "broken", (lambda ctx: ([ex.row("x", ex.FAIL, theory=1.0, measured=2.0)], {}), "test"))
-    assert ex.main(["broken", "--out", str(tmp_path)]) == 1
+    monkeypatch.setitem(ex.EXPERIMENTS, "broken", (lambda ctx: ([ex.row("x", "x", ex.FAIL, theory=1.0, measured=2.0)], {}), "test"))
+    assert runner.main(["broken", "--out", str(tmp_path)]) == 1
     assert "broken: x" in (tmp_path / "summary.md").read_text()
 
 
@@ -113,7 +120,7 @@ def test_single_layer_never_passes_full_pq_from_a_higher_stationary_point():
             return super().train_gauss_newton(Z, y, L, "full", init={"P": np.zeros((L, 1, D, D)),
                                                                       "Q": np.zeros((L, 1, D, D))})
     rows, _ = ex.single_layer(Stuck(rng=np.random.default_rng(3), seed=3, quick=True, log=lambda msg: None))
-    full = [r for r in rows if "cannot beat Gamma*" in r["claim"]]
+    full = [r for r in rows if r["id"].endswith("-full-best")]
     assert len(full) == 3 and all(r["verdict"] == ex.NO_VERDICT for r in full)
     assert all(r["reached"] == 0 and r["starts"] == 2 for r in full)
 
@@ -211,18 +218,6 @@ def test_gd_predict_one_step_is_the_closed_form():
     assert_allclose(ex.gd_predict(Z, 0.7, 1, Pre, drop_last=True), dropped, rtol=EXACT)
 
 
-def test_bayes_predict_forms():
-    rng = np.random.default_rng(1)
-    Sigma, _ = ir.rotated_covariance(rng, [1.0, 0.5, 2.0])
-    Sigma_w = np.linalg.inv(Sigma)
-    Z, y = ir.sample_prompts(rng, 5, 8, Sigma, Sigma_w)
-    assert_allclose(ex.bayes_predict(Z, Sigma_w), y, rtol=EXACT)        # noiseless, n >= d: exact
-    X, Yc, xq = ex.context(Z)                                           # with noise: push-through
-    w = np.linalg.solve(np.einsum("bid,bie->bde", X, X) + 0.3 * np.linalg.inv(Sigma_w),
-                        np.einsum("bid,bi->bd", X, Yc)[:, :, None])[:, :, 0]
-    assert_allclose(ex.bayes_predict(Z, Sigma_w, 0.3), np.einsum("bd,bd->b", w, xq), rtol=EXACT)
-
-
 def test_quadratic_excess_bound_mean_is_trace():
     rng = np.random.default_rng(2)
     M = rng.standard_normal((4, 4))
@@ -271,7 +266,7 @@ def test_argument_errors_exit_2_with_one_line_and_write_nothing(tmp_path, monkey
     else:
         monkeypatch.chdir(tmp_path)
         with pytest.raises(SystemExit) as stop:
-            ex.main(["noise", *args])
+            runner.main(["noise", *args])
         status, err = stop.value.code, capsys.readouterr().err
     assert status == 2 and fragment in err and "Traceback" not in err
     assert not os.listdir(tmp_path)                                  # nothing written anywhere
@@ -281,45 +276,45 @@ def test_out_naming_a_file_or_a_non_empty_directory_is_refused(tmp_path, capsys)
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(SystemExit) as stop:
-        ex.main(["noise", "--out", str(f)])
+        runner.main(["noise", "--out", str(f)])
     assert stop.value.code == 2 and "not a directory" in capsys.readouterr().err
     d = tmp_path / "old"
     d.mkdir()
     (d / "noise.csv").write_text("stale")
     with pytest.raises(SystemExit) as stop:
-        ex.main(["noise", "--out", str(d)])
+        runner.main(["noise", "--out", str(d)])
     assert stop.value.code == 2 and "--overwrite" in capsys.readouterr().err
     assert sorted(os.listdir(d)) == ["noise.csv"] and (d / "noise.csv").read_text() == "stale"   # not even a lock
 
 
 def test_overwrite_removes_only_an_earlier_runs_files_and_duplicates_run_once(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: (calls.append(1) or [ex.row(f"run {len(calls)}", ex.INFO)],
+    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: (calls.append(1) or [ex.row("run", f"run {len(calls)}", ex.INFO)],
                                                               {}), "t"))
-    assert ex.main(["count", "count", "--out", str(tmp_path)]) == 0
+    assert runner.main(["count", "count", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "config.json").read_text())
     assert calls == [1] and record["status"] == "complete"
     # every file written, with its SHA-256 (the record itself aside)
     assert record["files"] == {f: sha256_of(tmp_path / f) for f in ("count.csv", "summary.md")}
-    assert ex.main(["count", "--out", str(tmp_path), "--overwrite"]) == 0
+    assert runner.main(["count", "--out", str(tmp_path), "--overwrite"]) == 0
     assert "run 2" in (tmp_path / "count.csv").read_text()
     # a file no run wrote: refused (exit 2, nothing touched) unless --keep-others, which leaves it be
     (tmp_path / "notes.md").write_text("mine")
     with pytest.raises(SystemExit) as stop:
-        ex.main(["count", "--out", str(tmp_path), "--overwrite"])
+        runner.main(["count", "--out", str(tmp_path), "--overwrite"])
     assert stop.value.code == 2 and (tmp_path / "count.csv").exists()
-    assert ex.main(["count", "--out", str(tmp_path), "--overwrite", "--keep-others"]) == 0
+    assert runner.main(["count", "--out", str(tmp_path), "--overwrite", "--keep-others"]) == 0
     assert (tmp_path / "notes.md").read_text() == "mine"
     assert "notes.md" not in json.loads((tmp_path / "config.json").read_text())["files"]
 
 
 def test_overwrite_never_deletes_files_of_a_directory_that_held_no_run(tmp_path, monkeypatch):
-    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", ex.INFO)], {}), "t"))
+    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", "x", ex.INFO)], {}), "t"))
     for name, text in (("notes.md", "a"), ("data.json", "{}"), ("mydata.csv", "1,2")):
         (tmp_path / name).write_text(text)
     for extra in ([], ["--keep-others"]):
         with pytest.raises(SystemExit) as stop:
-            ex.main(["count", "--out", str(tmp_path), "--overwrite", *extra])
+            runner.main(["count", "--out", str(tmp_path), "--overwrite", *extra])
         assert stop.value.code == 2
     assert sorted(os.listdir(tmp_path)) == ["data.json", "mydata.csv", "notes.md"]
     assert (tmp_path / "mydata.csv").read_text() == "1,2"
@@ -327,7 +322,7 @@ def test_overwrite_never_deletes_files_of_a_directory_that_held_no_run(tmp_path,
 
 def test_a_signal_while_the_results_are_written_is_answered_after_them(tmp_path, monkeypatch):
     import signal
-    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", ex.INFO)], {}), "t"))
+    monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", "x", ex.INFO)], {}), "t"))
     save = icl_files.Folder.save
 
     def save_then_signal(self, status=None, **fields):     # SIGTERM just as the final record is written
@@ -335,7 +330,7 @@ def test_a_signal_while_the_results_are_written_is_answered_after_them(tmp_path,
         if status == "complete":
             os.kill(os.getpid(), signal.SIGTERM)
     monkeypatch.setattr(icl_files.Folder, "save", save_then_signal)
-    assert ex.main(["count", "--out", str(tmp_path)]) == 128 + signal.SIGTERM
+    assert runner.main(["count", "--out", str(tmp_path)]) == 128 + signal.SIGTERM
     monkeypatch.undo()
     assert json.loads((tmp_path / "config.json").read_text())["status"] == "complete"
     assert "INTERRUPTED" not in (tmp_path / "summary.md").read_text()
@@ -343,7 +338,7 @@ def test_a_signal_while_the_results_are_written_is_answered_after_them(tmp_path,
 
 SLOW_RUN = """
 import signal, sys, time, numpy as np
-import experiments as ex, icl_ref as ir
+import experiments as ex, experiments_cli as runner, icl_ref as ir
 # a background job of a non-interactive shell starts with SIGINT ignored, and Python then installs
 # no KeyboardInterrupt handler: install it, so that the test means the same wherever it runs
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -352,16 +347,16 @@ def training(ctx):
     Z, y = ir.sample_prompts(rng, 20000, 20, np.eye(8))
     print("READY", flush=True)
     ctx.train_lbfgs(Z, y, 3, structure="full", rng=rng, maxiter=100000, gtol=0, maxfun=10**7)
-    return [ex.row("trained", ex.INFO)], {}
+    return [ex.row("trained", "trained", ex.INFO)], {}
 def sleeping(ctx):
     print("READY", flush=True)
     time.sleep(60)
-    return [ex.row("slept", ex.INFO)], {}
+    return [ex.row("slept", "slept", ex.INFO)], {}
 def after(ctx):
     open(sys.argv[2] + "/AFTER-RAN", "w").close()
-    return [ex.row("after", ex.INFO)], {}
+    return [ex.row("after", "after", ex.INFO)], {}
 ex.EXPERIMENTS.update(training=(training, "t"), sleeping=(sleeping, "t"), after=(after, "t"))
-sys.exit(ex.main([sys.argv[1], "after", "--out", sys.argv[2]]))
+sys.exit(runner.main([sys.argv[1], "after", "--out", sys.argv[2]]))
 """
 
 
@@ -435,15 +430,15 @@ def test_family_optimum_computes_each_setting_once_and_returns_the_library_s_ans
 # STUB_KILL=during|after kills the run (SIGKILL) halfway through writing stub-b's table, or just after
 STUB_CLI = """
 import os, sys, time
-import experiments as ex
+import experiments as ex, experiments_cli as runner
 def stub(tag):
     def fn(ctx):
         if tag == "a" and os.environ.get("STUB_WAIT"):
             print("READY", flush=True)
             while not os.path.exists(os.environ["STUB_WAIT"]):
                 time.sleep(0.05)
-        table = [dict(x=tag * (1000 if tag == "b" and os.environ.get("STUB_BIG") else 1))] * 100
-        return [ex.row("stub", verdict=ex.INFO, measured=1.0)], {"table": table}
+        table = [dict(id=f"x{k}", x=tag * (1000 if tag == "b" and os.environ.get("STUB_BIG") else 1)) for k in range(100)]
+        return [ex.row("stub", "stub", verdict=ex.INFO, measured=1.0)], {"table": table}
     return fn
 ex.EXPERIMENTS.update({"stub-a": (stub("a"), "t"), "stub-b": (stub("b"), "t")})
 if os.environ.get("STUB_FSIZE"):
@@ -453,12 +448,12 @@ if os.environ.get("STUB_KILL"):
     import signal, icl_files
     write = icl_files._write_fd
     def dying(fd, data):
-        if data.startswith(b"x\\r\\nb\\r\\n"):
+        if data.startswith(b"id,x\\r\\nstub-b_table/x0,b\\r\\n"):
             write(fd, data if os.environ["STUB_KILL"] == "after" else data[:len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
         write(fd, data)
     icl_files._write_fd = dying
-sys.exit(ex.main(sys.argv[1:]))
+sys.exit(runner.main(sys.argv[1:]))
 """
 
 
@@ -502,14 +497,14 @@ def cli(monkeypatch, capsys):
     """main() in this process with STUB_CLI's two experiments: (exit status, stderr). The subprocess
     tests below run the same through the command line; these variants save an interpreter each."""
     def stub(tag):
-        return lambda ctx: ([ex.row("stub", ex.INFO, measured=1.0)], {"table": [dict(x=tag)]})
+        return lambda ctx: ([ex.row("stub", "stub", ex.INFO, measured=1.0)], {"table": [dict(id="x", x=tag)]})
     monkeypatch.setitem(ex.EXPERIMENTS, "stub-a", (stub("a"), "t"))
     monkeypatch.setitem(ex.EXPERIMENTS, "stub-b", (stub("b"), "t"))
 
     def call(*args):
         capsys.readouterr()
         try:
-            status = ex.main([str(a) for a in args])
+            status = runner.main([str(a) for a in args])
         except SystemExit as e:
             status = e.code
         return status, capsys.readouterr().err
@@ -529,8 +524,8 @@ def test_a_foreign_config_json_with_a_file_list_is_not_trusted(tmp_path, cli):
     status, err = cli("stub-a", "--out", out, "--overwrite", "--keep-others")
     assert status == 2 and "no record written by experiments.py" in err
     # a record with the marker but another tool's name, or a file list naming other files, is not trusted either
-    for forged in (dict(format=ex.FORMAT, tool="other.py", format_version=ex.FORMAT_VERSION, experiments={}),
-                   dict(format=ex.FORMAT, tool=ex.TOOL, format_version=ex.FORMAT_VERSION,
+    for forged in (dict(format=runner.FORMAT, tool="other.py", format_version=runner.FORMAT_VERSION, experiments={}),
+                   dict(format=runner.FORMAT, tool=runner.TOOL, format_version=runner.FORMAT_VERSION,
                         experiments={"stub-a": {"files": ["data.csv"]}})):
         (out / "config.json").write_text(json.dumps(forged))
         status, err = cli("stub-a", "--out", out, "--overwrite")
@@ -609,11 +604,11 @@ def test_overwrite_of_a_subset_replaces_only_those_experiments_and_keeps_the_oth
 @pytest.mark.parametrize("value", ["-1", "0", "x"])
 def test_threads_below_one_names_the_true_minimum_and_help_shows_out_and_overwrite(capsys, value):
     with pytest.raises(SystemExit) as stop:
-        ex.main(["noise", "--threads", value])
+        runner.main(["noise", "--threads", value])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "--threads" in err and ">= 1" in err and ">= 0" not in err
     with pytest.raises(SystemExit) as stop:
-        ex.main(["--help"])
+        runner.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert stop.value.code == 0 and "default: results" in out and "--overwrite" in out
     assert "only the files of the experiments named" in out
@@ -680,8 +675,8 @@ def test_blocked_claims_and_decided_properties():
     assert ex.decide(True, [done()], blocked="none reached")["why"] == "none reached"
     assert ex.decide(True)["verdict"] == ex.PASS and ex.decide(False)["verdict"] == ex.FAIL
     assert ex.decide(None)["verdict"] == ex.INFO and ex.decide(None)["check"] is None
-    row = ex.full_run_only("c", "too slow")
-    assert row["verdict"] == ex.INFO and row["why"] == "full run only: too slow" and list(row)[:10] == list(ex.FIELDS)[1:]
+    row = ex.full_run_only("c", "c", "too slow")
+    assert row["verdict"] == ex.INFO and row["why"] == "full run only: too slow" and list(row)[:11] == [f for f in ex.FIELDS if f != "experiment"]
 
 
 def optimum_model(a_star, Si, scale=1.0, grad_norm=0.0):
@@ -704,7 +699,7 @@ def test_optimum_checks_are_two_sided(scale, grad_norm, verdicts):
     Zv, yv = ir.sample_prompts(rng, 4000, n, Sigma, Si)
     res = optimum_model(a_star, Si, scale, grad_norm)
     res["loss"] = ir.in_context_loss(res["P"], res["Q"], Z, y)
-    rows, (mean, se) = ex.optimum_checks("x", res, Z, y, Zv, yv, a_star, f_star, Si)
+    rows, (mean, se) = ex.optimum_checks("x", "x", res, Z, y, Zv, yv, a_star, f_star, Si)
     assert [r["verdict"] for r in rows] == verdicts
     assert rows[0]["check"] == "at least (one-sided)" and rows[1]["check"] == "at most (one-sided)"
     assert rows[0]["measured"] == mean and rows[0]["se"] == se and rows[0]["theory"] == f_star
@@ -743,12 +738,12 @@ def test_threads_option_reaches_the_context_and_streams_do_not_depend_on_the_oth
     got = {}
 
     def spy(name):
-        return lambda ctx: (got.setdefault(name, []).append((ctx.threads, ctx.rng.random())) or [ex.row("x", ex.INFO)], {})
+        return lambda ctx: (got.setdefault(name, []).append((ctx.threads, ctx.rng.random())) or [ex.row("x", "x", ex.INFO)], {})
     monkeypatch.setitem(ex.EXPERIMENTS, "spy-a", (spy("a"), "t"))
     monkeypatch.setitem(ex.EXPERIMENTS, "spy-b", (spy("b"), "t"))
-    assert ex.main(["spy-a", "spy-b", "--threads", "2", "--out", str(tmp_path / "1")]) == 0
-    assert ex.main(["spy-b", "--out", str(tmp_path / "2")]) == 0
-    assert ex.main(["spy-b", "spy-a", "--seed", "1", "--out", str(tmp_path / "3")]) == 0
+    assert runner.main(["spy-a", "spy-b", "--threads", "2", "--out", str(tmp_path / "1")]) == 0
+    assert runner.main(["spy-b", "--out", str(tmp_path / "2")]) == 0
+    assert runner.main(["spy-b", "spy-a", "--seed", "1", "--out", str(tmp_path / "3")]) == 0
     (t_a, _), = got["a"][:1]
     assert t_a == 2 and got["b"][0][0] == 2 and got["b"][1][0] is None
     # spy-b draws the same number alone or after spy-a; another seed draws another
@@ -765,11 +760,11 @@ def test_main_restores_the_callers_signal_handlers(tmp_path, monkeypatch, outcom
     def body(ctx):
         if outcome == "interrupted":
             raise KeyboardInterrupt
-        return [ex.row("x", ex.INFO)], {}
+        return [ex.row("x", "x", ex.INFO)], {}
     monkeypatch.setitem(ex.EXPERIMENTS, "body", (body, "t"))
     before = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = ex.main(["body", "--out", str(tmp_path / "o")])
+        status = runner.main(["body", "--out", str(tmp_path / "o")])
         assert {s: signal.getsignal(s) for s in before} == {s: mine for s in before}
     finally:
         for s, h in before.items():
@@ -814,13 +809,13 @@ def test_a_file_appearing_under_an_outputs_name_mid_run_is_left_alone_and_the_ru
 
     def intruder(ctx):                      # a file of someone else's appears while the experiment runs
         (out / "stub-c.csv").write_text("theirs")
-        return [ex.row("x", ex.INFO)], {}
+        return [ex.row("x", "x", ex.INFO)], {}
     ex.EXPERIMENTS["stub-c"] = (intruder, "t")
     try:
         status, err = cli("stub-c", "--out", out)
     finally:
         del ex.EXPERIMENTS["stub-c"]
-    assert status == ex.EXIT_WRITE_ERROR and "stub-c.csv" in err and (out / "stub-c.csv").read_text() == "theirs"
+    assert status == runner.EXIT_WRITE_ERROR and "stub-c.csv" in err and (out / "stub-c.csv").read_text() == "theirs"
     record = json.loads((out / "config.json").read_text())
     assert record["status"] == "write error" and "stub-c.csv" in record["error"]
 
@@ -869,12 +864,12 @@ def test_quick_reaches_the_experiments_and_the_callers_ctrl_c_handler_is_back_be
     def experiment(ctx):
         seen.append(ctx.quick)
         handlers.append(signal.getsignal(signal.SIGINT))
-        return [ex.row("x", ex.INFO)], {}
+        return [ex.row("x", "x", ex.INFO)], {}
     monkeypatch.setitem(ex.EXPERIMENTS, "first", (experiment, "t"))
     monkeypatch.setitem(ex.EXPERIMENTS, "second", (experiment, "t"))
     before = signal.signal(signal.SIGINT, mine)
     try:
-        assert ex.main(["first", "second", "--quick", "--out", str(tmp_path / "o")]) == 0
+        assert runner.main(["first", "second", "--quick", "--out", str(tmp_path / "o")]) == 0
     finally:
         signal.signal(signal.SIGINT, before)
     assert seen == [True, True] and handlers == [mine, mine]
@@ -884,8 +879,8 @@ def test_output_names_and_the_record_checks(tmp_path):
     # an experiment owns name.csv, name.png and name_*, nothing else that starts with its name; a
     # record is trusted only with the marker, the tool, this version and a file list of the named
     # experiments' own outputs in the folder itself, read without following a link
-    assert ex.output_of("noise", "noise_table.csv") and not ex.output_of("noise", "noise-floor.txt")
-    good = dict(format=ex.FORMAT, tool=ex.TOOL, format_version=ex.FORMAT_VERSION, files={}, writing={},
+    assert runner.output_of("noise", "noise_table.csv") and not runner.output_of("noise", "noise-floor.txt")
+    good = dict(format=runner.FORMAT, tool=runner.TOOL, format_version=runner.FORMAT_VERSION, files={}, writing={},
                 experiments={"noise": {"files": ["noise.csv", "noise_x.csv"]}})
     variants = {"good": good, "no marker": dict(good, format="other"), "old version": dict(good, format_version=2),
                 "foreign file": dict(good, experiments={"noise": {"files": ["thesis.tex"]}}),
@@ -894,8 +889,8 @@ def test_output_names_and_the_record_checks(tmp_path):
     for label, record in variants.items():
         folder = tmp_path / label.replace(" ", "-")
         folder.mkdir()
-        (folder / ex.RECORD).write_text(json.dumps(record))
-        out = ex.out_folder(folder)
+        (folder / runner.RECORD).write_text(json.dumps(record))
+        out = runner.out_folder(folder)
         try:
             out.open(overwrite=True, keep_others=False, writes=lambda f: False)
             trusted = out.earlier is not None
@@ -906,9 +901,9 @@ def test_output_names_and_the_record_checks(tmp_path):
         assert trusted == (label == "good"), label
     linked = tmp_path / "linked"
     linked.mkdir()
-    os.symlink(tmp_path / "good" / ex.RECORD, linked / ex.RECORD)
+    os.symlink(tmp_path / "good" / runner.RECORD, linked / runner.RECORD)
     with pytest.raises(icl_files.Refused, match="no record written by experiments.py"):
-        ex.out_folder(linked).open(overwrite=True, keep_others=False, writes=lambda f: False)
+        runner.out_folder(linked).open(overwrite=True, keep_others=False, writes=lambda f: False)
 
 
 def test_best_of_is_the_lowest_converged_run_else_the_smallest_gradient():
@@ -946,9 +941,9 @@ def test_unconstrained_reads_the_best_start_at_full_size(monkeypatch):
 GOOD, BAD = run(1.0), run(1.0, grad_norm=1e-3)
 
 
-def verdict_of(rows, start):
-    found = [r for r in rows if r["claim"].startswith(start)]
-    assert len(found) == 1, (start, [r["claim"] for r in rows])
+def verdict_of(rows, id):
+    found = [r for r in rows if r["id"] == id]
+    assert len(found) == 1, (id, [r["id"] for r in rows])
     return found[0]["verdict"]
 
 
@@ -959,10 +954,10 @@ def test_tied_family_rows_at_their_thresholds():
     rows = ex.tied_family_rows(exact())
     assert [r["verdict"] for r in rows] == [ex.PASS, ex.PASS, ex.PASS, ex.INFO]
     below = 1.05 * (1 - 2e-12)                      # tied below untied by more than the 1e-12 allowed
-    assert verdict_of(ex.tied_family_rows(exact(loss_tied_2=below)), "the tied optimum's loss is never") == ex.FAIL
-    assert verdict_of(ex.tied_family_rows(exact(loss_tied_2=1.05 * (1 - 5e-13))), "the tied optimum's") == ex.PASS
-    assert verdict_of(ex.tied_family_rows(exact(loss_tied_1=1 + 2e-12)), "at L = 1 tying") == ex.FAIL
-    assert verdict_of(ex.tied_family_rows(exact(steps=(0.7, 0.8))), "the tied sparse step") == ex.FAIL
+    assert verdict_of(ex.tied_family_rows(exact(loss_tied_2=below)), "tied-not-below") == ex.FAIL
+    assert verdict_of(ex.tied_family_rows(exact(loss_tied_2=1.05 * (1 - 5e-13))), "tied-not-below") == ex.PASS
+    assert verdict_of(ex.tied_family_rows(exact(loss_tied_1=1 + 2e-12)), "L1-same") == ex.FAIL
+    assert verdict_of(ex.tied_family_rows(exact(steps=(0.7, 0.8))), "step-decreases") == ex.FAIL
 
 
 def tied(L, **change):
@@ -972,17 +967,17 @@ def tied(L, **change):
 
 def test_tied_trained_rows_at_their_thresholds():
     assert [r["verdict"] for r in ex.tied_trained_rows(tied(1), GOOD)] == [ex.PASS, ex.PASS, ex.PASS, ex.INFO]
-    fit = "L = 1: the trained tied A's fitted a"
+    fit = "trained-L1-fit"
     assert verdict_of(ex.tied_trained_rows(tied(1, a_fitted=0.7 * 1.049), GOOD), fit) == ex.PASS
     assert verdict_of(ex.tied_trained_rows(tied(1, a_fitted=0.7 * 1.051), GOOD), fit) == ex.FAIL
     assert verdict_of(ex.tied_trained_rows(tied(1, a_fitted=0.7 * 0.949), GOOD), fit) == ex.FAIL
     # for L >= 2 the fitted a is a finding, however far from a*_L
     rows = ex.tied_trained_rows(tied(2, a_fitted=0.7 * 1.2), GOOD)
-    assert verdict_of(rows, "L = 2: the trained tied A's fitted a") == ex.INFO and rows[0]["rel_err"] == pytest.approx(0.2)
-    sym = "L = 2: Dist of A's whitened symmetric part"
+    assert verdict_of(rows, "trained-L2-fit") == ex.INFO and rows[0]["rel_err"] == pytest.approx(0.2)
+    sym = "trained-L2-dist-sym"
     assert verdict_of(ex.tied_trained_rows(tied(2, dist_sym=0.0499), GOOD), sym) == ex.PASS
     assert verdict_of(ex.tied_trained_rows(tied(2, dist_sym=0.0501), GOOD), sym) == ex.FAIL
-    paired = "L = 2: the trained model's test loss equals"
+    paired = "trained-L2-test"
     assert verdict_of(ex.tied_trained_rows(tied(2, test_minus_family=0.039), GOOD), paired) == ex.PASS
     assert verdict_of(ex.tied_trained_rows(tied(2, test_minus_family=-0.041), GOOD), paired) == ex.FAIL
     assert all(r["verdict"] == ex.NO_VERDICT for r in ex.tied_trained_rows(tied(1), BAD))
@@ -993,11 +988,11 @@ def test_curvature_rows_at_their_thresholds():
         return ([dict(L=L, direction="antisymmetric", second_difference=a, se=se) for L, a in zip(Ls, anti)]
                 + [dict(L=L, direction="symmetric traceless", second_difference=s, se=se) for L, s in zip(Ls, sym)])
     assert [r["verdict"] for r in ex.curvature_rows(curvature())] == [ex.PASS] * 4
-    assert verdict_of(ex.curvature_rows(curvature(sym=(0.09, 0.0039, 0.08))), "along a symmetric") == ex.FAIL
-    assert verdict_of(ex.curvature_rows(curvature(anti=(0.0039, 0.0001, -0.004))), "along an antisymmetric") == ex.FAIL
-    assert verdict_of(ex.curvature_rows(curvature(anti=(0.1, 0.0081, -0.004))), "along the antisymmetric") == ex.FAIL
-    assert verdict_of(ex.curvature_rows(curvature(anti=(0.1, 0.005, -0.0039))), "at L = 4") == ex.FAIL
-    assert verdict_of(ex.curvature_rows(curvature(anti=(0.1, 0.005, 0.001))), "at L = 4") == ex.FAIL
+    assert verdict_of(ex.curvature_rows(curvature(sym=(0.09, 0.0039, 0.08))), "symmetric-minimum") == ex.FAIL
+    assert verdict_of(ex.curvature_rows(curvature(anti=(0.0039, 0.0001, -0.004))), "antisymmetric-L1") == ex.FAIL
+    assert verdict_of(ex.curvature_rows(curvature(anti=(0.1, 0.0081, -0.004))), "antisymmetric-flat") == ex.FAIL
+    assert verdict_of(ex.curvature_rows(curvature(anti=(0.1, 0.005, -0.0039))), "antisymmetric-L4") == ex.FAIL
+    assert verdict_of(ex.curvature_rows(curvature(anti=(0.1, 0.005, 0.001))), "antisymmetric-L4") == ex.FAIL
     # without L = 4 the last claim is one the run cannot decide: listed once, as full run only
     rows = ex.curvature_rows(curvature(anti=(0.1, 0.005, 0.001), Ls=(1, 2, 3)))
     assert rows[-1]["verdict"] == ex.INFO and rows[-1]["why"].startswith("full run only")
@@ -1031,18 +1026,18 @@ def test_pool_rows_at_their_thresholds():
     L1, L3 = 1.0, 1.2
     rows = ex.pool_rows(pools(), L1, L3, GOOD)
     assert [r["verdict"] for r in rows if r["check"]] == [ex.PASS] * 4
-    one = "one layer: fresh-task loss"
+    one = "one-layer-fresh"
     assert verdict_of(ex.pool_rows(pools(L1_fresh=1.0099), L1, L3, GOOD), one) == ex.PASS
     assert verdict_of(ex.pool_rows(pools(L1_fresh=1.0101), L1, L3, GOOD), one) == ex.FAIL
-    three = "three layers: fresh-task loss"
+    three = "three-layers-fresh"
     # tolerance 10% of 1.2 plus 4 SE of 0.01: 0.16
     assert verdict_of(ex.pool_rows(pools(L3_fresh=1.359), L1, L3, GOOD), three) == ex.PASS
     assert verdict_of(ex.pool_rows(pools(L3_fresh=1.361, L3_pool=1.361), L1, L3, GOOD), three) == ex.FAIL
-    agree = "three layers at K = 256: pool and fresh"
+    agree = "three-layers-memorisation"
     assert verdict_of(ex.pool_rows(pools(L3_pool=1.3 + 0.056), L1, L3, GOOD), agree) == ex.PASS     # 4 hypot(SE) = 0.0566
     assert verdict_of(ex.pool_rows(pools(L3_pool=1.3 + 0.058), L1, L3, GOOD), agree) == ex.FAIL
-    assert all(r["verdict"] == ex.NO_VERDICT for r in ex.pool_rows(pools(), L1, L3, BAD) if r["claim"].startswith("three"))
-    memo = "dMMSE memorises small pools"
+    assert all(r["verdict"] == ex.NO_VERDICT for r in ex.pool_rows(pools(), L1, L3, BAD) if r["id"].startswith("three"))
+    memo = "dmmse-memorises"
     small = pools()
     small[1].update(dmmse_pool=0.5 - 0.058)                         # K = 16: ridge - dMMSE just above 4 hypot(SE)
     assert verdict_of(ex.pool_rows(small, L1, L3, GOOD), memo) == ex.PASS
@@ -1065,10 +1060,10 @@ def shifts(**change):
 def test_shift_rows_at_their_thresholds():
     L_star = 1.0
     assert [r["verdict"] for r in ex.shift_rows(shifts(), L_star, 20, GOOD)] == [ex.PASS] * 4 + [ex.INFO]
-    mc = "the trained layer's exact shifted loss"
+    mc = "exact-equals-mc"
     assert verdict_of(ex.shift_rows(shifts(layer_mc=1.039), L_star, 20, GOOD), mc) == ex.PASS
     assert verdict_of(ex.shift_rows(shifts(layer_mc=0.959), L_star, 20, GOOD), mc) == ex.FAIL
-    at_train = "trained at n = 20"
+    at_train = "at-training-length"
     assert verdict_of(ex.shift_rows(shifts(layer_exact=1.0099, layer_mc=1.0099), L_star, 20, GOOD), at_train) == ex.PASS
     assert verdict_of(ex.shift_rows(shifts(layer_exact=1.0101, layer_mc=1.0101), L_star, 20, GOOD), at_train) == ex.FAIL
     assert verdict_of(ex.shift_rows(shifts(), L_star, 20, BAD), at_train) == ex.NO_VERDICT
@@ -1076,8 +1071,8 @@ def test_shift_rows_at_their_thresholds():
     assert costs["lengths"] == [10, 40]                            # the training length is not a shift
     cheap = shifts()
     cheap[2].update(layer_exact=1.0099)
-    assert verdict_of(ex.shift_rows(cheap, L_star, 20, GOOD), "a length shift costs") == ex.FAIL
-    bayes = "the Bayes predictor"
+    assert verdict_of(ex.shift_rows(cheap, L_star, 20, GOOD), "length-costs") == ex.FAIL
+    bayes = "bayes-vs-ridge"
     assert verdict_of(ex.shift_rows(shifts(bayes_minus_ridge=0.0039), L_star, 20, GOOD), bayes) == ex.PASS
     assert verdict_of(ex.shift_rows(shifts(bayes_minus_ridge=0.0041), L_star, 20, GOOD), bayes) == ex.FAIL
     wu = {r["holds"] for r in ex.shift_rows(shifts(ridge_tuned=1.0 / 1.1 + 1e-9), L_star, 20, GOOD) if "holds" in r}
@@ -1136,7 +1131,7 @@ def test_a_closed_stdout_stops_the_run_with_what_it_wrote_recorded(tmp_path):
     proc.stdout.close()                      # the reader goes away while stub-a runs
     go.write_text("")
     stderr = proc.stderr.read()
-    assert proc.wait(timeout=60) == ex.EXIT_BROKEN_PIPE, stderr
+    assert proc.wait(timeout=60) == runner.EXIT_BROKEN_PIPE, stderr
     assert "Traceback" not in stderr and "Exception ignored" not in stderr and "broken pipe" in stderr
     record = json.loads((out / "config.json").read_text())
     assert record["status"] == "broken pipe" and record["completed"] == ["stub-a"] and record["writing"] == {}
@@ -1155,7 +1150,7 @@ def test_a_reader_gone_at_the_last_line_leaves_a_complete_run(tmp_path, cli, mon
             return len(text)
     monkeypatch.setattr(sys, "stdout", ClosesAtTheEnd())
     status, err = cli("stub-a", "--out", tmp_path / "p")
-    assert status == ex.EXIT_OK and "Traceback" not in err
+    assert status == runner.EXIT_OK and "Traceback" not in err
     assert json.loads((tmp_path / "p" / "config.json").read_text())["status"] == "complete"
 
 
@@ -1164,7 +1159,7 @@ def test_a_write_error_is_a_message_and_its_status_and_the_record_says_so(tmp_pa
     # exit 1, a record at "running" and a partial file
     out = tmp_path / "p"
     proc = stub_cli("stub-a", "stub-b", "--out", out, env=dict(STUB_BIG="1", STUB_FSIZE="16384"))
-    assert proc.returncode == ex.EXIT_WRITE_ERROR, proc.stderr
+    assert proc.returncode == runner.EXIT_WRITE_ERROR, proc.stderr
     assert "Traceback" not in proc.stderr and "stub-b_table.csv" in proc.stderr and "ulimit -f" in proc.stderr
     record = json.loads((out / "config.json").read_text())
     assert record["status"] == "write error" and "stub-b_table.csv" in record["error"] and record["completed"] == ["stub-a"]
@@ -1224,7 +1219,7 @@ def test_a_crash_in_an_experiment_is_its_own_status_with_the_traceback_and_a_rec
         status, err = cli("stub-a", "stub-c", "stub-b", "--out", out)
     finally:
         del ex.EXPERIMENTS["stub-c"]
-    assert status == ex.EXIT_CRASHED != ex.EXIT_FAILED and "Traceback" in err and "ZeroDivisionError: a bug" in err
+    assert status == runner.EXIT_CRASHED != runner.EXIT_FAILED and "Traceback" in err and "ZeroDivisionError: a bug" in err
     record = json.loads((out / "config.json").read_text())
     assert record["status"] == "crashed" and "ZeroDivisionError: a bug" in record["error"]
     assert record["completed"] == ["stub-a"] and "stub-b" not in record["experiments"]
@@ -1253,23 +1248,23 @@ class BrokenStdout:
 def test_readme_exit_statuses_are_what_the_run_returns_and_records(tmp_path, monkeypatch, capsys):
     import signal
     documented = readme_exit_statuses()
-    assert documented == {code: status for code, (status, _) in ex.EXIT_STATUSES.items()}
-    help_text = " ".join(ex.HELP_EPILOG.split())
-    assert all(f"{code} {when}" in help_text for code, (_, when) in ex.EXIT_STATUSES.items())
+    assert documented == {code: status for code, (status, _) in runner.EXIT_STATUSES.items()}
+    help_text = " ".join(runner.HELP_EPILOG.split())
+    assert all(f"{code} {when}" in help_text for code, (_, when) in runner.EXIT_STATUSES.items())
 
     def ended(experiment, *extra, out=None):
         """Run one stub experiment: (exit status, the record's status or "untouched")."""
         out = out or tmp_path / f"run{len(os.listdir(tmp_path))}"
         monkeypatch.setitem(ex.EXPERIMENTS, "stub", (experiment, "t"))
         try:
-            status = ex.main(["stub", "--out", str(out), *extra])
+            status = runner.main(["stub", "--out", str(out), *extra])
         except SystemExit as e:
             status = e.code
         record = out / "config.json"
         return status, json.loads(record.read_text())["status"] if record.exists() else "untouched"
 
     def claim(verdict):
-        return lambda ctx: ([ex.row("x", verdict, theory=1.0, measured=2.0)], {})
+        return lambda ctx: ([ex.row("x", "x", verdict, theory=1.0, measured=2.0)], {})
 
     def raising(error):
         def experiment(ctx):
@@ -1283,18 +1278,18 @@ def test_readme_exit_statuses_are_what_the_run_returns_and_records(tmp_path, mon
     real = icl_files._write_fd
 
     def disk_full(fd, data):
-        if data.startswith(b"experiment,"):
+        if data.startswith(b"id,experiment,"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, data)
-    cases = {ex.EXIT_OK: lambda: ended(claim(ex.INFO)),
-             ex.EXIT_FAILED: lambda: ended(claim(ex.FAIL)),
-             ex.EXIT_REFUSED: lambda: ended(claim(ex.INFO), out=a_file),
-             ex.EXIT_CRASHED: lambda: ended(raising(ValueError("bug"))),
-             ex.EXIT_WRITE_ERROR: lambda: (monkeypatch.setattr(icl_files, "_write_fd", disk_full),
+    cases = {runner.EXIT_OK: lambda: ended(claim(ex.INFO)),
+             runner.EXIT_FAILED: lambda: ended(claim(ex.FAIL)),
+             runner.EXIT_REFUSED: lambda: ended(claim(ex.INFO), out=a_file),
+             runner.EXIT_CRASHED: lambda: ended(raising(ValueError("bug"))),
+             runner.EXIT_WRITE_ERROR: lambda: (monkeypatch.setattr(icl_files, "_write_fd", disk_full),
                                            ended(claim(ex.INFO)))[1],
-             ex.EXIT_SIGINT: lambda: ended(raising(KeyboardInterrupt())),
-             ex.EXIT_BROKEN_PIPE: lambda: (monkeypatch.setattr(sys, "stdout", BrokenStdout()), ended(claim(ex.INFO)))[1],
-             ex.EXIT_SIGTERM: lambda: ended(terminated)}
+             runner.EXIT_SIGINT: lambda: ended(raising(KeyboardInterrupt())),
+             runner.EXIT_BROKEN_PIPE: lambda: (monkeypatch.setattr(sys, "stdout", BrokenStdout()), ended(claim(ex.INFO)))[1],
+             runner.EXIT_SIGTERM: lambda: ended(terminated)}
     assert set(cases) == set(documented)
     for code, case in cases.items():
         assert case() == (code, documented[code]), code
@@ -1303,10 +1298,11 @@ def test_readme_exit_statuses_are_what_the_run_returns_and_records(tmp_path, mon
     capsys.readouterr()
 
 
-def test_experiments_py_has_no_file_system_code_of_its_own():
-    # the folder is icl_files' alone: experiments.py neither locks, opens by descriptor, creates,
-    # replaces nor removes a file (its only os.open is the console's os.devnull)
-    with open(os.path.join(HERE, "experiments.py"), encoding="utf-8") as f:
+@pytest.mark.parametrize("module", ["experiments.py", "experiments_cli.py"])
+def test_experiments_py_has_no_file_system_code_of_its_own(module):
+    # the folder is icl_files' alone: experiments.py and its command line neither lock, open by
+    # descriptor, create, replace nor remove a file (the only os.open is the console's os.devnull)
+    with open(os.path.join(HERE, module), encoding="utf-8") as f:
         tree = ast.parse(f.read())
     forbidden = {"fcntl", "flock", "dir_fd", "O_NOFOLLOW", "O_DIRECTORY", "O_EXCL", "O_CREAT", "makedirs", "mkdir",
                  "unlink", "remove", "rename", "replace", "listdir", "scandir", "lstat", "stat", "fdopen"}
@@ -1324,9 +1320,9 @@ sys.modules['fcntl'] = None
 del os.O_NOFOLLOW, os.O_DIRECTORY
 os.supports_dir_fd.clear()
 sys.path.insert(0, sys.argv[1])
-import experiments as ex, icl_files
+import experiments as ex, experiments_cli as runner, icl_files
 assert icl_files.Means.detect() == icl_files.Means(None, 0, False)
-sys.exit(ex.main(sys.argv[2:]))
+sys.exit(runner.main(sys.argv[2:]))
 """
 
 

@@ -9,15 +9,15 @@ arithmetic differs). Parameters: the exact sparse-family optimum a_l I (x ~ N(0,
 plus a random perturbation of every trainable block of size 0.1/sqrt(d), so the gradient is
 generic and O(loss). Errors are max|a - b| / max|b| per array; the table gives the worst over
 d in {2, 5, 10, 20} and n in {5, 20, 50, 200} for each L, and suggested tolerances. The record
-carries its provenance (tools/records.py: the code of SOURCES function by function), so
+carries its provenance (tools/records.py: the commit of SOURCES, the versions), so
 `python3 tools/records.py check` says when the code that measured it has changed.
 """
 import argparse
 import itertools
-import json
 import math
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -67,6 +67,7 @@ def main(argv=None):
     ap.add_argument("--record", action="store_true", help=f"also write {RECORD}")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    start = time.perf_counter()
     ds, ns, Ls = GRID["d"], GRID["n"], GRID["L"]
     worst = {L: np.zeros(3) for L in Ls}
     for d, n, L in itertools.product(ds, ns, Ls):
@@ -80,13 +81,11 @@ def main(argv=None):
     print(f"\nsuggested rtol (5x the worst, rounded up to a power of 10): forward {suggest[0]:.0e}, "
           f"loss {suggest[1]:.0e}, gradient {suggest[2]:.0e}")
     if args.record:
-        record = dict(provenance=records.provenance("examples/float32_tolerances.py", ["--record"], list(SOURCES),
-                                                    torch=torch.__version__), grid=GRID,
+        record = dict(provenance=records.provenance(["examples/float32_tolerances.py", "--record"], list(SOURCES),
+                                                    time.perf_counter() - start, torch=torch.__version__), grid=GRID,
                       worst={str(L): dict(zip(KINDS, map(float, worst[L]))) for L in Ls},
                       overall=dict(zip(KINDS, map(float, overall))), suggested=dict(zip(KINDS, suggest)))
-        with open(os.path.join(ROOT, RECORD), "w") as f:
-            json.dump(record, f, indent=1)
-            f.write("\n")
+        records.write(RECORD, record)
         print(RECORD)
 
 

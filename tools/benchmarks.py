@@ -2,9 +2,10 @@
 
     python3 tools/benchmarks.py [--out docs/benchmarks.json] [--repeats 7]
 
-The record holds every table with its note, the machine and the provenance of tools/records.py (the
-code measured); docs/benchmarks.md and README's speed figures are rendered from it by
-`python3 tools/records.py render`, which this script runs when it writes the record in docs/.
+The record holds every table with its note, the machine and its provenance (tools/records.py: the
+commit of the code measured, the versions); docs/benchmarks.md and README's speed figures are rendered
+from it by `python3 tools/records.py render`, which this script runs when it writes the record in docs/.
+Exit status: 0 written (and rendered), 2 bad arguments or the record's file refused (a symbolic link).
 
 Run it as a user runs the library: a plain `python3` process, no environment variables, an
 otherwise idle machine. It takes about 10 minutes on 2 cores. torch and jax are optional
@@ -24,7 +25,6 @@ Tables:
    runs in fresh processes): the reference starts no BLAS threads, so the two should match.
 """
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -39,6 +39,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import icl_fast as fast  # noqa: E402  (after the path)
+import icl_files  # noqa: E402
 import icl_ref as ir  # noqa: E402
 import records  # noqa: E402  (tools/records.py: the provenance and the rendering)
 
@@ -313,19 +314,21 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, RECORD), help="the record to write (JSON)")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
-    tables = []
+    start, tables = time.perf_counter(), []
     for title, head, rows, note in (table_loss_and_grad(args.repeats), table_formulations(args.repeats),
                                     table_workers(args.repeats), table_training(), table_blas_threads()):
         rows = [[str(x) for x in row] for row in rows]
         tables.append(dict(title=title, note=note, head=head, rows=rows))
         print(f"## {title}\n\n{records.table(head, rows)}\n", flush=True)
     fast.shutdown()
-    record = dict(provenance=records.provenance("tools/benchmarks.py", ["--repeats", str(args.repeats)], SOURCES,
-                                                **peer_versions()),
+    record = dict(provenance=records.provenance(["tools/benchmarks.py", "--repeats", str(args.repeats)], SOURCES,
+                                                time.perf_counter() - start, **peer_versions()),
                   machine=machine(), tables=tables)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
+    try:
+        records.write(os.path.abspath(args.out), record)
+    except (icl_files.Refused, icl_files.WriteFailed) as e:
+        print(f"not written: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}")
     if os.path.abspath(args.out) == os.path.join(ROOT, RECORD):
         return records.render()

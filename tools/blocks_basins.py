@@ -10,12 +10,13 @@ when it converged (|grad| <= 1e-6, experiments.py's test); its fitted scalars a_
 Sigma^-1), b_l = fitted_scalar(B_l, I) start one descent of the exact family loss
 (family_local_minimum), whose end names the population minimum the run's basin belongs to (MATH.md
 §10 lists the certified ones). Writes docs/blocks_basins.json (every run, the counts, and the
-provenance of tools/records.py: this command and the code of icl_ref.py, icl_fast.py and this file)
-and docs/blocks_basins.png; docs/FINDINGS.md finding 9's table is rendered from it (`python3 tools/records.py
-render`). Ctrl-C or SIGTERM stops after the current run and writes nothing.
+provenance of tools/records.py: this command, the commit of icl_ref.py, icl_fast.py and this file, and
+the figure's SHA-256) and docs/blocks_basins.png; docs/FINDINGS.md finding 9's table is rendered from it
+(`python3 tools/records.py render`). Ctrl-C or SIGTERM stops after the current run and writes nothing.
+Exit status: 0 written, 2 bad arguments or a file refused (a symbolic link), 130 stopped.
 """
 import argparse
-import hashlib
+import io
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import icl_fast as fast  # noqa: E402
+import icl_files  # noqa: E402
 import icl_ref as ir  # noqa: E402
 import records  # noqa: E402  (tools/records.py: the provenance)
 
@@ -60,7 +62,8 @@ def counts(runs, f_star):
     return out, basin_key(f_star)
 
 
-def figure(record, path):
+def figure(record):
+    """The figure's PNG bytes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -90,8 +93,10 @@ def figure(record, path):
               title="Layer 1's fitted scalars (x: the basins' minima)")
     right.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    f = io.BytesIO()
+    fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
+    return f.getvalue()
 
 
 def main(argv=None):
@@ -130,17 +135,17 @@ def main(argv=None):
                   f"{res['wall_time']:6.1f} s  basin f = {run.get('basin_loss', float('nan')):.4e}  "
                   f"({time.time() - t0:.0f} s so far)", flush=True)
     table, global_key = counts(runs, f_star)
-    record = dict(provenance=records.provenance("tools/blocks_basins.py",
-                                                ["--starts", str(args.starts), "--seed", str(args.seed)], SOURCES),
-                  starts=args.starts, seed=args.seed,
-                  B=B, n=N, d=D, L=L, optimum=dict(a=list(a_star), b=list(b_star[:-1]), loss=f_star),
-                  counts=table, global_key=global_key, runs=runs)
-    figure(record, os.path.join(ROOT, FIGURE))
-    with open(os.path.join(ROOT, FIGURE), "rb") as f:
-        record["figure_sha256"] = hashlib.sha256(f.read()).hexdigest()
-    with open(os.path.join(ROOT, RECORD), "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
+    record = dict(starts=args.starts, seed=args.seed, B=B, n=N, d=D, L=L,
+                  optimum=dict(a=list(a_star), b=list(b_star[:-1]), loss=f_star), counts=table, global_key=global_key,
+                  runs=runs)
+    try:
+        records.write(FIGURE, figure(record))
+        record = dict(provenance=records.provenance(["tools/blocks_basins.py", "--starts", str(args.starts), "--seed",
+                                                     str(args.seed)], SOURCES, time.time() - t0, [FIGURE]), **record)
+        records.write(RECORD, record)
+    except (icl_files.Refused, icl_files.WriteFailed) as e:
+        print(f"not written: {e}", file=sys.stderr)
+        return 2
     for name in OPTIMISERS:
         print(name, json.dumps(table[name]))
     print(RECORD, FIGURE)

@@ -1,23 +1,25 @@
-"""Regenerate the figures the README shows (docs/*.png) and the tables its findings quote (docs/*.csv)
-from the full-size experiments, and record which code made them (docs/figures.json).
+"""Copy the figures and tables the documents show and quote from a full run of experiments.py into docs/.
 
-    python3 tools/docs_figures.py             # a full run of every experiment (about 8 min; matplotlib)
-    python3 tools/docs_figures.py --from DIR  # copies them from a full run of the current code in DIR, made here
+    python3 tools/docs_figures.py             # a full run now, in a temporary folder (8-15 min; matplotlib)
+    python3 tools/docs_figures.py --from DIR  # a full run made earlier here (DIR: its --out)
 
-Runs every experiment (seed 0, full size) with experiments.py into a temporary directory, or takes
-a complete full run, seed 0, whose record carries the current code's digest (README quotes the full
-run's time from the record's timing, so it is always a whole run's). Copies the PNGs and the quoted
-CSVs into docs/ and writes docs/figures.json: the provenance of
-tools/records.py (the code of icl_ref.py, icl_fast.py and experiments.py that computed and drew
-them) and the SHA-256 of each file. `python3 tools/records.py check` reports them stale when that
-code has changed since; `python3 tools/records.py render` writes the numbers README quotes from the
-tables.
+A run is copied only when its record (config.json) says it is complete, full size (not --quick), seed 0,
+of every experiment, made from a commit with no uncommitted change to the experiments' code
+(experiments.SOURCES: dirty false), that code unchanged since, and each file to copy has the SHA-256 the
+record lists. The files copied are those of the run the documents name (`shown`): each figure they link
+to and each table a generated block reads. They go into docs/ (never through a symbolic link), then
+docs/figures.json: the provenance (tools/records.py; the run's commit, the files with their hashes) and
+each experiment's wall-clock and CPU seconds. `python3 tools/records.py render` then writes the numbers.
+
+Exit statuses: 0 copied; 2 bad arguments, a run that may not be copied (the message says why; nothing is
+written) or docs/ refused; else a full run's own status when it did not complete (one with a failed claim,
+status 1, is copied: the documents quote its verdicts).
 """
 import argparse
-import hashlib
 import json
+import math
 import os
-import shutil
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,76 +29,74 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import benchmarks  # noqa: E402  (tools/benchmarks.py: the machine's description)
+import experiments  # noqa: E402
+import icl_files  # noqa: E402
 import records  # noqa: E402  (tools/records.py: the provenance)
 
-FIGURES = ["three-layer-sparse_heatmaps.png", "three-layer-blocks_heatmaps.png", "depth.png", "single-layer-landscape.png",
-           "looped.png", "dynamics.png", "task-diversity.png", "shift.png"]
-# the tables docs/FINDINGS.md quotes (test_docs.py checks the quotes against them)
-TABLES = ["single-layer-landscape.csv", "single-layer-landscape_basins.csv", "three-layer-sparse.csv",
-          "three-layer-blocks.csv", "two-layer-isotropic.csv", "softmax-two-head.csv", "unconstrained.csv",
-          "optimizers.csv", "looped.csv", "looped_exact.csv", "looped_trained.csv", "looped_curvature.csv", "dynamics.csv",
-          "dynamics_descent.csv", "task-diversity.csv", "task-diversity_pools.csv", "shift.csv", "shift_shifts.csv"]
-RECORD = os.path.join("docs", "figures.json")
+
+def shown(files):
+    """The files of a run (names) that the documents link to (figures) or whose rows a block reads (tables)."""
+    text = "".join(records.read(doc) for doc in records.DOCS)
+    named = set(re.findall(r"([\w-]+\.png)\)", text)) | {f"{t}.csv" for t in re.findall(r"rows?\('([\w-]+)/", text)}
+    return sorted(f for f in files if f in named)
 
 
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+def why_not(run, files):
+    """Why the run with the record `run` and the files `files` ({name: bytes}) may not be copied ([]: it may)."""
+    changed = records.changed_since(run.get("commit"), experiments.SOURCES)
+    return [what for what, bad in (
+        ("not complete", run.get("status") != "complete"), ("a --quick run", run.get("quick") is not False),
+        ("not seed 0", run.get("seed") != 0), ("missing an experiment", set(experiments.EXPERIMENTS) - set(run.get("completed", []))),
+        ("made from uncommitted changes to the experiments' code", run.get("dirty") is not False),
+        (f"of code changed since: {changed}", changed != []), ("without figures", not any(".png" in f for f in files)),
+        ("missing files or files not as its record lists them", not files or any(
+            icl_files.sha256(data) != run.get("files", {}).get(name) for name, data in files.items()))) if bad]
 
 
-def copy_from(out, digest, names):
-    """Copy the figures of the run in `out` into docs/ after checking that its record is a complete
-    full run, seed 0, of the experiments `names` in the code with `digest`; returns the record."""
-    with open(os.path.join(out, "config.json")) as f:
-        config = json.load(f)
-    problems = [what for what, bad in (("not complete", config.get("status") != "complete"),
-                                       ("a --quick run", config.get("quick")), ("not seed 0", config.get("seed") != 0),
-                                       ("of other code", config.get("sources_sha256") != digest),
-                                       ("missing an experiment", not set(names) <= set(config.get("completed", []))))
-                if bad]
+def copy_from(out):
+    """Copy the run in the folder `out` into docs/ and write docs/figures.json; the exit status."""
+    try:
+        with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+            run = json.load(f)
+        files = {}
+        for name in shown(run.get("files", {})):
+            with open(os.path.join(out, name), "rb") as f:
+                files[name] = f.read()
+        problems = why_not(run, files)
+    except (OSError, ValueError, AttributeError) as e:
+        problems = [f"not a full run's folder: {e}"]
     if problems:
-        raise SystemExit(f"{out}: the run is {', '.join(problems)}: not copying its figures")
-    os.makedirs(os.path.join(ROOT, "docs"), exist_ok=True)
-    for name in FIGURES + TABLES:
-        shutil.copy(os.path.join(out, name), os.path.join(ROOT, "docs", name))
-        print(f"docs/{name}")
-    return config
+        print(f"{out}: the run is {'; '.join(problems)}: not copying it", file=sys.stderr)
+        return 2
+    times = {name: run["experiments"][name] for name in run["completed"]}
+    try:
+        for name, data in files.items():
+            records.write(f"docs/{name}", data)
+        records.write(records.TOOLS["figures"][0], dict(
+            provenance=records.provenance(records.TOOLS["figures"][1], list(experiments.SOURCES),
+                                          math.fsum(t["seconds"] for t in times.values()), [f"docs/{n}" for n in files],
+                                          state=dict(commit=run["commit"], dirty=False)),
+            timing=dict(machine=benchmarks.machine()[0],           # --from takes a run made here
+                        experiments={n: dict(seconds=t["seconds"], cpu_seconds=t["cpu_seconds"]) for n, t in times.items()})))
+    except (icl_files.Refused, icl_files.WriteFailed) as e:
+        print(f"docs/ refused: {e}", file=sys.stderr)
+        return 2
+    print(f"copied {', '.join(files)}; wrote {records.TOOLS['figures'][0]}")
+    return 0
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--from", dest="source", help="a complete full run (seed 0) of the current code to copy from")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__[__doc__.index("Exit statuses"):])
+    ap.add_argument("--from", dest="source", help="a full run's folder (its --out) to copy from")
     args = ap.parse_args(argv)
-    import experiments
-    digest, names = experiments.sources_digest(), list(experiments.EXPERIMENTS)
     if args.source:
-        config = copy_from(args.source, digest, names)
-    else:
-        try:
-            import matplotlib  # noqa: F401  (only checked here; experiments.py draws)
-        except ImportError:
-            print("needs matplotlib: python3 -m pip install matplotlib", file=sys.stderr)
-            return 2
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "results")
-            proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments.py"), "--out", out])
-            if proc.returncode not in (0, 1):
-                return proc.returncode
-            config = copy_from(out, digest, names)
-    # how long each experiment of the run took (docs/benchmarks.md's last table), on this machine
-    # (--from takes a run made here)
-    timing = dict(machine=benchmarks.machine()[0],
-                  experiments={name: dict(seconds=config["experiments"][name]["seconds"],
-                                          cpu_seconds=config["experiments"][name]["cpu_seconds"])
-                               for name in config["completed"]})
-    record = dict(provenance=records.provenance("tools/docs_figures.py", [], list(experiments.SOURCES)),
-                  experiments=names, seed=0, timing=timing,
-                  figures={name: sha256(os.path.join(ROOT, "docs", name)) for name in FIGURES + TABLES})
-    with open(os.path.join(ROOT, RECORD), "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(RECORD)
-    return 0
+        return copy_from(args.source)
+    if icl_files.source_state(experiments.SOURCES, ROOT)["dirty"] is not False:
+        print("the experiments' code has uncommitted changes (or is no git checkout): commit first", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        status = subprocess.run([sys.executable, os.path.join(ROOT, "experiments.py"), "--out", tmp]).returncode
+        return copy_from(tmp) if status in (0, 1) else status
 
 
 if __name__ == "__main__":

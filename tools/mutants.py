@@ -1,5 +1,5 @@
-"""Mutation check: does the default test suite notice plausible slips in icl_ref.py, icl_fast.py and
-experiments.py?
+"""Mutation check: does the default test suite notice plausible slips in icl_ref.py, icl_fast.py,
+experiments.py, its command line and the records' tools (tools/records.py, tools/docs_figures.py)?
 
 Each mutant names a function (its qualified name, "outer.inner" for a nested one; None: module level)
 and a piece of its code; it is found inside that function whatever the layout (any run of spaces,
@@ -46,6 +46,9 @@ def test_files(root=ROOT):
 
 
 TEST_FILES = test_files()
+# the test file a mutated file's mutants run first, where it is not test_<file>
+PRIMARY = {"experiments_cli.py": "test_experiments.py", "tools/records.py": "test_records.py",
+           "tools/docs_figures.py": "test_records.py", "icl_files.py": "test_records.py"}
 
 # (name, file, function, old text, new text, why it matters)
 MUTANTS = [
@@ -491,23 +494,23 @@ MUTANTS = [
      'a_theory = n * ir.gd_step_size(n, d)', 'the theory without the noise variance'),
     ('exp-noise-precondition-swapped', 'experiments.py', 'noise', 'Sigma = ir.rotated_covariance(rng)[0] if precond else np.eye(d)',
      'Sigma = np.eye(d) if precond else ir.rotated_covariance(rng)[0]', "the rows' labels say the other covariance"),
-    ('exp-threads-not-in-context', 'experiments.py', 'run', 'progress=args.progress, threads=args.threads)',
+    ('exp-threads-not-in-context', 'experiments_cli.py', 'run', 'progress=args.progress, threads=args.threads)',
      'progress=args.progress)', '--threads parsed but not passed on'),
     ('exp-context-lbfgs-threads', 'experiments.py', 'Context.train_lbfgs', 'fast.train_lbfgs(*args, threads=self.threads, **kwargs)',
      'fast.train_lbfgs(*args, **kwargs)', 'L-BFGS runs on every core whatever --threads says'),
     ('exp-context-sandwich-threads', 'experiments.py', 'Context.sandwich_covariance', 'threads=self.threads, **kwargs)',
      '**kwargs)', 'the sandwich runs on every core whatever --threads says'),
-    ('exp-quick-not-in-context', 'experiments.py', 'run', 'seed=args.seed,\n quick=args.quick, log=log',
+    ('exp-quick-not-in-context', 'experiments_cli.py', 'run', 'seed=args.seed,\n quick=args.quick, log=log',
      'seed=args.seed, quick=False, log=log', '--quick recorded but the experiments run at full size'),
-    ('exp-sigterm-handler-not-restored', 'experiments.py', 'run', 'signal.signal(signal.SIGTERM, previous_term)',
+    ('exp-sigterm-handler-not-restored', 'experiments_cli.py', 'run', 'signal.signal(signal.SIGTERM, previous_term)',
      'signal.signal(signal.SIGTERM, signal.SIG_DFL)', "the caller's SIGTERM handler lost after main()"),
-    ('exp-sigint-handler-not-restored', 'experiments.py', 'run', 'signal.signal(signal.SIGINT, previous_int)',
+    ('exp-sigint-handler-not-restored', 'experiments_cli.py', 'run', 'signal.signal(signal.SIGINT, previous_int)',
      'signal.signal(signal.SIGINT, signal.default_int_handler)', "the caller's SIGINT handler lost after main()"),
     ('exp-held-sigint-not-restored', 'experiments.py', 'run', 'signal.signal(signal.SIGINT, outer[0])',
      'signal.signal(signal.SIGINT, signal.SIG_IGN)', 'Ctrl-C ignored from the second experiment on'),
-    ('exp-rng-by-position', 'experiments.py', 'run', 'np.random.default_rng([args.seed, zlib.crc32(name.encode())])',
+    ('exp-rng-by-position', 'experiments_cli.py', 'run', 'np.random.default_rng([args.seed, zlib.crc32(name.encode())])',
      'np.random.default_rng([args.seed, k])', "an experiment's draws depend on its place in the run"),
-    ('exp-rng-seed-ignored', 'experiments.py', 'run', 'np.random.default_rng([args.seed, zlib.crc32(name.encode())])',
+    ('exp-rng-seed-ignored', 'experiments_cli.py', 'run', 'np.random.default_rng([args.seed, zlib.crc32(name.encode())])',
      'np.random.default_rng([0, zlib.crc32(name.encode())])', '--seed changes nothing'),
     ('exp-exit-status-fail', 'experiments.py', 'run', '1 if failed else 0',
      '0', 'a failed claim exits 0'),
@@ -521,7 +524,7 @@ MUTANTS = [
      'output_of(name, f)', 'a record listing paths outside the folder trusted'),
     ('exp-record-follows-link', 'experiments.py', 'read_record', 'os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)',
      'os.open(RECORD, os.O_RDONLY, dir_fd=dfd)', 'a record that is a symbolic link trusted'),
-    ('exp-output-of-prefix', 'experiments.py', 'output_of', 'filename.startswith(f"{name}_")',
+    ('exp-output-of-prefix', 'experiments_cli.py', 'output_of', 'filename.startswith(f"{name}_")',
      'filename.startswith(name)', 'an experiment claims files that merely start with its name'),
     ('exp-create-not-exclusive', 'experiments.py', 'OutDir.create', 'os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW',
      'os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW', 'a file that appeared meanwhile is overwritten'),
@@ -667,6 +670,56 @@ MUTANTS = [
      "a training batch's labels taken unchecked"),
     ('data-scale-not-power-of-two', 'icl_ref.py', '_data_scale', 'return 2.0 ** math.floor(',
      'return 1.5 * 2.0 ** math.floor(', 'the data divided by a scale that is not a power of two (inexact)'),
+    # the records' tools (issues 47, 49, 54): what `render --check`, `check` and `refresh` report and return,
+    # where staleness looks, which runs docs_figures copies, and the writer of the project's documents
+    ('records-check-differences-pass', 'tools/records.py', 'render', 'status = status or 1',
+     'status = status or 0', 'render --check finds a differing block and exits 0'),
+    ('records-check-writes', 'tools/records.py', 'render', 'for doc in [] if check else [d for d in DOCS if new[d] != texts[d]]:',
+     'for doc in [d for d in DOCS if new[d] != texts[d]]:', 'render --check rewrites the documents'),
+    ('records-problem-status-1', 'tools/records.py', 'render', '            status = 2\n',
+     '            status = max(status, 1)\n', 'a block that cannot be rendered reported as a mere difference'),
+    ('records-stale-passes', 'tools/records.py', 'check', 'status = max(status, bool(reasons))',
+     'status = max(status, 0)', 'check exits 0 with stale records'),
+    ('records-refresh-runs-any-command', 'tools/records.py', 'refresh', 'if named is not None and named != TOOLS[name][1]:',
+     'if False:', "refresh runs a record's tool whatever command its provenance names"),
+    ('records-refresh-failure-ignored', 'tools/records.py', 'refresh', 'if status != 0:', 'if False:',
+     'a failing tool ignored: refresh renders and exits 0'),
+    ('records-outputs-from-cwd', 'tools/records.py', 'stale', 'os.path.isfile(os.path.join(ROOT, path))',
+     'os.path.isfile(path)', 'staleness looks for the files a record wrote in the current folder'),
+    ('records-dirty-ignored', 'tools/records.py', 'stale', 'if p["dirty"] is not False:', 'if False:',
+     'a record made from uncommitted code counted current'),
+    ('records-diff-every-file', 'tools/records.py', 'changed_since', 'git("diff", "--name-only", commit, "--", *files)',
+     'git("diff", "--name-only", commit)', 'a record stale for a change to a file it does not depend on'),
+    ('records-commit-unchecked', 'tools/records.py', 'checked_provenance', 'COMMIT.fullmatch(str(p["commit"]))', 'True',
+     "a record's commit handed to git unchecked (it may be a git option)"),
+    ('records-paths-unchecked', 'tools/records.py', 'checked_provenance',
+     'isinstance(f, str) and PATH.fullmatch(f) for f in v', 'isinstance(f, str) for f in v',
+     'a record naming files outside the project (../, /etc/passwd) trusted'),
+    ('records-block-twice-accepted', 'tools/records.py', 'render_all', 'if names.count(name) != 1:', 'if False:',
+     'a block that appears twice is rendered twice without a word'),
+    ('records-no-end-unreported', 'tools/records.py', 'render_all',
+     'results += [(doc, name, None, None, f"the block {name} has no end marker") for name in names if name not in ended]',
+     'pass', 'a block without an end marker is never checked'),
+    ('records-disagreeing-rows-accepted', 'tools/records.py', 'one', 'if len(set(map(repr, values))) != 1:',
+     'if not values:', 'the rows a block quotes once may disagree'),
+    ('records-template-dunder', 'tools/records.py', 'evaluate', 'or isinstance(n, ast.Attribute) and n.attr.startswith("_")',
+     '', 'a template reaches into objects by their dunder attributes'),
+    ('records-row-by-position', 'tools/records.py', 'rows', 'if fnmatch.fnmatchcase(r["id"], pattern)', '',
+     'a pattern matches every row of its table (a row found by its place, not its id)'),
+    ('records-corrupt-table-raises', 'tools/records.py', 'rows', 'except (OSError, ValueError, csv.Error) as e:',
+     'except OSError as e:', 'a corrupt table ends the tool with a traceback'),
+    ('figures-quick-run-copied', 'tools/docs_figures.py', 'why_not', 'run.get("quick") is not False', 'False',
+     'a --quick run copied into docs/'),
+    ('figures-dirty-run-copied', 'tools/docs_figures.py', 'why_not', 'run.get("dirty") is not False', 'run.get("dirty") is True',
+     'a run whose code is not known to be committed copied'),
+    ('figures-changed-code-copied', 'tools/docs_figures.py', 'why_not', 'changed != []', 'False',
+     'a run of code changed since copied'),
+    ('figures-files-unverified', 'tools/docs_figures.py', 'why_not',
+     'icl_files.sha256(data) != run.get("files", {}).get(name)', 'False', "a file edited after the run copied as the run's"),
+    ('figures-copies-everything', 'tools/docs_figures.py', 'shown', 'return sorted(f for f in files if f in named)',
+     'return sorted(files)', 'files the documents do not show copied into docs/'),
+    ('files-replace-follows-link', 'icl_files.py', 'replace_file', 'if _is_link(st):', 'if False:',
+     "a document that is a symbolic link replaced by a file (or its folder's link followed)"),
 ]
 
 # (name, file, function, old, new, why it cannot change any result)
@@ -783,7 +836,7 @@ def run_one(mutant, base, python, timeout):
             f.write(src)
         start = time.perf_counter()
         # the whole default suite, the mutated module's own test file first (-x stops at the first failure)
-        primary = "test_" + filename
+        primary = PRIMARY.get(filename, "test_" + filename)
         order = [primary] + [f for f in TEST_FILES if f != primary] if primary in TEST_FILES else []
         try:
             proc = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *order],
