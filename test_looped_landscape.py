@@ -168,6 +168,16 @@ def test_family_hessian_eigenvalues_equal_the_polynomials_hessian(L, n, d):
     assert np.abs(sym.T @ H @ anti).max() <= 1e-10 * scale and np.abs(ident.T @ H @ anti).max() <= 1e-10 * scale
 
 
+@pytest.mark.parametrize("L, n", [(2, N), (4, N), (4, 1000)])
+def test_tied_family_step_is_the_root_of_the_exact_derivative(L, n):
+    # the other side: the family loss itself (exact rationals, icl_ref's own polynomial code) is higher
+    # at a* +- 1e-6 relative, and the float optimiser agrees to its own 1e-8
+    a = ll.tied_family_step(L, n, D)
+    f = lambda x: ir.family_population_loss(np.full(L, float(x)), n, D)
+    assert f(a * (1 - Fraction(1, 10 ** 6))) > f(a) < f(a * (1 + Fraction(1, 10 ** 6)))
+    assert abs(float(a) / ir.optimal_tied_family(L, n, D)[0] - 1) < 1e-8
+
+
 @pytest.mark.parametrize("L", [2, 3, 4])
 def test_identity_eigenvalue_is_the_family_curvature(L):
     # f_L(a) = sum_k C(2L, k) (-a)^k m_k (MATH.md §14), so f_L''(a) / d in exact rationals
@@ -294,15 +304,16 @@ def test_inputs_are_checked():
 
 @pytest.mark.slow
 def test_four_loops_minimum_monte_carlo_certificate():
-    # 200000 samples of S: loss with control variate within Z_MC SE of the exact value, every gradient
-    # entry within Z_MC SE of 0, the Monte Carlo reduced Hessian's smallest eigenvalue above 0 by Z_MC SE
+    # 200000 samples of S: loss with control variate within Z_MC SE of the exact value and the Monte
+    # Carlo reduced Hessian's smallest eigenvalue above 0 by Z_MC SE (the gradient is certified exactly:
+    # its per-sample values are too heavy-tailed for their standard errors, mc_certificate)
     rng = np.random.default_rng(8)
     a, _, f0 = ir.optimal_tied_family(4, N, D)
     m = ll.tied_minima_from_family(4, N, D)[0]
     S = ll.sample_whitened_covariances(rng, 200000, N, D)
     c = ll.mc_certificate(m["W"], S, 4, control=(a * np.eye(D), f0))
     assert abs(c["loss"] - m["loss"]) <= Z_MC * c["loss_se"]
-    assert c["grad_z"] <= Z_MC
+    assert m["grad_norm"] < 1e-11
     assert c["reduced_min"] > Z_MC * c["reduced_min_se"]
 
 
