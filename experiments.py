@@ -1409,8 +1409,9 @@ def plot_looped(plt, save, rows, tables):
                  [K_SE * r["mc_antisymmetric_se"] for r in hess], fmt="kx", ms=7,
                  label=f"Monte Carlo, $n$ = 20 (±{fmt(K_SE)} SE)")
     ax2.axhline(0.0, color="k", lw=0.8)
-    ax2.set(xlabel="layers $L$", ylabel=r"antisymmetric Hessian eigenvalue at $a^*_L I$", yscale="symlog",
-            title="Below 0: the family point is a saddle ($d$ = 5)")
+    ax2.set_yscale("symlog", linthresh=1e-2)
+    ax2.set(xlabel="layers $L$", ylabel=r"antisymmetric Hessian eigenvalue at $a^*_L I$ (symlog)",
+            yticks=[-0.1, -0.01, 0, 0.01, 0.1, 1], title="Below 0: the family point is a saddle ($d$ = 5)")
     ax2.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
     ax2.legend(fontsize=7, ncol=2)
     for (L, blocks), color in (((3, 1), "C0"), ((4, 2), "C3")):
@@ -1424,14 +1425,17 @@ def plot_looped(plt, save, rows, tables):
         if t["L"] in (3, 4):
             ax3.axvline(t["antisym_sv"][0], color="C0" if t["L"] == 3 else "C3", ls=":", lw=1)
     ax3.axhline(0.0, color="k", lw=0.8)
-    ax3.set(xlabel=r"rotation block size $\beta$ (whitened)", ylabel="loss / family optimum - 1 (min over the rest)",
-            title="Certified points (squares: minima, triangle: saddle); dotted: trained")
+    ax3.set_yscale("symlog", linthresh=1e-3)
+    ax3.set(xlabel=r"rotation block size $\beta$ (whitened)", ylabel="loss / family optimum - 1 (symlog)",
+            yticks=[-0.1, -0.01, -0.001, 0, 0.001, 0.01, 0.1], title=r"Min over the rest at each $\beta$, $n$ = 20")
+    ax3.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
     ax3.legend(fontsize=8)
     checks = [r for r in rows if r["check"]]
     return [(save(fig, ""), "Looped models: the exact tied and untied family optima per depth (left); the antisymmetric "
              "Hessian eigenvalue at the tied family point, exact per n and by Monte Carlo at n = 20 (middle); the loss "
-             "along matrices with rotation blocks, relative to the family optimum, with the certified minima and saddle "
-             "and the trained tied models' largest antisymmetric singular value (right); the experiment's checks: "
+             "along matrices with rotation blocks, relative to the family optimum, with the certified minima (squares) and "
+             "saddle (triangle) and the trained tied models' largest antisymmetric singular value (dotted) (right); the "
+             "experiment's checks: "
              f"{sum(r['verdict'] == PASS for r in checks)} of {len(checks)} PASS.")]
 
 
@@ -1619,7 +1623,7 @@ def looped(ctx):
     # at their smallest batches; the full run adds depth and samples
     q = ctx.quick
     Ls_sparse, Ls_blocks = ((1, 2, 3), (1, 2)) if q else ((1, 2, 3, 4), (1, 2, 3))
-    B_mc, char_Ls, char_ns = (10000, range(1, 6), (10, 20, 40)) if q else (200000, range(1, 9), (5, 10, 20, 40, 80))
+    B_mc, char_Ls, char_ns = (10000, range(1, 6), (20, 40)) if q else (200000, range(1, 9), (5, 10, 20, 40, 80))
     batches = {1: 20000, 2: 100000, 3: 20000 if q else 100000, 4: 20000 if q else 100000}
     starts_4 = 1 if q else 3
     exact = []
