@@ -1578,7 +1578,7 @@ def tied_trained_rows(t, res):
     """The claims on one trained tied sparse model (paper's Sigma): `t` holds its measurements (L, B,
     a_fitted, a_star, dist, dist_sym, exact_loss and family_loss (exact, whitened polynomial), basin (the
     certified minimum the exact descent from it reached: "family", "second", "lower" or "other"), and at
-    L = 4 test_minus_family and its se on fresh prompts), `res` its run."""
+    L = 4 test_minus_family and its se on fresh contexts, context_losses), `res` its run."""
     L, B = t["L"], t["B"]
     runs = [res]
     if L == 1:
@@ -1598,7 +1598,8 @@ def tied_trained_rows(t, res):
                                                                   measured=t["basin_loss"]), L=L)]
     if L == 3:
         return [row(f"L = 3, B = {B}: the exact descent from the trained model ends at one of the two certified "
-                    f"minima (here: {t['basin']}; its Dist(A, Sigma^-1) is the reached point's, not sampling error)",
+                    f"minima (here: {t['basin']}; measured: the trained A's Dist(A, Sigma^-1), dist_basin: that of the "
+                    "point reached)",
                     **decide(t["basin"] in ("family", "second"), runs=runs, measured=t["dist"]),
                     L=L, basin=t["basin"], dist_basin=t["dist_basin"])]
     return [row(f"L = {L}, B = {B}: the best of {t['starts']} trained starts has an exact population loss below the "
@@ -1619,8 +1620,9 @@ def looped(ctx):
     import looped_landscape as ll          # to become icl_looped
     n, d = 20, 5
     # quick: the family table at L <= 3 (sparse), <= 2 (blocks), the Hessian and the certified points
-    # at L <= 4 with Monte Carlo on 20000 samples of S, the (L, n) table at L <= 6, and the trained models
-    # at their smallest batches; the full run adds depth and samples
+    # at L <= 4 with Monte Carlo on 10000 samples of S, the (L, n) table at L <= 5 and n = 20, 40, and the
+    # trained models at their smallest batches (L = 2 needs 100000: finding 17); the full run adds depth,
+    # samples, n, batch and starts
     q = ctx.quick
     Ls_sparse, Ls_blocks = ((1, 2, 3), (1, 2)) if q else ((1, 2, 3, 4), (1, 2, 3))
     B_mc, char_Ls, char_ns = (10000, range(1, 6), (20, 40)) if q else (200000, range(1, 9), (5, 10, 20, 40, 80))
@@ -1663,9 +1665,8 @@ def looped(ctx):
         a, _, f0 = ir.optimal_tied_family(L, n, d)
         if q:
             m = ll.tied_local_minimum(a * np.eye(d) + 0.35 * ll.block_direction(d, blocks), L, n, d)
-        else:                              # every start of tied_minima_from_family: the same minimum lowest
-            found = [f for f in ll.tied_minima_from_family(L, n, d) if f["orbit_dim"] > 0]
-            m = found[0]
+        else:                              # the lowest minimum off the family point from every start
+            m = [f for f in ll.tied_minima_from_family(L, n, d) if f["orbit_dim"] > 0][0]
         cert = ll.mc_certificate(m["W"], S_mc, L, control=(a * np.eye(d), f0))
         T = m["T"]
         points.append(dict(L=L, kind=kind, loss=m["loss"], family_loss=f0, relative_to_family=m["relative_to_family"],
@@ -1701,6 +1702,7 @@ def looped(ctx):
     for L in (1, 2, 3, 4):
         B = batches[L]
         a_star, _, f_star = ir.optimal_tied_family(L, n, d)
+        # gtol 1e-7: ten times inside converged()'s 1e-6, so that a run L-BFGS calls converged is one
         runs = [ctx.train_lbfgs(Z[:B], y[:B], L, "sparse", rng=ctx.rng, tied=True, gtol=1e-7)
                 for _ in range(starts_4 if L == 4 else 1)]
         res = best_of(runs)
