@@ -12,16 +12,19 @@ and W = Sigma^{1/2} A Sigma^{1/2}, Lemma 1 with its transpose (MATH.md §7) give
 the same function for every Sigma (whiten, unwhiten). f(O W O^T) = f(W) for every orthogonal O, and
 f is a polynomial of degree 2L in W whose coefficients are mixed Wishart moments: tied_loss_polynomial
 builds it in exact rationals by Gaussian integration by parts on words in W, W^T and G G^T (§14).
-The scalar family W = a I is §10's tied sparse family; its optimum a*_L is ir.optimal_tied_family.
+The scalar family W = a I is §10's tied sparse family; its optimum a*_L is ir.optimal_tied_family
+(float) or tied_family_step (exact rationals, to 1e-40).
 
 Contents: the three Hessian eigenvalues at a I in closed form (tied_family_hessian_eigenvalues) and
 where they change sign (family_point_character); the exact loss, gradient and Hessian of f
-(tied_population_loss, tied_loss_and_grad, tied_hessian); the rotation orbit and the Hessian reduced
-modulo it (rotation_orbit_tangent, reduced_hessian, rotation_normal_form); located and certified
-local minima (tied_local_minimum, tied_minima_from_family) and the saddle between two of them
-(tied_block_saddle); and an independent Monte Carlo over S alone, with common random numbers and a
+(word_expectation, tied_loss_polynomial, tied_population_loss, tied_loss_and_grad, tied_hessian); the
+rotation orbit and the Hessian reduced modulo it (rotation_orbit_tangent, orbit_complement,
+reduced_hessian, rotation_normal_form); located and certified local minima (tied_local_minimum,
+tied_minima_from_family, block_direction) and the saddle between two of them (block_profile,
+tied_block_saddle); and an independent Monte Carlo over S alone, with common random numbers and a
 control variate (sample_whitened_covariances, per_sample_loss, per_sample_gradient,
-per_sample_hessian_products, mc_loss, mc_family_hessian_eigenvalues, mc_certificate).
+per_sample_second_derivative, per_sample_hessian_products, mc_loss, subspace_bases,
+mc_family_hessian_eigenvalues, mc_certificate).
 
 numpy and scipy only, float64. icl_ref names used: optimal_tied_family, family_population_loss,
 wishart_trace_moments (public) and the private _wishart_T (exact E prod_j tr(W^{k_j}), MATH.md §9).
@@ -40,9 +43,9 @@ import icl_ref as ir
 # The exact polynomial of tied_loss_polynomial: its recursion visits ~2.7e3 states at L = 4 (0.3 s),
 # ~1.9e4 at L = 5 (4 s), ~1.2e5 at L = 6 (70 s); beyond that it is refused.
 MAX_LOOPS = 6
-# Orbit directions [K, W] whose singular value is below ORBIT_RTOL times the largest count as zero:
-# they vanish exactly for the rotations commuting with W; at a point polished to |grad| ~ 1e-13 the
-# others are >= 1e-2 here, so any threshold between 1e-10 and 1e-3 gives the same dimension.
+# Orbit directions [K, W] whose singular value is below ORBIT_RTOL ||W||_F count as zero:
+# they vanish exactly for the rotations commuting with W; at the points polished here (|grad| ~ 1e-13)
+# the others are >= 1e-2, so any threshold between 1e-10 and 1e-3 gives the same dimension.
 ORBIT_RTOL = 1e-8
 # The complex step of tied_hessian and per_sample_hessian_products: the imaginary part of a
 # holomorphic g(W + i h E) is h g'(W)E + O(h^3), with no cancellation, so any tiny h is exact.
@@ -449,7 +452,8 @@ def rotation_orbit_tangent(W, rtol=ORBIT_RTOL):
     """An orthonormal basis (d^2, r) of the tangent space at W of its orbit {O W O^T}: the span of
     vec([K, W]) over antisymmetric K (§14). r = d(d-1)/2 minus the dimension of the rotations that
     commute with W (r = 0 at a I; r = 6 for d = 5 and a normal W with one or two equal rotation blocks).
-    Singular values below rtol times the largest count as zero."""
+    Singular values below rtol ||W||_F count as zero (a point a I + 1e-13 noise, where a descent to the
+    family point ends, has orbit dimension 0)."""
     W = _square("W", W)
     d = W.shape[0]
     cols = []
@@ -461,9 +465,7 @@ def rotation_orbit_tangent(W, rtol=ORBIT_RTOL):
     if not cols:
         return np.zeros((d * d, 0))
     U, sv, _ = np.linalg.svd(np.array(cols).T, full_matrices=False)
-    if sv[0] == 0:
-        return np.zeros((d * d, 0))
-    return U[:, sv > rtol * sv[0]]
+    return U[:, sv > rtol * np.linalg.norm(W)]        # relative to W, not to the largest [K, W]: near a I all are small
 
 
 def orbit_complement(W, rtol=ORBIT_RTOL):

@@ -271,6 +271,8 @@ def test_four_loops_lower_minimum_below_the_family_by_monte_carlo(lower_four):
 def test_orbit_and_normal_form():
     assert ll.rotation_orbit_tangent(0.7 * np.eye(D)).shape == (D * D, 0)
     rng = np.random.default_rng(5)
+    # where a descent to the family point ends: a I plus rounding, still a point orbit
+    assert ll.rotation_orbit_tangent(0.7 * np.eye(D) + 1e-13 * rng.standard_normal((D, D))).shape == (D * D, 0)
     W = rng.standard_normal((D, D))
     assert ll.rotation_orbit_tangent(W).shape[1] == D * (D - 1) // 2
     T, O, normal = ll.rotation_normal_form(W)
