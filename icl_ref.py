@@ -1959,10 +1959,11 @@ REFERENCE = ReferenceEngine()
 
 PRIVATE_API = ("_numpy_rules", "_array", "_int", "_nonneg", "_flag", "_rng", "_prompts", "_params", "_spd",
                "_finite", "_task_covariance", "_task_moment", "_pool", "_single_layer_moments",
-               "_single_layer_loss", "_family_search")
+               "_single_layer_loss", "_family_search", "_wishart_T")
 """The private names the project's other modules may import (a test pins the list): the input checks,
 so that all refuse bad input in the same words; one layer's moments and loss (§8), which MATH.md
-§14-§15 extend; the family search (§10), which §14 runs with its scalars tied."""
+§14-§15 extend; the family search (§10), which §14 runs with its scalars tied; the joint Wishart
+trace moments (§9), from which §14's Hessian eigenvalues come."""
 
 _MOVED = {**dict.fromkeys(("reference_cases", "write_reference_vectors", "diagnose", "check_implementation",
                            "LAYOUTS", "ARRAY_MEANINGS", "DIAGNOSIS_VARIANTS", "CHECK_TOLERANCES",

@@ -2081,7 +2081,7 @@ def test_icl_ref_imports_only_numpy_scipy_and_the_standard_librarys_math_modules
 PROJECT = ("icl_ref", "icl_check", "icl_looped", "icl_estimators", "icl_fast", "icl_files")
 PINNED_PRIVATE_API = ("_numpy_rules", "_array", "_int", "_nonneg", "_flag", "_rng", "_prompts", "_params", "_spd",
                       "_finite", "_task_covariance", "_task_moment", "_pool", "_single_layer_moments",
-                      "_single_layer_loss", "_family_search")
+                      "_single_layer_loss", "_family_search", "_wishart_T")
 
 
 def _top_level_imports(path):
