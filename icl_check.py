@@ -19,20 +19,19 @@ Sections follow MATH.md §13.
 """
 import argparse
 import functools
-import hashlib
 import io
 import json
 import math
 import os
-import stat
 import sys
 import textwrap
 import zipfile
 
 import numpy as np
 
+import icl_files
 import icl_ref as ir
-from icl_ref import _nonneg
+from icl_ref import _flag, _nonneg
 
 __version__ = ir.__version__
 
@@ -267,22 +266,17 @@ def _expected(name, layout):
 # §13 The reference vectors: files for implementations that cannot import icl_ref
 # ---------------------------------------------------------------------------------------------
 
-def _earlier_vectors(dfd, present):
-    """The files of `present` an earlier write_reference_vectors left unchanged in the directory dfd
-    (manifest.json and the files it lists with their SHA-256), or none without a manifest of ours."""
-    def read(name):
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
-    try:
-        manifest = json.loads(read("manifest.json"))
-        if manifest["format"] != "icl_ref reference vectors":
-            return set()
-        ours = {c["file"] for c in manifest["cases"]
-                if c["file"] in present and hashlib.sha256(read(c["file"])).hexdigest() == c["sha256"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
-    return ours | {"manifest.json"}
+VECTORS_TOOL, VECTORS_RECORD, VECTORS_LOCK = "icl_check vectors", ".vectors-record.json", ".vectors.lock"
+"""The vectors writer's name in messages, its record while it writes (removed once the set is whole:
+manifest.json then vouches for every file) and its lock file, for icl_files.write_file_set."""
+
+
+def _manifest_files(manifest):
+    """{file: sha256} an earlier manifest.json vouches for, or None when it is not a manifest of
+    reference vectors (icl_files trusts no other)."""
+    if manifest.get("format") != "icl_ref reference vectors":
+        return None
+    return {case["file"]: case["sha256"] for case in manifest["cases"]}
 
 
 def write_reference_vectors(out, overwrite=False):
@@ -290,63 +284,41 @@ def write_reference_vectors(out, overwrite=False):
     reference_cases (the arrays of ARRAY_MEANINGS that apply: the paper's layout always, the authors'
     when P, Q have their form and the attention is linear or theirs, von Oswald et al.'s for linear
     and softmax attention) and manifest.json (format, icl_ref_version, conventions, shapes, meanings,
-    tolerances, each file's SHA-256). The same bytes on every run. A non-empty `out` is refused,
-    except with overwrite=True when it holds only files an earlier run wrote and its manifest lists
-    unchanged, which are replaced. Never writes through a symbolic link (`out` or a file in it);
-    holds an exclusive flock on `out` while it works (another writer is refused). POSIX only.
+    tolerances, each file's SHA-256), written last. The same bytes on every run.
+
+    The folder is icl_files' (its promises, on any system): a non-empty `out` is refused (a ValueError
+    naming the file and why; the command line's flag --overwrite is overwrite=True) unless overwrite
+    and every file in it is provably an earlier run's: listed with its SHA-256 by manifest.json, or by
+    the record a stopped run left (a run killed mid-write: what it cannot prove it names). Never
+    writes through a symbolic link (`out`, `out/`, a file in it), never opens a FIFO or device, one
+    writer at a time (VECTORS_LOCK). A write the system refuses (disk full, `ulimit -f`, permission)
+    is an OSError (icl_files.WriteFailed) saying what to do; the file begun is removed.
     Returns the manifest (a dict). MATH.md §13."""
-    import fcntl                    # POSIX; imported here so that icl_ref itself imports anywhere
-    if not isinstance(out, (str, os.PathLike)) or not str(out):
+    if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
         raise TypeError(f"out must name a directory, got {out!r}")
-    if os.path.islink(out) or (os.path.exists(out) and not os.path.isdir(out)):
-        raise ValueError(f"out {str(out)!r} is a symbolic link or not a directory: name a directory itself")
-    os.makedirs(out, exist_ok=True)
-    dfd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)   # a link put there since: ELOOP
-    try:
-        try:
-            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"out {str(out)!r} is locked by another process writing there: try again later") from None
-        present = set(os.listdir(dfd))
-        links = sorted(f for f in present if stat.S_ISLNK(os.stat(f, dir_fd=dfd, follow_symlinks=False).st_mode))
-        if links:
-            raise ValueError(f"out {str(out)!r} holds symbolic links ({', '.join(links[:3])}): not writing through them")
-        if present and not overwrite:
-            raise ValueError(f"out {str(out)!r} is not empty: name a new directory (or pass overwrite=True, "
-                             "--overwrite, to replace an earlier set of reference vectors there)")
-        foreign = sorted(present - _earlier_vectors(dfd, present))
-        if foreign:
-            raise ValueError(f"out {str(out)!r} holds files this program did not write or that changed since "
-                             f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): not touching them; "
-                             "name a new directory")
-        manifest = dict(format="icl_ref reference vectors", format_version=VECTORS_FORMAT, icl_ref_version=__version__,
-                        conventions="MATH.md sections 2-3 and 12: layer Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M "
-                                    "dropping the query from keys and values; y_hat = -Z_L[d, n]; loss mean (y_hat - y)^2",
-                        tolerances=VECTOR_TOLERANCES, cases=[])
-        files = {}
-        for case in _reference_cases():
-            P, Z, layouts = case["P"], case["Z"], _case_layouts(case)
-            arrays = dict(_layout_inputs(case, "paper"), **_expected(case["name"], "paper")[1])
-            for layout in layouts[1:]:
-                arrays.update(_expected(case["name"], layout)[0],
-                              **{k: v for k, v in _expected(case["name"], layout)[1].items() if k.startswith("grad_")})
-            name = f"{case['name']}.npz"
-            files[name] = _npz_bytes(arrays)
-            manifest["cases"].append(dict(
-                name=case["name"], file=name, sha256=hashlib.sha256(files[name]).hexdigest(),
-                description=case["description"], activation=case["activation"], structure=case["structure"],
-                layouts=layouts, B=int(Z.shape[0]), d=int(Z.shape[1] - 1), n=int(Z.shape[2] - 1), L=int(P.shape[0]),
-                H=int(P.shape[1]), arrays={k: dict(shape=list(np.shape(v)), meaning=ARRAY_MEANINGS[k])
-                                           for k, v in arrays.items()}))
-        files["manifest.json"] = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
-        for name, data in files.items():
-            if name in present:
-                os.unlink(name, dir_fd=dfd)           # ours (checked above); O_EXCL below never follows a link
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-    finally:
-        os.close(dfd)                                # releases the lock
+    overwrite = _flag("overwrite", overwrite)
+    manifest = dict(format="icl_ref reference vectors", format_version=VECTORS_FORMAT, icl_ref_version=__version__,
+                    conventions="MATH.md sections 2-3 and 12: layer Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M "
+                                "dropping the query from keys and values; y_hat = -Z_L[d, n]; loss mean (y_hat - y)^2",
+                    tolerances=VECTOR_TOLERANCES, cases=[])
+    files = {}
+    for case in _reference_cases():
+        P, Z, layouts = case["P"], case["Z"], _case_layouts(case)
+        arrays = dict(_layout_inputs(case, "paper"), **_expected(case["name"], "paper")[1])
+        for layout in layouts[1:]:
+            arrays.update(_expected(case["name"], layout)[0],
+                          **{k: v for k, v in _expected(case["name"], layout)[1].items() if k.startswith("grad_")})
+        name = f"{case['name']}.npz"
+        files[name] = _npz_bytes(arrays)
+        manifest["cases"].append(dict(
+            name=case["name"], file=name, sha256=icl_files.sha256(files[name]),
+            description=case["description"], activation=case["activation"], structure=case["structure"],
+            layouts=layouts, B=int(Z.shape[0]), d=int(Z.shape[1] - 1), n=int(Z.shape[2] - 1), L=int(P.shape[0]),
+            H=int(P.shape[1]), arrays={k: dict(shape=list(np.shape(v)), meaning=ARRAY_MEANINGS[k])
+                                       for k, v in arrays.items()}))
+    files["manifest.json"] = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()   # last: it vouches
+    icl_files.write_file_set(out, files, tool=VECTORS_TOOL, record=VECTORS_RECORD, lock=VECTORS_LOCK,
+                             vouchers={"manifest.json": _manifest_files}, overwrite=overwrite)
     return manifest
 
 
@@ -718,7 +690,9 @@ check_implementation.__doc__ = check_implementation.__doc__.rstrip(" ") + _layou
 # ---------------------------------------------------------------------------------------------
 
 def _main(argv=None):
-    """python3 -m icl_check [--version] [vectors --out DIR [--overwrite]] (MATH.md §13)."""
+    """python3 -m icl_check [--version] [vectors --out DIR [--overwrite]] (MATH.md §13). A refused
+    --out is the subcommand's usage and the reason; a write the system refuses is its message; both
+    exit with status 2."""
     ap = argparse.ArgumentParser(
         prog="python3 -m icl_check", description="icl_check: the conformance kit of icl_ref, a NumPy reference for the linear transformer of Ahn et al. "
         "(2023). Derivations: MATH.md (the repository; installed in <prefix>/share/doc/icl_ref).")
@@ -735,8 +709,11 @@ def _main(argv=None):
         return 0
     try:
         manifest = write_reference_vectors(args.out, overwrite=args.overwrite)
-    except (TypeError, ValueError, OSError) as e:
-        ap.error(str(e))
+    except (TypeError, ValueError) as e:               # icl_files.Refused: --out as it is cannot be used
+        v.error(str(e))
+    except OSError as e:                               # icl_files.WriteFailed: disk full, ulimit -f, permission
+        print(f"{v.prog}: error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {len(manifest['cases'])} cases and manifest.json to {args.out}")
     return 0
 

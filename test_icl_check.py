@@ -12,21 +12,25 @@ Tolerances, each with its reason:
                      is ~1.5 eps |f| / h ~ 3e-12 |f| with |f| / |grad| <= 3 on these cases (measured
                      worst 1.5e-10); an error in a term of the gradient is O(1) relative
 """
-import fcntl
 import functools
+import hashlib
 import json
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+import scipy
 from numpy.testing import assert_allclose
 
 import icl_check as ic
+import icl_files
 import icl_ref as ir
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -649,26 +653,33 @@ def test_reference_vectors_are_reproducible_documented_and_right(tmp_path):
 
 
 def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_their_own(tmp_path, capsys):
-    # the refusals (the command line's in its own process: exit 2, a message, no traceback), each
-    # leaving every byte under tmp_path as it was: the user's file a link points to included
+    # the refusals (the command line's in its own process: exit 2, its usage and a message naming its
+    # flag, no traceback), each leaving every byte under tmp_path as it was: the user's file a link
+    # points to included
     out = tmp_path / "v"
     ic.write_reference_vectors(out)
     first = snapshot(out)
+    assert sorted(first) == sorted([f"{n}.npz" for n in CASES] + ["manifest.json"])     # no record, no lock left
     refused = cli("vectors", "--out", str(out))                        # no silent overwrite
-    assert refused.returncode == 2 and "not empty" in refused.stderr and "Traceback" not in refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.startswith("usage: python3 -m icl_check vectors") and "pass --overwrite" in refused.stderr
+    assert "overwrite=True" not in refused.stderr
     ic.write_reference_vectors(out, overwrite=True)                    # an earlier set of ours: replaced
     assert snapshot(out) == first
     elsewhere = tmp_path / "elsewhere.txt"
     elsewhere.write_bytes(b"the user's own file")
     changes = {
-        "a foreign file": lambda: (out / "notes.md").write_text("mine"),
-        "a listed file changed": lambda: (out / "small-full.npz").write_bytes(b"my own file"),
-        "another program's manifest": lambda: (out / "manifest.json").write_text(json.dumps(
-            dict(json.loads((out / "manifest.json").read_text()), format="my vectors"))),
-        "a listed file a link": lambda: ((out / "relu.npz").unlink(), (out / "relu.npz").symlink_to(elsewhere)),
-        "the manifest a link": lambda: ((out / "manifest.json").unlink(), (out / "manifest.json").symlink_to(elsewhere)),
+        "a foreign file": (lambda: (out / "notes.md").write_text("mine"), "notes.md' was not written by"),
+        "a listed file changed": (lambda: (out / "small-full.npz").write_bytes(b"my own file"),
+                                  "small-full.npz' is not the file icl_check vectors wrote"),
+        "another program's manifest": (lambda: (out / "manifest.json").write_text(json.dumps(
+            dict(json.loads((out / "manifest.json").read_text()), format="my vectors"))), "no record written by"),
+        "a listed file a link": (lambda: ((out / "relu.npz").unlink(), (out / "relu.npz").symlink_to(elsewhere)),
+                                 "relu.npz' is a symbolic link"),
+        "the manifest a link": (lambda: ((out / "manifest.json").unlink(),
+                                         (out / "manifest.json").symlink_to(elsewhere)), "manifest.json is a symbolic link"),
     }
-    for what, change in changes.items():
+    for what, (change, words) in changes.items():
         shutil.rmtree(out)
         ic.write_reference_vectors(out)
         change()
@@ -676,51 +687,156 @@ def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_
         if what == "a foreign file":                          # the command line's own refusal
             with pytest.raises(SystemExit) as done:
                 ic._main(["vectors", "--out", str(out), "--overwrite"])
-            assert done.value.code == 2 and "did not write" in capsys.readouterr().err
+            assert done.value.code == 2 and words in capsys.readouterr().err
         else:
-            with pytest.raises(ValueError, match="symbolic link" if "link" in what else "did not write"):
+            with pytest.raises(ValueError, match=re.escape(words)):
                 ic.write_reference_vectors(out, overwrite=True)
         assert snapshot(tmp_path) == before, what
-    # out itself a link to a directory of vectors: refused, the directory untouched
-    shutil.rmtree(out)
+
+
+# the SHA-256 of each file as version 0.3.0 wrote it (before the writer moved onto icl_files)
+VECTORS_0_3_0 = {
+    "authors-softmax": "410d6347287aa40401d74a5aaf1e2cde246343ca879190e3242b5fa7c24d92cd",
+    "blocks": "27b2f45a13a3667ba00c27d8685dddc01c92b9101831f70035085aa2c2716f96",
+    "large-d": "f0ee2cb56cf9f9d9cdfb27feffb87a0802289fbe6a17273ab6de6962f4aa7c94",
+    "non-symmetric-sparse": "dbc78c2a208ecaece97b6d6e54a4beb14c2579c41072cc24b842fc568d623f03",
+    "query-as-key": "08b130b266795d2da8baff271b8aa3b58f142c0109294c57677c0c3728a47c05",
+    "relu": "087c2ffd771bff50d93fe681bbf7ce8fa1b32fa376f425de71b63865ad3da6c8",
+    "small-full": "623b3cdfd7f0e34d8703cabe113bc17f0ffb8645ee16c4c68c94382fdfaf5cdd",
+    "softmax": "a31966048746ea6a38305e9a904ff779e5088f5c84f0cf5c2a6613992c9a0a80",
+    "softmax_all": "d817d59a21b3049e9e5d0c0324f30ca50c435c7b1d3b16d747e13483688212fe",
+    "sparse-family-optimum": "c510ed3c924861ea21aedce1829291a0f1b03fdc63f9f074e2079a6d946a219b",
+    "theorem1-optimum": "8986d81805307d243cb6b808cb04515dfec563bc779e53cac4e066ebe010cfd4",
+    "two-layers-two-heads": "ba918bed8ed345ccb2d36f7d66e9fcbb8c8b3cfaff9555c3db10872421bf476d",
+}
+# computed through exp (the softmax cases) or SciPy's L-BFGS-B (the family optimum): numpy 1.25.0 and
+# scipy 1.11.1 (the oldest supported) round them differently, by 1e-16 and 1e-8 relative
+ROUNDING_SENSITIVE = {"authors-softmax", "softmax", "softmax_all", "sparse-family-optimum"}
+
+
+def test_reference_vectors_are_byte_identical_to_0_3_0(tmp_path):
+    ic.write_reference_vectors(tmp_path)
+    written = {n: hashlib.sha256((tmp_path / f"{n}.npz").read_bytes()).hexdigest() for n in VECTORS_0_3_0}
+    differ = {n for n in VECTORS_0_3_0 if written[n] != VECTORS_0_3_0[n]}
+    assert not differ - ROUNDING_SENSITIVE, sorted(differ)
+    if differ:
+        versions = tuple(int(v) for v in np.__version__.split(".")[:1]) + tuple(
+            int(v) for v in scipy.__version__.split(".")[:2])
+        assert versions < (2, 1, 15), f"{sorted(differ)} differ from 0.3.0's under numpy {np.__version__}, scipy {scipy.__version__}"
+        pytest.skip(f"{', '.join(sorted(differ))} round differently under numpy {np.__version__}, scipy "
+                    f"{scipy.__version__} (exp, L-BFGS-B); the other {len(VECTORS_0_3_0) - len(differ)} are 0.3.0's bytes")
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert {c["name"]: c["sha256"] for c in manifest["cases"]} == VECTORS_0_3_0
+
+
+def vectors_cli(out, *flags, **kwargs):
+    """python3 -m icl_check vectors --out OUT [flags], in its own process, no byte-code written."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run([sys.executable, "-m", "icl_check", "vectors", "--out", str(out), *flags],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120, **kwargs)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_vectors_a_fifo_named_manifest_json_never_blocks(tmp_path, overwrite):
+    # a reader would wait forever for a writer to open the FIFO: it is seen (lstat), never opened
+    out = tmp_path / "v"
+    out.mkdir()
+    os.mkfifo(out / "manifest.json")
+    proc = vectors_cli(out, *(["--overwrite"] if overwrite else []))     # timeout=120: a hang fails the test
+    assert proc.returncode == 2 and "usage: python3 -m icl_check vectors" in proc.stderr
+    assert ("manifest.json is a FIFO" if overwrite else "not empty") in proc.stderr, proc.stderr
+    assert sorted(os.listdir(out)) == ["manifest.json"]
+
+
+@pytest.mark.parametrize("spelling", ["LINK", "LINK/", "LINK/."])
+def test_vectors_never_write_into_a_folder_named_by_a_link(tmp_path, spelling):
+    out, link = tmp_path / "v", tmp_path / "LINK"
     ic.write_reference_vectors(out)
-    link = tmp_path / "link"
     link.symlink_to(out, target_is_directory=True)
     before = snapshot(tmp_path)
-    proc = cli("vectors", "--out", str(link), "--overwrite")
-    assert proc.returncode == 2 and "symbolic link" in proc.stderr and snapshot(tmp_path) == before
+    proc = vectors_cli(spelling.replace("LINK", str(link)), "--overwrite")
+    assert proc.returncode == 2 and "is a symbolic link: not writing through it" in proc.stderr, proc.stderr
+    assert snapshot(tmp_path) == before
 
 
 def test_vectors_never_write_through_a_link_planted_while_they_write(tmp_path, monkeypatch):
-    # a link that appears after the folder was checked (another process racing this one): the files
-    # are created with O_EXCL | O_NOFOLLOW, so the write fails there and the linked file keeps its bytes
+    # a link that appears after the folder was checked (another process racing this one) is not
+    # followed: the run stops there and the linked file keeps its bytes
     out, theirs = tmp_path / "v", tmp_path / "theirs.txt"
     theirs.write_bytes(b"the user's own file")
-    checked = ic._earlier_vectors
+    real = icl_files._write_fd
 
-    def plant(dfd, present):
-        (out / "small-full.npz").symlink_to(theirs)
-        return checked(dfd, present)
-    monkeypatch.setattr(ic, "_earlier_vectors", plant)
-    with pytest.raises(FileExistsError):
+    def plant(fd, data):
+        if data.startswith(b"PK") and not (out / "relu.npz").is_symlink():      # once the case files are written
+            (out / "relu.npz").symlink_to(theirs)
+        real(fd, data)
+    monkeypatch.setattr(icl_files, "_write_fd", plant)
+    with pytest.raises(ValueError, match="relu.npz' appeared while this run was writing"):
         ic.write_reference_vectors(out)
-    assert theirs.read_bytes() == b"the user's own file" and os.path.islink(out / "small-full.npz")
+    assert theirs.read_bytes() == b"the user's own file" and os.path.islink(out / "relu.npz")
 
 
 def test_vectors_lock_their_folder(tmp_path):
     out = tmp_path / "v"
     ic.write_reference_vectors(out)
     before = snapshot(out)
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)            # another writer holds the folder
-        proc = cli("vectors", "--out", str(out), "--overwrite")
-        assert proc.returncode == 2 and "locked by another process" in proc.stderr, proc.stderr
-        assert snapshot(out) == before
-    finally:
-        os.close(fd)
+    with icl_files.Folder(out, ic.VECTORS_TOOL, ic.VECTORS_RECORD, ic.VECTORS_LOCK,
+                          vouchers={"manifest.json": ic._manifest_files}) as holder:
+        holder.open(overwrite=True, keep_others=None, writes=lambda name: False)     # another writer holds it
+        proc = vectors_cli(out, "--overwrite")
+        assert proc.returncode == 2 and "in use by another icl_check vectors run" in proc.stderr, proc.stderr
+    assert snapshot(out) == before
     ic.write_reference_vectors(out, overwrite=True)                 # the lock released: ours replaced
     assert snapshot(out) == before
+
+
+KILLED = """
+import os, signal, sys, icl_check, icl_files
+real = icl_files._write_fd
+def dying(fd, data):                 # SIGKILL in the middle of blocks.npz, or just after it
+    real(fd, data if sys.argv[2] == "after" or len(data) != int(sys.argv[3]) else data[:len(data) // 2])
+    if len(data) == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+icl_files._write_fd = dying
+icl_check.write_reference_vectors(sys.argv[1], overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_vectors_after_sigkill_overwrite_takes_back_what_it_proves_and_names_the_rest(tmp_path, when):
+    fresh, out = tmp_path / "fresh", tmp_path / "v"
+    ic.write_reference_vectors(fresh)
+    size = (fresh / "blocks.npz").stat().st_size
+    ic.write_reference_vectors(out)
+    proc = subprocess.run([sys.executable, "-c", KILLED, str(out), when, str(size)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    if when == "during":                     # blocks.npz cut short: named, nothing touched
+        before = snapshot(tmp_path)
+        proc = vectors_cli(out, "--overwrite")
+        assert proc.returncode == 2 and "blocks.npz' was being written when a run of icl_check vectors stopped" \
+            in proc.stderr, proc.stderr
+        assert "small-full" not in proc.stderr and snapshot(tmp_path) == before
+        (out / "blocks.npz").unlink()            # what the message asks
+    proc = vectors_cli(out, "--overwrite")      # every other file proven by its hash: taken back
+    assert proc.returncode == 0, proc.stderr
+    assert snapshot(out) == snapshot(fresh)
+
+
+def test_vectors_a_write_error_is_a_message_and_status_2_and_the_next_run_recovers(tmp_path):
+    # the file-size limit (ulimit -f; Python ignores SIGXFSZ, so the write fails with EFBIG) stops the
+    # run at large-d.npz (47 kB): removed, recorded; the other files stay provably the run's
+    fresh, out = tmp_path / "fresh", tmp_path / "v"
+    ic.write_reference_vectors(fresh)
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (32768, 32768))
+    proc = vectors_cli(out, preexec_fn=limit)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "usage:" not in proc.stderr
+    assert proc.stderr.startswith("python3 -m icl_check vectors: error: cannot write") and "large-d.npz" in proc.stderr
+    assert "ulimit -f" in proc.stderr and not (out / "large-d.npz").exists()
+    assert json.loads((out / ic.VECTORS_RECORD).read_text())["status"] == "write error"
+    proc = vectors_cli(out, "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert snapshot(out) == snapshot(fresh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -744,6 +860,26 @@ def test_command_line_help_and_version(capsys):
     with pytest.raises(SystemExit) as done:
         ic._main(["nonsense"])
     assert done.value.code == 2
+
+
+def test_icl_ref_still_forwards_the_kit_with_a_deprecation_warning_naming_icl_check(tmp_path):
+    # until 0.5.0 (README): the names that moved in 0.4.0 and the command line, each saying where to go
+    moved = [name for name, module in ir._MOVED.items() if module == "icl_check"]
+    assert {"check_implementation", "diagnose", "reference_cases", "write_reference_vectors"} <= set(moved)
+    for name in moved:
+        with pytest.warns(DeprecationWarning, match=re.escape(f"icl_ref.{name} moved to icl_check.{name}")):
+            assert getattr(ir, name) is getattr(ic, name)
+    with pytest.warns(DeprecationWarning, match="icl_check"):
+        report = ir.check_implementation(lambda case: correct_outputs("paper", "small-full"), cases="small-full",
+                                         rtol=fd_rtol("paper"))
+    assert report["cases"]["small-full"]["status"] == "passed"
+    old, new = tmp_path / "old", tmp_path / "new"
+    proc = subprocess.run([sys.executable, "-m", "icl_ref", "vectors", "--out", str(old)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and f"wrote {len(CASES)} cases" in proc.stdout, proc.stderr
+    assert "python3 -m icl_ref is deprecated: use python3 -m icl_check" in proc.stderr
+    ic.write_reference_vectors(new)
+    assert snapshot(old) == snapshot(new)
 
 
 def test_one_version_everywhere_and_a_licence_to_copy():
