@@ -50,9 +50,11 @@ VECTOR_TOLERANCES = {
 
 def reference_cases():
     """The inputs of the reference vectors: a list of dicts (name, description, activation, structure,
-    Z, y, P, Q, and the covariances Sigma, Sigma_w its prompts were drawn with), deterministic (fixed
-    seeds), built once per process; fresh copies on every call. MATH.md §13."""
-    return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()} for c in _reference_cases()]
+    Z, y, P, Q, the covariances Sigma, Sigma_w its prompts were drawn with, and layouts: the layouts
+    that can express the case, LAYOUTS' keys), deterministic (fixed seeds), built once per process;
+    fresh copies on every call. MATH.md §13."""
+    return [dict({k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()}, layouts=_case_layouts(c))
+            for c in _reference_cases()]
 
 
 @functools.lru_cache(maxsize=1)
@@ -477,59 +479,258 @@ def _close(mine, ref, rtol):
     return mine.shape == np.shape(ref) and bool(np.all(np.abs(mine - ref) <= rtol * scale))
 
 
+def _case(name):
+    return next(c for c in _reference_cases() if c["name"] == name)
+
+
+def _sizes(name):
+    """A case's activation, L, H, d, n."""
+    c = _case(name)
+    return c["activation"], *map(int, c["P"].shape[:2]), int(c["Z"].shape[1] - 1), int(c["Z"].shape[2] - 1)
+
+
+def _difficulty(name):
+    """The order in which to read failing cases, simplest first: linear attention before the others,
+    then fewer layers, fewer heads, smaller d and n (the reference cases' order breaks ties)."""
+    activation, L, H, d, n = _sizes(name)
+    return activation != "linear", L, H, d, n, [c["name"] for c in _reference_cases()].index(name)
+
+
+def _title(name):
+    activation, L, H, _, _ = _sizes(name)
+    return f"{name} [{activation}, L={L}, H={H}]"
+
+
+def _parameter_axes(layout, q, shape, H):
+    """For a gradient output: its layer axis, the axis whose index gives the head and the head's width
+    on it, and the authors' block axis (or None)."""
+    if layout == "von_oswald":
+        axis = 1 if q == "grad_W_o" else 2               # W_o: heads as row blocks; W_q, W_k, W_v: column blocks
+        return 0, axis, shape[axis] // H, None
+    return 0, 1, 1, 2 if layout == "authors" else None
+
+
+def _where(name, layout, q, mine, ref, rtol):
+    """How one output differs from icl_ref's (MATH.md §13): {"error": the largest difference relative
+    to icl_ref's largest entry, "at": its index, "place": that index in the layout's terms, "spread":
+    which part of the array differs beyond rtol (the query's token only, context tokens only, one
+    layer, one head, one prompt, a constant factor of icl_ref's), or ""}. mine has ref's shape."""
+    mine, ref = np.asarray(mine, dtype=float), np.asarray(ref, dtype=float)
+    scale = max(float(np.max(np.abs(ref))), 1e-300)
+    diff = np.abs(mine - ref)
+    at = tuple(int(i) for i in np.unravel_index(np.argmax(diff), diff.shape))
+    out = dict(error=float(np.max(diff)) / scale, at=at, place="", spread="")
+    if out["error"] <= rtol:
+        return out
+    bad = diff > rtol * scale
+    _, L, H, d, n = _sizes(name)
+    parts = []
+    if q in ("Z_L", "Z_L_rows"):
+        (tokens, token), (coords, coord) = ((2, "column"), (1, "row")) if q == "Z_L" else ((1, "row"), (2, "column"))
+        t, i = at[tokens], at[coords]
+        out["place"] = (f"prompt {at[0]}, {token} {t}{' (the query)' if t == n else ''}, {coord} {i}"
+                        f"{' (the label)' if i == d else ''}")
+        wrong = set(np.flatnonzero(bad.any(axis=(0, coords))))
+        label = set(np.flatnonzero(bad.any(axis=(0, tokens)))) == {d}
+        entry = f"{q}[:, {d}, {n}]" if q == "Z_L" else f"{q}[:, {n}, {d}]"
+        parts.append(f"only the query's label entry {entry}" if label and wrong == {n} else
+                     f"only the query's {token}" if wrong == {n} else
+                     f"only context {token}s ({len(wrong)} of {n}), not the query's" if n not in wrong else
+                     f"the query's and {len(wrong) - 1} of {n} context {token}s" if len(wrong) <= n else f"every {token}")
+        if label and wrong != {n}:
+            parts.append(f"the label {coord} only")
+    elif q == "y_hat":
+        out["place"] = f"prompt {at[0]}"
+        if bad.sum() < bad.size:
+            parts.append(f"{int(bad.sum())} of {bad.size} prompts")
+    elif q == "loss":
+        out["place"] = f"yours {float(mine):.6g}, icl_ref's {float(ref):.6g}"
+    else:
+        layer, head, width, block = _parameter_axes(layout, q, mine.shape, H)
+        where = np.nonzero(bad)
+        layers, heads = set(where[layer]), set(where[head] // width)
+        blocks = set(where[block]) if block is not None else set()
+        names = f"layer {at[layer]}, head {at[head] // width}" + (
+            f", the {('P', 'Q_code')[at[block]]} block" if block is not None else "")
+        out["place"] = f"{q}[{', '.join(map(str, at))}] ({names})"
+        if L > 1 and len(layers) == 1:
+            parts.append(f"only layer {layers.pop()}")
+        if H > 1 and len(heads) == 1:
+            parts.append(f"only head {heads.pop()}")
+        if len(blocks) == 1:
+            parts.append(f"only the {('P', 'Q_code')[blocks.pop()]} blocks")
+        if not parts and (L > 1 or H > 1):
+            parts.append("every layer and head" if len(layers) == L and len(heads) == H else
+                         f"layers {sorted(map(int, layers))}, heads {sorted(map(int, heads))}")
+    ref_norm = float(np.sum(ref * ref))
+    if mine.size > 1 and ref_norm > 0:                # a constant factor (a scale slip) says more than a place
+        c = float(np.sum(mine * ref)) / ref_norm
+        if f"{c:.4g}" != "1" and np.all(np.abs(mine - c * ref) <= rtol * scale * max(1.0, abs(c))):
+            parts = ["all zeros" if not np.any(mine) else f"{c:.4g} x icl_ref's everywhere"]
+    out["spread"] = "; ".join(parts)
+    return out
+
+
 def _judge(name, layout, given, rtol, culprits):
-    """{output: "agrees" | slip name | "malformed: ..." | "unexplained"} for one case's outputs given in
-    `layout`, each compared within rtol[output] of icl_ref's; adds "case:output" to culprits[slip name]
-    for the slips that reproduce each mismatch. An array of another shape is malformed unless a slip
-    explains it."""
+    """({output: "agrees" | slip name | "malformed: ..." | "unexplained"}, {output: _where}) for one
+    case's outputs given in `layout`, each compared within rtol[output] of icl_ref's; adds "case:output"
+    to culprits[slip name] for the slips that reproduce each mismatch. An array of another shape is
+    malformed unless a slip explains it."""
     ref = _expected(name, layout)[1]
-    found = {}
+    found, where = {}, {}
     for q, mine in given.items():
         bad = _malformed(mine, ref[q])
         if bad and bad[0] != "shape":
             found[q] = f"malformed: {bad[1]}"
             continue
-        if not bad and _close(mine, ref[q], rtol[q]):
-            found[q] = "agrees"
-            continue
+        if not bad:
+            where[q] = _where(name, layout, q, mine, ref[q], rtol[q])
+            if where[q]["error"] <= rtol[q]:
+                found[q] = "agrees"
+                continue
         match = [v for v, out in _slipped(name, layout).items() if q in out and _close(mine, out[q], rtol[q])]
         found[q] = match[0] if match else f"malformed: {bad[1]}" if bad else "unexplained"
         for v in match:
             culprits.setdefault(v, []).append(f"{name}:{q}")
-    return found
+    return found, where
 
 
-def _report(found, culprits, layout, skipped=()):
-    """The plain-text report of diagnose and check_implementation, its advice in the layout's terms."""
+MAX_REPORT_LINES = 25
+"""The longest failure message (a screen): the likely cause, then one line per failing case, simplest
+first; cases beyond it are counted, and the full table is in the report (MATH.md §13)."""
+
+
+def _table(found, where, skipped=(), failed=()):
+    """The full table: one line per case and output, its verdict, relative error, place and spread."""
     lines = []
-    for name, verdicts in found.items():
-        agree = [q for q, f in verdicts.items() if f == "agrees"]
-        differ = [f"{q} ({f})" for q, f in verdicts.items() if f != "agrees"]
-        lines.append(f"{name}: " + (f"agrees on {', '.join(agree)}" if agree else "agrees on nothing")
-                     + (f"; DIFFERS on {', '.join(differ)}" if differ else ""))
-    lines += [f"{name}: SKIPPED ({why})" for name, why in skipped]
-    if culprits:
-        lines += ["", "Likely causes, most frequent first:"]
-        for v, where in sorted(culprits.items(), key=lambda kv: -len(kv[1])):
-            lines.append(f"- {v} (reproduces {len(where)} mismatches, e.g. {where[0]}): "
-                         f"{DIAGNOSIS_VARIANTS[layout][v][1]}")
-    verdicts = [(q, f) for fs in found.values() for q, f in fs.items()]
-    if any(f.startswith("malformed") for _, f in verdicts):
-        lines.append("Some arrays are malformed (see above): fix them before comparing numbers.")
-    lost = {q for q, f in verdicts if f == "unexplained"}
-    outputs = LAYOUTS[layout][1]
-    forward = [q for q in outputs if q.startswith(("Z_L", "y_hat")) and q in lost]
-    if forward:
-        lines.append(f"{', '.join(forward)} differ(s) in no known way: run the one-layer case small-full and "
-                     f"compare {forward[0]}, {outputs[forward[0]]}, token by token.")
-    elif "loss" in lost:
-        lines.append(f"The forward pass agrees but the loss differs in no known way: here it is {outputs['loss']}.")
-    elif lost:
-        lines.append(f"The forward pass and the loss agree; {', '.join(sorted(lost))} differ(s) in no known way: "
-                     "compare with central differences of your own loss, one array at a time.")
-    elif verdicts and all(f == "agrees" for _, f in verdicts):
-        lines.append("Everything agrees within rtol.")
+    for name in sorted(found, key=_difficulty):
+        for q, verdict in found[name].items():
+            w = where[name].get(q)
+            size = "" if w is None else f"; relative error {w['error']:.1e}"
+            place = ("" if w is None or not w["place"] or verdict == "agrees" else
+                     f" ({w['place']})" if q == "loss" else f" at {w['place']}")
+            spread = f"; {w['spread']}" if w and w["spread"] and verdict != "agrees" else ""
+            lines.append(f"{_title(name)} {q}: {verdict}{size}{place}{spread}")
+    lines += [f"{_title(name)}: SKIPPED ({why})" for name, why in skipped]
+    lines += [f"{_title(name)}: FAILED ({why})" for name, why in failed]
     return "\n".join(lines)
+
+
+def _case_line(name, found, where):
+    """One failing case in a line: each output that differs, grouped by the slip that explains it, with
+    its largest error and spread when no slip does; the outputs that agree."""
+    by_slip, items = {}, []
+    for q, verdict in found.items():
+        if verdict == "unexplained":
+            w = where[q]
+            items.append(f"{q} {w['error']:.1e}" + (f" ({w['spread']})" if w["spread"] else ""))
+        elif verdict.startswith("malformed: "):
+            items.append(f"{q} {verdict}")
+        elif verdict != "agrees":
+            by_slip.setdefault(verdict, []).append(q)
+    for slip, qs in by_slip.items():
+        worst = max((q for q in qs if q in where), key=lambda q: where[q]["error"], default=None)
+        items.append(f"{', '.join(qs)}: {slip}" + (f" (largest error {where[worst]['error']:.1e}, {worst})" if worst else ""))
+    agree = [q for q, verdict in found.items() if verdict == "agrees"]
+    return f"  {_title(name)}: {'; '.join(items)}" + (f"; agree: {', '.join(agree)}" if agree else "")
+
+
+def _summary(title, found, where, culprits, layout, skipped=(), failed=(), probe=(), table_hint=""):
+    """The short report, `title` its first line, at most MAX_REPORT_LINES lines: the likely cause
+    first, in the layout's terms; for mismatches no known slip reproduces, the simplest case that has
+    one, each output's largest error and where it sits; then one line per failing case, simplest
+    first (fn's refusals among them), what was skipped, and where the full table is. Only cases that
+    differ are named."""
+    outputs = LAYOUTS[layout][1]
+    failing = sorted([n for n, fs in found.items() if any(f != "agrees" for f in fs.values())], key=_difficulty)
+    verdicts = [f for fs in found.values() for f in fs.values()]
+    if not failing and not failed:
+        return "Everything agrees within rtol." + "".join(f"\nSkipped: {n} ({why})" for n, why in skipped)
+    head = [title]
+    if culprits:
+        mismatches = sum(f != "agrees" and not f.startswith("malformed") for f in verdicts)
+        head.append("Likely causes, most frequent first:" if len(culprits) > 1 else "Likely cause:")
+        ranked = sorted(culprits.items(), key=lambda kv: -len(kv[1]))
+        for v, seen in ranked[:3]:
+            head.append(f"- {v} (reproduces {len(seen)} of {mismatches} mismatches, in "
+                        f"{len({s.split(':')[0] for s in seen})} cases): {DIAGNOSIS_VARIANTS[layout][v][1]}")
+        if len(ranked) > 3:
+            head.append(f"- and {len(ranked) - 3} other slips that reproduce fewer (the full table)")
+    lost = [n for n in failing if "unexplained" in found[n].values()]
+    if lost:
+        first = lost[0]
+        activation, L, H, _, _ = _sizes(first)
+        unexplained = [q for q, f in found[first].items() if f == "unexplained"]
+        count = sum(f == "unexplained" for f in verdicts)
+        head.append(f"{'No' if not culprits else 'Beyond these, no'} known slip reproduces {count} "
+                    f"mismatch{'es' if count > 1 else ''}. Start with {first} ({activation} attention, L = {L}, H = {H}), "
+                    "the simplest case where one appears:")
+        for q in unexplained:
+            w = where[first][q]
+            head.append(f"  {q}: relative error {w['error']:.1e}" + (f" ({w['place']})" if q == "loss" else
+                                                                      f" at {w['place']}" if w["place"] else "")
+                        + (f"; {w['spread']}" if w["spread"] else ""))
+        head += [f"  {line}" for line in probe]
+        forward = [q for q in unexplained if q.startswith(("Z_L", "y_hat"))]
+        if forward:
+            head.append(f"  Compare {forward[0]} entry by entry on {first} (its inputs: reference_cases()); "
+                        f"{forward[0]} is {outputs[forward[0]]}.")
+        elif "loss" in unexplained:
+            head.append(f"  The forward pass agrees but the loss differs: here it is {outputs['loss']}.")
+        else:
+            head.append("  The forward pass and the loss agree: compare the gradients with central differences "
+                        "of your own loss, one array at a time.")
+    if any(f.startswith("malformed") for f in verdicts):
+        head.append("Some arrays are malformed (named below): fix them before comparing numbers.")
+    cases = [_case_line(n, found[n], where[n]) for n in failing]
+    cases += [f"  {_title(n)}: FAILED ({why})" for n, why in sorted(failed, key=lambda f: _difficulty(f[0]))]
+    tail = [f"Skipped: {', '.join(f'{n} ({why})' for n, why in skipped)}"] if skipped else []
+    tail += [table_hint] if table_hint else []
+    room = MAX_REPORT_LINES - len(head) - len(tail) - 1
+    if len(cases) > room:
+        cases = cases[:room - 1] + [f"  ... and {len(cases) - room + 1} more (the full table)"]
+    return "\n".join(head + [f"Cases that differ, simplest first ({len(found) - len(failing)} of "
+                             f"{len(found) + len(failed)} agree; indices 0-based):"] + cases + tail)
+
+
+def _probe(fn, name, layout, dt, wanted, tol):
+    """Where in the model a case starts to differ, found by running fn on parts of it (MATH.md §13):
+    its first l < L layers, and each head alone (the other heads' P set to 0, so every head keeps its
+    index; not in the authors' layout, whose P blocks carry a fixed 1). Lines of text; none when the
+    case has one layer and one head, or fn cannot run a part (it raises, or returns other shapes)."""
+    case = _case(name)
+    _, L, H, _, n = _sizes(name)
+
+    def agrees(P, Q):
+        part = dict(case, P=P, Q=Q)
+        inputs = {k: np.array(v, dtype=dt) for k, v in _layout_inputs(part, layout).items()}
+        given = fn(dict(inputs, activation=case["activation"], n=n, L=int(P.shape[0]), H=int(P.shape[1])))
+        ref = _layout_outputs(part, layout, _case_outputs(P, Q, case["Z"], case["y"], case["activation"]))
+        if any(_malformed(given[q], ref[q]) for q in wanted):
+            raise ValueError("fn returned other shapes for a part of the case")
+        return all(_close(given[q], ref[q], tol[q]) for q in wanted)
+    found = []
+    try:
+        if L > 1:
+            prefix = [agrees(case["P"][:l], case["Q"][:l]) for l in range(1, L)]
+            k = prefix.index(False) if False in prefix else L - 1
+            found.append("layer 0 run alone already differs" if k == 0 else
+                         f"{'layer 0' if k == 1 else f'layers 0..{k - 1}'} run alone agree{'s' if k == 1 else ''}, "
+                         f"with layer {k} it differs")
+        if H > 1 and layout != "authors":
+            alone = []
+            for h in range(H):
+                P = case["P"].copy()
+                P[:, [g for g in range(H) if g != h]] = 0.0
+                alone.append(agrees(P, case["Q"]))
+            differ = [h for h, ok in enumerate(alone) if not ok]
+            found.append("each head run alone (the others' P = 0) agrees: their sum differs" if not differ else
+                         f"run alone (the others' P = 0), only head {differ[0]} differs" if len(differ) == 1 else
+                         "every head run alone (the others' P = 0) differs" if len(differ) == H else
+                         f"run alone (the others' P = 0), heads {differ} differ")
+    except Exception:                  # fn cannot run a part: the report keeps what the whole case showed
+        return []
+    return [f"Run in parts: {'; '.join(found)}."] if found else []
 
 
 def _names(arg, what, allowed):
@@ -552,18 +753,21 @@ def _layout_name(layout):
     return layout
 
 
-def diagnose(outputs, rtol=1e-6, layout="paper"):
+def diagnose(outputs, rtol=1e-6, layout="paper", full=False):
     """Compare another implementation's outputs on the reference cases with icl_ref, and name the known
-    convention slip that reproduces each mismatch (MATH.md §13).
+    convention slip that reproduces each mismatch, or say where it sits (MATH.md §13).
 
     outputs: {case name: {output: array}} with any of the layout's outputs (LAYOUTS; paper: Z_L, y_hat,
     loss, dP, dQ), computed by the user's code on the inputs of reference_cases() (or the reference
     vectors). rtol: relative to the largest entry of icl_ref's array (1e-6 suits float64 code; float32
     code needs about 1e-4). Empty input (no case, or a case with no array) is a ValueError. An array
     that is missing (None), not real numbers, of the wrong shape or not finite is named as malformed
-    before any comparison. Returns (report, found): a plain-text report a person can act on, its
-    advice in the layout's terms (DIAGNOSIS_VARIANTS), and {case: {output: "agrees" | slip name |
-    "malformed: ..." | "unexplained"}}.
+    before any comparison. Returns (report, found): a plain-text report a person can act on, at most
+    MAX_REPORT_LINES lines (the likely cause in the layout's terms, DIAGNOSIS_VARIANTS; for a mismatch
+    no slip explains, the simplest case that has it, each output's largest relative error, where it
+    sits and how far it spreads; one line per case that differs), followed with full=True by the full
+    table (every case and output); and {case: {output: "agrees" | slip name | "malformed: ..." |
+    "unexplained"}}.
     """
     if not isinstance(outputs, dict):
         raise TypeError(f"outputs must be a dict {{case name: {{output: array}}}}, got {type(outputs).__name__}")
@@ -571,6 +775,7 @@ def diagnose(outputs, rtol=1e-6, layout="paper"):
         raise ValueError("outputs is empty: give at least one case, {case name: {output: array}}")
     rtol = _nonneg("rtol", rtol)
     layout = _layout_name(layout)
+    full = _flag("full", full)
     _names(tuple(outputs), "outputs' cases", _cases_of(layout))
     allowed = LAYOUTS[layout][1]
     for name, given in outputs.items():
@@ -578,10 +783,13 @@ def diagnose(outputs, rtol=1e-6, layout="paper"):
             raise ValueError(f"outputs[{name!r}] must be a dict with keys among {', '.join(allowed)}")
         if not given:
             raise ValueError(f"outputs[{name!r}] holds no arrays: give any of {', '.join(allowed)}")
-    found, culprits = {}, {}
+    found, where, culprits = {}, {}, {}
     for name, given in outputs.items():
-        found[name] = _judge(name, layout, given, dict.fromkeys(given, rtol), culprits)
-    return _report(found, culprits, layout), found
+        found[name], where[name] = _judge(name, layout, given, dict.fromkeys(given, rtol), culprits)
+    failing = sum(any(f != "agrees" for f in fs.values()) for fs in found.values())
+    text = _summary(f"{failing} of {len(found)} cases differ from icl_ref ({layout} layout, rtol {rtol:g}):", found,
+                    where, culprits, layout, table_hint="" if full else "Full table: diagnose(..., full=True).")
+    return (text + "\n\nFull table:\n" + _table(found, where) if full else text), found
 
 
 CHECK_TOLERANCES = {"float64": dict(forward=1e-12, loss=1e-12, gradient=1e-10),
@@ -591,9 +799,20 @@ of VECTOR_TOLERANCES, for the forward pass (Z_L, Z_L_rows, y_hat), the loss and 
 dQ, grad_*)."""
 
 
-def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, outputs=None, skip=(), rtol=None):
+class Mismatch(AssertionError):
+    """check_implementation's failure. Its message is the short report (at most MAX_REPORT_LINES
+    lines; with full=True the full table follows); `report` is the whole report, the dict
+    check_implementation returns when it passes, with report["table"] every case and output."""
+
+    def __init__(self, message, report):
+        super().__init__(message)
+        self.report = report
+
+
+def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, outputs=None, skip=(), rtol=None,
+                         full=False):
     """Run another implementation on the reference cases and compare its outputs with icl_ref's
-    (MATH.md §13). `icl_ref.check_implementation(my_fn)` is the whole test, in any test runner.
+    (MATH.md §13). `icl_check.check_implementation(my_fn)` is the whole test, in any test runner.
 
     fn(inputs) receives one case as a dict: the layout's input arrays (below) as fresh `dtype` copies,
     and activation (str), n, L, H (int). It returns {output: array} with every output of the layout,
@@ -601,25 +820,31 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
     `skip` names the case (then it is reported as skipped, never as passed).
     layout: "paper", "authors" or "von_oswald" (LAYOUTS). dtype: np.float64 or np.float32 (required).
     cases: a case name or names (default: every case of the layout), e.g. one pytest test per case:
-        @pytest.mark.parametrize("case", [c["name"] for c in icl_ref.reference_cases()])
+        @pytest.mark.parametrize("case", [c["name"] for c in icl_check.reference_cases() if "paper" in c["layouts"]])
     outputs: the outputs to require and compare (default: all). skip: cases fn may decline.
     rtol: None (CHECK_TOLERANCES[dtype]: Z_L, Z_L_rows, y_hat by "forward", loss by "loss", dP, dQ,
     grad_* by "gradient"), one number for every output, or {output: rtol} overriding those named;
-    relative to the largest entry of icl_ref's array.
+    relative to the largest entry of icl_ref's array. full: put the full table in the failure message.
 
     Raises TypeError or ValueError naming the argument, or naming the case and output when fn returns
     no dict, misses an output, returns an unknown one, or one that is not a real array (None, a
-    string, complex, objects) or of the wrong shape. Raises AssertionError, its message the diagnosis
-    in the layout's terms (which outputs agree, which convention slip of DIAGNOSIS_VARIANTS[layout]
-    reproduces each mismatch, which arrays hold NaN or Inf), when a case fails or none was checked;
-    in pytest the message is shown without icl_ref's frames. Returns the report: layout, dtype,
-    icl_ref_version, outputs, rtol {output: rtol}, cases {name: {"status": "passed" | "skipped" |
-    "failed", "quantities": {output: verdict}, "reason": ...}} and text. The reference outputs are
-    computed once per process; fn receives copies.
+    string, complex, objects) or of the wrong shape. Raises Mismatch (an AssertionError) when a case
+    fails or none was checked; its message, at most MAX_REPORT_LINES lines, shown in pytest without
+    icl_check's frames, says first the likely cause in the layout's terms (the convention slips of
+    DIAGNOSIS_VARIANTS[layout] that reproduce the mismatches); for a mismatch no slip explains, the
+    simplest case that has it (linear before the other attentions, then fewer layers and heads), each
+    output's largest relative error, where it sits (prompt, token, row; a parameter's layer, head and
+    entry) and how far it spreads (the query's token only, one layer, one head, a constant factor),
+    and where in the model it starts: fn is run on the case's first layers and on each head alone
+    (the other heads' P = 0); then one line per failing case, simplest first. Returns the report:
+    layout, dtype, icl_ref_version, outputs, rtol {output: rtol}, cases {name: {"status": "passed" |
+    "skipped" | "failed", "quantities": {output: verdict}, "where": {output: {"error", "at", "place",
+    "spread"}}, "reason": ...}}, text (the short report) and table (every case and output). The
+    reference outputs are computed once per process; fn receives copies.
 
     Layouts (LAYOUTS):
     """
-    __tracebackhide__ = True                      # pytest: show the diagnosis, not icl_ref's frames
+    __tracebackhide__ = True                      # pytest: show the diagnosis, not icl_check's frames
     if not callable(fn):
         raise TypeError(f"fn must be callable, fn(inputs: dict) -> dict of outputs, got {type(fn).__name__}")
     layout = _layout_name(layout)
@@ -632,6 +857,7 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
     available = _cases_of(layout)
     names = available if cases is None else _names(cases, "cases", available)
     skip = _names(skip, "skip", available) if skip else ()
+    full = _flag("full", full)
     allowed = LAYOUTS[layout][1]
     wanted = tuple(allowed) if outputs is None else _names(outputs, "outputs", tuple(allowed))
     kind = {q: "gradient" if q.startswith(("d", "grad_")) else "loss" if q == "loss" else "forward" for q in wanted}
@@ -641,9 +867,9 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
     elif rtol is not None:
         tol = dict.fromkeys(wanted, _nonneg("rtol", rtol))
     report = dict(layout=layout, dtype=dt.name, icl_ref_version=__version__, outputs=wanted, rtol=tol, cases={})
-    found, culprits, skipped = {}, {}, []
+    found, where, culprits, skipped, refused = {}, {}, {}, [], []
     for name in names:
-        case = next(c for c in _reference_cases() if c["name"] == name)
+        case = _case(name)
         inputs = {k: np.array(v, dtype=dt) for k, v in _expected(name, layout)[0].items()}
         L, H = case["P"].shape[:2]
         try:
@@ -652,8 +878,10 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
             why = f"NotImplementedError: {e}" if str(e) else "NotImplementedError"
             if name in skip:
                 skipped.append((name, why))
-            report["cases"][name] = dict(status="skipped" if name in skip else "failed", quantities={},
-                                         reason=why if name in skip else f"fn raised {why}; skip= does not name it")
+            else:
+                refused.append((name, f"fn raised {why}; skip= does not name it"))
+            report["cases"][name] = dict(status="skipped" if name in skip else "failed", quantities={}, where={},
+                                         reason=why if name in skip else refused[-1][1])
             continue
         if not isinstance(given, dict):
             raise TypeError(f"fn must return a dict {{output: array}}; for case {name!r} it returned {type(given).__name__}")
@@ -666,19 +894,25 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
             bad = _malformed(given[q], _expected(name, layout)[1][q])
             if bad and bad[0] == "type":
                 raise TypeError(f"fn's output {q!r} for case {name!r} is {bad[1]}")
-        found[name] = _judge(name, layout, {q: given[q] for q in wanted}, tol, culprits)
+        found[name], where[name] = _judge(name, layout, {q: given[q] for q in wanted}, tol, culprits)
         shapes = [f"{q} has {f[len('malformed: '):]}" for q, f in found[name].items() if f.startswith("malformed: shape")]
         if shapes:
             raise ValueError(f"fn's outputs for case {name!r}: {'; '.join(shapes)} ({layout} layout, LAYOUTS)")
         ok = all(f == "agrees" for f in found[name].values())
-        report["cases"][name] = dict(status="passed" if ok else "failed", quantities=found[name])
-    text = _report(found, culprits, layout, skipped)
-    bad = [(name, c.get("reason")) for name, c in report["cases"].items() if c["status"] == "failed"]
-    report["text"] = text + "".join(f"\n{name}: FAILED ({reason})" for name, reason in bad if reason)
-    if bad:
-        raise AssertionError(f"the implementation differs from icl_ref ({layout} layout, {dt.name}):\n{report['text']}")
+        report["cases"][name] = dict(status="passed" if ok else "failed", quantities=found[name], where=where[name])
+    failing = [n for n, c in report["cases"].items() if c["status"] == "failed"]
+    lost = sorted((n for n in found if "unexplained" in found[n].values()), key=_difficulty)
+    probe = _probe(fn, lost[0], layout, dt, wanted, tol) if lost else []
+    title = (f"the implementation differs from icl_ref on {len(failing)} of {len(report['cases'])} cases "
+             f"({layout} layout, {dt.name}):")
+    report["table"] = _table(found, where, skipped, refused)
+    report["text"] = _summary(title, found, where, culprits, layout, skipped, refused, probe,
+                              "" if full else "Full table: the exception's .report['table'], or full=True.")
+    message = report["text"] + ("\n\nFull table:\n" + report["table"] if full else "")
+    if failing:
+        raise Mismatch(message, report)
     if not any(c["status"] == "passed" for c in report["cases"].values()):
-        raise AssertionError(f"no reference case was checked ({layout} layout): fn skipped every case\n{report['text']}")
+        raise Mismatch(f"no reference case was checked ({layout} layout): fn skipped every case\n{message}", report)
     return report
 
 
