@@ -480,6 +480,7 @@ def _close(mine, ref, rtol):
 
 
 def _case(name):
+    """The reference case of that name (read-only arrays)."""
     return next(c for c in _reference_cases() if c["name"] == name)
 
 
@@ -497,6 +498,7 @@ def _difficulty(name):
 
 
 def _title(name):
+    """A case as the report names it: its name, activation, layers and heads."""
     activation, L, H, _, _ = _sizes(name)
     return f"{name} [{activation}, L={L}, H={H}]"
 
@@ -618,19 +620,21 @@ def _table(found, where, skipped=(), failed=()):
 
 def _case_line(name, found, where):
     """One failing case in a line: each output that differs, grouped by the slip that explains it, with
-    its largest error and spread when no slip does; the outputs that agree."""
+    its largest error, and where it is confined when no slip explains it; the outputs that agree."""
     by_slip, items = {}, []
     for q, verdict in found.items():
         if verdict == "unexplained":
             w = where[q]
-            items.append(f"{q} {w['error']:.1e}" + (f" ({w['spread']})" if w["spread"] else ""))
+            confined = w["spread"] and not w["spread"].startswith("every")
+            items.append(f"{q} {w['error']:.1e}" + (f" ({w['spread']})" if confined else ""))
         elif verdict.startswith("malformed: "):
             items.append(f"{q} {verdict}")
         elif verdict != "agrees":
             by_slip.setdefault(verdict, []).append(q)
     for slip, qs in by_slip.items():
         worst = max((q for q in qs if q in where), key=lambda q: where[q]["error"], default=None)
-        items.append(f"{', '.join(qs)}: {slip}" + (f" (largest error {where[worst]['error']:.1e}, {worst})" if worst else ""))
+        items.append(f"{'every output' if len(qs) == len(found) else ', '.join(qs)}: {slip}"
+                     + (f" (largest error {where[worst]['error']:.1e}, {worst})" if worst else ""))
     agree = [q for q, verdict in found.items() if verdict == "agrees"]
     return f"  {_title(name)}: {'; '.join(items)}" + (f"; agree: {', '.join(agree)}" if agree else "")
 
@@ -696,8 +700,9 @@ def _summary(title, found, where, culprits, layout, skipped=(), failed=(), probe
 def _probe(fn, name, layout, dt, wanted, tol):
     """Where in the model a case starts to differ, found by running fn on parts of it (MATH.md §13):
     its first l < L layers, and each head alone (the other heads' P set to 0, so every head keeps its
-    index; not in the authors' layout, whose P blocks carry a fixed 1). Lines of text; none when the
-    case has one layer and one head, or fn cannot run a part (it raises, or returns other shapes)."""
+    index; not in the authors' layout, whose P blocks carry a fixed 1), comparing the outputs
+    `wanted`. Lines of text; none when the case has one layer and one head, or fn cannot run a part
+    (it raises, or returns other shapes)."""
     case = _case(name)
     _, L, H, _, n = _sizes(name)
 
@@ -902,7 +907,11 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
         report["cases"][name] = dict(status="passed" if ok else "failed", quantities=found[name], where=where[name])
     failing = [n for n, c in report["cases"].items() if c["status"] == "failed"]
     lost = sorted((n for n in found if "unexplained" in found[n].values()), key=_difficulty)
-    probe = _probe(fn, lost[0], layout, dt, wanted, tol) if lost else []
+    if lost:            # where the forward pass starts to differ; the gradients' only when it agrees
+        forward = [q for q in wanted if kind[q] != "gradient" and found[lost[0]][q] != "agrees"]
+        probe = _probe(fn, lost[0], layout, dt, forward or wanted, tol)
+    else:
+        probe = []
     title = (f"the implementation differs from icl_ref on {len(failing)} of {len(report['cases'])} cases "
              f"({layout} layout, {dt.name}):")
     report["table"] = _table(found, where, skipped, refused)
