@@ -2,12 +2,15 @@
 
 Checks another implementation (PyTorch, JAX, NumPy, or any language through the vectors' files)
 against icl_ref, in the paper's layout or in the authors' or von Oswald et al.'s, and names the
-convention slip behind a mismatch (MATH.md §13). Built on icl_ref's public names; icl_ref itself
-checks nothing of anyone else's.
+convention slip behind a mismatch or says where it sits (MATH.md §13). Built on icl_ref's public
+names; icl_ref itself checks nothing of anyone else's. Writes files only through icl_files.
 
     reference_cases()                          the inputs: small deterministic cases, every structure
-                                               and activation
-    check_implementation(fn, layout, dtype)    one call is the whole test, in any test runner
+                                               and activation, with the layouts that express each
+    check_implementation(fn, layout, dtype)    one call is the whole test, in any test runner; a
+                                               mismatch raises Mismatch, its message the likely cause
+                                               and where each difference sits (at most
+                                               MAX_REPORT_LINES lines), .report the full table
     diagnose(outputs, layout=...)              the same comparison for arrays computed elsewhere
     write_reference_vectors(out)               one .npz per case and manifest.json (the same bytes on
                                                every run), for code that cannot import Python;
@@ -533,20 +536,23 @@ def _where(name, layout, q, mine, ref, rtol):
         out["place"] = (f"prompt {at[0]}, {token} {t}{' (the query)' if t == n else ''}, {coord} {i}"
                         f"{' (the label)' if i == d else ''}")
         wrong = set(np.flatnonzero(bad.any(axis=(0, coords))))
-        label = set(np.flatnonzero(bad.any(axis=(0, tokens)))) == {d}
-        entry = f"{q}[:, {d}, {n}]" if q == "Z_L" else f"{q}[:, {n}, {d}]"
-        parts.append(f"only the query's label entry {entry}" if label and wrong == {n} else
-                     f"only the query's {token}" if wrong == {n} else
-                     f"only context {token}s ({len(wrong)} of {n}), not the query's" if n not in wrong else
-                     f"the query's and {len(wrong) - 1} of {n} context {token}s" if len(wrong) <= n else f"every {token}")
-        if label and wrong != {n}:
-            parts.append(f"the label {coord} only")
+        tokens_differ = (f"only the query's {token}" if wrong == {n} else
+                         f"only context {token}s ({len(wrong)} of {n}), not the query's" if n not in wrong else
+                         f"the query's and {len(wrong) - 1} of {n} context {token}s" if len(wrong) <= n else
+                         f"every {token}")
+        if set(np.flatnonzero(bad.any(axis=(0, tokens)))) == {d}:
+            entry = f"{q}[:, {d}, {n}]" if q == "Z_L" else f"{q}[:, {n}, {d}]"
+            tokens_differ = (f"only the query's label entry {entry}" if wrong == {n} else
+                             f"only the label {coord}, in {tokens_differ.replace('only ', '')}")
+        parts.append(tokens_differ)
     elif q == "y_hat":
         out["place"] = f"prompt {at[0]}"
         if bad.sum() < bad.size:
             parts.append(f"{int(bad.sum())} of {bad.size} prompts")
     elif q == "loss":
-        out["place"] = f"yours {float(mine):.6g}, icl_ref's {float(ref):.6g}"
+        ratio = f"{float(mine) / float(ref):.4g}" if ref else "1"
+        ratio = "," if ratio == "1" else f" = {ratio} x"
+        out["place"] = f"yours {float(mine):.6g}{ratio} icl_ref's {float(ref):.6g}"
     else:
         layer, head, width, block = _parameter_axes(layout, q, mine.shape, H)
         where = np.nonzero(bad)
@@ -625,8 +631,8 @@ def _case_line(name, found, where):
     for q, verdict in found.items():
         if verdict == "unexplained":
             w = where[q]
-            confined = w["spread"] and not w["spread"].startswith("every")
-            items.append(f"{q} {w['error']:.1e}" + (f" ({w['spread']})" if confined else ""))
+            confined = "; ".join(part for part in w["spread"].split("; ") if part and not part.startswith("every"))
+            items.append(f"{q} {w['error']:.1e}" + (f" ({confined})" if confined else ""))
         elif verdict.startswith("malformed: "):
             items.append(f"{q} {verdict}")
         elif verdict != "agrees":
@@ -634,17 +640,36 @@ def _case_line(name, found, where):
     for slip, qs in by_slip.items():
         worst = max((q for q in qs if q in where), key=lambda q: where[q]["error"], default=None)
         items.append(f"{'every output' if len(qs) == len(found) else ', '.join(qs)}: {slip}"
-                     + (f" (largest error {where[worst]['error']:.1e}, {worst})" if worst else ""))
+                     + (f" (largest error {where[worst]['error']:.1e}{'' if len(qs) == 1 else f', {worst}'})"
+                        if worst else ""))
     agree = [q for q, verdict in found.items() if verdict == "agrees"]
     return f"  {_title(name)}: {'; '.join(items)}" + (f"; agree: {', '.join(agree)}" if agree else "")
 
 
-def _summary(title, found, where, culprits, layout, skipped=(), failed=(), probe=(), table_hint=""):
+def _advice(name, found, unexplained, outputs):
+    """What to do next about the outputs of case `name` no slip explains, by what differs: the forward
+    pass (compare it entry by entry), the loss alone (its definition), or the gradients alone."""
+    forward = [q for q in unexplained if q.startswith(("Z_L", "y_hat"))]
+    if forward:
+        return (f"Compare {forward[0]} entry by entry on {name} (its inputs: reference_cases()); {forward[0]} is "
+                f"{outputs[forward[0]]}.")
+    given = [q for q in found if q.startswith(("Z_L", "y_hat"))]
+    agree = ["the forward pass"] if given and all(found[q] == "agrees" for q in given) else []
+    if "loss" in unexplained:
+        differs = "The forward pass agrees but the loss differs" if agree else "The loss differs"
+        return f"{differs}: here it is {outputs['loss']}."
+    agree += ["the loss"] if found.get("loss") == "agrees" else []
+    lead = f"{' and '.join(agree).capitalize()} agree{'s' if len(agree) == 1 else ''}: compare" if agree else "Compare"
+    return f"{lead} the gradients with central differences of your own loss, one array at a time."
+
+
+def _summary(title, found, where, culprits, layout, skipped=(), failed=(), probe=(), table_hint="", float64=False):
     """The short report, `title` its first line, at most MAX_REPORT_LINES lines: the likely cause
     first, in the layout's terms; for mismatches no known slip reproduces, the simplest case that has
     one, each output's largest error and where it sits; then one line per failing case, simplest
     first (fn's refusals among them), what was skipped, and where the full table is. Only cases that
-    differ are named."""
+    differ are named. float64: the check's dtype, where differences of float32's size suggest a model
+    computing in float32."""
     outputs = LAYOUTS[layout][1]
     failing = sorted([n for n, fs in found.items() if any(f != "agrees" for f in fs.values())], key=_difficulty)
     verdicts = [f for fs in found.values() for f in fs.values()]
@@ -667,23 +692,19 @@ def _summary(title, found, where, culprits, layout, skipped=(), failed=(), probe
         unexplained = [q for q, f in found[first].items() if f == "unexplained"]
         count = sum(f == "unexplained" for f in verdicts)
         head.append(f"{'No' if not culprits else 'Beyond these, no'} known slip reproduces {count} "
-                    f"mismatch{'es' if count > 1 else ''}. Start with {first} ({activation} attention, L = {L}, H = {H}), "
-                    "the simplest case where one appears:")
+                    f"mismatch{'es' if count > 1 else ''}. Start with {first} ({activation} attention, L = {L}, "
+                    f"H = {H}), the simplest case where one appears:")
         for q in unexplained:
             w = where[first][q]
             head.append(f"  {q}: relative error {w['error']:.1e}" + (f" ({w['place']})" if q == "loss" else
                                                                       f" at {w['place']}" if w["place"] else "")
                         + (f"; {w['spread']}" if w["spread"] else ""))
         head += [f"  {line}" for line in probe]
-        forward = [q for q in unexplained if q.startswith(("Z_L", "y_hat"))]
-        if forward:
-            head.append(f"  Compare {forward[0]} entry by entry on {first} (its inputs: reference_cases()); "
-                        f"{forward[0]} is {outputs[forward[0]]}.")
-        elif "loss" in unexplained:
-            head.append(f"  The forward pass agrees but the loss differs: here it is {outputs['loss']}.")
-        else:
-            head.append("  The forward pass and the loss agree: compare the gradients with central differences "
-                        "of your own loss, one array at a time.")
+        largest = max(where[n][q]["error"] for n in lost for q, f in found[n].items() if f == "unexplained")
+        if float64 and largest < 1e-4:
+            head.append(f"  The largest of these differences is {largest:.1e} relative, float32's rounding: does the "
+                        "model compute in float32? (JAX does unless jax_enable_x64 is set.)")
+        head.append("  " + _advice(first, found[first], unexplained, outputs))
     if any(f.startswith("malformed") for f in verdicts):
         head.append("Some arrays are malformed (named below): fix them before comparing numbers.")
     cases = [_case_line(n, found[n], where[n]) for n in failing]
@@ -916,7 +937,8 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
              f"({layout} layout, {dt.name}):")
     report["table"] = _table(found, where, skipped, refused)
     report["text"] = _summary(title, found, where, culprits, layout, skipped, refused, probe,
-                              "" if full else "Full table: the exception's .report['table'], or full=True.")
+                              "" if full else "Full table: the exception's .report['table'], or full=True.",
+                              float64=dt == np.float64)
     message = report["text"] + ("\n\nFull table:\n" + report["table"] if full else "")
     if failing:
         raise Mismatch(message, report)

@@ -259,3 +259,26 @@ def test_jax_von_oswald_layout_slips_with_autograd_gradients(slip):
         ic.check_implementation(fn, layout="von_oswald")
     else:
         check_report(fn, "von_oswald", slip, *VON_OSWALD_SLIPS[slip])
+
+
+def test_the_report_fits_in_its_lines_however_much_differs():
+    # every kind of line at once: five slips, each explaining the forward outputs of some cases, noise
+    # in every gradient and in the simplest case's Z_L and y_hat, a NaN; the cases beyond the screen
+    # are counted
+    rng = np.random.default_rng(0)
+    slips = ["Q transposed", "1/(n+1) normalisation", "no normalisation", "prediction sign flipped",
+             "query used as a key and value"]
+    outputs = {}
+    for k, name in enumerate(sorted(CASES, key=difficulty)):
+        slipped, ref = ic._slipped(name, "paper")[slips[k % len(slips)]], ic._expected(name, "paper")[1]
+        noise = {q: ref[q] + rng.standard_normal(ref[q].shape) for q in ("Z_L", "y_hat", "dP", "dQ")}
+        outputs[name] = dict(slipped, loss=np.nan if k == 5 else slipped["loss"], dP=noise["dP"], dQ=noise["dQ"],
+                             **({"Z_L": noise["Z_L"], "y_hat": noise["y_hat"]} if k == 0 else {}))
+    text, found = ic.diagnose(outputs)
+    lines = text.splitlines()
+    assert len(lines) == ic.MAX_REPORT_LINES and re.search(r"^  \.\.\. and \d+ more \(the full table\)$", text, flags=re.M)
+    assert len(named_slips(text)) == 3 and "- and 2 other slips" in text and "malformed" in text, text
+    assert "Start with small-full (linear attention" in text and "  Z_L: relative error" in text
+    full, _ = ic.diagnose(outputs, full=True)
+    table = full.split("\n\nFull table:\n")[1].splitlines()
+    assert len(table) == len(CASES) * 5 and table[0].startswith("small-full [linear, L=1, H=1] Z_L: unexplained")

@@ -26,7 +26,7 @@ with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
 BLOCKS = [(re.findall(r"^#+ (.+)$", README[:m.start()], flags=re.M)[-1], m.group(1))
           for m in re.finditer(r"```python\n(.*?)```", README, flags=re.S)]
 SLOW = r"# this block: about (\d+) (s|min)\b"
-BLOCK_IDS = [heading.split(":")[0] for heading, _ in BLOCKS]
+BLOCK_IDS = [re.split(r"[:(]", heading)[0].strip() for heading, _ in BLOCKS]
 TORCH = re.compile(r"^import .*\btorch\b", flags=re.M)
 
 
