@@ -625,8 +625,9 @@ def _table(found, where, skipped=(), failed=()):
 
 
 def _case_line(name, found, where):
-    """One failing case in a line: each output that differs, grouped by the slip that explains it, with
-    its largest error, and where it is confined when no slip explains it; the outputs that agree."""
+    """What one failing case shows, for its line: each output that differs, grouped by the slip that
+    explains it, with its largest error, and where it is confined when no slip explains it; the
+    outputs that agree."""
     by_slip, items = {}, []
     for q, verdict in found.items():
         if verdict == "unexplained":
@@ -643,7 +644,22 @@ def _case_line(name, found, where):
                      + (f" (largest error {where[worst]['error']:.1e}{'' if len(qs) == 1 else f', {worst}'})"
                         if worst else ""))
     agree = [q for q, verdict in found.items() if verdict == "agrees"]
-    return f"  {_title(name)}: {'; '.join(items)}" + (f"; agree: {', '.join(agree)}" if agree else "")
+    return "; ".join(items) + (f"; agree: {', '.join(agree)}" if agree else "")
+
+
+def _case_lines(failing, found, where):
+    """One line per failing case, simplest first; consecutive cases whose lines would say the same
+    thing share one (named and counted, or "all N cases" when every case checked does)."""
+    runs = []                                                  # [text, names]
+    for name in failing:
+        text = _case_line(name, found[name], where[name])
+        if runs and runs[-1][0] == text:
+            runs[-1][1].append(name)
+        else:
+            runs.append([text, [name]])
+    return [f"  {_title(names[0])}: {text}" if len(names) == 1 else
+            f"  all {len(names)} cases: {text}" if len(names) == len(found) else
+            f"  {', '.join(names)} ({len(names)} cases): {text}" for text, names in runs]
 
 
 def _advice(name, found, unexplained, outputs):
@@ -707,7 +723,7 @@ def _summary(title, found, where, culprits, layout, skipped=(), failed=(), probe
         head.append("  " + _advice(first, found[first], unexplained, outputs))
     if any(f.startswith("malformed") for f in verdicts):
         head.append("Some arrays are malformed (named below): fix them before comparing numbers.")
-    cases = [_case_line(n, found[n], where[n]) for n in failing]
+    cases = _case_lines(failing, found, where)
     cases += [f"  {_title(n)}: FAILED ({why})" for n, why in sorted(failed, key=lambda f: _difficulty(f[0]))]
     tail = [f"Skipped: {', '.join(f'{n} ({why})' for n, why in skipped)}"] if skipped else []
     tail += [table_hint] if table_hint else []

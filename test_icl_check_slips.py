@@ -178,6 +178,21 @@ def relative_error(mine, ref):
     return float(np.max(np.abs(np.asarray(mine, dtype=float) - ref)) / np.max(np.abs(ref)))
 
 
+def cases_named(message, report):
+    """The cases a report's case lines name, in its order: "  name [activation, L=, H=]: ...", "  a, b
+    (2 cases): ..." for cases whose lines would repeat, "  all N cases: ..."."""
+    named = []
+    section = message.split("\nCases that differ, simplest first", 1)[1].split("\n")[1:]
+    for line in (re.match(r"  (\S.*?): ", line).group(1) for line in section if line.startswith("  ")):
+        if re.fullmatch(r"all \d+ cases", line):
+            named += sorted(report["cases"], key=difficulty)
+        elif " [" in line:
+            named.append(line.split(" [")[0])
+        else:
+            named += re.sub(r" \(\d+ cases\)$", "", line).split(", ")
+    return named
+
+
 def named_slips(message):
     """The slips a report names as likely causes, in its order."""
     return re.findall(r"^- (.+?) \(reproduces", message, flags=re.M)
@@ -199,7 +214,7 @@ def check_report(fn, layout, slip, kind, words, outputs=None):
         errors = {q: relative_error(given[q], ic._expected(name, layout)[1][q]) for q in report["outputs"]}
         if any(e > report["rtol"][q] for q, e in errors.items()):
             differ[name] = errors
-    named = re.findall(r"^  (\S+) \[", message, flags=re.M)
+    named = cases_named(message, report)
     assert named == sorted(differ, key=difficulty), message
     assert {n for n, c in report["cases"].items() if c["status"] == "failed"} == set(differ)
     if kind == "known":
