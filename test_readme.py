@@ -78,7 +78,7 @@ def test_slow_readme_block_runs_as_written_in_about_the_time_it_says(heading, bl
 
 def test_the_example_failure_is_the_kits_report():
     import test_icl_check_slips as slips
-    example = re.search(r"A model whose second layer has no residual reads:\n\n```text\n(.*?)```", README,
+    example = re.search(r"A model whose second layer has\s+no residual reads:\n\n```text\n(.*?)```", README,
                         flags=re.S).group(1)
     with pytest.raises(ic.Mismatch) as failure:
         ic.check_implementation(slips.numpy_model("paper", "residual-2"), outputs=("Z_L", "y_hat", "loss"))
