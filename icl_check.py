@@ -2,9 +2,10 @@
 
 Checks another implementation (PyTorch, JAX, NumPy, or any language through the vectors' files)
 against icl_ref, in the paper's layout or in the authors' or von Oswald et al.'s, and names the
-convention slip behind a mismatch (MATH.md §13); the adapters between those layouts and the
-paper's (MATH.md §12) come first. Built on icl_ref's public names (and the input checks its
-PRIVATE_API lists); icl_ref itself checks nothing of anyone else's.
+convention slip behind a mismatch or says where it sits (MATH.md §13); the adapters between
+those layouts and the paper's (MATH.md §12) come first. Built on icl_ref's public names (and the
+input checks its PRIVATE_API lists); icl_ref itself checks nothing of anyone else's. Writes files
+only through icl_files.
 
     tokens_as_rows, tokens_as_columns          prompts with tokens as rows (their code) and back
     params_from_authors, params_to_authors,    the authors' allparam blocks, and their gradient
@@ -13,8 +14,11 @@ PRIVATE_API lists); icl_ref itself checks nothing of anyone else's.
                                                von Oswald et al.'s W_q, W_k, W_v, W_o, and their loss
 
     reference_cases()                          the inputs: small deterministic cases, every structure
-                                               and activation
-    check_implementation(fn, layout, dtype)    one call is the whole test, in any test runner
+                                               and activation, with the layouts that express each
+    check_implementation(fn, layout, dtype)    one call is the whole test, in any test runner; a
+                                               mismatch raises Mismatch, its message the likely cause
+                                               and where each difference sits (at most
+                                               MAX_REPORT_LINES lines), .report the full table
     diagnose(outputs, layout=...)              the same comparison for arrays computed elsewhere
     write_reference_vectors(out)               one .npz per case and manifest.json (the same bytes on
                                                every run), for code that cannot import Python;
@@ -26,20 +30,19 @@ Sections follow MATH.md §12-§13.
 """
 import argparse
 import functools
-import hashlib
 import io
 import json
 import math
 import os
-import stat
 import sys
 import textwrap
 import zipfile
 
 import numpy as np
 
+import icl_files
 import icl_ref as ir
-from icl_ref import _array, _int, _nonneg, _numpy_rules, _params, _prompts
+from icl_ref import _array, _flag, _int, _nonneg, _numpy_rules, _params, _prompts
 
 __version__ = ir.__version__
 
@@ -243,13 +246,6 @@ def _reference_cases():
     return tuple(cases)
 
 
-def reference_cases():
-    """The inputs of the reference vectors: a list of dicts (name, description, activation, structure,
-    Z, y, P, Q, and the covariances Sigma, Sigma_w its prompts were drawn with), deterministic (fixed
-    seeds), built once per process; fresh copies on every call. MATH.md §13."""
-    return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()} for c in _reference_cases()]
-
-
 def _case_outputs(P, Q, Z, y, activation):
     """Z_L, y_hat, loss, dP, dQ of icl_ref's conventions for one case."""
     if activation == "linear":
@@ -343,6 +339,15 @@ def _case_layouts(case):
     return layouts
 
 
+def reference_cases():
+    """The inputs of the reference vectors: a list of dicts (name, description, activation, structure,
+    Z, y, P, Q, the covariances Sigma, Sigma_w its prompts were drawn with, and layouts: the layouts
+    that can express the case, LAYOUTS' keys), deterministic (fixed seeds), built once per process;
+    fresh copies on every call. MATH.md §13."""
+    return [dict({k: v.copy() if isinstance(v, np.ndarray) else v for k, v in c.items()}, layouts=_case_layouts(c))
+            for c in _reference_cases()]
+
+
 def _case_von_oswald_weights(case):
     """von Oswald et al.'s weights for a case, key size D: W_q,h = I, W_k,h = Q_h (times sqrt(D) for
     softmax), W_v,h = P_h^T / n, W_o,h = I, which params_from_von_oswald maps back to (P, Q)."""
@@ -408,22 +413,17 @@ def _expected(name, layout):
 # §13 The reference vectors: files for implementations that cannot import icl_ref
 # ---------------------------------------------------------------------------------------------
 
-def _earlier_vectors(dfd, present):
-    """The files of `present` an earlier write_reference_vectors left unchanged in the directory dfd
-    (manifest.json and the files it lists with their SHA-256), or none without a manifest of ours."""
-    def read(name):
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
-    try:
-        manifest = json.loads(read("manifest.json"))
-        if manifest["format"] != "icl_ref reference vectors":
-            return set()
-        ours = {c["file"] for c in manifest["cases"]
-                if c["file"] in present and hashlib.sha256(read(c["file"])).hexdigest() == c["sha256"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
-    return ours | {"manifest.json"}
+VECTORS_TOOL, VECTORS_RECORD, VECTORS_LOCK = "icl_check vectors", ".vectors-record.json", ".vectors.lock"
+"""The vectors writer's name in messages, its record while it writes (removed once the set is whole:
+manifest.json then vouches for every file) and its lock file, for icl_files.write_file_set."""
+
+
+def _manifest_files(manifest):
+    """{file: sha256} an earlier manifest.json vouches for, or None when it is not a manifest of
+    reference vectors (icl_files trusts no other)."""
+    if manifest.get("format") != "icl_ref reference vectors":
+        return None
+    return {case["file"]: case["sha256"] for case in manifest["cases"]}
 
 
 def write_reference_vectors(out, overwrite=False):
@@ -431,63 +431,41 @@ def write_reference_vectors(out, overwrite=False):
     reference_cases (the arrays of ARRAY_MEANINGS that apply: the paper's layout always, the authors'
     when P, Q have their form and the attention is linear or theirs, von Oswald et al.'s for linear
     and softmax attention) and manifest.json (format, icl_ref_version, conventions, shapes, meanings,
-    tolerances, each file's SHA-256). The same bytes on every run. A non-empty `out` is refused,
-    except with overwrite=True when it holds only files an earlier run wrote and its manifest lists
-    unchanged, which are replaced. Never writes through a symbolic link (`out` or a file in it);
-    holds an exclusive flock on `out` while it works (another writer is refused). POSIX only.
+    tolerances, each file's SHA-256), written last. The same bytes on every run.
+
+    The folder is icl_files' (its promises, on any system): a non-empty `out` is refused (a ValueError
+    naming the file and why; the command line's flag --overwrite is overwrite=True) unless overwrite
+    and every file in it is provably an earlier run's: listed with its SHA-256 by manifest.json, or by
+    the record a stopped run left (a run killed mid-write: what it cannot prove it names). Never
+    writes through a symbolic link (`out`, `out/`, a file in it), never opens a FIFO or device, one
+    writer at a time (VECTORS_LOCK). A write the system refuses (disk full, `ulimit -f`, permission)
+    is an OSError (icl_files.WriteFailed) saying what to do; the file begun is removed.
     Returns the manifest (a dict). MATH.md §13."""
-    import fcntl                    # POSIX; imported here so that icl_ref itself imports anywhere
-    if not isinstance(out, (str, os.PathLike)) or not str(out):
+    if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
         raise TypeError(f"out must name a directory, got {out!r}")
-    if os.path.islink(out) or (os.path.exists(out) and not os.path.isdir(out)):
-        raise ValueError(f"out {str(out)!r} is a symbolic link or not a directory: name a directory itself")
-    os.makedirs(out, exist_ok=True)
-    dfd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)   # a link put there since: ELOOP
-    try:
-        try:
-            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"out {str(out)!r} is locked by another process writing there: try again later") from None
-        present = set(os.listdir(dfd))
-        links = sorted(f for f in present if stat.S_ISLNK(os.stat(f, dir_fd=dfd, follow_symlinks=False).st_mode))
-        if links:
-            raise ValueError(f"out {str(out)!r} holds symbolic links ({', '.join(links[:3])}): not writing through them")
-        if present and not overwrite:
-            raise ValueError(f"out {str(out)!r} is not empty: name a new directory (or pass overwrite=True, "
-                             "--overwrite, to replace an earlier set of reference vectors there)")
-        foreign = sorted(present - _earlier_vectors(dfd, present))
-        if foreign:
-            raise ValueError(f"out {str(out)!r} holds files this program did not write or that changed since "
-                             f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): not touching them; "
-                             "name a new directory")
-        manifest = dict(format="icl_ref reference vectors", format_version=VECTORS_FORMAT, icl_ref_version=__version__,
-                        conventions="MATH.md sections 2-3 and 12: layer Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M "
-                                    "dropping the query from keys and values; y_hat = -Z_L[d, n]; loss mean (y_hat - y)^2",
-                        tolerances=VECTOR_TOLERANCES, cases=[])
-        files = {}
-        for case in _reference_cases():
-            P, Z, layouts = case["P"], case["Z"], _case_layouts(case)
-            arrays = dict(_layout_inputs(case, "paper"), **_expected(case["name"], "paper")[1])
-            for layout in layouts[1:]:
-                arrays.update(_expected(case["name"], layout)[0],
-                              **{k: v for k, v in _expected(case["name"], layout)[1].items() if k.startswith("grad_")})
-            name = f"{case['name']}.npz"
-            files[name] = _npz_bytes(arrays)
-            manifest["cases"].append(dict(
-                name=case["name"], file=name, sha256=hashlib.sha256(files[name]).hexdigest(),
-                description=case["description"], activation=case["activation"], structure=case["structure"],
-                layouts=layouts, B=int(Z.shape[0]), d=int(Z.shape[1] - 1), n=int(Z.shape[2] - 1), L=int(P.shape[0]),
-                H=int(P.shape[1]), arrays={k: dict(shape=list(np.shape(v)), meaning=ARRAY_MEANINGS[k])
-                                           for k, v in arrays.items()}))
-        files["manifest.json"] = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
-        for name, data in files.items():
-            if name in present:
-                os.unlink(name, dir_fd=dfd)           # ours (checked above); O_EXCL below never follows a link
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-    finally:
-        os.close(dfd)                                # releases the lock
+    overwrite = _flag("overwrite", overwrite)
+    manifest = dict(format="icl_ref reference vectors", format_version=VECTORS_FORMAT, icl_ref_version=__version__,
+                    conventions="MATH.md sections 2-3 and 12: layer Z + (1/n) sum_h P_h Z M Z^T Q_h Z with M "
+                                "dropping the query from keys and values; y_hat = -Z_L[d, n]; loss mean (y_hat - y)^2",
+                    tolerances=VECTOR_TOLERANCES, cases=[])
+    files = {}
+    for case in _reference_cases():
+        P, Z, layouts = case["P"], case["Z"], _case_layouts(case)
+        arrays = dict(_layout_inputs(case, "paper"), **_expected(case["name"], "paper")[1])
+        for layout in layouts[1:]:
+            arrays.update(_expected(case["name"], layout)[0],
+                          **{k: v for k, v in _expected(case["name"], layout)[1].items() if k.startswith("grad_")})
+        name = f"{case['name']}.npz"
+        files[name] = _npz_bytes(arrays)
+        manifest["cases"].append(dict(
+            name=case["name"], file=name, sha256=icl_files.sha256(files[name]),
+            description=case["description"], activation=case["activation"], structure=case["structure"],
+            layouts=layouts, B=int(Z.shape[0]), d=int(Z.shape[1] - 1), n=int(Z.shape[2] - 1), L=int(P.shape[0]),
+            H=int(P.shape[1]), arrays={k: dict(shape=list(np.shape(v)), meaning=ARRAY_MEANINGS[k])
+                                       for k, v in arrays.items()}))
+    files["manifest.json"] = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()   # last: it vouches
+    icl_files.write_file_set(out, files, tool=VECTORS_TOOL, record=VECTORS_RECORD, lock=VECTORS_LOCK,
+                             vouchers={"manifest.json": _manifest_files}, overwrite=overwrite)
     return manifest
 
 
@@ -646,59 +624,297 @@ def _close(mine, ref, rtol):
     return mine.shape == np.shape(ref) and bool(np.all(np.abs(mine - ref) <= rtol * scale))
 
 
+def _case(name):
+    """The reference case of that name (read-only arrays)."""
+    return next(c for c in _reference_cases() if c["name"] == name)
+
+
+def _sizes(name):
+    """A case's activation, L, H, d, n."""
+    c = _case(name)
+    return c["activation"], *map(int, c["P"].shape[:2]), int(c["Z"].shape[1] - 1), int(c["Z"].shape[2] - 1)
+
+
+def _difficulty(name):
+    """The order in which to read failing cases, simplest first: linear attention before the others,
+    then fewer layers, fewer heads, smaller d and n (the reference cases' order breaks ties)."""
+    activation, L, H, d, n = _sizes(name)
+    return activation != "linear", L, H, d, n, [c["name"] for c in _reference_cases()].index(name)
+
+
+def _title(name):
+    """A case as the report names it: its name, activation, layers and heads."""
+    activation, L, H, _, _ = _sizes(name)
+    return f"{name} [{activation}, L={L}, H={H}]"
+
+
+def _parameter_axes(layout, q, shape, H):
+    """For a gradient output: its layer axis, the axis whose index gives the head and the head's width
+    on it, and the authors' block axis (or None)."""
+    if layout == "von_oswald":
+        axis = 1 if q == "grad_W_o" else 2               # W_o: heads as row blocks; W_q, W_k, W_v: column blocks
+        return 0, axis, shape[axis] // H, None
+    return 0, 1, 1, 2 if layout == "authors" else None
+
+
+def _where(name, layout, q, mine, ref, rtol):
+    """How one output differs from icl_ref's (MATH.md §13): {"error": the largest difference relative
+    to icl_ref's largest entry, "at": its index, "place": that index in the layout's terms, "spread":
+    which part of the array differs beyond rtol (the query's token only, context tokens only, one
+    layer, one head, one prompt, a constant factor of icl_ref's), or ""}. mine has ref's shape."""
+    mine, ref = np.asarray(mine, dtype=float), np.asarray(ref, dtype=float)
+    scale = max(float(np.max(np.abs(ref))), 1e-300)
+    diff = np.abs(mine - ref)
+    at = tuple(int(i) for i in np.unravel_index(np.argmax(diff), diff.shape))
+    out = dict(error=float(np.max(diff)) / scale, at=at, place="", spread="")
+    if out["error"] <= rtol:
+        return out
+    bad = diff > rtol * scale
+    _, L, H, d, n = _sizes(name)
+    parts = []
+    if q in ("Z_L", "Z_L_rows"):
+        (tokens, token), (coords, coord) = ((2, "column"), (1, "row")) if q == "Z_L" else ((1, "row"), (2, "column"))
+        t, i = at[tokens], at[coords]
+        out["place"] = (f"prompt {at[0]}, {token} {t}{' (the query)' if t == n else ''}, {coord} {i}"
+                        f"{' (the label)' if i == d else ''}")
+        wrong = set(np.flatnonzero(bad.any(axis=(0, coords))))
+        tokens_differ = (f"only the query's {token}" if wrong == {n} else
+                         f"only context {token}s ({len(wrong)} of {n}), not the query's" if n not in wrong else
+                         f"the query's and {len(wrong) - 1} of {n} context {token}s" if len(wrong) <= n else
+                         f"every {token}")
+        if set(np.flatnonzero(bad.any(axis=(0, tokens)))) == {d}:
+            entry = f"{q}[:, {d}, {n}]" if q == "Z_L" else f"{q}[:, {n}, {d}]"
+            tokens_differ = (f"only the query's label entry {entry}" if wrong == {n} else
+                             f"only the label {coord}, in {tokens_differ.replace('only ', '')}")
+        parts.append(tokens_differ)
+    elif q == "y_hat":
+        out["place"] = f"prompt {at[0]}"
+        if bad.sum() < bad.size:
+            parts.append(f"{int(bad.sum())} of {bad.size} prompts")
+    elif q == "loss":
+        ratio = f"{float(mine) / float(ref):.4g}" if ref else "1"
+        ratio = "," if ratio == "1" else f" = {ratio} x"
+        out["place"] = f"yours {float(mine):.6g}{ratio} icl_ref's {float(ref):.6g}"
+    else:
+        layer, head, width, block = _parameter_axes(layout, q, mine.shape, H)
+        where = np.nonzero(bad)
+        layers, heads = set(where[layer]), set(where[head] // width)
+        blocks = set(where[block]) if block is not None else set()
+        names = f"layer {at[layer]}, head {at[head] // width}" + (
+            f", the {('P', 'Q_code')[at[block]]} block" if block is not None else "")
+        out["place"] = f"{q}[{', '.join(map(str, at))}] ({names})"
+        if L > 1 and len(layers) == 1:
+            parts.append(f"only layer {layers.pop()}")
+        if H > 1 and len(heads) == 1:
+            parts.append(f"only head {heads.pop()}")
+        if len(blocks) == 1:
+            parts.append(f"only the {('P', 'Q_code')[blocks.pop()]} blocks")
+        if not parts and (L > 1 or H > 1):
+            parts.append("every layer and head" if len(layers) == L and len(heads) == H else
+                         f"layers {sorted(map(int, layers))}, heads {sorted(map(int, heads))}")
+    ref_norm = float(np.sum(ref * ref))
+    if mine.size > 1 and ref_norm > 0:                # a constant factor (a scale slip) says more than a place
+        c = float(np.sum(mine * ref)) / ref_norm
+        if f"{c:.4g}" != "1" and np.all(np.abs(mine - c * ref) <= rtol * scale * max(1.0, abs(c))):
+            parts = ["all zeros" if not np.any(mine) else f"{c:.4g} x icl_ref's everywhere"]
+    out["spread"] = "; ".join(parts)
+    return out
+
+
 def _judge(name, layout, given, rtol, culprits):
-    """{output: "agrees" | slip name | "malformed: ..." | "unexplained"} for one case's outputs given in
-    `layout`, each compared within rtol[output] of icl_ref's; adds "case:output" to culprits[slip name]
-    for the slips that reproduce each mismatch. An array of another shape is malformed unless a slip
-    explains it."""
+    """({output: "agrees" | slip name | "malformed: ..." | "unexplained"}, {output: _where}) for one
+    case's outputs given in `layout`, each compared within rtol[output] of icl_ref's; adds "case:output"
+    to culprits[slip name] for the slips that reproduce each mismatch. An array of another shape is
+    malformed unless a slip explains it."""
     ref = _expected(name, layout)[1]
-    found = {}
+    found, where = {}, {}
     for q, mine in given.items():
         bad = _malformed(mine, ref[q])
         if bad and bad[0] != "shape":
             found[q] = f"malformed: {bad[1]}"
             continue
-        if not bad and _close(mine, ref[q], rtol[q]):
-            found[q] = "agrees"
-            continue
+        if not bad:
+            where[q] = _where(name, layout, q, mine, ref[q], rtol[q])
+            if where[q]["error"] <= rtol[q]:
+                found[q] = "agrees"
+                continue
         match = [v for v, out in _slipped(name, layout).items() if q in out and _close(mine, out[q], rtol[q])]
         found[q] = match[0] if match else f"malformed: {bad[1]}" if bad else "unexplained"
         for v in match:
             culprits.setdefault(v, []).append(f"{name}:{q}")
-    return found
+    return found, where
 
 
-def _report(found, culprits, layout, skipped=()):
-    """The plain-text report of diagnose and check_implementation, its advice in the layout's terms."""
+MAX_REPORT_LINES = 25
+"""The longest failure message (a screen): the likely cause, then one line per failing case, simplest
+first; cases beyond it are counted, and the full table is in the report (MATH.md §13)."""
+
+
+def _table(found, where, skipped=(), failed=()):
+    """The full table: one line per case and output, its verdict, relative error, place and spread."""
     lines = []
-    for name, verdicts in found.items():
-        agree = [q for q, f in verdicts.items() if f == "agrees"]
-        differ = [f"{q} ({f})" for q, f in verdicts.items() if f != "agrees"]
-        lines.append(f"{name}: " + (f"agrees on {', '.join(agree)}" if agree else "agrees on nothing")
-                     + (f"; DIFFERS on {', '.join(differ)}" if differ else ""))
-    lines += [f"{name}: SKIPPED ({why})" for name, why in skipped]
-    if culprits:
-        lines += ["", "Likely causes, most frequent first:"]
-        for v, where in sorted(culprits.items(), key=lambda kv: -len(kv[1])):
-            lines.append(f"- {v} (reproduces {len(where)} mismatches, e.g. {where[0]}): "
-                         f"{DIAGNOSIS_VARIANTS[layout][v][1]}")
-    verdicts = [(q, f) for fs in found.values() for q, f in fs.items()]
-    if any(f.startswith("malformed") for _, f in verdicts):
-        lines.append("Some arrays are malformed (see above): fix them before comparing numbers.")
-    lost = {q for q, f in verdicts if f == "unexplained"}
-    outputs = LAYOUTS[layout][1]
-    forward = [q for q in outputs if q.startswith(("Z_L", "y_hat")) and q in lost]
-    if forward:
-        lines.append(f"{', '.join(forward)} differ(s) in no known way: run the one-layer case small-full and "
-                     f"compare {forward[0]}, {outputs[forward[0]]}, token by token.")
-    elif "loss" in lost:
-        lines.append(f"The forward pass agrees but the loss differs in no known way: here it is {outputs['loss']}.")
-    elif lost:
-        lines.append(f"The forward pass and the loss agree; {', '.join(sorted(lost))} differ(s) in no known way: "
-                     "compare with central differences of your own loss, one array at a time.")
-    elif verdicts and all(f == "agrees" for _, f in verdicts):
-        lines.append("Everything agrees within rtol.")
+    for name in sorted(found, key=_difficulty):
+        for q, verdict in found[name].items():
+            w = where[name].get(q)
+            size = "" if w is None else f"; relative error {w['error']:.1e}"
+            place = ("" if w is None or not w["place"] or verdict == "agrees" else
+                     f" ({w['place']})" if q == "loss" else f" at {w['place']}")
+            spread = f"; {w['spread']}" if w and w["spread"] and verdict != "agrees" else ""
+            lines.append(f"{_title(name)} {q}: {verdict}{size}{place}{spread}")
+    lines += [f"{_title(name)}: SKIPPED ({why})" for name, why in skipped]
+    lines += [f"{_title(name)}: FAILED ({why})" for name, why in failed]
     return "\n".join(lines)
+
+
+def _case_line(name, found, where):
+    """What one failing case shows, for its line: each output that differs, grouped by the slip that
+    explains it, with its largest error, and where it is confined when no slip explains it; the
+    outputs that agree."""
+    by_slip, items = {}, []
+    for q, verdict in found.items():
+        if verdict == "unexplained":
+            w = where[q]
+            confined = "; ".join(part for part in w["spread"].split("; ") if part and not part.startswith("every"))
+            items.append(f"{q} {w['error']:.1e}" + (f" ({confined})" if confined else ""))
+        elif verdict.startswith("malformed: "):
+            items.append(f"{q} {verdict}")
+        elif verdict != "agrees":
+            by_slip.setdefault(verdict, []).append(q)
+    for slip, qs in by_slip.items():
+        worst = max((q for q in qs if q in where), key=lambda q: where[q]["error"], default=None)
+        items.append(f"{'every output' if len(qs) == len(found) else ', '.join(qs)}: {slip}"
+                     + (f" (largest error {where[worst]['error']:.1e}{'' if len(qs) == 1 else f', {worst}'})"
+                        if worst else ""))
+    agree = [q for q, verdict in found.items() if verdict == "agrees"]
+    return "; ".join(items) + (f"; agree: {', '.join(agree)}" if agree else "")
+
+
+def _case_lines(failing, found, where):
+    """One line per failing case, simplest first; consecutive cases whose lines would say the same
+    thing share one (named and counted, or "all N cases" when every case checked does)."""
+    runs = []                                                  # [text, names]
+    for name in failing:
+        text = _case_line(name, found[name], where[name])
+        if runs and runs[-1][0] == text:
+            runs[-1][1].append(name)
+        else:
+            runs.append([text, [name]])
+    return [f"  {_title(names[0])}: {text}" if len(names) == 1 else
+            f"  all {len(names)} cases: {text}" if len(names) == len(found) else
+            f"  {', '.join(names)} ({len(names)} cases): {text}" for text, names in runs]
+
+
+def _advice(name, found, unexplained, outputs):
+    """What to do next about the outputs of case `name` no slip explains, by what differs: the forward
+    pass (compare it entry by entry), the loss alone (its definition), or the gradients alone."""
+    forward = [q for q in unexplained if q.startswith(("Z_L", "y_hat"))]
+    if forward:
+        return (f"Compare {forward[0]} entry by entry on {name} (its inputs: reference_cases()); {forward[0]} is "
+                f"{outputs[forward[0]]}.")
+    given = [q for q in found if q.startswith(("Z_L", "y_hat"))]
+    agree = ["the forward pass"] if given and all(found[q] == "agrees" for q in given) else []
+    if "loss" in unexplained:
+        differs = "The forward pass agrees but the loss differs" if agree else "The loss differs"
+        return f"{differs}: here it is {outputs['loss']}."
+    agree += ["the loss"] if found.get("loss") == "agrees" else []
+    lead = f"{' and '.join(agree).capitalize()} agree{'s' if len(agree) == 1 else ''}: compare" if agree else "Compare"
+    return f"{lead} the gradients with central differences of your own loss, one array at a time."
+
+
+def _summary(title, found, where, culprits, layout, skipped=(), failed=(), probe=(), table_hint="", float64=False):
+    """The short report, `title` its first line, at most MAX_REPORT_LINES lines: the likely cause
+    first, in the layout's terms; for mismatches no known slip reproduces, the simplest case that has
+    one, each output's largest error and where it sits; then one line per failing case, simplest
+    first (fn's refusals among them), what was skipped, and where the full table is. Only cases that
+    differ are named. float64: the check's dtype, where differences of float32's size suggest a model
+    computing in float32."""
+    outputs = LAYOUTS[layout][1]
+    failing = sorted([n for n, fs in found.items() if any(f != "agrees" for f in fs.values())], key=_difficulty)
+    verdicts = [f for fs in found.values() for f in fs.values()]
+    if not failing and not failed:
+        return "Everything agrees within rtol." + "".join(f"\nSkipped: {n} ({why})" for n, why in skipped)
+    head = [title]
+    if culprits:
+        mismatches = sum(f != "agrees" and not f.startswith("malformed") for f in verdicts)
+        head.append("Likely causes, most frequent first:" if len(culprits) > 1 else "Likely cause:")
+        ranked = sorted(culprits.items(), key=lambda kv: -len(kv[1]))
+        for v, seen in ranked[:3]:
+            head.append(f"- {v} (reproduces {len(seen)} of {mismatches} mismatches, in "
+                        f"{len({s.split(':')[0] for s in seen})} cases): {DIAGNOSIS_VARIANTS[layout][v][1]}")
+        if len(ranked) > 3:
+            head.append(f"- and {len(ranked) - 3} other slips that reproduce fewer (the full table)")
+    lost = [n for n in failing if "unexplained" in found[n].values()]
+    if lost:
+        first = lost[0]
+        activation, L, H, _, _ = _sizes(first)
+        unexplained = [q for q, f in found[first].items() if f == "unexplained"]
+        count = sum(f == "unexplained" for f in verdicts)
+        head.append(f"{'No' if not culprits else 'Beyond these, no'} known slip reproduces {count} "
+                    f"mismatch{'es' if count > 1 else ''}. Start with {first} ({activation} attention, L = {L}, "
+                    f"H = {H}), the simplest case where one appears:")
+        for q in unexplained:
+            w = where[first][q]
+            head.append(f"  {q}: relative error {w['error']:.1e}" + (f" ({w['place']})" if q == "loss" else
+                                                                      f" at {w['place']}" if w["place"] else "")
+                        + (f"; {w['spread']}" if w["spread"] else ""))
+        head += [f"  {line}" for line in probe]
+        largest = max(where[n][q]["error"] for n in lost for q, f in found[n].items() if f == "unexplained")
+        if float64 and largest < 1e-4:
+            head.append(f"  The largest of these differences is {largest:.1e} relative, float32's rounding: does the "
+                        "model compute in float32? (JAX does unless jax_enable_x64 is set.)")
+        head.append("  " + _advice(first, found[first], unexplained, outputs))
+    if any(f.startswith("malformed") for f in verdicts):
+        head.append("Some arrays are malformed (named below): fix them before comparing numbers.")
+    cases = _case_lines(failing, found, where)
+    cases += [f"  {_title(n)}: FAILED ({why})" for n, why in sorted(failed, key=lambda f: _difficulty(f[0]))]
+    tail = [f"Skipped: {', '.join(f'{n} ({why})' for n, why in skipped)}"] if skipped else []
+    tail += [table_hint] if table_hint else []
+    room = MAX_REPORT_LINES - len(head) - len(tail) - 1
+    if len(cases) > room:
+        cases = cases[:room - 1] + [f"  ... and {len(cases) - room + 1} more (the full table)"]
+    return "\n".join(head + [f"Cases that differ, simplest first ({len(found) - len(failing)} of "
+                             f"{len(found) + len(failed)} agree; indices 0-based):"] + cases + tail)
+
+
+def _probe(fn, name, layout, dt, wanted, tol):
+    """Where in the model a case starts to differ, found by running fn on parts of it (MATH.md §13):
+    its first l < L layers, and each head alone (the other heads' P set to 0, so every head keeps its
+    index; not in the authors' layout, whose P blocks carry a fixed 1), comparing the outputs
+    `wanted`. Lines of text; none when the case has one layer and one head, or fn cannot run a part
+    (it raises, or returns other shapes)."""
+    case = _case(name)
+    _, L, H, _, n = _sizes(name)
+
+    def agrees(P, Q):
+        part = dict(case, P=P, Q=Q)
+        inputs = {k: np.array(v, dtype=dt) for k, v in _layout_inputs(part, layout).items()}
+        given = fn(dict(inputs, activation=case["activation"], n=n, L=int(P.shape[0]), H=int(P.shape[1])))
+        ref = _layout_outputs(part, layout, _case_outputs(P, Q, case["Z"], case["y"], case["activation"]))
+        if any(_malformed(given[q], ref[q]) for q in wanted):
+            raise ValueError("fn returned other shapes for a part of the case")
+        return all(_close(given[q], ref[q], tol[q]) for q in wanted)
+    found = []
+    try:
+        if L > 1:
+            prefix = [agrees(case["P"][:l], case["Q"][:l]) for l in range(1, L)]
+            k = prefix.index(False) if False in prefix else L - 1
+            found.append("layer 0 run alone already differs" if k == 0 else
+                         f"{'layer 0' if k == 1 else f'layers 0..{k - 1}'} run alone agree{'s' if k == 1 else ''}, "
+                         f"with layer {k} it differs")
+        if H > 1 and layout != "authors":
+            alone = []
+            for h in range(H):
+                P = case["P"].copy()
+                P[:, [g for g in range(H) if g != h]] = 0.0
+                alone.append(agrees(P, case["Q"]))
+            differ = [h for h, ok in enumerate(alone) if not ok]
+            found.append("each head run alone (the others' P = 0) agrees: their sum differs" if not differ else
+                         f"run alone (the others' P = 0), only head {differ[0]} differs" if len(differ) == 1 else
+                         "every head run alone (the others' P = 0) differs" if len(differ) == H else
+                         f"run alone (the others' P = 0), heads {differ} differ")
+    except Exception:                  # fn cannot run a part: the report keeps what the whole case showed
+        return []
+    return [f"Run in parts: {'; '.join(found)}."] if found else []
 
 
 def _names(arg, what, allowed):
@@ -721,18 +937,21 @@ def _layout_name(layout):
     return layout
 
 
-def diagnose(outputs, rtol=1e-6, layout="paper"):
+def diagnose(outputs, rtol=1e-6, layout="paper", full=False):
     """Compare another implementation's outputs on the reference cases with icl_ref, and name the known
-    convention slip that reproduces each mismatch (MATH.md §13).
+    convention slip that reproduces each mismatch, or say where it sits (MATH.md §13).
 
     outputs: {case name: {output: array}} with any of the layout's outputs (LAYOUTS; paper: Z_L, y_hat,
     loss, dP, dQ), computed by the user's code on the inputs of reference_cases() (or the reference
     vectors). rtol: relative to the largest entry of icl_ref's array (1e-6 suits float64 code; float32
     code needs about 1e-4). Empty input (no case, or a case with no array) is a ValueError. An array
     that is missing (None), not real numbers, of the wrong shape or not finite is named as malformed
-    before any comparison. Returns (report, found): a plain-text report a person can act on, its
-    advice in the layout's terms (DIAGNOSIS_VARIANTS), and {case: {output: "agrees" | slip name |
-    "malformed: ..." | "unexplained"}}.
+    before any comparison. Returns (report, found): a plain-text report a person can act on, at most
+    MAX_REPORT_LINES lines (the likely cause in the layout's terms, DIAGNOSIS_VARIANTS; for a mismatch
+    no slip explains, the simplest case that has it, each output's largest relative error, where it
+    sits and how far it spreads; one line per case that differs), followed with full=True by the full
+    table (every case and output); and {case: {output: "agrees" | slip name | "malformed: ..." |
+    "unexplained"}}.
     """
     if not isinstance(outputs, dict):
         raise TypeError(f"outputs must be a dict {{case name: {{output: array}}}}, got {type(outputs).__name__}")
@@ -740,6 +959,7 @@ def diagnose(outputs, rtol=1e-6, layout="paper"):
         raise ValueError("outputs is empty: give at least one case, {case name: {output: array}}")
     rtol = _nonneg("rtol", rtol)
     layout = _layout_name(layout)
+    full = _flag("full", full)
     _names(tuple(outputs), "outputs' cases", _cases_of(layout))
     allowed = LAYOUTS[layout][1]
     for name, given in outputs.items():
@@ -747,10 +967,13 @@ def diagnose(outputs, rtol=1e-6, layout="paper"):
             raise ValueError(f"outputs[{name!r}] must be a dict with keys among {', '.join(allowed)}")
         if not given:
             raise ValueError(f"outputs[{name!r}] holds no arrays: give any of {', '.join(allowed)}")
-    found, culprits = {}, {}
+    found, where, culprits = {}, {}, {}
     for name, given in outputs.items():
-        found[name] = _judge(name, layout, given, dict.fromkeys(given, rtol), culprits)
-    return _report(found, culprits, layout), found
+        found[name], where[name] = _judge(name, layout, given, dict.fromkeys(given, rtol), culprits)
+    failing = sum(any(f != "agrees" for f in fs.values()) for fs in found.values())
+    text = _summary(f"{failing} of {len(found)} cases differ from icl_ref ({layout} layout, rtol {rtol:g}):", found,
+                    where, culprits, layout, table_hint="" if full else "Full table: diagnose(..., full=True).")
+    return (text + "\n\nFull table:\n" + _table(found, where) if full else text), found
 
 
 CHECK_TOLERANCES = {"float64": dict(forward=1e-12, loss=1e-12, gradient=1e-10),
@@ -760,9 +983,20 @@ of VECTOR_TOLERANCES, for the forward pass (Z_L, Z_L_rows, y_hat), the loss and 
 dQ, grad_*)."""
 
 
-def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, outputs=None, skip=(), rtol=None):
+class Mismatch(AssertionError):
+    """check_implementation's failure. Its message is the short report (at most MAX_REPORT_LINES
+    lines; with full=True the full table follows); `report` is the whole report, the dict
+    check_implementation returns when it passes, with report["table"] every case and output."""
+
+    def __init__(self, message, report):
+        super().__init__(message)
+        self.report = report
+
+
+def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, outputs=None, skip=(), rtol=None,
+                         full=False):
     """Run another implementation on the reference cases and compare its outputs with icl_ref's
-    (MATH.md §13). `icl_ref.check_implementation(my_fn)` is the whole test, in any test runner.
+    (MATH.md §13). `icl_check.check_implementation(my_fn)` is the whole test, in any test runner.
 
     fn(inputs) receives one case as a dict: the layout's input arrays (below) as fresh `dtype` copies,
     and activation (str), n, L, H (int). It returns {output: array} with every output of the layout,
@@ -770,25 +1004,31 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
     `skip` names the case (then it is reported as skipped, never as passed).
     layout: "paper", "authors" or "von_oswald" (LAYOUTS). dtype: np.float64 or np.float32 (required).
     cases: a case name or names (default: every case of the layout), e.g. one pytest test per case:
-        @pytest.mark.parametrize("case", [c["name"] for c in icl_ref.reference_cases()])
+        @pytest.mark.parametrize("case", [c["name"] for c in icl_check.reference_cases() if "paper" in c["layouts"]])
     outputs: the outputs to require and compare (default: all). skip: cases fn may decline.
     rtol: None (CHECK_TOLERANCES[dtype]: Z_L, Z_L_rows, y_hat by "forward", loss by "loss", dP, dQ,
     grad_* by "gradient"), one number for every output, or {output: rtol} overriding those named;
-    relative to the largest entry of icl_ref's array.
+    relative to the largest entry of icl_ref's array. full: put the full table in the failure message.
 
     Raises TypeError or ValueError naming the argument, or naming the case and output when fn returns
     no dict, misses an output, returns an unknown one, or one that is not a real array (None, a
-    string, complex, objects) or of the wrong shape. Raises AssertionError, its message the diagnosis
-    in the layout's terms (which outputs agree, which convention slip of DIAGNOSIS_VARIANTS[layout]
-    reproduces each mismatch, which arrays hold NaN or Inf), when a case fails or none was checked;
-    in pytest the message is shown without icl_ref's frames. Returns the report: layout, dtype,
-    icl_ref_version, outputs, rtol {output: rtol}, cases {name: {"status": "passed" | "skipped" |
-    "failed", "quantities": {output: verdict}, "reason": ...}} and text. The reference outputs are
-    computed once per process; fn receives copies.
+    string, complex, objects) or of the wrong shape. Raises Mismatch (an AssertionError) when a case
+    fails or none was checked; its message, at most MAX_REPORT_LINES lines, shown in pytest without
+    icl_check's frames, says first the likely cause in the layout's terms (the convention slips of
+    DIAGNOSIS_VARIANTS[layout] that reproduce the mismatches); for a mismatch no slip explains, the
+    simplest case that has it (linear before the other attentions, then fewer layers and heads), each
+    output's largest relative error, where it sits (prompt, token, row; a parameter's layer, head and
+    entry) and how far it spreads (the query's token only, one layer, one head, a constant factor),
+    and where in the model it starts: fn is run on the case's first layers and on each head alone
+    (the other heads' P = 0); then one line per failing case, simplest first. Returns the report:
+    layout, dtype, icl_ref_version, outputs, rtol {output: rtol}, cases {name: {"status": "passed" |
+    "skipped" | "failed", "quantities": {output: verdict}, "where": {output: {"error", "at", "place",
+    "spread"}}, "reason": ...}}, text (the short report) and table (every case and output). The
+    reference outputs are computed once per process; fn receives copies.
 
     Layouts (LAYOUTS):
     """
-    __tracebackhide__ = True                      # pytest: show the diagnosis, not icl_ref's frames
+    __tracebackhide__ = True                      # pytest: show the diagnosis, not icl_check's frames
     if not callable(fn):
         raise TypeError(f"fn must be callable, fn(inputs: dict) -> dict of outputs, got {type(fn).__name__}")
     layout = _layout_name(layout)
@@ -801,6 +1041,7 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
     available = _cases_of(layout)
     names = available if cases is None else _names(cases, "cases", available)
     skip = _names(skip, "skip", available) if skip else ()
+    full = _flag("full", full)
     allowed = LAYOUTS[layout][1]
     wanted = tuple(allowed) if outputs is None else _names(outputs, "outputs", tuple(allowed))
     kind = {q: "gradient" if q.startswith(("d", "grad_")) else "loss" if q == "loss" else "forward" for q in wanted}
@@ -810,9 +1051,9 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
     elif rtol is not None:
         tol = dict.fromkeys(wanted, _nonneg("rtol", rtol))
     report = dict(layout=layout, dtype=dt.name, icl_ref_version=__version__, outputs=wanted, rtol=tol, cases={})
-    found, culprits, skipped = {}, {}, []
+    found, where, culprits, skipped, refused = {}, {}, {}, [], []
     for name in names:
-        case = next(c for c in _reference_cases() if c["name"] == name)
+        case = _case(name)
         inputs = {k: np.array(v, dtype=dt) for k, v in _expected(name, layout)[0].items()}
         L, H = case["P"].shape[:2]
         try:
@@ -821,8 +1062,10 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
             why = f"NotImplementedError: {e}" if str(e) else "NotImplementedError"
             if name in skip:
                 skipped.append((name, why))
-            report["cases"][name] = dict(status="skipped" if name in skip else "failed", quantities={},
-                                         reason=why if name in skip else f"fn raised {why}; skip= does not name it")
+            else:
+                refused.append((name, f"fn raised {why}; skip= does not name it"))
+            report["cases"][name] = dict(status="skipped" if name in skip else "failed", quantities={}, where={},
+                                         reason=why if name in skip else refused[-1][1])
             continue
         if not isinstance(given, dict):
             raise TypeError(f"fn must return a dict {{output: array}}; for case {name!r} it returned {type(given).__name__}")
@@ -835,19 +1078,30 @@ def check_implementation(fn, layout="paper", dtype=np.float64, *, cases=None, ou
             bad = _malformed(given[q], _expected(name, layout)[1][q])
             if bad and bad[0] == "type":
                 raise TypeError(f"fn's output {q!r} for case {name!r} is {bad[1]}")
-        found[name] = _judge(name, layout, {q: given[q] for q in wanted}, tol, culprits)
+        found[name], where[name] = _judge(name, layout, {q: given[q] for q in wanted}, tol, culprits)
         shapes = [f"{q} has {f[len('malformed: '):]}" for q, f in found[name].items() if f.startswith("malformed: shape")]
         if shapes:
             raise ValueError(f"fn's outputs for case {name!r}: {'; '.join(shapes)} ({layout} layout, LAYOUTS)")
         ok = all(f == "agrees" for f in found[name].values())
-        report["cases"][name] = dict(status="passed" if ok else "failed", quantities=found[name])
-    text = _report(found, culprits, layout, skipped)
-    bad = [(name, c.get("reason")) for name, c in report["cases"].items() if c["status"] == "failed"]
-    report["text"] = text + "".join(f"\n{name}: FAILED ({reason})" for name, reason in bad if reason)
-    if bad:
-        raise AssertionError(f"the implementation differs from icl_ref ({layout} layout, {dt.name}):\n{report['text']}")
+        report["cases"][name] = dict(status="passed" if ok else "failed", quantities=found[name], where=where[name])
+    failing = [n for n, c in report["cases"].items() if c["status"] == "failed"]
+    lost = sorted((n for n in found if "unexplained" in found[n].values()), key=_difficulty)
+    if lost:            # where the forward pass starts to differ; the gradients' only when it agrees
+        forward = [q for q in wanted if kind[q] != "gradient" and found[lost[0]][q] != "agrees"]
+        probe = _probe(fn, lost[0], layout, dt, forward or wanted, tol)
+    else:
+        probe = []
+    title = (f"the implementation differs from icl_ref on {len(failing)} of {len(report['cases'])} cases "
+             f"({layout} layout, {dt.name}):")
+    report["table"] = _table(found, where, skipped, refused)
+    report["text"] = _summary(title, found, where, culprits, layout, skipped, refused, probe,
+                              "" if full else "Full table: the exception's .report['table'], or full=True.",
+                              float64=dt == np.float64)
+    message = report["text"] + ("\n\nFull table:\n" + report["table"] if full else "")
+    if failing:
+        raise Mismatch(message, report)
     if not any(c["status"] == "passed" for c in report["cases"].values()):
-        raise AssertionError(f"no reference case was checked ({layout} layout): fn skipped every case\n{report['text']}")
+        raise Mismatch(f"no reference case was checked ({layout} layout): fn skipped every case\n{message}", report)
     return report
 
 
@@ -859,7 +1113,9 @@ check_implementation.__doc__ = check_implementation.__doc__.rstrip(" ") + _layou
 # ---------------------------------------------------------------------------------------------
 
 def _main(argv=None):
-    """python3 -m icl_check [--version] [vectors --out DIR [--overwrite]] (MATH.md §13)."""
+    """python3 -m icl_check [--version] [vectors --out DIR [--overwrite]] (MATH.md §13). A refused
+    --out is the subcommand's usage and the reason; a write the system refuses is its message; both
+    exit with status 2."""
     ap = argparse.ArgumentParser(
         prog="python3 -m icl_check", description="icl_check: the conformance kit of icl_ref, a NumPy reference for the linear transformer of Ahn et al. "
         "(2023). Derivations: MATH.md (the repository; installed in <prefix>/share/doc/icl_ref).")
@@ -876,8 +1132,11 @@ def _main(argv=None):
         return 0
     try:
         manifest = write_reference_vectors(args.out, overwrite=args.overwrite)
-    except (TypeError, ValueError, OSError) as e:
-        ap.error(str(e))
+    except (TypeError, ValueError) as e:               # icl_files.Refused: --out as it is cannot be used
+        v.error(str(e))
+    except OSError as e:                               # icl_files.WriteFailed: disk full, ulimit -f, permission
+        print(f"{v.prog}: error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {len(manifest['cases'])} cases and manifest.json to {args.out}")
     return 0
 

@@ -456,7 +456,7 @@ class Folder:
             odd = [f"{n} is {_kind(entries[n])}" for n in (self.record, *self.vouchers)
                    if n in entries and not stat.S_ISREG(entries[n].st_mode)]
             raise Refused(f"{self.path!r} holds files but no record written by {self.tool}"
-                          f"{' (' + '; '.join(odd) + ')' if odd else ''} ({self.record} in the format this version "
+                          f"{' (' + '; '.join(odd) + ')' if odd else ''} ({' or '.join((*self.vouchers, self.record))} in the format this version "
                           f"of {self.tool} writes, with each file's SHA-256): not touching them; name a new directory")
         digests, why = {}, {}
         for name in sorted(set(entries) - records):

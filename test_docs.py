@@ -236,26 +236,3 @@ def test_section_headers_of_modules_and_tests_use_math_md_numbering():
             assert not wrong, f"{path}'s section headers name MATH.md sections of another module: {wrong}"
 
 
-def python_blocks(text, after):
-    """The ```python blocks of a Markdown text that follow the heading `after`, up to the next ## heading."""
-    section = text.split(after, 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
-
-
-def test_readme_api_examples_run_as_written():
-    # every line of README's API and speed examples runs as written, each block defining its own
-    # inputs, on a smaller batch (20000 -> 200 prompts)
-    import numpy as np
-    readme = read("README.md")
-    blocks = python_blocks(readme, "## API, one example each") + python_blocks(readme, "## Speed: icl_fast")
-    assert len(blocks) == 3
-    # the slowest calls run shorter (their results are not what this test checks): L-BFGS to 50
-    # iterations, the family optimum from 2 starts
-    import functools
-    from unittest import mock
-    with mock.patch.object(ir, "train_lbfgs", functools.partial(ir.train_lbfgs, maxiter=50)), \
-            mock.patch.object(ir, "optimal_family_scalars", functools.partial(ir.optimal_family_scalars, starts=2)):
-        namespaces = [{} for _ in blocks]                # each block on its own
-        for block, namespace in zip(blocks, namespaces):
-            exec(compile(block.replace("20000", "200"), "README.md", "exec"), namespace)
-    assert namespaces[0]["P"].shape == (3, 1, 6, 6) and np.isfinite(namespaces[0]["res"]["loss"])

@@ -13,22 +13,26 @@ Tolerances, each with its reason:
                      is ~1.5 eps |f| / h ~ 3e-12 |f| with |f| / |grad| <= 3 on these cases (measured
                      worst 1.5e-10); an error in a term of the gradient is O(1) relative
 """
-import fcntl
 import functools
+import hashlib
 import math
 import json
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+import scipy
 from numpy.testing import assert_allclose
 
 import icl_check as ic
+import icl_files
 import icl_ref as ir
 from test_icl_ref import _same, assert_grad_close, central_diff, random_params, small_problem
 
@@ -388,9 +392,11 @@ def test_von_oswald_loss_slip_is_named_on_the_gradients_too():
     fn = implementation("von_oswald", "no-half")
     with pytest.raises(AssertionError) as failure:
         ic.check_implementation(fn, layout="von_oswald", cases="small-full", rtol=fd_rtol("von_oswald"))
-    found = set(re.findall(r"(grad_W_\w) \(loss without their 0\.5\)", str(failure.value)))
-    assert found == {"grad_W_q", "grad_W_k", "grad_W_v", "grad_W_o"} and "Z_L_rows" not in named_slips(str(failure.value))
-    assert "agrees on Z_L_rows, y_hat" in str(failure.value)
+    found = failure.value.report["cases"]["small-full"]["quantities"]
+    assert {q for q, v in found.items() if v == "loss without their 0.5"} == {"loss", "grad_W_q", "grad_W_k", "grad_W_v",
+                                                                              "grad_W_o"}
+    assert "loss, grad_W_q, grad_W_k, grad_W_v, grad_W_o: loss without their 0.5" in str(failure.value)
+    assert "agree: Z_L_rows, y_hat" in str(failure.value)
 
 
 PAPER_SLIPS = {"QT": "Q transposed", "n+1": "1/(n+1) normalisation", "none": "no normalisation",
@@ -493,7 +499,7 @@ def test_check_implementation_refuses_malformed_outputs_by_name(output, value, e
 
 
 def test_check_implementation_names_non_finite_outputs_as_a_failure():
-    with pytest.raises(AssertionError, match="dQ \\(malformed: holds NaN or Inf\\)"):
+    with pytest.raises(AssertionError, match="dQ malformed: holds NaN or Inf"):
         ic.check_implementation(replaced(dQ=lambda x: x * np.nan), cases="small-full", rtol=fd_rtol("paper"))
 
 
@@ -504,10 +510,10 @@ def test_check_implementation_reports_what_it_cannot_run_as_skipped_never_passed
         return replaced()(case)
     with pytest.raises(AssertionError) as failure:
         ic.check_implementation(linear_only, cases=["small-full", "relu"], rtol=fd_rtol("paper"))
-    assert "relu: FAILED (fn raised NotImplementedError: no relu; skip= does not name it)" in str(failure.value)
+    assert "relu [relu, L=1, H=2]: FAILED (fn raised NotImplementedError: no relu; skip= does not name it)" in str(failure.value)
     report = ic.check_implementation(linear_only, cases=["small-full", "relu"], skip="relu", rtol=fd_rtol("paper"))
     assert {n: c["status"] for n, c in report["cases"].items()} == {"small-full": "passed", "relu": "skipped"}
-    assert "relu: SKIPPED (NotImplementedError: no relu)" in report["text"]
+    assert "Skipped: relu (NotImplementedError: no relu)" in report["text"]
     with pytest.raises(AssertionError, match="no reference case was checked"):
         ic.check_implementation(linear_only, cases="relu", skip="relu")
 
@@ -547,8 +553,9 @@ def test_check_implementation_checks_the_named_cases_at_the_given_rtol():
     def counted(case):
         calls.append(case["n"])
         return fn(case)
-    with pytest.raises(AssertionError, match="Z_L \\(unexplained\\)"):
+    with pytest.raises(ic.Mismatch, match="No known slip reproduces 1 mismatch") as failure:
         ic.check_implementation(counted, cases="small-full", rtol=fd_rtol("paper"))
+    assert failure.value.report["cases"]["small-full"]["quantities"]["Z_L"] == "unexplained"
     assert calls == [3]                                          # that case only (n = 3)
     report = ic.check_implementation(fn, cases=["small-full", "two-layers-two-heads"],
                                      rtol={"Z_L": 1e-10, **fd_rtol("paper")})
@@ -569,10 +576,10 @@ def test_check_implementation_in_float32_allows_float32_rounding_and_no_more():
     fn = implementation("paper")
     cases = ["small-full", "softmax"]
     ic.check_implementation(fn, dtype=np.float32, cases=cases)
-    with pytest.raises(AssertionError, match="unexplained"):
+    with pytest.raises(AssertionError, match="float32's rounding: does the model compute in float32"):
         ic.check_implementation(lambda case: fn({k: v.astype(np.float32) if isinstance(v, np.ndarray) else v
                                                  for k, v in case.items()}), cases=cases, rtol=fd_rtol("paper"))
-    with pytest.raises(AssertionError, match="dP \\(unexplained\\)"):          # 1e-3 off fails float32's 1e-4
+    with pytest.raises(AssertionError, match="dP 1.0e-03 \\(1.001 x icl_ref's everywhere\\)"):   # fails float32's 1e-4
         ic.check_implementation(lambda case: dict(fn(case), dP=fn(case)["dP"] * (1 + 1e-3)), dtype=np.float32,
                                 cases="small-full")
 
@@ -605,19 +612,17 @@ PYTEST_FILE = '''
 import pytest, numpy as np, icl_check as ic
 import test_icl_check as tc
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c["name"], marks=pytest.mark.xfail(reason="softmax over n keys only", strict=True))
-    if c["name"] == "softmax_all" else c["name"] for c in ic.reference_cases()])
+@pytest.mark.parametrize("case", [c["name"] for c in ic.reference_cases() if "paper" in c["layouts"]])
 def test_one_case(case):
-    fn = tc.implementation("paper", "softmax-keys" if case == "softmax_all" else "{slip}", grads=False)
-    ic.check_implementation(fn, cases=case, outputs=("Z_L", "y_hat", "loss"))
+    ic.check_implementation(tc.implementation("paper", "{slip}", grads=False), cases=case,
+                            outputs=("Z_L", "y_hat", "loss"))
 '''
 
 
-def test_one_pytest_test_per_case_with_ids_xfail_and_short_failures(tmp_path, capsys, monkeypatch):
-    # the use README shows: one test per case (ids the case names), an expected failure with its
-    # reason; a failure shows the diagnosis, not icl_ref's frames. pytest runs in this process (its
-    # reference data already built): once with a correct implementation, once with a slip
+def test_one_pytest_test_per_case_with_ids_and_short_failures(tmp_path, capsys, monkeypatch):
+    # the use README shows: one test per case (ids the case names); a failure shows the diagnosis, at
+    # most MAX_REPORT_LINES lines, not icl_check's frames. pytest runs in this process (its reference
+    # data already built): once with a correct implementation, once with a slip
     monkeypatch.chdir(tmp_path)
     for slip, code in (("None", 0), ('"n+1"', 1)):
         (tmp_path / "test_user.py").write_text(PYTEST_FILE.replace('"{slip}"', slip))
@@ -626,20 +631,13 @@ def test_one_pytest_test_per_case_with_ids_xfail_and_short_failures(tmp_path, ca
                             "test_user.py"]) == code
         out = capsys.readouterr().out
         if code == 0:
-            assert "11 passed, 1 xfailed" in out and \
-                "XFAIL test_user.py::test_one_case[softmax_all] - softmax over n keys only" in out, out
+            assert "12 passed" in out and "PASSED test_user.py::test_one_case[softmax_all]" in out, out
     assert "FAILED test_user.py::test_one_case[small-full]" in out and "PASSED test_user.py::test_one_case[relu]" not in out
     assert "- 1/(n+1) normalisation (reproduces" in out, out
-    assert "icl_ref.py:" not in out and "_judge" not in out, out          # icl_ref's frames hidden
-
-
-def test_readme_oracle_example_runs_as_written():
-    section = read("README.md").split("## Using icl_ref as an oracle", 1)[1].split("\n## ", 1)[0]
-    block, = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    namespace = dict(my_fn=lambda c: ic._case_outputs(c["P"], c["Q"], c["Z"], c["y"], c["activation"]))
-    exec(compile(block, "README.md", "exec"), namespace)
-    namespace["test_matches_icl_ref"]("two-layers-two-heads")           # the decorated test, called as pytest would
-    assert [p.values[0] for p in namespace["CASES"] if not isinstance(p, str)] == ["relu"]
+    assert "icl_check.py:" not in out and "_judge" not in out, out        # icl_check's frames hidden
+    failures = re.split(r"^_+ test_one_case\[", out, flags=re.M)[1:]
+    assert len(failures) == len(CASES) and all(
+        len(re.findall(r"^E ", f, flags=re.M)) <= ic.MAX_REPORT_LINES for f in failures), out
 
 
 def test_help_and_layouts_document_what_an_implementer_needs():
@@ -812,26 +810,33 @@ def test_reference_vectors_are_reproducible_documented_and_right(tmp_path):
 
 
 def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_their_own(tmp_path, capsys):
-    # the refusals (the command line's in its own process: exit 2, a message, no traceback), each
-    # leaving every byte under tmp_path as it was: the user's file a link points to included
+    # the refusals (the command line's in its own process: exit 2, its usage and a message naming its
+    # flag, no traceback), each leaving every byte under tmp_path as it was: the user's file a link
+    # points to included
     out = tmp_path / "v"
     ic.write_reference_vectors(out)
     first = snapshot(out)
+    assert sorted(first) == sorted([f"{n}.npz" for n in CASES] + ["manifest.json"])     # no record, no lock left
     refused = cli("vectors", "--out", str(out))                        # no silent overwrite
-    assert refused.returncode == 2 and "not empty" in refused.stderr and "Traceback" not in refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.startswith("usage: python3 -m icl_check vectors") and "pass --overwrite" in refused.stderr
+    assert "overwrite=True" not in refused.stderr
     ic.write_reference_vectors(out, overwrite=True)                    # an earlier set of ours: replaced
     assert snapshot(out) == first
     elsewhere = tmp_path / "elsewhere.txt"
     elsewhere.write_bytes(b"the user's own file")
     changes = {
-        "a foreign file": lambda: (out / "notes.md").write_text("mine"),
-        "a listed file changed": lambda: (out / "small-full.npz").write_bytes(b"my own file"),
-        "another program's manifest": lambda: (out / "manifest.json").write_text(json.dumps(
-            dict(json.loads((out / "manifest.json").read_text()), format="my vectors"))),
-        "a listed file a link": lambda: ((out / "relu.npz").unlink(), (out / "relu.npz").symlink_to(elsewhere)),
-        "the manifest a link": lambda: ((out / "manifest.json").unlink(), (out / "manifest.json").symlink_to(elsewhere)),
+        "a foreign file": (lambda: (out / "notes.md").write_text("mine"), "notes.md' was not written by"),
+        "a listed file changed": (lambda: (out / "small-full.npz").write_bytes(b"my own file"),
+                                  "small-full.npz' is not the file icl_check vectors wrote"),
+        "another program's manifest": (lambda: (out / "manifest.json").write_text(json.dumps(
+            dict(json.loads((out / "manifest.json").read_text()), format="my vectors"))), "no record written by"),
+        "a listed file a link": (lambda: ((out / "relu.npz").unlink(), (out / "relu.npz").symlink_to(elsewhere)),
+                                 "relu.npz' is a symbolic link"),
+        "the manifest a link": (lambda: ((out / "manifest.json").unlink(),
+                                         (out / "manifest.json").symlink_to(elsewhere)), "manifest.json is a symbolic link"),
     }
-    for what, change in changes.items():
+    for what, (change, words) in changes.items():
         shutil.rmtree(out)
         ic.write_reference_vectors(out)
         change()
@@ -839,51 +844,156 @@ def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_
         if what == "a foreign file":                          # the command line's own refusal
             with pytest.raises(SystemExit) as done:
                 ic._main(["vectors", "--out", str(out), "--overwrite"])
-            assert done.value.code == 2 and "did not write" in capsys.readouterr().err
+            assert done.value.code == 2 and words in capsys.readouterr().err
         else:
-            with pytest.raises(ValueError, match="symbolic link" if "link" in what else "did not write"):
+            with pytest.raises(ValueError, match=re.escape(words)):
                 ic.write_reference_vectors(out, overwrite=True)
         assert snapshot(tmp_path) == before, what
-    # out itself a link to a directory of vectors: refused, the directory untouched
-    shutil.rmtree(out)
+
+
+# the SHA-256 of each file as version 0.3.0 wrote it (before the writer moved onto icl_files)
+VECTORS_0_3_0 = {
+    "authors-softmax": "410d6347287aa40401d74a5aaf1e2cde246343ca879190e3242b5fa7c24d92cd",
+    "blocks": "27b2f45a13a3667ba00c27d8685dddc01c92b9101831f70035085aa2c2716f96",
+    "large-d": "f0ee2cb56cf9f9d9cdfb27feffb87a0802289fbe6a17273ab6de6962f4aa7c94",
+    "non-symmetric-sparse": "dbc78c2a208ecaece97b6d6e54a4beb14c2579c41072cc24b842fc568d623f03",
+    "query-as-key": "08b130b266795d2da8baff271b8aa3b58f142c0109294c57677c0c3728a47c05",
+    "relu": "087c2ffd771bff50d93fe681bbf7ce8fa1b32fa376f425de71b63865ad3da6c8",
+    "small-full": "623b3cdfd7f0e34d8703cabe113bc17f0ffb8645ee16c4c68c94382fdfaf5cdd",
+    "softmax": "a31966048746ea6a38305e9a904ff779e5088f5c84f0cf5c2a6613992c9a0a80",
+    "softmax_all": "d817d59a21b3049e9e5d0c0324f30ca50c435c7b1d3b16d747e13483688212fe",
+    "sparse-family-optimum": "c510ed3c924861ea21aedce1829291a0f1b03fdc63f9f074e2079a6d946a219b",
+    "theorem1-optimum": "8986d81805307d243cb6b808cb04515dfec563bc779e53cac4e066ebe010cfd4",
+    "two-layers-two-heads": "ba918bed8ed345ccb2d36f7d66e9fcbb8c8b3cfaff9555c3db10872421bf476d",
+}
+# computed through exp (the softmax cases) or SciPy's L-BFGS-B (the family optimum): numpy 1.25.0 and
+# scipy 1.11.1 (the oldest supported) round them differently, by 1e-16 and 1e-8 relative
+ROUNDING_SENSITIVE = {"authors-softmax", "softmax", "softmax_all", "sparse-family-optimum"}
+
+
+def test_reference_vectors_are_byte_identical_to_0_3_0(tmp_path):
+    ic.write_reference_vectors(tmp_path)
+    written = {n: hashlib.sha256((tmp_path / f"{n}.npz").read_bytes()).hexdigest() for n in VECTORS_0_3_0}
+    differ = {n for n in VECTORS_0_3_0 if written[n] != VECTORS_0_3_0[n]}
+    assert not differ - ROUNDING_SENSITIVE, sorted(differ)
+    if differ:
+        versions = tuple(int(v) for v in np.__version__.split(".")[:1]) + tuple(
+            int(v) for v in scipy.__version__.split(".")[:2])
+        assert versions < (2, 1, 15), f"{sorted(differ)} differ from 0.3.0's under numpy {np.__version__}, scipy {scipy.__version__}"
+        pytest.skip(f"{', '.join(sorted(differ))} round differently under numpy {np.__version__}, scipy "
+                    f"{scipy.__version__} (exp, L-BFGS-B); the other {len(VECTORS_0_3_0) - len(differ)} are 0.3.0's bytes")
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert {c["name"]: c["sha256"] for c in manifest["cases"]} == VECTORS_0_3_0
+
+
+def vectors_cli(out, *flags, **kwargs):
+    """python3 -m icl_check vectors --out OUT [flags], in its own process, no byte-code written."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run([sys.executable, "-m", "icl_check", "vectors", "--out", str(out), *flags],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120, **kwargs)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_vectors_a_fifo_named_manifest_json_never_blocks(tmp_path, overwrite):
+    # a reader would wait forever for a writer to open the FIFO: it is seen (lstat), never opened
+    out = tmp_path / "v"
+    out.mkdir()
+    os.mkfifo(out / "manifest.json")
+    proc = vectors_cli(out, *(["--overwrite"] if overwrite else []))     # timeout=120: a hang fails the test
+    assert proc.returncode == 2 and "usage: python3 -m icl_check vectors" in proc.stderr
+    assert ("manifest.json is a FIFO" if overwrite else "not empty") in proc.stderr, proc.stderr
+    assert sorted(os.listdir(out)) == ["manifest.json"]
+
+
+@pytest.mark.parametrize("spelling", ["LINK", "LINK/", "LINK/."])
+def test_vectors_never_write_into_a_folder_named_by_a_link(tmp_path, spelling):
+    out, link = tmp_path / "v", tmp_path / "LINK"
     ic.write_reference_vectors(out)
-    link = tmp_path / "link"
     link.symlink_to(out, target_is_directory=True)
     before = snapshot(tmp_path)
-    proc = cli("vectors", "--out", str(link), "--overwrite")
-    assert proc.returncode == 2 and "symbolic link" in proc.stderr and snapshot(tmp_path) == before
+    proc = vectors_cli(spelling.replace("LINK", str(link)), "--overwrite")
+    assert proc.returncode == 2 and "is a symbolic link: not writing through it" in proc.stderr, proc.stderr
+    assert snapshot(tmp_path) == before
 
 
 def test_vectors_never_write_through_a_link_planted_while_they_write(tmp_path, monkeypatch):
-    # a link that appears after the folder was checked (another process racing this one): the files
-    # are created with O_EXCL | O_NOFOLLOW, so the write fails there and the linked file keeps its bytes
+    # a link that appears after the folder was checked (another process racing this one) is not
+    # followed: the run stops there and the linked file keeps its bytes
     out, theirs = tmp_path / "v", tmp_path / "theirs.txt"
     theirs.write_bytes(b"the user's own file")
-    checked = ic._earlier_vectors
+    real = icl_files._write_fd
 
-    def plant(dfd, present):
-        (out / "small-full.npz").symlink_to(theirs)
-        return checked(dfd, present)
-    monkeypatch.setattr(ic, "_earlier_vectors", plant)
-    with pytest.raises(FileExistsError):
+    def plant(fd, data):
+        if data.startswith(b"PK") and not (out / "relu.npz").is_symlink():      # once the case files are written
+            (out / "relu.npz").symlink_to(theirs)
+        real(fd, data)
+    monkeypatch.setattr(icl_files, "_write_fd", plant)
+    with pytest.raises(ValueError, match="relu.npz' appeared while this run was writing"):
         ic.write_reference_vectors(out)
-    assert theirs.read_bytes() == b"the user's own file" and os.path.islink(out / "small-full.npz")
+    assert theirs.read_bytes() == b"the user's own file" and os.path.islink(out / "relu.npz")
 
 
 def test_vectors_lock_their_folder(tmp_path):
     out = tmp_path / "v"
     ic.write_reference_vectors(out)
     before = snapshot(out)
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)            # another writer holds the folder
-        proc = cli("vectors", "--out", str(out), "--overwrite")
-        assert proc.returncode == 2 and "locked by another process" in proc.stderr, proc.stderr
-        assert snapshot(out) == before
-    finally:
-        os.close(fd)
+    with icl_files.Folder(out, ic.VECTORS_TOOL, ic.VECTORS_RECORD, ic.VECTORS_LOCK,
+                          vouchers={"manifest.json": ic._manifest_files}) as holder:
+        holder.open(overwrite=True, keep_others=None, writes=lambda name: False)     # another writer holds it
+        proc = vectors_cli(out, "--overwrite")
+        assert proc.returncode == 2 and "in use by another icl_check vectors run" in proc.stderr, proc.stderr
+    assert snapshot(out) == before
     ic.write_reference_vectors(out, overwrite=True)                 # the lock released: ours replaced
     assert snapshot(out) == before
+
+
+KILLED = """
+import os, signal, sys, icl_check, icl_files
+real = icl_files._write_fd
+def dying(fd, data):                 # SIGKILL in the middle of blocks.npz, or just after it
+    real(fd, data if sys.argv[2] == "after" or len(data) != int(sys.argv[3]) else data[:len(data) // 2])
+    if len(data) == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+icl_files._write_fd = dying
+icl_check.write_reference_vectors(sys.argv[1], overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_vectors_after_sigkill_overwrite_takes_back_what_it_proves_and_names_the_rest(tmp_path, when):
+    fresh, out = tmp_path / "fresh", tmp_path / "v"
+    ic.write_reference_vectors(fresh)
+    size = (fresh / "blocks.npz").stat().st_size
+    ic.write_reference_vectors(out)
+    proc = subprocess.run([sys.executable, "-c", KILLED, str(out), when, str(size)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    if when == "during":                     # blocks.npz cut short: named, nothing touched
+        before = snapshot(tmp_path)
+        proc = vectors_cli(out, "--overwrite")
+        assert proc.returncode == 2 and "blocks.npz' was being written when a run of icl_check vectors stopped" \
+            in proc.stderr, proc.stderr
+        assert "small-full" not in proc.stderr and snapshot(tmp_path) == before
+        (out / "blocks.npz").unlink()            # what the message asks
+    proc = vectors_cli(out, "--overwrite")      # every other file proven by its hash: taken back
+    assert proc.returncode == 0, proc.stderr
+    assert snapshot(out) == snapshot(fresh)
+
+
+def test_vectors_a_write_error_is_a_message_and_status_2_and_the_next_run_recovers(tmp_path):
+    # the file-size limit (ulimit -f; Python ignores SIGXFSZ, so the write fails with EFBIG) stops the
+    # run at large-d.npz (47 kB): removed, recorded; the other files stay provably the run's
+    fresh, out = tmp_path / "fresh", tmp_path / "v"
+    ic.write_reference_vectors(fresh)
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (32768, 32768))
+    proc = vectors_cli(out, preexec_fn=limit)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "usage:" not in proc.stderr
+    assert proc.stderr.startswith("python3 -m icl_check vectors: error: cannot write") and "large-d.npz" in proc.stderr
+    assert "ulimit -f" in proc.stderr and not (out / "large-d.npz").exists()
+    assert json.loads((out / ic.VECTORS_RECORD).read_text())["status"] == "write error"
+    proc = vectors_cli(out, "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert snapshot(out) == snapshot(fresh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -907,6 +1017,26 @@ def test_command_line_help_and_version(capsys):
     with pytest.raises(SystemExit) as done:
         ic._main(["nonsense"])
     assert done.value.code == 2
+
+
+def test_icl_ref_still_forwards_the_kit_with_a_deprecation_warning_naming_icl_check(tmp_path):
+    # until 0.5.0 (README): the names that moved in 0.4.0 and the command line, each saying where to go
+    moved = [name for name, module in ir._MOVED.items() if module == "icl_check"]
+    assert {"check_implementation", "diagnose", "reference_cases", "write_reference_vectors"} <= set(moved)
+    for name in moved:
+        with pytest.warns(DeprecationWarning, match=re.escape(f"icl_ref.{name} moved to icl_check.{name}")):
+            assert getattr(ir, name) is getattr(ic, name)
+    with pytest.warns(DeprecationWarning, match="icl_check"):
+        report = ir.check_implementation(lambda case: correct_outputs("paper", "small-full"), cases="small-full",
+                                         rtol=fd_rtol("paper"))
+    assert report["cases"]["small-full"]["status"] == "passed"
+    old, new = tmp_path / "old", tmp_path / "new"
+    proc = subprocess.run([sys.executable, "-m", "icl_ref", "vectors", "--out", str(old)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and f"wrote {len(CASES)} cases" in proc.stdout, proc.stderr
+    assert "python3 -m icl_ref is deprecated: use python3 -m icl_check" in proc.stderr
+    ic.write_reference_vectors(new)
+    assert snapshot(old) == snapshot(new)
 
 
 def test_one_version_everywhere_and_a_licence_to_copy():
@@ -947,13 +1077,11 @@ def test_the_kit_works_under_a_strict_caller_and_leaves_its_settings(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_examples_run_and_their_expected_failures_are_the_cases_they_name():
-    # examples/test_numpy_per_case.py: the linear cases pass one per test, the nonlinear ones are
-    # expected failures (strict), and the one-call form passes with skip=
-    import subprocess
-    import sys
+def test_the_numpy_example_runs_in_its_own_process():
+    # examples/test_numpy_per_case.py: the linear cases pass one per test, and the one-call form passes
+    # with the others in skip= (the frameworks' examples run in .ci/run's frameworks leg)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            os.path.join(ROOT, "examples", "test_numpy_per_case.py")],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:]
-    assert "10 passed, 4 xfailed" in proc.stdout
+    assert "10 passed" in proc.stdout and "skipped" not in proc.stdout and "xfail" not in proc.stdout

@@ -7,7 +7,8 @@ The model below follows "Transformers learn in-context by gradient descent" (von
 blocks, an output projection W_o (H v, d+1); scores over the n context keys only, no 1/n; linear
 or softmax (scores / sqrt(k)); the same weights in every layer (tied, their default) or per layer;
 prediction -out[n, d]; loss 0.5 * mean. icl_ref's params_from_von_oswald and grads_to_von_oswald
-map it to the paper's layout. Skipped when JAX is not installed. Run: python -m pytest examples/
+map it to the paper's layout. Skipped when JAX is not installed (CI's frameworks leg installs it).
+Run: python -m pytest examples/
 """
 import numpy as np
 import pytest
@@ -23,8 +24,13 @@ jnp = jax.numpy
 FORWARD_RTOL, LOSS_RTOL, GRAD_RTOL = 1e-12, 1e-12, 1e-10
 
 
+ACTIVATIONS = ("linear", "softmax")
+
+
 def model(W, E, heads, layers, activation):
     """Their layer stack; W = (W_q, W_k, W_v, W_o), each 2-d (tied) or 3-d (per layer)."""
+    if activation not in ACTIVATIONS:              # a new activation fails the check until it is written here
+        raise NotImplementedError(f"{activation} attention (this model has {', '.join(ACTIVATIONS)})")
     B, N, D = E.shape
     n = N - 1
     for l in range(layers):
@@ -70,13 +76,18 @@ def test_jax_von_oswald_model_matches_icl_ref(tied, activation):
         assert max_rel(g_jax, g_ours) < GRAD_RTOL
 
 
+# compiled once per shape (heads, layers and the activation are Python values: static)
+model_jit = jax.jit(model, static_argnums=(2, 3, 4))
+loss_and_grad_jit = jax.jit(jax.value_and_grad(loss_fn), static_argnums=(3, 4, 5))
+
+
 def von_oswald_layout_fn(case):
-    """One reference case in von Oswald et al.'s layout (icl_ref.check_implementation): per-layer
+    """One reference case in von Oswald et al.'s layout (icl_check.check_implementation): per-layer
     weights W_q, W_k, W_v, W_o (heads as column blocks), prompts as rows, their loss (0.5 * mean)."""
     W = [jnp.asarray(case[k]) for k in ("W_q", "W_k", "W_v", "W_o")]
     E, y = jnp.asarray(case["Z_rows"]), jnp.asarray(case["y"])
-    out = model(W, E, case["H"], case["L"], case["activation"])
-    loss, grads = jax.value_and_grad(loss_fn)(W, E, y, case["H"], case["L"], case["activation"])
+    out = model_jit(W, E, case["H"], case["L"], case["activation"])
+    loss, grads = loss_and_grad_jit(W, E, y, case["H"], case["L"], case["activation"])
     return dict(Z_L_rows=np.asarray(out), y_hat=-np.asarray(out[:, -1, -1]), loss=float(loss),
                 **{f"grad_{k}": np.asarray(g) for k, g in zip(("W_q", "W_k", "W_v", "W_o"), grads)})
 
