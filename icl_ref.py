@@ -239,7 +239,8 @@ def _task_moment(Sigma_w, tasks, d):
     m = np.max(np.abs(tasks)) or 1.0
     W = (tasks / m).T @ (tasks / m) / tasks.shape[0]
     w = np.max(np.abs(W)) or 1.0
-    return W / w, w * m * m
+    with np.errstate(over="ignore", under="ignore"):           # w out of range: said where it is used
+        return W / w, w * m * m
 
 
 def _flag(name, value):
@@ -1337,7 +1338,7 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
     # scale-free: with Sigma = c S and M = w W (max entries 1), Gamma* = K'^-1 S W / c, where K'
     # is K of (S, W) with the noise noise_var / (c w); no under- or overflow at any scale of Sigma
     c = np.max(np.abs(Sigma))
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", divide="ignore"):           # a pool's w can underflow to 0
         noise = noise_var / c / w if noise_var else 0.0
     if not math.isfinite(noise):
         raise ValueError(f"noise_var / (max |Sigma| max |E w w^T|) overflows float64 (max |Sigma| = {c:.3g}, "
@@ -1357,7 +1358,7 @@ def _single_layer_loss(Gamma, Sigma, moment, Sigma_q, n, noise_var, query_noise)
     noise_var / (c w). A loss outside float64's normal range is a ValueError naming the scale."""
     (W, w), c, c_q = moment, np.max(np.abs(Sigma)), np.max(np.abs(Sigma_q))
     S, T, G = Sigma / c, Sigma_q / c_q, c * Gamma
-    with np.errstate(over="ignore", invalid="ignore"):        # checked below
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):       # checked below
         noise = noise_var / c / w if noise_var else 0.0
         K, E_hw = _single_layer_moments(S, n, W, noise)
         excess = np.trace(T @ G.T @ K @ G) - 2 * np.trace(T @ G.T @ E_hw) + np.trace(T @ W)

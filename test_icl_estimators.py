@@ -259,6 +259,52 @@ def test_bad_input_is_refused_naming_the_argument(call, error, name):
         call()
 
 
+def test_estimators_are_right_at_any_scale_of_the_data():
+    # prompts of scale c = 1e160 (squares of entries overflow): ridge with lam = 1 is least squares to
+    # rounding there (lam / s^2 ~ 1e-320), so it predicts c times the unit prompts' least squares (it
+    # used to return zeros), and Bayes likewise; at c = 1e-150 ridge with lam c^2 is c times the unit
+    # ridge with lam (the same problem in other units); dMMSE with noise_var = 1e-320 (1 / 2 noise_var
+    # overflows) is the nearest task's prediction (it used to return NaN), computed here directly.
+    # 1e-9: an SVD of a scaled matrix, rounding only
+    rng = np.random.default_rng(11)
+    Z, _ = ir.sample_prompts(rng, 30, 8, np.eye(3))
+    ols = est.ridge_predict(Z)
+    assert_close(est.ridge_predict(1e160 * Z, 1.0) / 1e160, ols, rel=1e-9)
+    assert_close(est.bayes_predict(1e160 * Z, noise_var=1.0) / 1e160, ols, rel=1e-9)
+    c = 1e-150
+    assert_close(est.ridge_predict(c * Z, 0.5 * c * c) / c, est.ridge_predict(Z, 0.5), rel=1e-9)
+    assert_close(est.bayes_predict(c * Z, noise_var=0.5 * c * c) / c, est.bayes_predict(Z, noise_var=0.5), rel=1e-9)
+    tasks = rng.standard_normal((6, 3))
+    X, y, x_q = Z[:, :3, :-1].transpose(0, 2, 1), Z[:, 3, :-1], Z[:, :3, -1]
+    nearest = tasks[np.argmin(np.sum((y[:, None, :] - np.einsum("bnd,kd->bkn", X, tasks)) ** 2, axis=2), axis=1)]
+    expected = np.einsum("bd,bd->b", nearest, x_q)
+    for c, noise_var in ((1.0, 1e-320), (1e160, 1e-300)):
+        got = est.dmmse_predict(c * Z, tasks, noise_var)
+        assert np.all(np.isfinite(got)) and and_close(got / c, expected), c
+
+
+def and_close(a, b):
+    """a equals b to 1e-12 relative to b's largest entry (a weight of exp(-huge) is exactly 0 here)."""
+    return bool(np.all(np.abs(a - b) <= 1e-12 * np.max(np.abs(b))))
+
+
+def test_the_shifted_loss_is_right_at_any_scale_or_says_it_cannot_be():
+    # the shifted loss is c_q times the unit one for Sigma_query = c_q T (no noise): right at 1e-170
+    # (it used to come out negative there); a pool of scale 1e160 whose loss overflows is refused in
+    # words about the scale, not the L-layer growth law
+    S, T = np.diag([1.0, 0.5]), np.diag([0.8, 1.2])
+    G = ir.gamma_star(S, 10)
+    unit = est.shifted_single_layer_loss(G, S, 10, Sigma_query=T)
+    for c in (1e-170, 1e150):
+        loss = est.shifted_single_layer_loss(G / c, c * S, 10, Sigma_query=c * T)
+        assert loss > 0 and abs(loss / c - unit) <= 1e-12 * unit, c
+    with pytest.raises(ValueError, match="overflows float64") as e:
+        est.shifted_single_layer_loss(G, S, 10, tasks=1e160 * np.ones((2, 2)))
+    assert "L layers" not in str(e.value)
+    with pytest.raises(TypeError, match="query_noise"):
+        est.shifted_single_layer_loss(G, S, 10, query_noise="no")
+
+
 def test_estimators_work_under_a_strict_caller_at_any_scale():
     # a caller's np.seterr(all="raise") must neither turn the library's own underflows into errors
     # nor be changed by a call: prompts of scale 1e-120 to 1e-160 (squares of entries underflow)

@@ -42,9 +42,9 @@ def five_point(f, x, h=FD_H):
     return g
 
 
-def problem(seed, B=40, d=3, n=6):
+def problem(seed, B=40, d=3, n=6, noise_std=0.0):
     rng = np.random.default_rng(seed)
-    Z, y = ir.sample_prompts(rng, B, n, ir.rotated_covariance(rng, (1.0, 0.5, 0.25)[:d])[0])
+    Z, y = ir.sample_prompts(rng, B, n, ir.rotated_covariance(rng, (1.0, 0.5, 0.25)[:d])[0], noise_std=noise_std)
     return rng, Z, y
 
 
@@ -112,6 +112,23 @@ def test_tied_trainers_return_one_layer_and_agree():
     np.testing.assert_allclose(gn["coords"]["A"], lb["coords"]["A"], rtol=0, atol=4e-5)
 
 
+def test_tied_blocks_on_noisy_labels_move_every_coordinate_and_both_trainers_agree():
+    # the corners of the options: tied with the blocks structure, on labels with noise. Untied, B_{L-1}
+    # never reaches the loss and Gauss-Newton holds it; tied, the one B acts through the first layer,
+    # so nothing is held (fixed = 0), B moves from its start, and both trainers reach one minimum
+    rng, Z, y = problem(5, B=400, noise_std=0.5)
+    start = {"A": 0.1 * np.eye(3)[None], "B": 0.2 * np.eye(3)[None]}
+    lb = ir.train_lbfgs(Z, y, 2, "blocks", init=start, tied=True, gtol=1e-6, maxcor=40)
+    gn = ir.train_gauss_newton(Z, y, 2, "blocks", init=start, tied=True, gtol=1e-6)
+    untied = ir.train_gauss_newton(Z, y, 2, "blocks", init={k: np.repeat(v, 2, axis=0) for k, v in start.items()})
+    assert lb["success"] and gn["success"] and gn["fixed"] == 0 and untied["fixed"] == 9
+    assert np.max(np.abs(gn["coords"]["B"] - start["B"])) > 1e-2
+    # within |grad| / lambda_min of the minimum for each (1e-6 / ~0.01): 1e-4 apart at most
+    np.testing.assert_allclose(gn["coords"]["B"], lb["coords"]["B"], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(gn["coords"]["A"], lb["coords"]["A"], rtol=0, atol=1e-4)
+    assert gn["loss"] >= untied["loss"] - 1e-12                 # tying restricts the model
+
+
 # ---------------------------------------------------------------------------------------------
 # §14 The exact optimum of the tied families
 # ---------------------------------------------------------------------------------------------
@@ -163,6 +180,24 @@ def test_the_tied_optimum_at_large_n_is_found_relative_to_its_loss():
     assert abs(a - 1) <= 1e-6 and 0 < loss <= ir.family_population_loss([1.0, 1.0, 1.0], 10 ** 9, 5)
 
 
+@pytest.mark.parametrize("blocks", [False, True])
+def test_tied_optimum_with_label_noise_is_the_minimum_of_the_exact_noisy_loss(blocks):
+    # with context label noise (and query noise) the tied family's loss changes; its optimum is the
+    # minimum of icl_ref.family_population_loss with that noise_var at (a 1_L, b 1_L): no descent
+    # from it lowers the exact loss (five-point differences of the exact rational loss, 1e-7 of the
+    # loss: the optimiser's gradient tolerance plus truncation), and it differs from the noiseless one
+    L, n, d, noise = 2, 10, 3, 0.5
+    a, b, loss = lp.optimal_tied_family(L, n, d, blocks=blocks, noise_var=noise, starts=4)
+    a0 = lp.optimal_tied_family(L, n, d, blocks=blocks, starts=4)[0]
+    theta = np.array([a, b]) if blocks else np.array([a])
+
+    def f(t):
+        return ir.family_population_loss(np.full(L, t[0]), n, d, np.full(L, t[1]) if blocks else None,
+                                         noise_var=noise)
+    assert loss == pytest.approx(f(theta), rel=EXACT)
+    assert np.max(np.abs(five_point(f, theta, h=1e-3))) <= 1e-7 * loss and abs(a - a0) > 1e-3
+
+
 def test_tied_family_inputs_are_checked():
     with pytest.raises(TypeError, match="L"):
         lp.optimal_tied_family(2.0, 20, 5)
@@ -183,15 +218,6 @@ def gauss_hermite_loss(W, L, n, d):
     X = x[grid].reshape(-1, n, d)
     S = np.einsum("bni,bnj->bij", X, X) / n
     return float(np.prod(w[grid] / math.sqrt(2 * math.pi), axis=1) @ lp.per_sample_loss(W, S, L))
-
-
-def five_point(f, x, h=1e-4):
-    g = np.empty_like(x)
-    for i in range(x.size):
-        e = np.zeros_like(x)
-        e[i] = h
-        g[i] = (8 * (f(x + e) - f(x - e)) - (f(x + 2 * e) - f(x - 2 * e))) / (12 * h)
-    return g
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1146,6 +1146,41 @@ def test_gamma_star_and_the_single_layer_loss_at_extreme_scales():
         ir.single_layer_population_loss(1e200 * np.eye(3), S, 7)
 
 
+def test_the_single_layer_loss_is_right_at_any_scale_of_sigma_or_says_it_cannot_be():
+    # L(Gamma* of c S; c S) = c L(Gamma* of S; S) exactly in the mathematics (noiseless): computed
+    # scale-free it holds to rounding at c = 1e-170 (where products of entries underflow: it used to
+    # come out negative) and at 1e160; a loss below float64's normal range (c w ~ 1e-320) is refused
+    # by name, not returned wrong
+    rng = np.random.default_rng(135)
+    S, _ = ir.rotated_covariance(rng, [0.5, 1.0, 2.0])
+    unit = ir.single_layer_population_loss(ir.gamma_star(S, 7), S, 7)
+    for c in (1e-170, 1e-160, 1e160):
+        loss = ir.single_layer_population_loss(ir.gamma_star(c * S, 7), c * S, 7)
+        assert loss > 0 and abs(loss / c - unit) <= 1e-12 * unit, c        # rounding of O(10) operations
+    with pytest.raises(ValueError, match="underflows below its normal range"):
+        ir.single_layer_population_loss(ir.gamma_star(1e-160 * S, 7, 1e-160 * np.eye(3)), 1e-160 * S, 7,
+                                        1e-160 * np.eye(3))
+    with pytest.raises(TypeError, match="query_noise must be True or False"):
+        ir.single_layer_population_loss(np.eye(3), S, 7, query_noise="no")       # "no" is not True
+
+
+def test_gamma_star_of_a_pool_of_zero_or_tiny_or_huge_tasks():
+    # a pool enters through its second moment: all-zero tasks without noise leave Gamma* undefined
+    # (every Gamma has loss 0), said in words; a pool of scale 1e-200 (its moment underflows) gives the
+    # unit pool's Gamma* (scale-free without noise); with noise, a pool too small for the noise's
+    # ratio to be a float64 is refused naming the scales, not the L-layer growth law
+    S = np.diag([1.0, 0.5])
+    tasks = np.array([[1.0, 0.5], [-0.3, 2.0], [0.7, -1.0]])
+    with pytest.raises(ValueError, match="tasks are all zero and noise_var = 0"):
+        ir.gamma_star(S, 5, tasks=np.zeros((3, 2)))
+    assert_allclose(ir.gamma_star(S, 5, tasks=1e-200 * tasks), ir.gamma_star(S, 5, tasks=tasks), rtol=1e-12)
+    with pytest.raises(ValueError, match="noise_var / .* overflows float64") as e:
+        ir.gamma_star(1e-200 * S, 5, tasks=1e-200 * tasks, noise_var=1.0)
+    assert "L layers" not in str(e.value)
+    with pytest.raises(ValueError, match="must be <= 2\\^53") as e:
+        ir.gamma_star(S, 10 ** 400)                                      # not an OverflowError
+
+
 def test_mahankali_one_gd_step_isotropic_and_preconditioned():
     rng = np.random.default_rng(25)
     n, d, s2 = 12, 4, 0.7
@@ -1416,6 +1451,18 @@ def test_family_optimum_two_layer_reference_values():
     a, _, loss = family_optimum(2, 20, 5)
     assert_allclose(a, [0.5154, 1.2496], atol=5e-5)       # the reference prints 4 decimals
     assert loss == pytest.approx(0.36124, abs=5e-6)
+
+
+def test_the_family_optimum_at_large_n_is_found_relative_to_its_loss():
+    # the loss falls like n^-L while L-BFGS-B's own tests are absolute below 1: a stopping test
+    # relative to the loss finds the optimum at n = 1e9 too (it used to stop at a = (0.93, ...) with
+    # loss 1.4e-17, above a = (1, 1, 1)'s 7.4e-24); the optimum tends to a = 1 (S -> I)
+    a, _, loss = ir.optimal_family_scalars(3, 10 ** 9, 5, starts=4)
+    assert np.max(np.abs(a - 1)) <= 1e-3 and 0 < loss <= ir.family_population_loss([1.0, 1.0, 1.0], 10 ** 9, 5)
+    with pytest.raises(ValueError, match="the loss overflows float64"):
+        ir.family_population_loss([1e200], 20, 5)                          # not an OverflowError
+    with pytest.raises(TypeError, match="blocks must be True or False"):
+        ir.optimal_family_scalars(2, 20, 5, blocks="no")                   # "no" is not True
 
 
 def test_optimal_family_scalars_with_noise():
@@ -2196,6 +2243,29 @@ def test_every_public_function_works_under_a_strict_caller_and_leaves_its_settin
     assert_strict_caller_gets_the_same(ir, _strict_calls, draws=(
         "sample_prompts", "rotated_covariance", "train_lbfgs", "train_gauss_newton", "optimal_family_scalars",
         "sandwich_covariance"))
+
+
+def test_a_strict_callers_overflow_is_the_librarys_value_error_and_a_trainers_rejected_trial():
+    # under np.seterr(all="raise") a real overflow inside is not a FloatingPointError: the evaluating
+    # functions say float64 overflowed (ValueError), the trainer rejects the overflowing trial point
+    # and goes on, and the caller's settings are as they were after each
+    rng = np.random.default_rng(0)
+    Sigma, _ = ir.rotated_covariance(rng)
+    Z, y = ir.sample_prompts(rng, 300, 20, Sigma, np.linalg.inv(Sigma))
+    P, Q = 1e200 * np.ones((2, 1, 1, 6, 6))
+    strict = dict(divide="raise", over="raise", under="raise", invalid="raise")
+    old = np.seterr(**strict)
+    try:
+        for call in (lambda: ir.loss_and_grad(P, Q, Z, y), lambda: ir.forward(P, Q, Z), lambda: ir.predict(P, Q, Z),
+                     lambda: ir.loss_and_grad_activation(P, Q, Z[:5], y[:5], "relu"),
+                     lambda: ir.residuals_and_jacobian(P, Q, Z, y)):
+            with pytest.raises(ValueError, match="overflow"):
+                call()
+            assert np.geterr() == strict
+        res = ir.train_lbfgs(Z, y, 4, structure="blocks", rng=rng, init_scale=1.5, maxiter=60)   # as in §6's test
+        assert "trial points overflowed float64 and were rejected" in res["message"] and np.geterr() == strict
+    finally:
+        np.seterr(**old)
 
 
 def assert_strict_caller_gets_the_same(module, make_calls, draws):
