@@ -180,7 +180,7 @@ def tied_family_step(L, n, d, tol=Fraction(1, 10 ** 40)):
     """a*_L, the minimiser of the noiseless tied sparse family loss f_L(a) = E tr (I - aS)^{2L}
     = sum_k C(2L, k) (-a)^k m_k (MATH.md §14), to `tol` in exact rationals: f_L is strictly convex, so
     a*_L is the only real root of f_L'(a) = sum_k C(2L, k) (-1)^k k a^{k-1} m_k; Newton's method from
-    ir.optimal_tied_family's float, in Fractions (denominators limited to 10^60), stops when an
+    optimal_tied_family's float, in Fractions (denominators limited to 10^60), stops when an
     interval [lo, hi] of width <= tol has f_L'(lo) < 0 < f_L'(hi). The float optimiser stops at
     |f_L'| <= 1e-12, a ~1e-9 relative error in a that moves eigenvalues of 1e-10 and below.
     Returns a Fraction."""

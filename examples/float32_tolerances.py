@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import records                                              # noqa: E402  (the record's provenance)
+import icl_check as ic                                      # noqa: E402  (the adapters)
 import icl_ref as ir                                        # noqa: E402
 from test_torch_linear_transformer import model           # noqa: E402
 
@@ -47,19 +48,19 @@ def errors(d, n, L, B=64, seed=0):
     a, _, _ = ir.optimal_family_scalars(L, n, d, starts=4)
     allparam = 0.1 / math.sqrt(d) * rng.standard_normal((L, 1, 2, d, d))
     allparam[:, 0, 1] -= a[:, None, None] * np.eye(d)          # authors' Q block = -A^T
-    Z_rows = ir.tokens_as_rows(Z).astype(np.float32)
+    Z_rows = ic.tokens_as_rows(Z).astype(np.float32)
     y, allparam = y.astype(np.float32), allparam.astype(np.float32)
     ap = torch.tensor(allparam, requires_grad=True)
     out = model(ap, torch.tensor(Z_rows))
     loss = torch.mean((out[:, -1, -1] + torch.tensor(y)) ** 2)
     loss.backward()
-    P, Q = ir.params_from_authors(allparam.astype(np.float64))
-    Z64 = ir.tokens_as_columns(Z_rows.astype(np.float64))
+    P, Q = ic.params_from_authors(allparam.astype(np.float64))
+    Z64 = ic.tokens_as_columns(Z_rows.astype(np.float64))
     ref_loss, dP, dQ = ir.loss_and_grad(P, Q, Z64, y.astype(np.float64))
-    ref_out = ir.tokens_as_rows(ir.forward(P, Q, Z64))
+    ref_out = ic.tokens_as_rows(ir.forward(P, Q, Z64))
     rel = lambda a, b: float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
     return (rel(out.detach().numpy().astype(np.float64), ref_out), abs(loss.item() - ref_loss) / ref_loss,
-            rel(ap.grad.numpy().astype(np.float64), ir.grads_to_authors(dP, dQ)))
+            rel(ap.grad.numpy().astype(np.float64), ic.grads_to_authors(dP, dQ)))
 
 
 def main(argv=None):

@@ -60,19 +60,19 @@ def test_jax_von_oswald_model_matches_icl_ref(tied, activation):
     lead = () if tied else (L,)
     W = [0.2 * rng.standard_normal(lead + s) for s in ((D, H * k), (D, H * k), (D, H * k), (H * k, D))]
 
-    P, Q = ir.params_from_von_oswald(*W, n, heads=H, layers=L, activation=activation)
+    P, Q = ic.params_from_von_oswald(*W, n, heads=H, layers=L, activation=activation)
     if activation == "linear":
         ours_Z, (loss, dP, dQ) = ir.forward(P, Q, Z), ir.loss_and_grad(P, Q, Z, y)
     else:
         ours_Z = ir.forward_activation(P, Q, Z, "softmax")                # their softmax: n context keys
         loss, dP, dQ = ir.loss_and_grad_activation(P, Q, Z, y, "softmax")
 
-    E = jnp.asarray(ir.tokens_as_rows(Z))
+    E = jnp.asarray(ic.tokens_as_rows(Z))
     W_j = [jnp.asarray(w) for w in W]
-    assert max_rel(model(W_j, E, H, L, activation), ir.tokens_as_rows(ours_Z)) < FORWARD_RTOL
+    assert max_rel(model(W_j, E, H, L, activation), ic.tokens_as_rows(ours_Z)) < FORWARD_RTOL
     theirs, grads = jax.value_and_grad(loss_fn)(W_j, E, jnp.asarray(y), H, L, activation)
-    assert float(theirs) == pytest.approx(ir.VON_OSWALD_LOSS_SCALE * loss, rel=LOSS_RTOL)
-    for g_jax, g_ours in zip(grads, ir.grads_to_von_oswald(dP, dQ, *W, n, heads=H, activation=activation)):
+    assert float(theirs) == pytest.approx(ic.VON_OSWALD_LOSS_SCALE * loss, rel=LOSS_RTOL)
+    for g_jax, g_ours in zip(grads, ic.grads_to_von_oswald(dP, dQ, *W, n, heads=H, activation=activation)):
         assert max_rel(g_jax, g_ours) < GRAD_RTOL
 
 

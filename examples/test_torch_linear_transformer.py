@@ -65,19 +65,19 @@ def test_torch_model_matches_icl_ref(dtype):
     Z, y = ir.sample_prompts(rng, 256, 20, Sigma, np.linalg.inv(Sigma))     # icl_ref layout
     allparam = 0.2 * rng.standard_normal((3, 2, 2, 5, 5))
 
-    Z_t = torch.tensor(ir.tokens_as_rows(Z), dtype=dtype)                   # authors' layout
+    Z_t = torch.tensor(ic.tokens_as_rows(Z), dtype=dtype)                   # authors' layout
     ap = torch.tensor(allparam, dtype=dtype, requires_grad=True)
     out = model(ap, Z_t)
     loss = torch.mean((out[:, -1, -1] + torch.tensor(y, dtype=dtype)) ** 2)
     loss.backward()
 
-    P, Q = ir.params_from_authors(allparam)
-    ref_out = ir.tokens_as_rows(ir.forward(P, Q, Z))
+    P, Q = ic.params_from_authors(allparam)
+    ref_out = ic.tokens_as_rows(ir.forward(P, Q, Z))
     ref_loss, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
     tol = TOLERANCES[dtype]
     assert max_rel(out.detach().double().numpy(), ref_out) < tol["forward"]
     assert abs(loss.item() - ref_loss) / ref_loss < tol["loss"]
-    assert max_rel(ap.grad.double().numpy(), ir.grads_to_authors(dP, dQ)) < tol["grad"]
+    assert max_rel(ap.grad.double().numpy(), ic.grads_to_authors(dP, dQ)) < tol["grad"]
 
 
 def authors_layout_fn(case):
