@@ -321,6 +321,27 @@ def test_overwrite_never_deletes_files_of_a_directory_that_held_no_run(tmp_path,
     assert (tmp_path / "mydata.csv").read_text() == "1,2"
 
 
+def test_a_sigterm_a_trainer_absorbed_still_ends_the_run_as_a_sigterm(tmp_path, monkeypatch):
+    # icl_ref's trainers catch the KeyboardInterrupt the SIGTERM handler raises and return the last
+    # iterate marked interrupted; the experiment then raises a plain KeyboardInterrupt
+    # (stop_if_interrupted). The run must still say SIGTERM and exit 143, not Ctrl-C's 130 (the
+    # slow end-to-end test trains for real; this one absorbs the signal as a trainer does)
+    import signal
+    import time
+
+    def absorbing(ctx):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)                                   # the handler raises before this ends
+        except KeyboardInterrupt:
+            res = dict(interrupted=True)
+        return ex.stop_if_interrupted(res)
+    monkeypatch.setitem(ex.EXPERIMENTS, "absorbing", (absorbing, "t"))
+    assert runner.main(["absorbing", "--out", str(tmp_path)]) == 128 + signal.SIGTERM
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["status"] == "interrupted" and "SIGTERM" in config["stopped_by"]
+
+
 def test_a_signal_while_the_results_are_written_is_answered_after_them(tmp_path, monkeypatch):
     import signal
     monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", "x", ex.INFO)], {}), "t"))
