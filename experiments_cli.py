@@ -31,6 +31,7 @@ import scipy
 import threadpoolctl
 
 import experiments as ex
+import experiments_beyond  # noqa: F401  (registers the experiments beyond the paper, after the paper's)
 import icl_files
 
 def cell(value):

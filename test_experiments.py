@@ -18,6 +18,7 @@ import pytest
 from numpy.testing import assert_allclose
 
 import experiments as ex
+import experiments_beyond as eb
 import experiments_cli as runner
 import icl_files
 import icl_looped as lp
@@ -973,41 +974,41 @@ def test_tied_family_rows_at_their_thresholds():
     def exact(loss_tied_2=1.1, loss_tied_1=1.0, steps=(0.8, 0.7)):
         return [dict(family="sparse", L=1, a_tied=steps[0], loss_tied=loss_tied_1, loss_untied=1.0, gain_kept=math.nan),
                 dict(family="sparse", L=2, a_tied=steps[1], loss_tied=loss_tied_2, loss_untied=1.05, gain_kept=0.5)]
-    rows = ex.tied_family_rows(exact())
+    rows = eb.tied_family_rows(exact())
     assert [r["verdict"] for r in rows] == [ex.PASS, ex.PASS, ex.PASS]
     below = 1.05 * (1 - 2e-12)                      # tied below untied by more than the 1e-12 allowed
-    assert verdict_of(ex.tied_family_rows(exact(loss_tied_2=below)), "tied-not-below") == ex.FAIL
-    assert verdict_of(ex.tied_family_rows(exact(loss_tied_2=1.05 * (1 - 5e-13))), "tied-not-below") == ex.PASS
-    assert verdict_of(ex.tied_family_rows(exact(loss_tied_1=1 + 2e-12)), "L1-same") == ex.FAIL
-    assert verdict_of(ex.tied_family_rows(exact(steps=(0.7, 0.8))), "step-decreases") == ex.FAIL
+    assert verdict_of(eb.tied_family_rows(exact(loss_tied_2=below)), "tied-not-below") == ex.FAIL
+    assert verdict_of(eb.tied_family_rows(exact(loss_tied_2=1.05 * (1 - 5e-13))), "tied-not-below") == ex.PASS
+    assert verdict_of(eb.tied_family_rows(exact(loss_tied_1=1 + 2e-12)), "L1-same") == ex.FAIL
+    assert verdict_of(eb.tied_family_rows(exact(steps=(0.7, 0.8))), "step-decreases") == ex.FAIL
 
 
 def hessian_table(anti=(2.6, 0.08, 0.05, -0.088), sym=(2.6, 1.87, 1.54, 1.26), poly_rel=0.0, mc_off=0.0, se=0.001):
     rows = []
     for L, a_, s_ in zip((1, 2, 3, 4), anti, sym):
         r = dict(L=L, a=0.7, B_mc=10000, identity=2.6, symmetric=s_, antisymmetric=a_)
-        for k in ex.SUBSPACES:
+        for k in eb.SUBSPACES:
             r.update({f"poly_{k}": r[k] * (1 + poly_rel), f"mc_{k}": r[k] + mc_off * se, f"mc_{k}_se": se})
         rows.append(r)
     return rows
 
 
 def test_curvature_rows_at_their_thresholds():
-    assert [r["verdict"] for r in ex.curvature_rows(hessian_table())] == [ex.PASS] * 5
+    assert [r["verdict"] for r in eb.curvature_rows(hessian_table())] == [ex.PASS] * 5
     closed = "hessian-closed-form"
-    assert verdict_of(ex.curvature_rows(hessian_table(poly_rel=0.9e-9)), closed) == ex.PASS
-    assert verdict_of(ex.curvature_rows(hessian_table(poly_rel=1.1e-9)), closed) == ex.FAIL
+    assert verdict_of(eb.curvature_rows(hessian_table(poly_rel=0.9e-9)), closed) == ex.PASS
+    assert verdict_of(eb.curvature_rows(hessian_table(poly_rel=1.1e-9)), closed) == ex.FAIL
     mc = "hessian-monte-carlo"
-    assert verdict_of(ex.curvature_rows(hessian_table(mc_off=3.9)), mc) == ex.PASS
-    assert verdict_of(ex.curvature_rows(hessian_table(mc_off=-4.1)), mc) == ex.FAIL
-    assert verdict_of(ex.curvature_rows(hessian_table(sym=(2.6, 1.87, -0.01, 1.26))), "hessian-positive") == ex.FAIL
+    assert verdict_of(eb.curvature_rows(hessian_table(mc_off=3.9)), mc) == ex.PASS
+    assert verdict_of(eb.curvature_rows(hessian_table(mc_off=-4.1)), mc) == ex.FAIL
+    assert verdict_of(eb.curvature_rows(hessian_table(sym=(2.6, 1.87, -0.01, 1.26))), "hessian-positive") == ex.FAIL
     signs = "antisymmetric-sign"
-    assert verdict_of(ex.curvature_rows(hessian_table(anti=(2.6, 0.08, -0.001, -0.088))), signs) == ex.FAIL
-    assert verdict_of(ex.curvature_rows(hessian_table(anti=(2.6, 0.08, 0.05, 0.001))), signs) == ex.FAIL
+    assert verdict_of(eb.curvature_rows(hessian_table(anti=(2.6, 0.08, -0.001, -0.088))), signs) == ex.FAIL
+    assert verdict_of(eb.curvature_rows(hessian_table(anti=(2.6, 0.08, 0.05, 0.001))), signs) == ex.FAIL
     # the Monte Carlo sign at L = 4: resolved when the estimate is below -4 SE
     below = "L4-antisymmetric-mc"
-    assert verdict_of(ex.curvature_rows(hessian_table(anti=(2.6, 0.08, 0.05, -0.0041))), below) == ex.PASS
-    assert verdict_of(ex.curvature_rows(hessian_table(anti=(2.6, 0.08, 0.05, -0.0039))), below) == ex.FAIL
+    assert verdict_of(eb.curvature_rows(hessian_table(anti=(2.6, 0.08, 0.05, -0.0041))), below) == ex.PASS
+    assert verdict_of(eb.curvature_rows(hessian_table(anti=(2.6, 0.08, 0.05, -0.0039))), below) == ex.FAIL
 
 
 def test_character_rows_at_their_thresholds():
@@ -1020,11 +1021,11 @@ def test_character_rows_at_their_thresholds():
                     minimum = not minimum
                 rows.append(dict(L=L, n=n, antisymmetric=0.01 if minimum else -0.01, minimum=minimum))
         return rows
-    assert [r["verdict"] for r in ex.character_rows(char())] == [ex.PASS] * 3
-    assert verdict_of(ex.character_rows(char(flip=(4, 20))), "character-n20") == ex.FAIL
-    assert verdict_of(ex.character_rows(char(flip=(3, 20))), "character-n20") == ex.FAIL
-    assert verdict_of(ex.character_rows(char(flip=(2, 40))), "character-large-n") == ex.FAIL
-    assert verdict_of(ex.character_rows(char(flip=(5, 10))), "character-small-n") == ex.FAIL
+    assert [r["verdict"] for r in eb.character_rows(char())] == [ex.PASS] * 3
+    assert verdict_of(eb.character_rows(char(flip=(4, 20))), "character-n20") == ex.FAIL
+    assert verdict_of(eb.character_rows(char(flip=(3, 20))), "character-n20") == ex.FAIL
+    assert verdict_of(eb.character_rows(char(flip=(2, 40))), "character-large-n") == ex.FAIL
+    assert verdict_of(eb.character_rows(char(flip=(5, 10))), "character-small-n") == ex.FAIL
 
 
 def landscape_points(**change):
@@ -1042,30 +1043,30 @@ def landscape_points(**change):
 
 
 def test_landscape_rows_at_their_thresholds():
-    assert [r["verdict"] for r in ex.landscape_rows(landscape_points())] == [ex.PASS] * 7
+    assert [r["verdict"] for r in eb.landscape_rows(landscape_points())] == [ex.PASS] * 7
     strict = "L4-minimum"
-    assert verdict_of(ex.landscape_rows(landscape_points(lower__grad_norm=1.1e-10)), strict) == ex.FAIL
-    assert verdict_of(ex.landscape_rows(landscape_points(lower__grad_norm=0.9e-10)), strict) == ex.PASS
-    assert verdict_of(ex.landscape_rows(landscape_points(lower__reduced_min=-1e-6)), strict) == ex.FAIL
-    assert verdict_of(ex.landscape_rows(landscape_points(lower__loss=0.1634)), strict) == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(lower__grad_norm=1.1e-10)), strict) == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(lower__grad_norm=0.9e-10)), strict) == ex.PASS
+    assert verdict_of(eb.landscape_rows(landscape_points(lower__reduced_min=-1e-6)), strict) == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(lower__loss=0.1634)), strict) == ex.FAIL
     equals = "L4-loss-mc"
-    assert verdict_of(ex.landscape_rows(landscape_points(lower__mc_loss=0.1478 + 0.0039)), equals) == ex.PASS
-    assert verdict_of(ex.landscape_rows(landscape_points(lower__mc_loss=0.1478 - 0.0041)), equals) == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(lower__mc_loss=0.1478 + 0.0039)), equals) == ex.PASS
+    assert verdict_of(eb.landscape_rows(landscape_points(lower__mc_loss=0.1478 - 0.0041)), equals) == ex.FAIL
     below = "L4-below-family-mc"
-    assert verdict_of(ex.landscape_rows(landscape_points(lower__mc_loss=0.1633 - 0.0041)), below) == ex.PASS
-    assert verdict_of(ex.landscape_rows(landscape_points(lower__mc_loss=0.1633 - 0.0039)), below) == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(lower__mc_loss=0.1633 - 0.0041)), below) == ex.PASS
+    assert verdict_of(eb.landscape_rows(landscape_points(lower__mc_loss=0.1633 - 0.0039)), below) == ex.FAIL
     hess = "L4-hessian-mc"
-    assert verdict_of(ex.landscape_rows(landscape_points(lower__mc_reduced_min=0.039)), hess) == ex.FAIL
-    assert verdict_of(ex.landscape_rows(landscape_points(lower__mc_reduced_min=0.041)), hess) == ex.PASS
+    assert verdict_of(eb.landscape_rows(landscape_points(lower__mc_reduced_min=0.039)), hess) == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(lower__mc_reduced_min=0.041)), hess) == ex.PASS
     second = "L3-second-minimum"
-    assert verdict_of(ex.landscape_rows(landscape_points(second__loss=0.26830)), second) == ex.FAIL
-    assert verdict_of(ex.landscape_rows(landscape_points(second__reduced_min=0.0)), second) == ex.FAIL
-    assert verdict_of(ex.landscape_rows(landscape_points(second__mc_loss=0.26901 + 0.00081)), "L3-loss-mc") == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(second__loss=0.26830)), second) == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(second__reduced_min=0.0)), second) == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(second__mc_loss=0.26901 + 0.00081)), "L3-loss-mc") == ex.FAIL
     saddle = "L3-saddle"
-    assert verdict_of(ex.landscape_rows(landscape_points(saddle__index=2)), saddle) == ex.FAIL
-    assert verdict_of(ex.landscape_rows(landscape_points(saddle__loss=0.26834 + 1.01e-3)), saddle) == ex.FAIL
-    assert verdict_of(ex.landscape_rows(landscape_points(saddle__loss=0.26834 + 0.99e-3)), saddle) == ex.PASS
-    assert verdict_of(ex.landscape_rows(landscape_points(saddle__loss=0.26900)), saddle) == ex.FAIL   # below the second
+    assert verdict_of(eb.landscape_rows(landscape_points(saddle__index=2)), saddle) == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(saddle__loss=0.26834 + 1.01e-3)), saddle) == ex.FAIL
+    assert verdict_of(eb.landscape_rows(landscape_points(saddle__loss=0.26834 + 0.99e-3)), saddle) == ex.PASS
+    assert verdict_of(eb.landscape_rows(landscape_points(saddle__loss=0.26900)), saddle) == ex.FAIL   # below the second
 
 
 def tied(L, **change):
@@ -1076,26 +1077,26 @@ def tied(L, **change):
 
 
 def test_tied_trained_rows_at_their_thresholds():
-    assert [r["verdict"] for L in (1, 2, 3, 4) for r in ex.tied_trained_rows(tied(L), GOOD)] == [ex.PASS] * 8
+    assert [r["verdict"] for L in (1, 2, 3, 4) for r in eb.tied_trained_rows(tied(L), GOOD)] == [ex.PASS] * 8
     fit = "trained-L1-fit"
-    assert verdict_of(ex.tied_trained_rows(tied(1, a_fitted=0.7 * 1.049), GOOD), fit) == ex.PASS
-    assert verdict_of(ex.tied_trained_rows(tied(1, a_fitted=0.7 * 1.051), GOOD), fit) == ex.FAIL
-    assert verdict_of(ex.tied_trained_rows(tied(1, a_fitted=0.7 * 0.949), GOOD), fit) == ex.FAIL
-    assert verdict_of(ex.tied_trained_rows(tied(1, dist_sym=0.0501), GOOD), "trained-L1-dist") == ex.FAIL
+    assert verdict_of(eb.tied_trained_rows(tied(1, a_fitted=0.7 * 1.049), GOOD), fit) == ex.PASS
+    assert verdict_of(eb.tied_trained_rows(tied(1, a_fitted=0.7 * 1.051), GOOD), fit) == ex.FAIL
+    assert verdict_of(eb.tied_trained_rows(tied(1, a_fitted=0.7 * 0.949), GOOD), fit) == ex.FAIL
+    assert verdict_of(eb.tied_trained_rows(tied(1, dist_sym=0.0501), GOOD), "trained-L1-dist") == ex.FAIL
     dist = "trained-L2-dist"
-    assert verdict_of(ex.tied_trained_rows(tied(2, dist=0.0499), GOOD), dist) == ex.PASS
-    assert verdict_of(ex.tied_trained_rows(tied(2, dist=0.0501), GOOD), dist) == ex.FAIL
-    assert verdict_of(ex.tied_trained_rows(tied(2, basin="other"), GOOD), "trained-L2-descent") == ex.FAIL
-    assert verdict_of(ex.tied_trained_rows(tied(3, basin="family"), GOOD), "trained-L3-basin") == ex.PASS
-    assert verdict_of(ex.tied_trained_rows(tied(3, basin="other"), GOOD), "trained-L3-basin") == ex.FAIL
+    assert verdict_of(eb.tied_trained_rows(tied(2, dist=0.0499), GOOD), dist) == ex.PASS
+    assert verdict_of(eb.tied_trained_rows(tied(2, dist=0.0501), GOOD), dist) == ex.FAIL
+    assert verdict_of(eb.tied_trained_rows(tied(2, basin="other"), GOOD), "trained-L2-descent") == ex.FAIL
+    assert verdict_of(eb.tied_trained_rows(tied(3, basin="family"), GOOD), "trained-L3-basin") == ex.PASS
+    assert verdict_of(eb.tied_trained_rows(tied(3, basin="other"), GOOD), "trained-L3-basin") == ex.FAIL
     below = "trained-L4-below"
-    assert verdict_of(ex.tied_trained_rows(tied(4, exact_loss=0.1599), GOOD), below) == ex.PASS
-    assert verdict_of(ex.tied_trained_rows(tied(4, exact_loss=0.1601), GOOD), below) == ex.FAIL
-    assert verdict_of(ex.tied_trained_rows(tied(4, basin="other"), GOOD), "trained-L4-basin") == ex.FAIL
+    assert verdict_of(eb.tied_trained_rows(tied(4, exact_loss=0.1599), GOOD), below) == ex.PASS
+    assert verdict_of(eb.tied_trained_rows(tied(4, exact_loss=0.1601), GOOD), below) == ex.FAIL
+    assert verdict_of(eb.tied_trained_rows(tied(4, basin="other"), GOOD), "trained-L4-basin") == ex.FAIL
     fresh = "trained-L4-fresh"
-    assert verdict_of(ex.tied_trained_rows(tied(4, test_minus_family=-0.0041), GOOD), fresh) == ex.PASS
-    assert verdict_of(ex.tied_trained_rows(tied(4, test_minus_family=-0.0039), GOOD), fresh) == ex.FAIL
-    assert all(r["verdict"] == ex.NO_VERDICT for L in (1, 2, 3, 4) for r in ex.tied_trained_rows(tied(L), BAD))
+    assert verdict_of(eb.tied_trained_rows(tied(4, test_minus_family=-0.0041), GOOD), fresh) == ex.PASS
+    assert verdict_of(eb.tied_trained_rows(tied(4, test_minus_family=-0.0039), GOOD), fresh) == ex.FAIL
+    assert all(r["verdict"] == ex.NO_VERDICT for L in (1, 2, 3, 4) for r in eb.tied_trained_rows(tied(L), BAD))
 
 
 def test_context_losses_are_the_whitened_per_sample_loss():
@@ -1110,20 +1111,20 @@ def test_context_losses_are_the_whitened_per_sample_loss():
     X = rng.standard_normal((7, n, d)) @ ((V * np.sqrt(lam)) @ V.T)
     G = X @ ((V / np.sqrt(lam)) @ V.T)
     S = np.einsum("cni,cnj->cij", G, G) / n
-    np.testing.assert_allclose(ex.context_losses(P, Q, X, Sigma, chunk=3), lp.per_sample_loss(W, S, L), rtol=1e-10)
+    np.testing.assert_allclose(eb.context_losses(P, Q, X, Sigma, chunk=3), lp.per_sample_loss(W, S, L), rtol=1e-10)
 
 
 def test_flow_and_descent_rows_at_their_thresholds():
     f = dict(start="inside", sigma=0.05, sigma_bound=1.0, rel_err_end=0.9e-8, half_way_t=1.4, invariant_max=1e-13,
              loss_first=1.5, loss_last=0.3)
-    assert [r["verdict"] for r in ex.flow_rows(f)] == [ex.PASS, ex.INFO]
-    assert ex.flow_rows(dict(f, rel_err_end=1.1e-8))[0]["verdict"] == ex.FAIL
+    assert [r["verdict"] for r in eb.flow_rows(f)] == [ex.PASS, ex.INFO]
+    assert eb.flow_rows(dict(f, rel_err_end=1.1e-8))[0]["verdict"] == ex.FAIL
     at = dict(t=0.8, R=8, B=5000, eta=0.01, step_error_in_se=0.5)
     target, se = np.array([[0.6, 0.01], [0.01, 0.3]]), np.full((2, 2), 0.01)
-    assert ex.descent_row(at, target + 0.039, target, se)["verdict"] == ex.PASS
+    assert eb.descent_row(at, target + 0.039, target, se)["verdict"] == ex.PASS
     off = target.copy()
     off[0, 1] += 0.041                                      # one entry past 4 SE
-    assert ex.descent_row(at, off, target, se)["verdict"] == ex.FAIL
+    assert eb.descent_row(at, off, target, se)["verdict"] == ex.FAIL
 
 
 def pools(**change):
@@ -1139,27 +1140,27 @@ def pools(**change):
 
 def test_pool_rows_at_their_thresholds():
     L1, L3 = 1.0, 1.2
-    rows = ex.pool_rows(pools(), L1, L3, GOOD)
+    rows = eb.pool_rows(pools(), L1, L3, GOOD)
     assert [r["verdict"] for r in rows if r["check"]] == [ex.PASS] * 4
     one = "one-layer-fresh"
-    assert verdict_of(ex.pool_rows(pools(L1_fresh=1.0099), L1, L3, GOOD), one) == ex.PASS
-    assert verdict_of(ex.pool_rows(pools(L1_fresh=1.0101), L1, L3, GOOD), one) == ex.FAIL
+    assert verdict_of(eb.pool_rows(pools(L1_fresh=1.0099), L1, L3, GOOD), one) == ex.PASS
+    assert verdict_of(eb.pool_rows(pools(L1_fresh=1.0101), L1, L3, GOOD), one) == ex.FAIL
     three = "three-layers-fresh"
     # tolerance 10% of 1.2 plus 4 SE of 0.01: 0.16
-    assert verdict_of(ex.pool_rows(pools(L3_fresh=1.359), L1, L3, GOOD), three) == ex.PASS
-    assert verdict_of(ex.pool_rows(pools(L3_fresh=1.361, L3_pool=1.361), L1, L3, GOOD), three) == ex.FAIL
+    assert verdict_of(eb.pool_rows(pools(L3_fresh=1.359), L1, L3, GOOD), three) == ex.PASS
+    assert verdict_of(eb.pool_rows(pools(L3_fresh=1.361, L3_pool=1.361), L1, L3, GOOD), three) == ex.FAIL
     agree = "three-layers-memorisation"
-    assert verdict_of(ex.pool_rows(pools(L3_pool=1.3 + 0.056), L1, L3, GOOD), agree) == ex.PASS     # 4 hypot(SE) = 0.0566
-    assert verdict_of(ex.pool_rows(pools(L3_pool=1.3 + 0.058), L1, L3, GOOD), agree) == ex.FAIL
-    assert all(r["verdict"] == ex.NO_VERDICT for r in ex.pool_rows(pools(), L1, L3, BAD) if r["id"].startswith("three"))
+    assert verdict_of(eb.pool_rows(pools(L3_pool=1.3 + 0.056), L1, L3, GOOD), agree) == ex.PASS     # 4 hypot(SE) = 0.0566
+    assert verdict_of(eb.pool_rows(pools(L3_pool=1.3 + 0.058), L1, L3, GOOD), agree) == ex.FAIL
+    assert all(r["verdict"] == ex.NO_VERDICT for r in eb.pool_rows(pools(), L1, L3, BAD) if r["id"].startswith("three"))
     memo = "dmmse-memorises"
     small = pools()
     small[1].update(dmmse_pool=0.5 - 0.058)                         # K = 16: ridge - dMMSE just above 4 hypot(SE)
-    assert verdict_of(ex.pool_rows(small, L1, L3, GOOD), memo) == ex.PASS
+    assert verdict_of(eb.pool_rows(small, L1, L3, GOOD), memo) == ex.PASS
     small[1].update(dmmse_pool=0.5 - 0.056)
-    assert verdict_of(ex.pool_rows(small, L1, L3, GOOD), memo) == ex.FAIL
+    assert verdict_of(eb.pool_rows(small, L1, L3, GOOD), memo) == ex.FAIL
     # Raventós et al.'s claim: holds within 10% of ridge, a finding either way
-    said = {r["model"]: r for r in ex.pool_rows(pools(L1_fresh=0.549, L3_fresh=0.551), L1, L3, GOOD) if "model" in r}
+    said = {r["model"]: r for r in eb.pool_rows(pools(L1_fresh=0.549, L3_fresh=0.551), L1, L3, GOOD) if "model" in r}
     assert said["L1"]["holds"] == "yes" and said["L3"]["holds"] == "no" and said["dmmse"]["holds"] == "no"
     assert all(r["verdict"] == ex.INFO for r in said.values())
 
@@ -1174,25 +1175,25 @@ def shifts(**change):
 
 def test_shift_rows_at_their_thresholds():
     L_star = 1.0
-    assert [r["verdict"] for r in ex.shift_rows(shifts(), L_star, 20, GOOD)] == [ex.PASS] * 4 + [ex.INFO]
+    assert [r["verdict"] for r in eb.shift_rows(shifts(), L_star, 20, GOOD)] == [ex.PASS] * 4 + [ex.INFO]
     mc = "exact-equals-mc"
-    assert verdict_of(ex.shift_rows(shifts(layer_mc=1.039), L_star, 20, GOOD), mc) == ex.PASS
-    assert verdict_of(ex.shift_rows(shifts(layer_mc=0.959), L_star, 20, GOOD), mc) == ex.FAIL
+    assert verdict_of(eb.shift_rows(shifts(layer_mc=1.039), L_star, 20, GOOD), mc) == ex.PASS
+    assert verdict_of(eb.shift_rows(shifts(layer_mc=0.959), L_star, 20, GOOD), mc) == ex.FAIL
     at_train = "at-training-length"
-    assert verdict_of(ex.shift_rows(shifts(layer_exact=1.0099, layer_mc=1.0099), L_star, 20, GOOD), at_train) == ex.PASS
-    assert verdict_of(ex.shift_rows(shifts(layer_exact=1.0101, layer_mc=1.0101), L_star, 20, GOOD), at_train) == ex.FAIL
-    assert verdict_of(ex.shift_rows(shifts(), L_star, 20, BAD), at_train) == ex.NO_VERDICT
-    costs = ex.shift_rows(shifts(), L_star, 20, GOOD)[2]
+    assert verdict_of(eb.shift_rows(shifts(layer_exact=1.0099, layer_mc=1.0099), L_star, 20, GOOD), at_train) == ex.PASS
+    assert verdict_of(eb.shift_rows(shifts(layer_exact=1.0101, layer_mc=1.0101), L_star, 20, GOOD), at_train) == ex.FAIL
+    assert verdict_of(eb.shift_rows(shifts(), L_star, 20, BAD), at_train) == ex.NO_VERDICT
+    costs = eb.shift_rows(shifts(), L_star, 20, GOOD)[2]
     assert costs["lengths"] == [10, 40]                            # the training length is not a shift
     cheap = shifts()
     cheap[2].update(layer_exact=1.0099)
-    assert verdict_of(ex.shift_rows(cheap, L_star, 20, GOOD), "length-costs") == ex.FAIL
+    assert verdict_of(eb.shift_rows(cheap, L_star, 20, GOOD), "length-costs") == ex.FAIL
     bayes = "bayes-vs-ridge"
-    assert verdict_of(ex.shift_rows(shifts(bayes_minus_ridge=0.0039), L_star, 20, GOOD), bayes) == ex.PASS
-    assert verdict_of(ex.shift_rows(shifts(bayes_minus_ridge=0.0041), L_star, 20, GOOD), bayes) == ex.FAIL
-    wu = {r["holds"] for r in ex.shift_rows(shifts(ridge_tuned=1.0 / 1.1 + 1e-9), L_star, 20, GOOD) if "holds" in r}
+    assert verdict_of(eb.shift_rows(shifts(bayes_minus_ridge=0.0039), L_star, 20, GOOD), bayes) == ex.PASS
+    assert verdict_of(eb.shift_rows(shifts(bayes_minus_ridge=0.0041), L_star, 20, GOOD), bayes) == ex.FAIL
+    wu = {r["holds"] for r in eb.shift_rows(shifts(ridge_tuned=1.0 / 1.1 + 1e-9), L_star, 20, GOOD) if "holds" in r}
     assert wu == {"yes"}
-    assert {r["holds"] for r in ex.shift_rows(shifts(ridge_tuned=0.9), L_star, 20, GOOD) if "holds" in r} == {"no"}
+    assert {r["holds"] for r in eb.shift_rows(shifts(ridge_tuned=0.9), L_star, 20, GOOD) if "holds" in r} == {"no"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import experiments as ex
+import experiments_beyond  # noqa: F401  (the experiments beyond the paper in ex.EXPERIMENTS)
 import icl_check as ic
 import icl_files
 import icl_looped as lp

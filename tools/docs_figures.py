@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import benchmarks  # noqa: E402  (tools/benchmarks.py: the machine's description)
 import experiments  # noqa: E402
+import experiments_beyond  # noqa: E402,F401  (the experiments beyond the paper in EXPERIMENTS)
 import icl_files  # noqa: E402
 import records  # noqa: E402  (tools/records.py: the provenance)
 
