@@ -343,6 +343,37 @@ def test_a_sigterm_a_trainer_absorbed_still_ends_the_run_as_a_sigterm(tmp_path, 
     assert config["status"] == "interrupted" and "SIGTERM" in config["stopped_by"]
 
 
+def test_one_sigint_while_an_experiments_files_are_recorded_stops_the_run_after_them(tmp_path, monkeypatch):
+    # signals_held: a SIGINT while an experiment's files and record entry are written waits until they
+    # are whole; then the run stops as Ctrl-C (README's table: 130, `interrupted`), keeping that
+    # experiment - one signal is enough, and the next experiment never starts
+    import signal
+    calls = []
+    monkeypatch.setitem(ex.EXPERIMENTS, "first", (lambda ctx: (calls.append("first") or [ex.row("x", "x", ex.INFO)], {}), "t"))
+    monkeypatch.setitem(ex.EXPERIMENTS, "second", (lambda ctx: (calls.append("second") or [ex.row("x", "x", ex.INFO)], {}), "t"))
+    record = runner.record_experiment
+
+    def record_then_signal(out, experiments, done, name, files, entry):
+        os.kill(os.getpid(), signal.SIGINT)                  # held: arrives while the files are recorded
+        record(out, experiments, done, name, files, entry)
+    monkeypatch.setattr(runner, "record_experiment", record_then_signal)
+    assert runner.main(["first", "second", "--out", str(tmp_path)]) == 128 + signal.SIGINT
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert calls == ["first"] and config["status"] == "interrupted"
+    assert config["experiments"]["first"]["status"] == "complete" and "second" not in config["experiments"]
+
+
+def test_a_record_listing_a_path_outside_its_folder_is_not_trusted():
+    # a record is trusted to name only its own outputs, by bare file name in --out: a path (even one
+    # ending in an output's name) would let --overwrite replace a file elsewhere
+    def record(files):
+        return dict(format=runner.FORMAT, tool=runner.TOOL, format_version=runner.FORMAT_VERSION,
+                    experiments={"noise": dict(files=files, status="complete")})
+    assert runner.trusted_record(record(["noise.csv", "noise_table.csv"]))
+    for path in ("../noise.csv", "sub/noise.csv", "/tmp/noise.csv", "./noise.csv"):
+        assert not runner.trusted_record(record(["noise.csv", path])), path
+
+
 def test_a_signal_while_the_results_are_written_is_answered_after_them(tmp_path, monkeypatch):
     import signal
     monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", "x", ex.INFO)], {}), "t"))
