@@ -10,11 +10,12 @@ antisymmetric). This tool records, for L = 1..4:
 - each eigenvalue by three paths that share no formula: the closed form from exact Wishart moments
   (icl_looped.tied_family_hessian_eigenvalues), the Rayleigh quotients of the exact polynomial's Hessian
   (tied_hessian: complex steps of the gradient of tied_loss_polynomial), and a Monte Carlo over `samples`
-  draws of S of the exact per-sample second derivatives (mc_family_hessian_eigenvalues), with its SE;
+  draws of S of the exact per-sample second derivatives (mc_family_hessian_eigenvalues), with its SE; and
+  the antisymmetric one's two parts, stretch >= 0 and twist <= 0 (antisymmetric_curvature_parts, exact);
 - where the family point is a saddle (antisymmetric eigenvalue < 0) at L = 1..6, n = 10, 20, 40, 80;
-- the points a descent of the exact f reaches from a*_L I + eps K (K a random unit antisymmetric matrix
-  from the seed, eps = 0.05: off every fixed-point set of a rotation subgroup) and from the rotation-block
-  starts of tied_minima_from_family, each certified (the exact gradient's norm, the orbit's dimension, the
+- the points a descent of the exact f reaches from a*_L I + eps G / |G|_F (tied_descent_from_family: G a
+  random Gaussian matrix from the seed, eps = 0.05, off every fixed-point set of a rotation subgroup) and
+  from the rotation-block starts of tied_minima_from_family, each certified (the exact gradient's norm, the orbit's dimension, the
   Hessian's eigenvalues modulo the rotation orbit) and, off the family point, checked by a Monte Carlo over
   fresh samples of S (mc_certificate: the loss with the family point's exact loss as control variate, the
   reduced Hessian's smallest eigenvalue) and by the paired difference of per-sample losses against the
@@ -57,12 +58,13 @@ def hessian_rows(n, d, S):
         H = lp.tied_hessian(float(a) * np.eye(d), L, n, d)
         poly = [float(np.trace(U.T @ H @ U) / U.shape[1]) for U in lp.subspace_bases(d)]
         mc = lp.mc_family_hessian_eigenvalues(L, S, float(a))
-        r = dict(L=L, a=float(a), B=int(S.shape[0]))
+        stretch, twist = lp.antisymmetric_curvature_parts(L, n, d, a)
+        r = dict(L=L, a=float(a), B=int(S.shape[0]), stretch=stretch, twist=twist)
         for s, c, p, (m, se) in zip(SUBSPACES, closed, poly, mc):
             r.update({s: c, f"poly_{s}": p, f"mc_{s}": m, f"mc_{s}_se": se})
         out.append(r)
         print(f"L = {L}: a* = {float(a):.6f}; antisymmetric {closed[2]:+.6f} (polynomial {poly[2]:+.6f}, "
-              f"Monte Carlo {mc[2][0]:+.6f} +- {mc[2][1]:.6f}); symmetric {closed[1]:.5f}, identity {closed[0]:.5f}")
+              f"Monte Carlo {mc[2][0]:+.6f} +- {mc[2][1]:.6f}; stretch {stretch:.6f}, twist {twist:+.6f}); symmetric {closed[1]:.5f}, identity {closed[0]:.5f}")
     return out
 
 
@@ -96,15 +98,12 @@ def point_row(name, start, m, L, S=None):
 
 
 def landscape_points(n, d, rng, S):
-    """The points reached from the family point tilted by EPS K (K random unit antisymmetric) at L = 2, 3, 4,
+    """The points reached from the family point tilted by EPS G / |G| (G random Gaussian) at L = 2, 3, 4,
     from its rotation-block starts, the one-block saddle at L = 4 and the mountain pass at L = 3."""
     out = []
     for L in (2, 3, 4):
-        a = lp.optimal_tied_family(L, n, d)[0]
-        K = rng.standard_normal((d, d))
-        K = (K - K.T) / np.linalg.norm(K - K.T)
-        m = lp.tied_local_minimum(a * np.eye(d) + EPS * K, L, n, d)
-        out.append(point_row(f"L{L}-tilted", f"a*_{L} I + {EPS} K", dict(m, sizes=(n, d)), L, S))
+        m = lp.tied_descent_from_family(L, n, d, rng, EPS)
+        out.append(point_row(f"L{L}-tilted", f"a*_{L} I + {EPS} G / |G|", dict(m, sizes=(n, d)), L, S))
         for f in lp.tied_minima_from_family(L, n, d, betas=(0.1, 0.35)):
             if f["orbit_dim"] > 0:
                 out.append(point_row(f"L{L}-minimum-{len(f['starts'])}", "a*_L I + " + ", ".join(
