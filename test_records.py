@@ -129,6 +129,8 @@ def test_looped_landscape_is_the_current_curvature_and_its_points_are_still_cert
             # the polynomial's Hessian in float64: terms ~1e2 times the loss at L = 4, so ~1e-12 absolute
             assert abs(h[f"poly_{s}"] - value) <= 1e-9, (h.L, s)
             assert abs(h[f"mc_{s}"] - value) <= 4 * h[f"mc_{s}_se"], (h.L, s)      # sampling: 4 SE
+        # the two parts (exact rationals rounded once each): their sum to rounding, the twist <= 0 (MATH.md §14)
+        assert abs(h.stretch + h.twist - h.antisymmetric) <= 1e-12 * h.stretch and h.stretch > 0 >= h.twist, h.L
     signs = {h.L: h.mc_antisymmetric / h.mc_antisymmetric_se for h in rec.hessian}
     assert signs[2] > 4 and signs[3] > 4 and signs[4] < -4             # the sign resolved by the samples
     char = {(r.L, r.n): r for r in rec.character}
@@ -518,8 +520,13 @@ RUN = "e2b0e7f022b36b99bfc2c57c78d5c47cdcb24527"      # the commit of the full r
 # (both ends to 6.8e-16 where they were 1.2e-13; the balance to 1.2e-11 where it was 9.4e-13)
 CHANGED = {"full-run-time": None, "beyond-time": None, "experiment-times": None,
            "benchmarks": None,                # its notes cite MATH.md §16 where they cited §3.2 (renumbered)
+           # finding 17 rewritten from docs/looped_landscape.json (issue 52): the exact curvatures, not the
+           # run's second differences at step 0.3
+           "looped-curvature": None,
            "looped-flow": ["3.19", "3", "2", "2", "1.06", "0.05", "1e-15", "2", "2", "0", "2e-11", "0.05", "1.41",
                            "0.01", "8", "50000", "1.7", "5", "0.6"]}
+
+ADDED = {"looped-character", "looped-lower", "looped-second"}     # finding 17's blocks added since (issue 52)
 
 
 def quoted_numbers(text):
@@ -539,6 +546,6 @@ def test_the_documents_quote_the_numbers_they_quoted_before_the_move_to_row_ids(
         if then.returncode != 0:
             pytest.skip(f"{BEFORE[:12]} is not in this checkout")
         before, now = quoted_numbers(then.stdout), quoted_numbers(records.read(doc))
-        assert before.keys() == now.keys(), doc
+        assert before.keys() == now.keys() - ADDED, doc
         for name in before:
             assert now[name] == CHANGED.get(name, before[name]) or CHANGED.get(name, 0) is None, (doc, name)
