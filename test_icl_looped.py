@@ -502,6 +502,11 @@ def test_descent_from_a_random_tilt_of_the_family_point(L):
     # minimum of the block starts (lower_four), 9.46% lower, whose loss it matches to rounding (1e-12)
     m = lp.tied_descent_from_family(L, N, D, np.random.default_rng(40 + L))
     assert m["is_minimum"] and m["grad_norm"] < 1e-11
+    # the start: 0.05 away from a*_L I, with a full orbit (no rotation fixes it; a I + eps K with K
+    # antisymmetric would have 8, the rotations e^{tK} fixing it). 1e-8: the start's a and family_a come
+    # from two float searches, each ~1e-9 relative in a (optimal_tied_family), times |I|_F = sqrt(5)
+    tilt = m["start"] - m["family_a"] * np.eye(D)
+    assert abs(np.linalg.norm(tilt) - 0.05) < 1e-8 and lp.rotation_orbit_tangent(m["start"]).shape[1] == D * (D - 1) // 2
     if L == 2:
         assert m["orbit_dim"] == 0 and abs(m["relative_to_family"]) < 1e-12
         np.testing.assert_allclose(m["W"], m["family_a"] * np.eye(D), rtol=0, atol=1e-9)
