@@ -11,13 +11,15 @@ The whole tied sparse structure, in whitened coordinates W = Sigma^{1/2} A Sigma
 population loss is f(W) = E ||(I - W^T S)^L||_F^2 with S the whitened sample covariance:
     whiten, unwhiten                               A <-> W
     tied_family_hessian_eigenvalues(L, n, d)       the three Hessian eigenvalues at a I, exactly;
+    antisymmetric_curvature_parts(L, n, d)         the antisymmetric one's two parts (>= 0 and <= 0)
     family_point_character(Ls, ns, d)              where the family point stops being a minimum
     word_expectation, tied_loss_polynomial         f as an exact polynomial in W (Wishart moments)
     tied_population_loss, tied_loss_and_grad,      f, its gradient and Hessian in float64
     tied_hessian
     rotation_orbit_tangent, orbit_complement,      f(O W O^T) = f(W): the orbit, the Hessian modulo
     reduced_hessian, rotation_normal_form          it, a representative up to rotation
-    tied_local_minimum, tied_minima_from_family,   located minima, certified; rotation blocks; the
+    tied_local_minimum, tied_descent_from_family,  located minima, certified; rotation blocks; the
+    tied_minima_from_family,
     block_direction, block_profile,                loss along them and the saddle between two minima
     tied_block_saddle
     sample_whitened_covariances, per_sample_*,     an independent Monte Carlo over S: common random
@@ -202,6 +204,37 @@ def tied_family_step(L, n, d, tol=Fraction(1, 10 ** 40)):
     raise RuntimeError(f"Newton's method for a*_L did not bracket the root to {tol} (L = {L}, n = {n}, d = {d})")
 
 
+def _complete(m, u, v):
+    """h_m(u, v) = sum_{j<m} u^j v^{m-1-j} = (u^m - v^m) / (u - v) for bivariate polynomials u, v (MATH.md §14)."""
+    return _badd(*[_bmul(_bpow(u, j), _bpow(v, m - 1 - j)) for j in range(m)])
+
+
+def _pair_means(n, d):
+    """(off_diagonal, diagonal): P -> E sum_{p != q} P(l_p, l_q) and P -> E sum_p P(l_p, l_p) over the eigenvalues l_p
+    of S, exactly, for a bivariate polynomial P ({(i, j): Fraction}): sum_{p != q} l_p^i l_q^j = tr S^i tr S^j - tr S^{i+j},
+    and E prod tr S^k = T / n^{sum k} (ir._wishart_T, MATH.md §9; tr S^0 = d)."""
+    memo = {}
+
+    def moment(*ks):
+        return Fraction(d ** ks.count(0) * _wishart_T(n, d, tuple(sorted(k for k in ks if k)), memo), n ** sum(ks))
+
+    def off_diagonal(P):
+        return sum(c * (moment(i, j) - moment(i + j)) for (i, j), c in P.items())
+
+    def diagonal(P):
+        return sum(c * moment(i + j) for (i, j), c in P.items())
+    return off_diagonal, diagonal
+
+
+def _family_step_fraction(L, n, d, a):
+    """The step a as an exact Fraction (default: the tied optimum a*_L, tied_family_step, to 1e-40)."""
+    if a is None:
+        return tied_family_step(L, n, d)
+    if isinstance(a, bool) or not isinstance(a, (int, float, np.integer, np.floating, Fraction)) or not math.isfinite(a):
+        raise TypeError(f"a must be a finite real number, got {a!r}")
+    return Fraction(a) if isinstance(a, Fraction) else Fraction(float(a))
+
+
 @_numpy_rules
 def tied_family_hessian_eigenvalues(L, n, d, a=None, exact=False):
     """The three eigenvalues of the Hessian of f (the tied sparse population loss in whitened
@@ -220,24 +253,9 @@ def tied_family_hessian_eigenvalues(L, n, d, a=None, exact=False):
     converted to a Fraction exactly. Returns (identity, symmetric, antisymmetric) as floats (Fractions with exact;
     NaN for a subspace that is empty, d = 1)."""
     L, n, d = _sizes(L, n, d)
-    if a is None:
-        a = tied_family_step(L, n, d)
-    if isinstance(a, bool) or not isinstance(a, (int, float, np.integer, np.floating, Fraction)) or not math.isfinite(a):
-        raise TypeError(f"a must be a finite real number, got {a!r}")
-    a = Fraction(a) if isinstance(a, Fraction) else Fraction(float(a))
+    a = _family_step_fraction(L, n, d, a)
     g_minus, g_plus = _pair_polynomials(L, a)
-    memo = {}
-
-    def moment(*ks):                       # E prod tr S^k, tr S^0 = d
-        return Fraction(d ** ks.count(0) * _wishart_T(n, d, tuple(sorted(k for k in ks if k)), memo),
-                        n ** sum(ks))
-
-    def off_diagonal(P):                   # E sum_{p != q} P(l_p, l_q)
-        return sum(c * (moment(i, j) - moment(i + j)) for (i, j), c in P.items())
-
-    def diagonal(P):                       # E sum_p P(l_p, l_p)
-        return sum(c * moment(i + j) for (i, j), c in P.items())
-
+    off_diagonal, diagonal = _pair_means(n, d)
     identity = 4 * diagonal(g_plus) / d    # 2 g_+(l, l) = L (2L-1) l^2 mu^{2L-2}; the Hessian is twice f's eps^2 term
     if d == 1:
         out = (identity, math.nan, math.nan)
@@ -246,6 +264,34 @@ def tied_family_hessian_eigenvalues(L, n, d, a=None, exact=False):
         antisymmetric = 4 * off_diagonal(g_minus) / (d * (d - 1))
         out = (identity, symmetric, antisymmetric)
     return out if exact else tuple(float(x) for x in out)
+
+
+@_numpy_rules
+def antisymmetric_curvature_parts(L, n, d, a=None, exact=False):
+    """The antisymmetric Hessian eigenvalue of f at a I as the sum of its two parts (MATH.md §14), exactly:
+
+        stretch =  2 E sum_{p != q} l_p^2 h_L(mu_p, mu_q)^2 / (d (d-1))                      >= 0   (from ||D_1||^2)
+        twist   = -2 E sum_{p != q} l_p l_q [L h_{2L-1} - h_L^2](mu_p, mu_q) / (d (d-1))      <= 0   (from 2 tr(D_2 M_0^L))
+
+    with h_m(u, v) = sum_{j<m} u^j v^{m-1-j} and mu = 1 - a l over the eigenvalues l of S. The bracket is >= 0 for
+    all real u, v (MATH.md §14: h_m(u, v) = m E X^{m-1} with X uniform between v and u, then Cauchy-Schwarz), so
+    twist <= 0 for every L, n, d and a (0 at L = 1, where there is no D_2), and the sign of the eigenvalue is
+    that of the competition. stretch + twist is tied_family_hessian_eigenvalues' antisymmetric eigenvalue, there
+    computed from another polynomial (g_-: the pair (p, q) not summed with (q, p)).
+
+    L, n >= 1, d >= 2; a: the step as in tied_family_hessian_eigenvalues (default a*_L). Returns (stretch, twist):
+    floats, or Fractions with exact."""
+    L, n, d = _sizes(L, n, d)
+    if d < 2:
+        raise ValueError(f"d must be >= 2 for antisymmetric directions to exist, got {d}")
+    a = _family_step_fraction(L, n, d, a)
+    mu, nu = {(0, 0): Fraction(1), (1, 0): -a}, {(0, 0): Fraction(1), (0, 1): -a}
+    h, h_odd = _complete(L, mu, nu), _complete(2 * L - 1, mu, nu)
+    off_diagonal, _ = _pair_means(n, d)
+    scale = Fraction(2, d * (d - 1))
+    stretch = scale * off_diagonal(_bmul({(2, 0): Fraction(1)}, _bmul(h, h)))
+    twist = -scale * off_diagonal(_bmul({(1, 1): Fraction(1)}, _badd(h_odd, _bmul(h, h), scale=(L, -1))))
+    return (stretch, twist) if exact else (float(stretch), float(twist))
 
 
 @_numpy_rules
@@ -601,6 +647,27 @@ def tied_local_minimum(W0, L, n, d, newton_steps=4):
                 antisymmetric_singular_values=np.linalg.svd((W - W.T) / 2, compute_uv=False),
                 family_a=a, family_loss=f_family, relative_to_family=f / f_family - 1,
                 is_minimum=bool(lam.size == 0 or lam[0] > 0))
+
+
+@_numpy_rules
+def tied_descent_from_family(L, n, d, rng, eps=0.05):
+    """Descend f from the family point tilted in a random direction (MATH.md §14): W0 = a*_L I + eps G / ||G||_F, G a
+    (d, d) standard normal matrix from rng, then tied_local_minimum(W0). A generic G commutes with no rotation but
+    the identity, so W0 lies on no fixed-point set of a rotation subgroup (on which the equivariant gradient would
+    hold the descent; tied_minima_from_family's block starts lie on such sets). Where a*_L I is a strict local
+    minimum (antisymmetric eigenvalue > 0) a small tilt returns to it (orbit_dim 0); where it is a saddle the
+    descent leaves it along the antisymmetric directions. rng: a numpy Generator; eps > 0: the tilt's Frobenius
+    norm. Returns tied_local_minimum's dict with `start` (W0)."""
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    L, n, d = _sizes(L, n, d, MAX_LOOPS)
+    eps = _nonneg("eps", eps)
+    if eps == 0:
+        raise ValueError("eps must be > 0 (at the family point itself the gradient is 0 and nothing moves)")
+    G = rng.standard_normal((d, d))
+    a = optimal_tied_family(L, n, d, starts=1)[0]      # one start: f_L is strictly convex in a (MATH.md §14)
+    W0 = a * np.eye(d) + eps * G / np.linalg.norm(G)
+    return dict(tied_local_minimum(W0, L, n, d), start=W0)
 
 
 @_numpy_rules

@@ -380,6 +380,66 @@ def test_family_point_is_a_minimum_at_three_loops_and_a_saddle_at_four():
     np.testing.assert_allclose([rows[L, N]["antisymmetric"] for L in (2, 3, 4)], [0.0799, 0.0491, -0.0878], atol=5e-5)
 
 
+@pytest.mark.parametrize("L, n, d, a", [(1, N, D, None), (2, N, D, None), (3, N, D, None), (4, N, D, None),
+                                        (3, 7, 3, None), (4, N, D, 1.5)])
+def test_antisymmetric_parts_sum_to_the_eigenvalue_and_have_their_signs(L, n, d, a):
+    # the other side: tied_family_hessian_eigenvalues' g_- (the pair (p, q) not summed with (q, p)), a
+    # different polynomial: the two agree exactly only if u^L h2(u, v) + v^L h2(v, u) = L h_{2L-1} - h_L^2
+    # (MATH.md §14). The signs: stretch > 0, twist < 0 from L = 2 (0 at L = 1), also at a = 1.5, where
+    # 1 - a l < 0 over most of S's spectrum (the case the earlier text thought could turn the twist positive)
+    stretch, twist = lp.antisymmetric_curvature_parts(L, n, d, a, exact=True)
+    kw = {} if a is None else dict(a=a)
+    assert stretch + twist == lp.tied_family_hessian_eigenvalues(L, n, d, exact=True, **kw)[2]
+    assert stretch > 0 and (twist == 0 if L == 1 else twist < 0)
+
+
+def test_antisymmetric_parts_at_the_papers_size_are_the_tables():
+    # MATH.md §14's table at n = 20, d = 5 (six digits quoted: 5e-7)
+    parts = [lp.antisymmetric_curvature_parts(L, N, D) for L in (2, 3, 4)]
+    np.testing.assert_allclose(parts, [[0.775191, -0.695277], [0.550503, -0.501433], [0.322770, -0.410589]], atol=5e-7)
+
+
+def complete_sum(m, u, v):
+    """h_m(u, v) = sum_{j<m} u^j v^{m-1-j}, written here from its definition."""
+    return sum(u ** j * v ** (m - 1 - j) for j in range(m))
+
+
+@pytest.mark.parametrize("L", [2, 3, 4])
+def test_twist_bracket_is_nonnegative_and_the_parts_are_the_per_sample_curvature(L):
+    # MATH.md §14's identity and bound on 20000 random (u, v) in [-3, 3]^2 (where 1 - a l lies for S's
+    # spectrum): u^L h2(u, v) + v^L h2(v, u) = L h_{2L-1} - h_L^2 >= L (L-1) h_{2L-1} / (2L-1) >= 0, with
+    # h2(u, v) = sum_j (L-1-j) u^{L-2-j} v^j written out (relative 1e-12: float64 sums of <= 4L terms of
+    # size <= 3^{2L-2}, cancelling to >= 2e-3 of it on this box)
+    rng = np.random.default_rng(30 + L)
+    u, v = rng.uniform(-3, 3, (2, 20000))
+    h2 = lambda x, y: sum((L - 1 - j) * x ** (L - 2 - j) * y ** j for j in range(L - 1))
+    lhs = u ** L * h2(u, v) + v ** L * h2(v, u)
+    bracket = L * complete_sum(2 * L - 1, u, v) - complete_sum(L, u, v) ** 2
+    scale = (u * u + v * v) ** (L - 1)
+    assert np.max(np.abs(lhs - bracket) / scale) <= 1e-12
+    assert np.all(bracket >= L * (L - 1) / (2 * L - 1) * complete_sum(2 * L - 1, u, v) - 1e-12 * scale)
+    # per sample of S: the parts in S's eigenbasis (this test's sums) add up to the mean second derivative
+    # over an orthonormal antisymmetric basis (icl_looped's power recursion, no eigenvalues), exactly up to
+    # rounding (the trace of the per-sample Hessian on an invariant subspace is basis-free); the twist is <= 0
+    # on every sample; and the sample means are within Z_MC SE of the exact parts
+    a = lp.optimal_tied_family(L, N, D, starts=1)[0]
+    S = lp.sample_whitened_covariances(rng, 4000, N, D)
+    lam = np.linalg.eigvalsh(S)
+    mu = 1 - a * lam
+    p, q = np.where(~np.eye(D, dtype=bool))
+    hp = complete_sum(L, mu[:, p], mu[:, q])
+    c = 2 / (D * (D - 1))
+    stretch = c * np.sum(lam[:, p] ** 2 * hp ** 2, axis=1)
+    twist = -c * np.sum(lam[:, p] * lam[:, q] * (L * complete_sum(2 * L - 1, mu[:, p], mu[:, q]) - hp ** 2), axis=1)
+    anti = lp.subspace_bases(D)[2]
+    second = sum(lp.per_sample_second_derivative(a * np.eye(D), S, L, e.reshape(D, D)) for e in anti.T) / anti.shape[1]
+    np.testing.assert_allclose(stretch + twist, second, rtol=0, atol=1e-9 * np.max(np.abs(stretch)))
+    assert np.all(twist <= 0)
+    exact = lp.antisymmetric_curvature_parts(L, N, D, a)
+    for values, value in zip((stretch, twist), exact):
+        assert abs(values.mean() - value) <= Z_MC * values.std(ddof=1) / math.sqrt(values.size)
+
+
 @pytest.mark.parametrize("L", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_degree_of_the_tied_blocks_family_in_b(L):
     # MATH.md §14 (corrected): deg_b f = 3^L - 1 - 2L for the tied blocks family at fixed a (4 at L = 2,
@@ -435,6 +495,30 @@ def test_four_loops_lower_minimum_below_the_family_by_monte_carlo(lower_four):
     assert abs(m - lp.tied_population_loss(W, 4, N, D)) <= Z_MC * se and m < f0 - Z_MC * se
 
 
+@pytest.mark.parametrize("L", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_descent_from_a_random_tilt_of_the_family_point(L):
+    # a start a*_L I + 0.05 G / |G| off every rotation subgroup's fixed points: at L = 2 (a strict minimum,
+    # h_anti = +0.080) the descent returns to the family point; at L = 4 (a saddle) it reaches the certified
+    # minimum of the block starts (lower_four), 9.46% lower, whose loss it matches to rounding (1e-12)
+    m = lp.tied_descent_from_family(L, N, D, np.random.default_rng(40 + L))
+    assert m["is_minimum"] and m["grad_norm"] < 1e-11
+    # the start: 0.05 away from a*_L I, with a full orbit (no rotation fixes it; a I + eps K with K
+    # antisymmetric would have 8, the rotations e^{tK} fixing it). 1e-8: the start's a and family_a come
+    # from two float searches, each ~1e-9 relative in a (optimal_tied_family), times |I|_F = sqrt(5)
+    tilt = m["start"] - m["family_a"] * np.eye(D)
+    assert abs(np.linalg.norm(tilt) - 0.05) < 1e-8 and lp.rotation_orbit_tangent(m["start"]).shape[1] == D * (D - 1) // 2
+    if L == 2:
+        assert m["orbit_dim"] == 0 and abs(m["relative_to_family"]) < 1e-12
+        np.testing.assert_allclose(m["W"], m["family_a"] * np.eye(D), rtol=0, atol=1e-9)
+    else:
+        assert m["orbit_dim"] == 6 and abs(m["loss"] - 0.1478136179208) < 1e-12
+        # paired per-sample differences on common S (no control coefficient): below the family by > Z_MC SE
+        S = lp.sample_whitened_covariances(np.random.default_rng(41), 20000, N, D)
+        diff = lp.per_sample_loss(m["W"], S, L) - lp.per_sample_loss(m["family_a"] * np.eye(D), S, L)
+        se = diff.std(ddof=1) / math.sqrt(diff.size)
+        assert diff.mean() < -Z_MC * se and abs(diff.mean() - (m["loss"] - m["family_loss"])) <= Z_MC * se
+
+
 def test_orbit_and_normal_form():
     assert lp.rotation_orbit_tangent(0.7 * np.eye(D)).shape == (D * D, 0)
     rng = np.random.default_rng(5)
@@ -473,6 +557,12 @@ def test_inputs_are_checked():
         lp.tied_loss_and_grad(np.full((D, D), np.nan), 2, N, D)
     with pytest.raises(ValueError, match="blocks"):
         lp.block_direction(D, 3)
+    with pytest.raises(ValueError, match="d must be >= 2"):
+        lp.antisymmetric_curvature_parts(2, N, 1)
+    with pytest.raises(TypeError, match="Generator"):
+        lp.tied_descent_from_family(2, N, D, 0)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        lp.tied_descent_from_family(2, N, D, np.random.default_rng(0), eps=0.0)
     with pytest.raises(ValueError, match="positive definite"):
         lp.whiten(np.eye(2), -np.eye(2))
 
@@ -692,6 +782,7 @@ def test_every_function_works_under_a_strict_caller_and_leaves_its_settings():
             "unwhiten": lambda: lp.unwhiten(W * tiny, Sigma),
             "tied_family_step": lambda: lp.tied_family_step(2, 6, 2),
             "tied_family_hessian_eigenvalues": lambda: lp.tied_family_hessian_eigenvalues(2, 6, 2),
+            "antisymmetric_curvature_parts": lambda: lp.antisymmetric_curvature_parts(2, 6, 2),
             "family_point_character": lambda: lp.family_point_character([1, 2], [6], 2),
             "word_expectation": lambda: lp.word_expectation(["asas"], 6, 2),
             "tied_loss_polynomial": lambda: lp.tied_loss_polynomial(2, 6, 2),
@@ -703,6 +794,7 @@ def test_every_function_works_under_a_strict_caller_and_leaves_its_settings():
             "reduced_hessian": lambda: lp.reduced_hessian(W, 2, 6, 2),
             "rotation_normal_form": lambda: lp.rotation_normal_form(W),
             "tied_local_minimum": lambda: lp.tied_local_minimum(W, 2, 6, 2),
+            "tied_descent_from_family": lambda: lp.tied_descent_from_family(1, 6, 2, np.random.default_rng(0)),
             "block_direction": lambda: lp.block_direction(2, 1),
             "tied_minima_from_family": lambda: lp.tied_minima_from_family(2, 6, 2),
             "block_profile": lambda: lp.block_profile(2, 6, 3, 1, [0.0, 0.1]),

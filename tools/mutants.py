@@ -706,6 +706,16 @@ MUTANTS = [
      'if st is None:', "a file that appeared during the run is removed as if it were ours"),
     ('files-replace-follows-link', 'icl_files.py', 'replace_file', 'if _is_link(st):', 'if False:',
      "a document that is a symbolic link replaced by a file (or its folder's link followed)"),
+    ('looped-twist-sign', 'icl_looped.py', 'antisymmetric_curvature_parts', '_badd(h_odd, _bmul(h, h), scale=(L, -1))',
+     '_badd(h_odd, _bmul(h, h), scale=(L, 1))', "the twist's bracket L h_{2L-1} - h_L^2 with a plus"),
+    ('looped-parts-scale', 'icl_looped.py', 'antisymmetric_curvature_parts', 'scale = Fraction(2, d * (d - 1))',
+     'scale = Fraction(4, d * (d - 1))', "the parts' normalisation doubled (the pair not summed with its reverse)"),
+    ('looped-parts-odd-degree', 'icl_looped.py', 'antisymmetric_curvature_parts', '_complete(2 * L - 1, mu, nu)',
+     '_complete(2 * L, mu, nu)', 'h_{2L} in place of h_{2L-1}'),
+    ('looped-tilt-antisymmetric', 'icl_looped.py', 'tied_descent_from_family', 'W0 = a * np.eye(d) + eps * G / np.linalg.norm(G)',
+     'W0 = a * np.eye(d) + eps * (G - G.T) / np.linalg.norm(G - G.T)', "an antisymmetric tilt, fixed by the rotations e^{tK}"),
+    ('looped-tilt-dropped', 'icl_looped.py', 'tied_descent_from_family', 'W0 = a * np.eye(d) + eps * G / np.linalg.norm(G)',
+     'W0 = a * np.eye(d)', 'the descent starts at the family point itself'),
 ]
 
 # (name, file, function, old, new, why it cannot change any result)

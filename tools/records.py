@@ -52,6 +52,8 @@ TOOLS = {
     "blocks_landscape": ("docs/blocks_landscape.json",
                          ["tools/blocks_landscape.py", "--starts", "400", "--n", "20", "--d", "5", "--seed", "0"]),
     "blocks_basins": ("docs/blocks_basins.json", ["tools/blocks_basins.py", "--starts", "20", "--seed", "0"]),
+    "looped_landscape": ("docs/looped_landscape.json",
+                         ["tools/looped_landscape.py", "--n", "20", "--d", "5", "--samples", "200000", "--seed", "0"]),
     "float32_tolerances": ("docs/float32_tolerances.json", ["examples/float32_tolerances.py", "--record"]),
     "benchmarks": ("docs/benchmarks.json", ["tools/benchmarks.py", "--repeats", "7"]),
 }
