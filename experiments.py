@@ -273,7 +273,7 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
             axes[r][0].set_ylabel(row_labels[r], fontsize=8)
     bar = fig.colorbar(image, ax=axes, shrink=0.8, aspect=30,
                        ticks=[t for t in (-10, -1, -0.1, 0, 0.1, 1, 10) if abs(t) <= v], format="%g")
-    bar.set_label("entry (one scale for all panels; log beyond ±0.1)", fontsize=8)
+    bar.set_label("entry (log beyond ±0.1)", fontsize=8)
     fig.suptitle(suptitle, fontsize=10)
     return save(fig, suffix)
 
@@ -1117,27 +1117,43 @@ def value_row_split(P):
     return float(np.linalg.norm(p[:-1]) / max(abs(p[-1]), 1e-300))
 
 
+def setting_label(text):
+    """A setting's name as math text: "kappa=16" -> "$\\kappa$ = 16", "d=2" -> "$d$ = 2"."""
+    name, _, value = text.partition("=")
+    if not value:
+        return text
+    return {"kappa": r"$\kappa$", "init": "init"}.get(name, f"${name}$") + f" = {value}"
+
+
 def plot_single_layer_landscape(plt, save, rows, tables):
     made = []
     table = tables["basins"]
     labels = list(dict.fromkeys(t["setting"] for t in table))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels) + 2) + 3, 4.2), layout="constrained")
-    for k, (trainer, color) in enumerate((("Gauss-Newton", "C0"), ("L-BFGS", "C1"))):
+    fig, ax = plt.subplots(figsize=(max(6.5, 0.95 * len(labels) + 2), 4.6), layout="constrained")
+    for k, (trainer, short, color) in enumerate((("Gauss-Newton", "GN", "C0"), ("L-BFGS", "LB", "C1"))):
         ts = [next(t for t in table if t["setting"] == s and t["trainer"] == trainer) for s in labels]
-        x = np.arange(len(labels)) + 0.2 * (2 * k - 1)
+        x = np.arange(len(labels)) + 0.21 * (2 * k - 1)
         opt_ = np.array([t["optimum"] / t["starts"] for t in ts])
         high = np.array([t["higher"] / t["starts"] for t in ts])
         nc = np.array([t["not_converged"] / t["starts"] for t in ts])
-        ax.bar(x, opt_, 0.4, color=color, label=f"{trainer}: reached the optimum")
-        ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.35, hatch="//", label=f"{trainer}: a higher minimum")
-        ax.bar(x, nc, 0.4, bottom=opt_ + high, color="0.85", edgecolor=color, label=f"{trainer}: not converged")
-    ax.set(xticks=np.arange(len(labels)), xticklabels=labels, ylim=(0, 1.05), ylabel="fraction of random starts",
-           xlabel=r"setting (base: $d$ = 3, $n$ = 10, $\kappa$ = 4, init scale 0.3)",
-           title=f"One full layer: where training from {table[0]['starts']} random starts per setting ends")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))      # outside the axes: hides no bar
-    made.append((save(fig, ""), "One full (P, Q) layer: per setting and optimiser, the fraction of random starts "
-                 "that reached the batch optimum (solid), stopped at a higher local minimum (hatched) or did not "
-                 "converge (grey)."))
+        ax.bar(x, opt_, 0.4, color=color, edgecolor="k", lw=0.6, label=f"{trainer}: reached the optimum")
+        ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.4, edgecolor="k", lw=0.6, hatch="//",
+               label=f"{trainer}: a higher minimum")
+        ax.bar(x, nc, 0.4, bottom=opt_ + high, color="white", edgecolor=color, lw=1.2, hatch="xx" if k else "..",
+               label=f"{trainer}: not converged")
+        for xi in x:
+            ax.text(xi, 1.02, short, ha="center", va="bottom", fontsize=8)
+    ax.set(xticks=np.arange(len(labels)), xticklabels=[setting_label(s) for s in labels], ylim=(0, 1.12),
+           yticks=np.linspace(0, 1, 6), ylabel="fraction of random starts",
+           xlabel=r"setting (base: $d$ = 3, $n$ = 10, $\kappa$ = 4, init scale 0.3; the others change one of these)",
+           title=f"One full $(P, Q)$ layer: where training from {table[0]['starts']} random starts per setting ends "
+                 "(GN: Gauss-Newton, LB: L-BFGS)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)   # below the axes: hides no bar
+    made.append((save(fig, ""), "One full (P, Q) layer, noiseless, Sigma with eigenvalues spread geometrically from 1 to "
+                 "kappa and rotated: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
+                 "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), stopped at a "
+                 "higher local minimum (hatched //) or did not converge (white, dotted for Gauss-Newton, crossed for "
+                 "L-BFGS)."))
     return made
 
 
