@@ -481,24 +481,38 @@ def dynamics(ctx):
 
 def plot_task_diversity(plt, save, rows, tables):
     pools = tables["pools"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True, layout="constrained")
+    k_se = fmt(K_SE)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharey=True, layout="constrained")
+    series = (("L1", "one layer (exact)", "o", "-", "C0", 1 / 1.12), ("L3", "three layers (trained)", "s", "--", "C3", 1.0),
+              ("dmmse", "dMMSE", "^", ":", "C1", 1.12), ("ridge", r"ridge (Bayes for $w \sim N(0, I)$)", "D", "-.", "C2", 1.25))
     for ax, test in zip(axes, ("pool", "fresh")):
-        for name, label in (("L1", "one layer (exact)"), ("L3", "three layers (trained)"), ("dmmse", "dMMSE"),
-                            ("ridge", r"ridge (Bayes for $N(0, I)$)")):
+        for name, label, marker, ls, color, shift in series:
             pts = [r for r in pools if r.get(f"{name}_{test}") is not None]
-            if name in ("L1",):
-                ax.plot([r["K"] for r in pts], [r[f"{name}_{test}"] for r in pts], "o-", label=label)
-            else:
-                ax.errorbar([r["K"] for r in pts], [r[f"{name}_{test}"] for r in pts],
-                            [K_SE * r[f"{name}_{test}_se"] for r in pts], fmt="o-", label=label + f" ±{fmt(K_SE)} SE")
-        bad = [r for r in pools if r.get("L3_converged") is False]
+            Ks = [r["K"] * shift for r in pts]            # side by side on the log axis: no marker hides another's bar
+            if name == "L1":
+                ax.plot(Ks, [r[f"{name}_{test}"] for r in pts], marker + ls, color=color, ms=5, label=label)
+                continue
+            ax.errorbar(Ks, [r[f"{name}_{test}"] for r in pts], [K_SE * r[f"{name}_{test}_se"] for r in pts],
+                        fmt=marker + ls, color=color, ms=5, mfc="white", elinewidth=1.5, label=label)
+        bad = [r for r in pools if r.get("L3_converged") is False and r.get(f"L3_{test}") is not None]
         if bad:
-            ax.plot([r["K"] for r in bad], [r[f"L3_{test}"] for r in bad], "x", color="C3", ms=10, label="not converged")
-        ax.set(xscale="log", yscale="log", xlabel="$K$ (tasks in the pool)", title=f"tested on {test} tasks")
-    axes[0].set_ylabel(r"$E\,(\hat y - y)^2$ (log scale)")
-    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return [(save(fig, ""), "Task diversity: models trained on a pool of K tasks, tested on the pool (left) and on fresh "
-             "tasks (right), against dMMSE over the pool and ridge.")]
+            ax.plot([r["K"] for r in bad], [r[f"L3_{test}"] for r in bad], "s", color="C3", mec="k", ms=8, zorder=5,
+                    label="three layers: not converged (filled, $|\\nabla| > 10^{-6}$)")
+        ax.set(xscale="log", yscale="log", xlabel="$K$ (tasks in the pool, log scale)",
+               title=f"({'ab'[test == 'fresh']}) tested on {'the pool' if test == 'pool' else 'fresh tasks'}")
+    axes[0].set_ylabel(r"test loss $E(\hat y - y)^2$ (log scale)")
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8)
+    first = pools[0]
+    setting = (f"$d$ = {first['d']}, $n$ = {first['n']}, label noise variance {first['noise_var']:g}, " if "d" in first else "")
+    fig.suptitle(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$; {setting}$x \\sim N(0, I)$; "
+                 f"bars ±{k_se} SE (points side by side in $K$)")
+    return [(save(fig, ""), "Task diversity (after Raventos et al. 2023" + (
+             f"; d = {first['d']}, n = {first['n']}, label noise variance {first['noise_var']:g}" if "d" in first else "")
+             + "): the one-layer optimum for the pool (exact), a trained three-layer sparse model, dMMSE over the pool and "
+             "ridge, tested on the pool (a) and on fresh tasks (b), against the pool size K; Monte Carlo points with "
+             f"±{k_se} standard errors (where a bar is not seen it is smaller than the marker), the series drawn side by "
+             "side in K so no point hides another; a filled square: a three-layer model that did not converge.")]
 
 
 def pool_rows(pools, L1_prior, L3_prior, fit):
@@ -552,7 +566,8 @@ def task_diversity(ctx):
         tasks = all_tasks[:K]
         # one layer at infinitely many training prompts from the pool: gamma_star of the pool's moment, exact
         G = ir.gamma_star(I, n, noise_var=noise_var, tasks=tasks)
-        r = dict(K=K, L1_pool=est.shifted_single_layer_loss(G, I, n, noise_var=noise_var, tasks=tasks),
+        r = dict(K=K, d=d, n=n, noise_var=noise_var,             # the setting, for the figure's title
+                 L1_pool=est.shifted_single_layer_loss(G, I, n, noise_var=noise_var, tasks=tasks),
                  L1_fresh=est.shifted_single_layer_loss(G, I, n, noise_var=noise_var))
         models = dict(dmmse=lambda Z: est.dmmse_predict(Z, tasks, noise_var),
                       ridge=lambda Z: est.bayes_predict(Z, noise_var=noise_var))
@@ -576,16 +591,46 @@ def task_diversity(ctx):
 
 
 def plot_shift(plt, save, rows, tables):
-    length = [r for r in tables["shifts"] if r["kind"] == "length"]
-    fig, ax = plt.subplots(figsize=(8, 4.2), layout="constrained")
-    for key, label in (("layer_exact", "layer trained at $n$ = 20 (exact)"), ("best_layer", "best layer at $n$ (exact)"),
-                       ("ridge_tuned", "ridge tuned at $n$"), ("bayes", "Bayes")):
-        ax.plot([r["n"] for r in length], [r[key] for r in length], "o-", label=label)
-    ax.set(xscale="log", yscale="log", xlabel="$n$ (test prompt length)", ylabel=r"$E\,(\hat y - y)^2$ (log scale)",
-           title="Length shift of a trained single layer")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return [(save(fig, ""), "One layer trained at n = 20, tested at other lengths: its exact loss against the best layer "
-             "for each length, ridge tuned at each length and the Bayes predictor.")]
+    shifts = tables["shifts"]
+    k_se = fmt(K_SE)
+    length = [r for r in shifts if r["kind"] == "length"]
+    other = [r for r in shifts if r["kind"] != "length"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10.5, 4.8), layout="constrained", width_ratios=(1, 1.1))
+    series = (("layer_exact", "trained layer (exact)", "o", "-", "C0", 1.0),
+              ("best_layer", "best layer for the test law (exact)", "s", "--", "C1", 1.0),
+              ("ridge_tuned", "ridge, $\\lambda$ tuned on the test law", "^", "none", "C3", 1.0),
+              ("bayes", "Bayes (posterior mean)", "o", ":", "C2", 1.0))
+    ns = [r["n"] for r in length]
+    # open circles around filled markers: the trained layer equals the best layer at n = 20, and tuned ridge
+    # equals Bayes everywhere here (its grid holds the Bayes lambda); neither hides the other
+    size = {"layer_exact": 9, "bayes": 12}
+    for key, label, marker, ls, color, _ in series:
+        ax1.plot(ns, [r[key] for r in length], marker, ls=ls, color=color, ms=size.get(key, 5),
+                 mfc="none" if key in size else color, mew=1.5, label=label)
+    ax1.errorbar([n * 1.12 for n in ns], [r["layer_mc"] for r in length], [K_SE * r["layer_mc_se"] for r in length], fmt="x", color="k",
+                 ms=6, label=f"trained layer (Monte Carlo, ±{k_se} SE)")
+    ax1.set(xscale="log", yscale="log", xlabel="test prompt length $n$ (log scale; Monte Carlo drawn just right)",
+            ylabel=r"test loss $E(\hat y - y)^2$ (log scale)", title="(a) length shift (trained at $n$ = 20)")
+    x = np.arange(len(other))
+    for j, (key, label, marker, ls, color, _) in enumerate(series):
+        ax2.plot(x - 0.2 + 0.1 * j, [r[key] for r in other], marker, ls="none", color=color, ms=size.get(key, 5),
+                 mfc="none" if key in size else color, mew=1.5)
+    ax2.errorbar(x + 0.2, [r["layer_mc"] for r in other], [K_SE * r["layer_mc_se"] for r in other], fmt="x",
+                 color="k", ms=6)
+    names = {"Sigma = [A] §4.3": "$\\Sigma$ = Ahn et al.'s", "Sigma = 2 I": "$\\Sigma$ = 2$I$",
+             "Sigma_w = I / 4": "$\\Sigma_w$ = $I$/4", "Sigma_w = 4 I": "$\\Sigma_w$ = 4$I$",
+             "Sigma_query = 2 I": "$\\Sigma_{query}$ = 2$I$"}
+    ax2.set_xticks(x, [f"{names.get(r['shift'], r['shift'])}\n({r['kind']})" for r in other])
+    ax2.set(yscale="log", xlim=(-0.5, len(other) - 0.5), title="(b) covariate, task and query shifts at $n$ = 20")
+    handles, labels = ax1.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8)
+    fig.suptitle("One linear-attention layer trained at $n$ = 20 on $x \\sim N(0, I)$, $w \\sim N(0, I)$, label noise "
+                 "variance 0.25, $d$ = 5, tested under shift")
+    return [(save(fig, ""), "One layer trained at n = 20 (d = 5, x and w ~ N(0, I), label noise variance 0.25) tested under "
+             "the experiment's four kinds of shift: (a) other prompt lengths, (b) covariates (Sigma), tasks (Sigma_w) "
+             "and the query's law; its exact loss (with the Monte Carlo loss through the transformer, crosses, ±"
+             f"{k_se} SE), the best layer for each test law, ridge with lambda tuned on it, and the Bayes predictor "
+             "(large open circles: it coincides with tuned ridge here, the grid holding the Bayes lambda).")]
 
 
 def shift_rows(shifts, L_star, n_train, fit):
