@@ -25,49 +25,70 @@ from experiments import (K_SE, PASS, best_of, converged, decide, experiment, fam
 def plot_looped(plt, save, rows, tables):
     exact, hess, char, prof = tables["exact"], tables["hessian"], tables["character"], tables["profiles"]
     trained, points = tables["trained"], tables["points"]
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.4), layout="constrained")
-    for family, color in (("sparse", "C0"), ("blocks", "C1")):
+    k_se = fmt(K_SE)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13.5, 6.0), layout="constrained")
+    for family, color, mfc in (("sparse", "C0", None), ("blocks", "C1", "white")):
         rs = [r for r in exact if r["family"] == family]
-        ax1.plot([r["L"] for r in rs], [r["loss_untied"] for r in rs], "o-", color=color, label=f"{family}: untied optimum")
-        ax1.plot([r["L"] for r in rs], [r["loss_tied"] for r in rs], "s--", color=color, label=f"{family}: tied optimum")
-    ax1.set(xlabel="layers $L$", ylabel="population loss (log scale)", yscale="log",
-            xticks=sorted({r["L"] for r in exact}), title="Exact family optima, $n$ = 20, $d$ = 5")
-    ax1.legend(fontsize=8)
+        ax1.plot([r["L"] for r in rs], [r["loss_untied"] for r in rs], "o-", color=color, mfc=mfc or color,
+                 label=f"{family}: untied optimum")
+        ax1.plot([r["L"] for r in rs], [r["loss_tied"] for r in rs], "s--", color=color, mfc=mfc or color,
+                 label=f"{family}: tied optimum")
+    done = [t for t in trained if t.get("exact_loss") is not None and np.isfinite(t["exact_loss"])]
+    if done:
+        ax1.plot([t["L"] + 0.1 for t in done], [t["exact_loss"] for t in done], "*", color="k", ms=9, ls="none",
+                 label="trained tied sparse model (its exact loss; just right)")
+    ax1.set(xlabel="layers $L$", ylabel="population loss (exact; log scale)", yscale="log",
+            xticks=sorted({r["L"] for r in exact} | {t["L"] for t in done}), title="(a) exact family optima and trained models")
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     ns = sorted({r["n"] for r in char})
     for i, n in enumerate(ns):
         rs = [r for r in char if r["n"] == n]
-        ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "o-", color=f"C{i}", ms=4, label=f"$n$ = {n}")
-    ax2.errorbar([r["L"] for r in hess], [r["mc_antisymmetric"] for r in hess],
-                 [K_SE * r["mc_antisymmetric_se"] for r in hess], fmt="kx", ms=7,
-                 label=f"Monte Carlo, $n$ = 20 (±{fmt(K_SE)} SE)")
+        ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^D"[i % 4] + "-:"[i % 2], color=f"C{i}",
+                 ms=5, mfc="white", label=f"exact, $n$ = {n}")
+    ax2.errorbar([r["L"] + 0.12 for r in hess], [r["mc_antisymmetric"] for r in hess],
+                 [K_SE * r["mc_antisymmetric_se"] for r in hess], fmt="kx", ms=7, elinewidth=1.5,
+                 label=f"Monte Carlo, $n$ = 20 (±{k_se} SE; drawn just right)")
     ax2.axhline(0.0, color="k", lw=0.8)
     ax2.set_yscale("symlog", linthresh=1e-2)
     ax2.set(xlabel="layers $L$", ylabel=r"antisymmetric Hessian eigenvalue at $a^*_L I$ (symlog)",
-            yticks=[-0.1, -0.01, 0, 0.01, 0.1, 1], title="Below 0: the family point is a saddle ($d$ = 5)")
+            xticks=sorted({r["L"] for r in char}),
+            yticks=[-0.1, -0.01, 0, 0.01, 0.1, 1], ylim=(None, 6.0), title="(b) below 0: the tied family point is a saddle")
     ax2.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
-    ax2.legend(fontsize=7, ncol=2)
-    for (L, blocks), color in (((3, 1), "C0"), ((4, 2), "C3")):
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    for (L, blocks), color, ls in (((3, 1), "C0", "-"), ((4, 2), "C3", "--")):
         rs = [r for r in prof if r["L"] == L]
         if rs:
-            ax3.plot([r["beta"] for r in rs], [r["relative_to_family"] for r in rs], "-", color=color,
-                     label=f"$L$ = {L}: {blocks} rotation block{'s' if blocks > 1 else ''} of size $\\beta$")
-    for p in points:
-        ax3.plot(p["beta"], p["relative_to_family"], "s" if p["kind"] != "saddle" else "^", color="k", ms=6)
+            ax3.plot([r["beta"] for r in rs], [r["relative_to_family"] for r in rs], ls, color=color,
+                     label=f"$L$ = {L}: {blocks} rotation block{'s' if blocks > 1 else ''} of size $\\beta$ (exact)")
+    for kind, marker, label in (("minimum", "s", "certified minimum"), ("saddle", "^", "certified saddle")):
+        ps = [p for p in points if (p["kind"] == "saddle") == (kind == "saddle")]
+        if ps:
+            ax3.plot([p["beta"] for p in ps], [p["relative_to_family"] for p in ps], marker, color="k", ms=7, label=label)
+    mc = [p for p in points if p.get("mc_loss") is not None and np.isfinite(p["mc_loss"])]
+    if mc:
+        ax3.errorbar([p["beta"] + 0.012 for p in mc], [p["mc_loss"] / p["family_loss"] - 1 for p in mc],
+                     [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], fmt="x", color="0.4", ms=6,
+                     label=f"its Monte Carlo loss (±{k_se} SE; just right)")
     for t in trained:
         if t["L"] in (3, 4):
-            ax3.axvline(t["antisym_sv"][0], color="C0" if t["L"] == 3 else "C3", ls=":", lw=1)
+            ax3.axvline(t["antisym_sv"][0], color="C0" if t["L"] == 3 else "C3", ls=":", lw=1.5,
+                        label=f"trained tied model, $L$ = {t['L']}: its largest rotation")
     ax3.axhline(0.0, color="k", lw=0.8)
     ax3.set_yscale("symlog", linthresh=1e-3)
     ax3.set(xlabel=r"rotation block size $\beta$ (whitened)", ylabel="loss / family optimum - 1 (symlog)",
-            yticks=[-0.1, -0.01, -0.001, 0, 0.001, 0.01, 0.1], title=r"Min over the rest at each $\beta$, $n$ = 20")
+            yticks=[-0.1, -0.01, -0.001, 0, 0.001, 0.01, 0.1], ylim=(-0.3, 0.3),
+            title=r"(c) min over the rest at each $\beta$")
     ax3.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
-    ax3.legend(fontsize=8)
+    ax3.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    fig.suptitle(r"Looped (tied) models: one sparse layer applied $L$ times, $d$ = 5, $n$ = 20 unless said, noiseless, "
+                 r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
     checks = [r for r in rows if r["check"]]
-    return [(save(fig, ""), "Looped models: the exact tied and untied family optima per depth (left); the antisymmetric "
-             "Hessian eigenvalue at the tied family point, exact per n and by Monte Carlo at n = 20 (middle); the loss "
-             "along matrices with rotation blocks, relative to the family optimum, with the certified minima (squares) and "
-             "saddle (triangle) and the trained tied models' largest antisymmetric singular value (dotted) (right); the "
-             "experiment's checks: "
+    return [(save(fig, ""), "Looped models (d = 5, n = 20): (a) the exact tied and untied family optima per depth, with the "
+             "trained tied sparse models' exact losses (stars: a trained model need not sit on the tied family, it can "
+             "leave it through a rotation block, c); (b) the antisymmetric Hessian eigenvalue at the tied family point, "
+             f"exact per n and by Monte Carlo at n = 20 (±{k_se} SE); (c) the loss along matrices with rotation blocks, "
+             "relative to the family optimum, with the certified minima (squares) and saddle (triangle), their Monte "
+             f"Carlo losses (±{k_se} SE) and the trained tied models' largest rotation (dotted); the experiment's checks: "
              f"{sum(r['verdict'] == PASS for r in checks)} of {len(checks)} PASS.")]
 
 
