@@ -458,7 +458,7 @@ def plot_three_layer_sparse(plt, save, rows, tables):
               title=f"seed {seeds[0]}: distance of each $A_l$ to multiples" + ("" if ok[seeds[0]] else
                                                                              " (not converged)"))
     ax[0].legend(fontsize=8)
-    ax[1].legend(fontsize=8, ncol=2)
+    ax[1].legend(fontsize=8, ncol=2, loc="center right")
     fig.suptitle(rf"Ahn et al. 2023, Fig. 1: three sparse layers, $d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']} "
                  r"prompts, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1), rotated")
     last = cs[-1]
@@ -1379,23 +1379,25 @@ def plot_softmax_two_head(plt, save, rows, tables):
             for k, t in enumerate(pts):
                 kind = "random" if t["start"].startswith("random") else t["start"]
                 ax.errorbar(x + 0.1 * (k - (len(pts) - 1) / 2), t["test_loss"], K_SE * t["test_se"],
-                            fmt=marker[kind], color="C0" if t["converged"] else "C3", ms=8)
+                            fmt=marker[kind], color="C0" if t["converged"] else "C3", ms=8,
+                            mfc="C0" if t["converged"] else "white", mew=1.5)
         ax.axhline(lin_loss, color="k", ls="--")
         ax.set(xticks=[0, 1], xticklabels=["1 head", "2 heads"], xlim=(-0.6, 1.6),
                title={"softmax_all": "authors' softmax (all $n$+1 keys)",
                       "softmax": "softmax over the $n$ context keys"}[act])
     handles = [plt.Line2D([], [], ls="", marker=m, color="gray", ms=8, label=f"start: {k}") for k, m in marker.items()]
-    handles += [plt.Line2D([], [], ls="", marker="o", color="C0", label="converged"),
-                plt.Line2D([], [], ls="", marker="o", color="C3", label="not converged"),
+    handles += [plt.Line2D([], [], ls="", marker="o", color="C0", label="converged (filled)"),
+                plt.Line2D([], [], ls="", marker="o", color="C3", mfc="white", mew=1.5, label="not converged (open)"),
                 plt.Line2D([], [], ls="--", color="k", label="trained linear layer")]
     axes[0].set_ylabel(f"test loss (±{k_se} SE)")
-    fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer")
+    fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer "
+                 r"($d$ = 5, $n$ = 10, $x, w \sim N(0, I)$, noiseless)")
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=3)
     claims = {r["activation"]: r for r in rows if r["id"].endswith("-claim")}
     said = "; ".join(f"{act}: the claim {r['holds']}" if r["verdict"] == INFO else f"{act}: no verdict ({r['why']})"
                      for act, r in claims.items())
-    made.append((save(fig, ""), f"Softmax heads: each start's test loss (stars: the rebuttal's own construction; red: "
-                 f"not converged) against the trained linear layer (dashed). {said}."))
+    made.append((save(fig, ""), f"Softmax heads (d = 5, n = 10, isotropic, noiseless): each start's test loss with ±{k_se} standard "
+                 f"errors (stars: the rebuttal's own construction; open, vermillion: not converged) against the trained linear layer (dashed). {said}."))
     return made
 
 
