@@ -545,7 +545,8 @@ def plot_three_layer_blocks(plt, save, rows, tables):
         Bm = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="B")[:len(opt) - 1]
         grid.append(A + Bm)                       # B_{L-1} never enters the loss: not drawn
         fit = fitted.get((s, trainer), {})
-        a_hat, b_hat = fit.get("a_hat") or [None] * len(opt), fit.get("b_hat") or [None] * len(opt)
+        a_hat = fit["a_hat"] if fit.get("a_hat") is not None else [None] * len(opt)
+        b_hat = fit["b_hat"] if fit.get("b_hat") is not None else [None] * len(opt)
         titles.append([rf"$A_{l}$: $\hat a$ {fmt(a_hat[l], 3)}, $a^*$ {o['a_star']:.2f}" if a_hat[l] is not None
                        else rf"$A_{l}$ ($a^*$ {o['a_star']:.2f})" for l, o in enumerate(opt)]
                       + [rf"$B_{l}$: $\hat b$ {fmt(b_hat[l], 3)}, $b^*$ {o['b_star']:.2f}" if b_hat[l] is not None

@@ -515,7 +515,8 @@ def plot_task_diversity(plt, save, rows, tables):
                 continue
             ax.errorbar(Ks, [r[f"{name}_{test}"] for r in pts], [K_SE * r[f"{name}_{test}_se"] for r in pts],
                         fmt=marker + ls, color=color, ms=5, mfc="white", elinewidth=1.5, label=label)
-        bad = [r for r in pools if r.get("L3_converged") is False and r.get(f"L3_{test}") is not None]
+        bad = [r for r in pools if "L3_converged" in r and r["L3_converged"] is not None and not r["L3_converged"]
+               and r.get(f"L3_{test}") is not None]
         if bad:
             ax.plot([r["K"] for r in bad], [r[f"L3_{test}"] for r in bad], "s", color="C3", mec="k", ms=8, zorder=5,
                     label="three layers: not converged (filled, $|\\nabla| > 10^{-6}$)")
