@@ -826,7 +826,8 @@ def plot_icl_curve(plt, save, rows, tables):
     fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(10, 5.0), layout="constrained", width_ratios=(3, 2))
     bad = transformer_against_optimum(ax, res_ax, curve, "n")
     zero = baselines_at_zero(curve, ("OLS", "ridge"))
-    for key, style, color in (("GD", "s:", "C1"), ("PGD", "^-.", "C2"), ("OLS", "D--", "C4"), ("ridge", "v:", "C5")):
+    for key, style, color, dx in (("GD", "s:", "C1", 0), ("PGD", "^-.", "C2", 0), ("OLS", "D--", "C4", -0.3),
+                                  ("ridge", "v:", "C5", 0.3)):
         # noiseless labels: OLS and ridge are exactly 0 once n >= d, computed as rounding amplified by
         # the solve's condition number (seen: 3e-9 at n = d); below 1e-6 of the transformer's loss it
         # is that zero, not drawn (a baseline that is not 0 is O(1) here)
@@ -834,7 +835,7 @@ def plot_icl_curve(plt, save, rows, tables):
         shown = [n for n, v in zip(ns, values) if not np.isnan(v)]
         if shown:
             where = "" if len(shown) == len(ns) else f" (0 for $n \\geq$ {min(n for n, v in zip(ns, values) if np.isnan(v))})"
-            ax.plot(ns, values, style, color=color, ms=7 if key in zero else 6,
+            ax.plot([n + dx for n in ns], values, style, color=color, ms=7 if key in zero else 6,   # beside, not over
                     label=(NAMES[key].replace("$L$", "3") if key in ("GD", "PGD") else NAMES[key]) + where)
     ax.set(xlabel="in-context examples $n$", ylabel="test loss $E(\\hat y - y)^2$ (log scale)", yscale="log",
            xticks=ns, title="(a) test loss against prompt length")

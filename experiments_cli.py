@@ -538,7 +538,8 @@ def summary_text(args, names, out, results, done, ending, plot_note, start):
     for name, (rs, pngs, seconds) in results.items():
         summary += [f"## {name}", f"_{ex.EXPERIMENTS[name][1]}_ ({seconds:.1f} s)", "", markdown_table(rs), ""]
         for p, caption in pngs:
-            summary += [f"![{name}]({p})", "", f"_{caption}_", ""]
+            pdf = p[:-len("png")] + "pdf"
+            summary += [f"![{name}]({p})", "", f"_{caption}_ (vector copy: [{pdf}]({pdf}))", ""]
     experiments = out.fields["experiments"]
     kept = [n for n in experiments if n not in results]
     if kept:
