@@ -1131,7 +1131,7 @@ def plot_single_layer_landscape(plt, save, rows, tables):
     made = []
     table = tables["basins"]
     labels = list(dict.fromkeys(t["setting"] for t in table))
-    fig, ax = plt.subplots(figsize=(max(6.5, 0.95 * len(labels) + 2), 4.6), layout="constrained")
+    fig, ax = plt.subplots(figsize=(max(7.5, 0.95 * len(labels) + 2), 4.8), layout="constrained")
     for k, (trainer, short, color) in enumerate((("Gauss-Newton", "GN", "C0"), ("L-BFGS", "LB", "C1"))):
         ts = [next(t for t in table if t["setting"] == s and t["trainer"] == trainer) for s in labels]
         x = np.arange(len(labels)) + 0.21 * (2 * k - 1)
@@ -1148,8 +1148,8 @@ def plot_single_layer_landscape(plt, save, rows, tables):
     ax.set(xticks=np.arange(len(labels)), xticklabels=[setting_label(s) for s in labels], ylim=(0, 1.12),
            yticks=np.linspace(0, 1, 6), ylabel="fraction of random starts",
            xlabel=r"setting (base: $d$ = 3, $n$ = 10, $\kappa$ = 4, init scale 0.3; the others change one of these)",
-           title=f"One full $(P, Q)$ layer: where training from {table[0]['starts']} random starts per setting ends "
-                 "(GN: Gauss-Newton, LB: L-BFGS)")
+           title=f"One full $(P, Q)$ layer: where training from {table[0]['starts']} random starts per setting ends\n"
+                 "(GN: Gauss-Newton, LB: L-BFGS; noiseless)")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)   # below the axes: hides no bar
     made.append((save(fig, ""), "One full (P, Q) layer, noiseless, Sigma with eigenvalues spread geometrically from 1 to "
                  "kappa and rotated: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
