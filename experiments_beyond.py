@@ -643,7 +643,8 @@ def plot_shift(plt, save, rows, tables):
              "Sigma_w = I / 4": "$\\Sigma_w$ = $I$/4", "Sigma_w = 4 I": "$\\Sigma_w$ = 4$I$",
              "Sigma_query = 2 I": "$\\Sigma_{query}$ = 2$I$"}
     ax2.set_xticks(x, [f"{names.get(r['shift'], r['shift'])}\n({r['kind']})" for r in other])
-    ax2.set(yscale="log", xlim=(-0.5, len(other) - 0.5), title="(b) covariate, task and query shifts at $n$ = 20")
+    ax2.set(yscale="log", xlim=(-0.5, len(other) - 0.5), ylabel=r"test loss $E(\hat y - y)^2$ (log scale)",
+            title="(b) covariate, task and query shifts at $n$ = 20 (Monte Carlo drawn right)")
     handles, labels = ax1.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8)
     fig.suptitle("One linear-attention layer trained at $n$ = 20 on $x \\sim N(0, I)$, $w \\sim N(0, I)$, label noise "
