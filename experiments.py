@@ -449,11 +449,13 @@ def plot_three_layer_sparse(plt, save, rows, tables):
     ax[0].set(xlabel="L-BFGS iteration", ylabel="batch loss (log scale)",
               title=f"batch loss, {plural(len(seeds), 'seed')}")
     cs = [c for c in curve if c["seed"] == seeds[0]]
+    step = max(1, len(cs) // 8)               # 8 markers a curve, evenly in iterations, staggered by layer
+    every = [(min(l * step // 3, len(cs) - 1), step) for l in range(len(a_star))]
     for l, style in zip(range(len(a_star)), ("-", "--", ":")):
         ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_Sigma_inv"] for c in cs], "C0" + style, marker="o",
-                   mfc="white", ms=4, markevery=(0.03 * l, 0.1), label=rf"dist($A_{l}$, $\Sigma^{{-1}}$)")
+                   mfc="white", ms=4, markevery=every[l], label=rf"dist($A_{l}$, $\Sigma^{{-1}}$)")
         ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_I"] for c in cs], "C3" + style, marker="x",
-                   ms=5, markevery=(0.03 * l, 0.1), label=rf"dist($A_{l}$, $I$)")
+                   ms=5, markevery=every[l], label=rf"dist($A_{l}$, $I$)")
     ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance (0: a multiple)", ylim=(0, 1),
               title=f"seed {seeds[0]}: distance of each $A_l$ to multiples" + ("" if ok[seeds[0]] else
                                                                              " (not converged)"))
