@@ -246,23 +246,34 @@ def not_reached(said):
 
 
 def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
-    """Heat maps in rows (grid: a list of rows of matrices) with the values written in. Every panel has
-    its own symmetric colour scale and colour bar (so a small matrix is not left white beside a large
-    one); values on dark cells are written in white. Constrained layout: no label overprints another."""
-    fig, axes = plt.subplots(len(grid), len(grid[0]), figsize=(2.9 * len(grid[0]), 2.5 * len(grid) + 0.9),
+    """Heat maps in rows (grid: a list of rows of matrices) with the values written in (2 decimals, 8 pt;
+    "-0.00" written 0.00). All panels share one symmetric colour scale, logarithmic beyond +-0.1 (so a
+    multiple 0.3 of I and one of 9 both show, on the same scale) and one colour bar; values on dark cells
+    are written in white. Constrained layout: no label overprints another."""
+    from matplotlib.colors import SymLogNorm
+    cols = max(len(r) for r in grid)
+    fig, axes = plt.subplots(len(grid), cols, figsize=(2.05 * cols + 1.1, 2.15 * len(grid) + 0.8),
                              squeeze=False, layout="constrained")
+    v = max(float(np.max(np.abs(M))) for r in grid for M in r) or 1.0
+    norm = SymLogNorm(linthresh=0.1, linscale=0.5, vmin=-v, vmax=v, base=10)
     for r, (row_, row_titles) in enumerate(zip(grid, titles)):
-        for c, (ax, M, title) in enumerate(zip(axes[r], row_, row_titles)):
-            v = float(np.max(np.abs(M))) or 1.0
-            image = ax.imshow(M, cmap="RdBu_r", vmin=-v, vmax=v)
+        for c, ax in enumerate(axes[r]):
+            if c >= len(row_):
+                ax.set_axis_off()
+                continue
+            M, title = row_[c], row_titles[c]
+            image = ax.imshow(M, cmap="RdBu_r", norm=norm)
             for (i, j), x in np.ndenumerate(M):
-                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=6,
-                        color="white" if abs(x) > 0.55 * v else "black")
+                text = f"{x:.2f}"
+                ax.text(j, i, "0.00" if text == "-0.00" else text, ha="center", va="center", fontsize=8,
+                        color="white" if abs(norm(x) - 0.5) > 0.3 else "black")
             ax.set_title(title, fontsize=9)
             ax.set(xticks=[], yticks=[])
-            fig.colorbar(image, ax=ax, shrink=0.75)
         if row_labels:
             axes[r][0].set_ylabel(row_labels[r], fontsize=8)
+    bar = fig.colorbar(image, ax=axes, shrink=0.8, aspect=30,
+                       ticks=[t for t in (-10, -1, -0.1, 0, 0.1, 1, 10) if abs(t) <= v], format="%g")
+    bar.set_label("entry (log beyond ±0.1)", fontsize=8)
     fig.suptitle(suptitle, fontsize=10)
     return save(fig, suffix)
 
@@ -438,29 +449,33 @@ def plot_three_layer_sparse(plt, save, rows, tables):
     ax[0].set(xlabel="L-BFGS iteration", ylabel="batch loss (log scale)",
               title=f"batch loss, {plural(len(seeds), 'seed')}")
     cs = [c for c in curve if c["seed"] == seeds[0]]
+    step = max(1, len(cs) // 8)               # 8 markers a curve, evenly in iterations, staggered by layer
+    every = [(min(l * step // 3, len(cs) - 1), step) for l in range(len(a_star))]
     for l, style in zip(range(len(a_star)), ("-", "--", ":")):
-        ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_Sigma_inv"] for c in cs], "C0" + style,
-                   label=rf"dist($A_{l}$, $\Sigma^{{-1}}$)")
-        ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_I"] for c in cs], "C3" + style,
-                   label=rf"dist($A_{l}$, $I$)")
+        ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_Sigma_inv"] for c in cs], "C0" + style, marker="o",
+                   mfc="white", ms=4, markevery=every[l], label=rf"dist($A_{l}$, $\Sigma^{{-1}}$)")
+        ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_I"] for c in cs], "C3" + style, marker="x",
+                   ms=5, markevery=every[l], label=rf"dist($A_{l}$, $I$)")
     ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance (0: a multiple)", ylim=(0, 1),
               title=f"seed {seeds[0]}: distance of each $A_l$ to multiples" + ("" if ok[seeds[0]] else
                                                                              " (not converged)"))
     ax[0].legend(fontsize=8)
-    ax[1].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"[A] Fig. 1: three sparse layers, d = 5, n = 20, B = {fits[0]['B']}")
+    ax[1].legend(fontsize=8, ncol=2, loc="center right")
+    fig.suptitle(rf"Ahn et al. 2023, Fig. 1: three sparse layers, $d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']} "
+                 r"prompts, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1), rotated")
     last = cs[-1]
     to_inv = [last[f"dist_A{l}_Sigma_inv"] for l in range(len(a_star))]
     to_id = [last[f"dist_A{l}_I"] for l in range(len(a_star))]
     made.append((save(fig, ""), f"Fig. 1: the batch loss per L-BFGS iteration beside the population optimum f* "
                  f"(a batch's loss can end below it); seed {seeds[0]}'s A_l end at relative distance "
-                 f"{fmt(to_inv, 2)} from multiples of Sigma^-1 (blue) and {fmt(to_id, 2)} from multiples of I "
-                 "(red)" + ("" if all(ok.values()) else "; grey: a seed that did not converge") + "."))
+                 f"{fmt(to_inv, 2)} from multiples of Sigma^-1 (blue, circles) and {fmt(to_id, 2)} from multiples of I "
+                 "(vermillion, crosses; line style: the layer)" + ("" if all(ok.values()) else "; grey: a seed that did not converge") + "."))
     mats = heat_matrices(tables["heatmaps"], seed=seeds[0])
     fitted = {f["layer"]: f["a_hat"] for f in tables["fitted"] if f["seed"] == seeds[0]}
     verdict = fits[0]["verdict"]
     made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted $a$ = {fitted[l]:.2f}" for l in range(len(mats))]],
-                           rf"[A] Fig. 2: $\Sigma^{{1/2}} A_l \Sigma^{{1/2}}$ after training (seed {seeds[0]})"
+                           rf"Ahn et al. 2023, Fig. 2: whitened $\Sigma^{{1/2}} A_l \Sigma^{{1/2}}$ after training (seed {seeds[0]}, "
+                           rf"$d$ = 5, $n$ = 20, $B$ = {fits[0]['B']})"
                            "\nexact family optimum: " + ", ".join(f"{a:.2f}" for a in a_star)
                            + " times $I$, in some layer order", save, "_heatmaps"),
                  f"Fig. 2: each whitened A_l of seed {seeds[0]}; its fitted multiples against the exact family "
@@ -525,26 +540,34 @@ def plot_three_layer_blocks(plt, save, rows, tables):
     made = []
     opt = tables["optimum"]
     basins = {(r["seed"], r["trainer"]): r for r in rows if "basin_loss" in r}
+    fitted = {(r["seed"], r["trainer"]): r for r in rows if r.get("a_hat") is not None and "trainer" in r}
     grid, titles, labels = [], [], []
     for (s, trainer) in sorted(basins):
         A = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="A")
-        Bm = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="B")
-        grid.append(A + Bm)
-        titles.append([rf"$A_{l}$ ($a^*$ {o['a_star']:.2f})" for l, o in enumerate(opt)]
-                      + [rf"$B_{l}$ ($b^*$ {o['b_star']:.2f})" if l < len(opt) - 1 else rf"$B_{l}$ (never enters)"
-                         for l, o in enumerate(opt)])
+        Bm = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="B")[:len(opt) - 1]
+        grid.append(A + Bm)                       # B_{L-1} never enters the loss: not drawn
+        fit = fitted.get((s, trainer), {})
+        a_hat = fit["a_hat"] if fit.get("a_hat") is not None else [None] * len(opt)
+        b_hat = fit["b_hat"] if fit.get("b_hat") is not None else [None] * len(opt)
+        titles.append([rf"$A_{l}$: $\hat a$ {fmt(a_hat[l], 3)}, $a^*$ {o['a_star']:.2f}" if a_hat[l] is not None
+                       else rf"$A_{l}$ ($a^*$ {o['a_star']:.2f})" for l, o in enumerate(opt)]
+                      + [rf"$B_{l}$: $\hat b$ {fmt(b_hat[l], 3)}, $b^*$ {o['b_star']:.2f}" if b_hat[l] is not None
+                         else rf"$B_{l}$ ($b^*$ {o['b_star']:.2f})" for l, o in enumerate(opt[:-1])])
         r = basins[s, trainer]
         labels.append(f"seed {s}, {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
                       f"(f {r['basin_loss']:.3e})")
     skipped = sorted({(r["seed"], r["trainer"]) for r in rows if "trainer" in r} - set(basins))
+    last = len(opt) - 1
     if grid:
-        made.append((heat_grid(plt, grid, titles, r"[A] Figs. 3-5: blocks model, converged runs: $\Sigma^{1/2} A_l "
-                               r"\Sigma^{1/2}$ and $B_l$" + f"\ntitles: the global family optimum ($f^*$ = "
-                               f"{opt[0]['f_star']:.3e}); rows: the population minimum each run's scalars descend to",
+        made.append((heat_grid(plt, grid, titles, r"Blocks model (Ahn et al. 2023, Figs. 3-5), $d$ = 5, $n$ = 20, $L$ = 3, converged runs: "
+                               r"whitened $\Sigma^{1/2} A_l \Sigma^{1/2}$ and $B_l$" + "\n"
+                               rf"titles: fitted scalar ($\hat a$, $\hat b$) and the global family optimum ($a^*$, $b^*$; "
+                               rf"$f^*$ = {opt[0]['f_star']:.3e}); $B_{last}$ not drawn (it never enters the loss)",
                                save, "_heatmaps", row_labels=labels),
-                     f"Figs. 3-5: the {plural(len(grid), 'converged run')} of this run: the whitened A_l and the B_l; "
-                     "B_2 keeps its random start (it never enters the loss); the row labels say which population "
-                     "minimum's basin each run is in"
+                     f"Figs. 3-5: the {plural(len(grid), 'converged run')} of this run: the whitened A_l and the B_l on one "
+                     "colour scale, each titled with its fitted scalar and the exact population optimum's; "
+                     f"B_{last} is not drawn (it never enters the loss and keeps its random start); the row labels say "
+                     "which population minimum's basin each run is in"
                      + (f"; not drawn (not converged): {', '.join(f'seed {s} {t}' for s, t in skipped)}."
                         if skipped else ".")))
     return made
@@ -704,35 +727,69 @@ def baselines(Z_tune, y_tune, Z_test, y_test, L, Si, n, d):
     return out
 
 
-def transformer_against_optimum(ax, curve, x, label):
-    """Draw a curve's trained transformer (test loss, +-K_SE SE; "not converged" marked) and the exact
-    family optimum against the field `x`; returns the points that did not converge."""
+# The estimators' names, the same in every figure and caption (docs/FIGURES.md)
+NAMES = {"transformer": "trained transformer", "optimum": "exact family optimum (theory)",
+         "GD": "GD-$L$", "PGD": r"$\Sigma^{-1}$-PGD-$L$", "OLS": "OLS", "ridge": "ridge (Bayes)"}
+K_SE_BAND = "±{k} SE band: the claims' tolerance"
+
+
+def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"]):
+    """Draw a curve's trained transformer (test loss, open circles with ±K_SE SE bars; "not converged"
+    marked) and the exact family optimum (black pluses, drawn over it) against the field `x` on `ax`, and
+    on `res_ax` their difference in the transformer's standard errors beside the ±K_SE band; returns the
+    points that did not converge."""
     xs = [c[x] for c in curve]
     ax.errorbar(xs, [c["transformer"] for c in curve], [K_SE * c["transformer_se"] for c in curve], fmt="o-",
-                label=f"{label} (test, ±{fmt(K_SE)} SE)")
+                color="C0", mfc="white", ms=7, label=f"{label} (test loss, ±{fmt(K_SE)} SE)")
+    ax.plot(xs, [c["family_optimum"] for c in curve], "k+--", ms=10, mew=1.5, zorder=5, label=NAMES["optimum"])
     bad = [c for c in curve if not c["converged"]]
+    res = [(c["transformer"] - c["family_optimum"]) / c["transformer_se"] for c in curve]
+    res_ax.axhspan(-K_SE, K_SE, color="0.9", label=K_SE_BAND.format(k=fmt(K_SE)))
+    res_ax.axhline(0.0, color="k", lw=0.8)
+    res_ax.plot(xs, res, "o", color="C0", mfc="white", ms=7, label="trained transformer - optimum")
     if bad:
-        ax.plot([c[x] for c in bad], [c["transformer"] for c in bad], "x", color="C3", ms=10, label="not converged")
-    ax.plot(xs, [c["family_optimum"] for c in curve], "k--", label="exact family optimum (theory)")
+        for a, ys in ((ax, [c["transformer"] for c in bad]), (res_ax, [r for r, c in zip(res, curve) if not c["converged"]])):
+            a.plot([c[x] for c in bad], ys, "x", color="C3", ms=11, mew=2, label="not converged")
+    top = max([abs(r) for r in res] + [K_SE]) * 1.3
+    res_ax.set(ylim=(-top, top), ylabel="(transformer - optimum) / SE", xticks=xs)
+    res_ax.legend(fontsize=8, loc="lower left")
     return bad
+
+
+def baselines_at_zero(curve, keys, suffix=""):
+    """The baselines of `keys` that are exactly 0 (rounding, below 1e-6 of the transformer's loss) at some
+    point of `curve`: noiseless labels, interpolated exactly once n >= d."""
+    return [k for k in keys if any(c[k + suffix] <= 1e-6 * c["transformer"] for c in curve)]
 
 
 def plot_depth(plt, save, rows, tables):
     made = []
     rs = tables["curve"]
     Ls = [r["L"] for r in rs]
-    fig, ax = plt.subplots(figsize=(8, 4.2), layout="constrained")
-    bad = transformer_against_optimum(ax, rs, "L", "transformer")
-    ax.plot(Ls, [r["GD_loss"] for r in rs], "s:", label="GD-$L$, best constant step")
-    ax.plot(Ls, [r["PGD_loss"] for r in rs], "^:", label=r"$\Sigma^{-1}$-PGD-$L$, best constant step")
-    ax.set(xlabel="layers $L$", ylabel="test loss (log scale)", yscale="log", xticks=Ls,
-           title="[A] Fig. 7: loss vs number of layers")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(10, 5.0), layout="constrained", width_ratios=(3, 2))
+    bad = transformer_against_optimum(ax, res_ax, rs, "L")
+    ax.plot(Ls, [r["GD_loss"] for r in rs], "s:", color="C1", label=NAMES["GD"] + ", best constant step")
+    ax.plot(Ls, [r["PGD_loss"] for r in rs], "^-.", color="C2", label=NAMES["PGD"] + ", best constant step")
+    zero = baselines_at_zero(rs, ("OLS", "ridge"), "_loss")
+    ax.set(xlabel="layers $L$", ylabel="test loss $E(\\hat y - y)^2$ (log scale)", yscale="log", xticks=Ls,
+           title="(a) test loss against depth")
+    if zero:
+        ax.plot([], [], " ", label=f"{' and '.join(NAMES[k] for k in zero)}: below 1e-20 at every $L$\n"
+                "(noiseless labels, $n$ > $d$: exact), off the axis")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    res_ax.set(xlabel="layers $L$", title=f"(b) difference in standard errors")
+    fig.suptitle(r"Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless, $\Sigma$ eigenvalues "
+                 r"(1, 1, 1/4, 1/16, 1) rotated")
     checks = [r for r in rows if r["check"]]
-    made.append((save(fig, ""), "Fig. 7: the trained transformer's test loss against L, beside the exact family "
-                 "optimum and L steps of (preconditioned) gradient descent with the best constant step; the "
-                 f"experiment's checks of the optimum: {sum(r['verdict'] == PASS for r in checks)} of {len(checks)} "
-                 "PASS" + (f"; not converged at L = {', '.join(str(r['L']) for r in bad)}." if bad else ".")))
+    made.append((save(fig, ""), "Fig. 7: the trained transformer's test loss against the number of layers L (open circles, "
+                 f"±{fmt(K_SE)} standard errors of the test batch) beside the exact family optimum (black pluses) and L steps "
+                 "of gradient descent (GD-L) and Sigma^-1-preconditioned gradient descent (Sigma^-1-PGD-L) with the best "
+                 "constant step; (b) the transformer minus the optimum in standard errors with the ±"
+                 f"{fmt(K_SE)} SE band"
+                 + (f"; {' and '.join(zero)} interpolate noiseless labels exactly (loss below 1e-20), off the log axis"
+                    if zero else "")
+                 + f"; the experiment's checks of the optimum: {sum(r['verdict'] == PASS for r in checks)} of "
+                 f"{len(checks)} PASS" + (f"; not converged at L = {', '.join(str(r['L']) for r in bad)}." if bad else ".")))
     return made
 
 
@@ -768,25 +825,32 @@ def plot_icl_curve(plt, save, rows, tables):
     made = []
     curve = tables["curve"]
     ns = [c["n"] for c in curve]
-    fig, ax = plt.subplots(figsize=(8.5, 4.2), layout="constrained")
-    bad = transformer_against_optimum(ax, curve, "n", "3-layer transformer")
-    zero = []
-    for key, style in (("GD", "s:"), ("PGD", "^:"), ("OLS", "x:"), ("ridge", "d:")):
+    fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(10, 5.0), layout="constrained", width_ratios=(3, 2))
+    bad = transformer_against_optimum(ax, res_ax, curve, "n")
+    zero = baselines_at_zero(curve, ("OLS", "ridge"))
+    for key, style, color, dx in (("GD", "s:", "C1", 0), ("PGD", "^-.", "C2", 0), ("OLS", "D--", "C4", -0.3),
+                                  ("ridge", "v:", "C5", 0.3)):
         # noiseless labels: OLS and ridge are exactly 0 once n >= d, computed as rounding amplified by
         # the solve's condition number (seen: 3e-9 at n = d); below 1e-6 of the transformer's loss it
         # is that zero, not drawn (a baseline that is not 0 is O(1) here)
         values = [c[key] if c[key] > 1e-6 * c["transformer"] else np.nan for c in curve]
-        if any(np.isnan(values)):
-            zero.append(key)
-        if not all(np.isnan(values)):
-            ax.plot(ns, values, style, label=f"{key}-3" if key in ("GD", "PGD") else key)
-    ax.set(xlabel="in-context examples $n$", ylabel="test loss (log scale)", yscale="log", xticks=ns,
-           title=f"[A] Fig. 6: loss vs number of in-context examples ({plural(len(ns), 'length')})")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))       # outside the axes: hides nothing
-    made.append((save(fig, ""), "Fig. 6: the trained transformer's test loss against n, beside the exact "
-                 "family optimum and gradient-descent baselines" + (f"; {' and '.join(zero)} are exactly 0 on "
-                                                                     "noiseless labels once n >= d, not drawn there"
-                                                                     if zero else "")
+        shown = [n for n, v in zip(ns, values) if not np.isnan(v)]
+        if shown:
+            where = "" if len(shown) == len(ns) else f" (0 for $n \\geq$ {min(n for n, v in zip(ns, values) if np.isnan(v))})"
+            ax.plot([n + dx for n in ns], values, style, color=color, ms=7 if key in zero else 6,   # beside, not over
+                    label=(NAMES[key].replace("$L$", "3") if key in ("GD", "PGD") else NAMES[key]) + where)
+    ax.set(xlabel="in-context examples $n$", ylabel="test loss $E(\\hat y - y)^2$ (log scale)", yscale="log",
+           xticks=ns, title="(a) test loss against prompt length")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    res_ax.set(xlabel="in-context examples $n$", title="(b) difference in standard errors")
+    fig.suptitle(r"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless, $\Sigma$ eigenvalues "
+                 rf"(1, 1, 1/4, 1/16, 1) rotated; {plural(len(ns), 'length')}")
+    made.append((save(fig, ""), "Fig. 6: the trained three-layer transformer's test loss against the prompt length n (open "
+                 f"circles, ±{fmt(K_SE)} standard errors) beside the exact family optimum (black pluses) and the "
+                 "baselines GD-3, Sigma^-1-PGD-3 (best constant step)" + (f", {' and '.join(zero)}: these are exactly 0 on "
+                                                                          "noiseless labels once n >= d and drawn only below"
+                                                                          if zero else "")
+                 + f"; (b) the transformer minus the optimum in standard errors with the ±{fmt(K_SE)} SE band"
                  + (f"; not converged at n = {', '.join(str(c['n']) for c in bad)}." if bad else ".")))
     return made
 
@@ -1057,27 +1121,43 @@ def value_row_split(P):
     return float(np.linalg.norm(p[:-1]) / max(abs(p[-1]), 1e-300))
 
 
+def setting_label(text):
+    """A setting's name as math text: "kappa=16" -> "$\\kappa$ = 16", "d=2" -> "$d$ = 2"."""
+    name, _, value = text.partition("=")
+    if not value:
+        return text
+    return {"kappa": r"$\kappa$", "init": "init"}.get(name, f"${name}$") + f" = {value}"
+
+
 def plot_single_layer_landscape(plt, save, rows, tables):
     made = []
     table = tables["basins"]
     labels = list(dict.fromkeys(t["setting"] for t in table))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels) + 2) + 3, 4.2), layout="constrained")
-    for k, (trainer, color) in enumerate((("Gauss-Newton", "C0"), ("L-BFGS", "C1"))):
+    fig, ax = plt.subplots(figsize=(max(7.5, 0.95 * len(labels) + 2), 4.8), layout="constrained")
+    for k, (trainer, short, color) in enumerate((("Gauss-Newton", "GN", "C0"), ("L-BFGS", "LB", "C1"))):
         ts = [next(t for t in table if t["setting"] == s and t["trainer"] == trainer) for s in labels]
-        x = np.arange(len(labels)) + 0.2 * (2 * k - 1)
+        x = np.arange(len(labels)) + 0.21 * (2 * k - 1)
         opt_ = np.array([t["optimum"] / t["starts"] for t in ts])
         high = np.array([t["higher"] / t["starts"] for t in ts])
         nc = np.array([t["not_converged"] / t["starts"] for t in ts])
-        ax.bar(x, opt_, 0.4, color=color, label=f"{trainer}: reached the optimum")
-        ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.35, hatch="//", label=f"{trainer}: a higher minimum")
-        ax.bar(x, nc, 0.4, bottom=opt_ + high, color="0.85", edgecolor=color, label=f"{trainer}: not converged")
-    ax.set(xticks=np.arange(len(labels)), xticklabels=labels, ylim=(0, 1.05), ylabel="fraction of random starts",
-           xlabel=r"setting (base: $d$ = 3, $n$ = 10, $\kappa$ = 4, init scale 0.3)",
-           title=f"One full layer: where training from {table[0]['starts']} random starts per setting ends")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))      # outside the axes: hides no bar
-    made.append((save(fig, ""), "One full (P, Q) layer: per setting and optimiser, the fraction of random starts "
-                 "that reached the batch optimum (solid), stopped at a higher local minimum (hatched) or did not "
-                 "converge (grey)."))
+        ax.bar(x, opt_, 0.4, color=color, edgecolor="k", lw=0.6, label=f"{trainer}: reached the optimum")
+        ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.4, edgecolor="k", lw=0.6, hatch="//",
+               label=f"{trainer}: a higher minimum")
+        ax.bar(x, nc, 0.4, bottom=opt_ + high, color="white", edgecolor=color, lw=1.2, hatch="xx" if k else "..",
+               label=f"{trainer}: not converged")
+        for xi in x:
+            ax.text(xi, 1.02, short, ha="center", va="bottom", fontsize=8)
+    ax.set(xticks=np.arange(len(labels)), xticklabels=[setting_label(s) for s in labels], ylim=(0, 1.12),
+           yticks=np.linspace(0, 1, 6), ylabel="fraction of random starts",
+           xlabel=r"setting (base: $d$ = 3, $n$ = 10, $\kappa$ = 4, init scale 0.3; the others change one of these)",
+           title=f"One full $(P, Q)$ layer: where training from {table[0]['starts']} random starts per setting ends\n"
+                 "(GN: Gauss-Newton, LB: L-BFGS; noiseless)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)   # below the axes: hides no bar
+    made.append((save(fig, ""), "One full (P, Q) layer, noiseless, Sigma with eigenvalues spread geometrically from 1 to "
+                 "kappa and rotated: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
+                 "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), stopped at a "
+                 "higher local minimum (hatched //) or did not converge (white, dotted for Gauss-Newton, crossed for "
+                 "L-BFGS)."))
     return made
 
 
@@ -1303,23 +1383,25 @@ def plot_softmax_two_head(plt, save, rows, tables):
             for k, t in enumerate(pts):
                 kind = "random" if t["start"].startswith("random") else t["start"]
                 ax.errorbar(x + 0.1 * (k - (len(pts) - 1) / 2), t["test_loss"], K_SE * t["test_se"],
-                            fmt=marker[kind], color="C0" if t["converged"] else "C3", ms=8)
+                            fmt=marker[kind], color="C0" if t["converged"] else "C3", ms=8,
+                            mfc="C0" if t["converged"] else "white", mew=1.5)
         ax.axhline(lin_loss, color="k", ls="--")
         ax.set(xticks=[0, 1], xticklabels=["1 head", "2 heads"], xlim=(-0.6, 1.6),
                title={"softmax_all": "authors' softmax (all $n$+1 keys)",
                       "softmax": "softmax over the $n$ context keys"}[act])
     handles = [plt.Line2D([], [], ls="", marker=m, color="gray", ms=8, label=f"start: {k}") for k, m in marker.items()]
-    handles += [plt.Line2D([], [], ls="", marker="o", color="C0", label="converged"),
-                plt.Line2D([], [], ls="", marker="o", color="C3", label="not converged"),
+    handles += [plt.Line2D([], [], ls="", marker="o", color="C0", label="converged (filled)"),
+                plt.Line2D([], [], ls="", marker="o", color="C3", mfc="white", mew=1.5, label="not converged (open)"),
                 plt.Line2D([], [], ls="--", color="k", label="trained linear layer")]
     axes[0].set_ylabel(f"test loss (±{k_se} SE)")
-    fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer")
+    fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer "
+                 r"($d$ = 5, $n$ = 10, $x, w \sim N(0, I)$, noiseless)")
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=3)
     claims = {r["activation"]: r for r in rows if r["id"].endswith("-claim")}
     said = "; ".join(f"{act}: the claim {r['holds']}" if r["verdict"] == INFO else f"{act}: no verdict ({r['why']})"
                      for act, r in claims.items())
-    made.append((save(fig, ""), f"Softmax heads: each start's test loss (stars: the rebuttal's own construction; red: "
-                 f"not converged) against the trained linear layer (dashed). {said}."))
+    made.append((save(fig, ""), f"Softmax heads (d = 5, n = 10, isotropic, noiseless): each start's test loss with ±{k_se} standard "
+                 f"errors (stars: the rebuttal's own construction; open, vermillion: not converged) against the trained linear layer (dashed). {said}."))
     return made
 
 

@@ -4,7 +4,8 @@
 
 It calls each experiment (experiments.EXPERIMENTS) with its own random stream, prefixes each row's
 id with the experiment's name, and writes through icl_files (the project's one writer): one CSV per
-experiment (and per extra table), the PNG figures its plot function draws (with matplotlib), the
+experiment (and per extra table), the figures its plot function draws (with matplotlib; a PNG and a PDF
+beside it), the
 run's record config.json (options, versions, the commit and whether the tree was dirty, status,
 each file with its SHA-256) and summary.md. It prints a heartbeat while an experiment runs, holds
 SIGINT and SIGTERM while an experiment's files are written, and ends with a tally and an exit
@@ -90,13 +91,43 @@ def markdown_table(rows):
     return "\n".join(lines)
 
 
+# How every figure is drawn and saved (docs/FIGURES.md, the checklist): a PNG at FIGURE_DPI and a vector
+# copy (PDF, no creation date: a rerun writes the same bytes) beside it; text at least MIN_FONT_PT at the
+# saved size; the Okabe-Ito colour-blind-safe palette (C0 blue, C1 orange, C2 green, C3 vermillion, ...)
+FIGURE_DPI = 150
+MIN_FONT_PT = 8.0
+FIGURE_FORMATS = ("png", "pdf")
+OKABE_ITO = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
+FIGURE_STYLE = {"font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8,
+                "xtick.labelsize": 8, "ytick.labelsize": 8, "figure.titlesize": 10, "lines.markersize": 6,
+                "errorbar.capsize": 3, "legend.framealpha": 0.9}
+
+
+def small_text(fig, least=MIN_FONT_PT):
+    """The texts of `fig` (titles, labels, tick labels, legends, annotations) set below `least` points."""
+    return [t for t in fig.findobj(lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text"))
+            if t.get_visible() and t.get_text() and t.get_fontsize() < least - 1e-9]
+
+
+def figure_bytes(fig, fmt):
+    """One figure as `fmt` ("png" at FIGURE_DPI, or "pdf" without its creation date) bytes; a text set
+    below MIN_FONT_PT is raised to it first (the checklist's floor holds whatever a plot function set)."""
+    for t in small_text(fig):
+        t.set_fontsize(MIN_FONT_PT)
+    f = io.BytesIO()
+    metadata = {"CreationDate": None} if fmt == "pdf" else {"Software": None} if fmt == "png" else None
+    fig.savefig(f, format=fmt, dpi=FIGURE_DPI, metadata=metadata)
+    return f.getvalue()
+
+
 def figures(name, rows, tables):
-    """PNG figures of what an experiment reproduces, drawn by its plot function (ex.PLOTS) from its rows'
-    and tables' fields, with the exact theory beside the measured values (matplotlib, optional).
+    """The figures of what an experiment reproduces, drawn by its plot function (ex.PLOTS) from its rows'
+    and tables' fields, with the exact theory beside the measured values (matplotlib, optional), each
+    saved as a PNG (FIGURE_DPI) and a PDF beside it (FIGURE_FORMATS) in FIGURE_STYLE.
     Titles and captions say what this run showed: its seed and start counts, which runs converged (a
     "not converged" style in the legend), and a claim only where the run's rows decided it. Returns
-    ([(file name, caption)], {file name: PNG bytes}, a note for the run or None): without matplotlib
-    the note says once how to get figures."""
+    ([(PNG file name, caption)], {file name: bytes} of the PNGs and PDFs, a note for the run or None):
+    without matplotlib the note says once how to get figures."""
     if name not in ex.PLOTS:
         return [], {}, None
     try:
@@ -105,26 +136,26 @@ def figures(name, rows, tables):
         import matplotlib.pyplot as plt
     except ImportError:
         return [], {}, "No figures: matplotlib is not installed (python3 -m pip install matplotlib, or pip install .[plot])."
-    pngs = {}
+    drawn = {}
 
     def save(fig, suffix):
-        filename = f"{name}{suffix}.png"
-        f = io.BytesIO()
-        fig.savefig(f, format="png", dpi=90)
+        for fmt in FIGURE_FORMATS:
+            drawn[f"{name}{suffix}.{fmt}"] = figure_bytes(fig, fmt)
         plt.close(fig)
-        pngs[filename] = f.getvalue()
-        return filename
-    return ex.PLOTS[name](plt, save, rows, tables), pngs, None
+        return f"{name}{suffix}.png"
+    style = dict(FIGURE_STYLE, **{"axes.prop_cycle": matplotlib.cycler(color=OKABE_ITO)})
+    with matplotlib.rc_context(style):
+        return ex.PLOTS[name](plt, save, rows, tables), drawn, None
 
 
 def experiment_files(name, rows, tables):
     """An experiment's files as bytes, {file name: bytes}: name.csv (its rows), name_TABLE.csv per
-    extra table, its figures; with the figures' captions and a note when matplotlib is missing."""
+    extra table, its figures (PNG and PDF); with the figures' captions and a note when matplotlib is missing."""
     files = {f"{name}.csv": csv_bytes(rows)}
     files.update({f"{name}_{table}.csv": csv_bytes(with_ids(f"{name}_{table}", content))
                   for table, content in tables.items()})
-    captions, pngs, note = figures(name, rows, tables)
-    files.update(pngs)
+    captions, drawn, note = figures(name, rows, tables)
+    files.update(drawn)
     return files, captions, note
 
 
@@ -174,8 +205,8 @@ EXIT_STATUSES = {
 
 
 def output_of(name, filename):
-    """Whether `filename` is a name experiment `name` writes: name.csv, name.png or name_*."""
-    return filename in (f"{name}.csv", f"{name}.png") or filename.startswith(f"{name}_")
+    """Whether `filename` is a name experiment `name` writes: name.csv, name.png, name.pdf or name_*."""
+    return filename in (f"{name}.csv", f"{name}.png", f"{name}.pdf") or filename.startswith(f"{name}_")
 
 
 def trusted_record(record):
@@ -507,7 +538,8 @@ def summary_text(args, names, out, results, done, ending, plot_note, start):
     for name, (rs, pngs, seconds) in results.items():
         summary += [f"## {name}", f"_{ex.EXPERIMENTS[name][1]}_ ({seconds:.1f} s)", "", markdown_table(rs), ""]
         for p, caption in pngs:
-            summary += [f"![{name}]({p})", "", f"_{caption}_", ""]
+            pdf = p[:-len("png")] + "pdf"
+            summary += [f"![{name}]({p})", "", f"_{caption}_ (vector copy: [{pdf}]({pdf}))", ""]
     experiments = out.fields["experiments"]
     kept = [n for n in experiments if n not in results]
     if kept:

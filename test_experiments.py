@@ -59,6 +59,12 @@ def quick_run(out, names):
         assert all(r["verdict"] == ex.PASS for r in checked), (name, [r["claim"] for r in checked])
         assert all(r["verdict"] == ex.INFO for r in rows if not r["check"]), name
         assert config["experiments"][name]["tally"]["PASS"] == len(checked)
+        # each figure a 150-dpi PNG with its vector copy beside it, both recorded with their SHA-256
+        pngs = [f for f in config["experiments"][name]["files"] if f.endswith(".png")]
+        for png in pngs:
+            pdf = png[:-len("png")] + "pdf"
+            assert pdf in config["experiments"][name]["files"] and (out / pdf).read_bytes().startswith(b"%PDF"), pdf
+            assert config["files"][pdf] == sha256_of(out / pdf) and b"CreationDate" not in (out / pdf).read_bytes()
     return config
 
 
@@ -927,6 +933,22 @@ def test_quick_reaches_the_experiments_and_the_callers_ctrl_c_handler_is_back_be
     finally:
         signal.signal(signal.SIGINT, before)
     assert seen == [True, True] and handlers == [mine, mine]
+
+
+def test_figures_keep_text_at_least_8_pt_and_save_a_png_and_a_pdf():
+    # the checklist's floor (docs/FIGURES.md): a text set below 8 pt is raised to it before saving; the PDF
+    # carries no creation date, so the same figure saved twice is the same bytes
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1], label="series")
+    ax.legend(fontsize=5)
+    ax.text(0.5, 0.5, "small", fontsize=4)
+    assert len(runner.small_text(fig)) == 2
+    png, pdf = runner.figure_bytes(fig, "png"), runner.figure_bytes(fig, "pdf")
+    assert runner.small_text(fig) == [] and png.startswith(b"\x89PNG") and pdf.startswith(b"%PDF")
+    assert runner.figure_bytes(fig, "pdf") == pdf
+    plt.close(fig)
+    assert runner.output_of("depth", "depth.pdf") and runner.output_of("depth", "depth_x.pdf")
 
 
 def test_output_names_and_the_record_checks(tmp_path):

@@ -453,6 +453,7 @@ SHOWN = ["depth.png", "dynamics.csv", "dynamics.png", "dynamics_descent.csv", "l
          "softmax-two-head.csv", "task-diversity.csv", "task-diversity.png", "task-diversity_pools.csv",
          "three-layer-blocks.csv", "three-layer-blocks_heatmaps.png", "three-layer-sparse.csv",
          "three-layer-sparse_heatmaps.png", "two-layer-isotropic.csv", "unconstrained.csv"]
+SHOWN = sorted(SHOWN + [f[:-len("png")] + "pdf" for f in SHOWN if f.endswith(".png")])    # each figure's vector copy
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """How often training at the paper's size reaches each minimum of Theorem 4's blocks family.
 
     python3 tools/blocks_basins.py [--starts 20] [--seed 0]      # about half an hour on 2 cores
+    python3 tools/blocks_basins.py --redraw                      # the figure again from the record (seconds)
 
 One batch at the paper's size ([A] §4.3: B = 20000, n = 20, d = 5, L = 3, Sigma = U diag(1, 1, 1/4,
 1/16, 1) U^T with U Haar, w* ~ N(0, Sigma^-1)), drawn from `seed`; `starts` random starts (A_l, B_l
@@ -11,7 +12,7 @@ Sigma^-1), b_l = fitted_scalar(B_l, I) start one descent of the exact family los
 (family_local_minimum), whose end names the population minimum the run's basin belongs to (MATH.md
 §10 lists the certified ones). Writes docs/blocks_basins.json (every run, the counts, and the
 provenance of tools/records.py: this command, the commit of icl_ref.py, icl_fast.py and this file, and
-the figure's SHA-256) and docs/blocks_basins.png; docs/FINDINGS.md finding 9's table is rendered from it
+the figures' SHA-256) and docs/blocks_basins.png with its PDF beside it; docs/FINDINGS.md finding 9's table is rendered from it
 (`python3 tools/records.py render`). Ctrl-C or SIGTERM stops after the current run and writes nothing.
 Exit status: 0 written, 2 bad arguments or a file refused (a symbolic link), 130 stopped.
 """
@@ -37,6 +38,7 @@ import records  # noqa: E402  (tools/records.py: the provenance)
 SOURCES = ["icl_ref.py", "icl_fast.py", "tools/blocks_basins.py"]          # the code the record comes from
 RECORD = os.path.join("docs", "blocks_basins.json")
 FIGURE = os.path.join("docs", "blocks_basins.png")
+FIGURE_PDF = os.path.join("docs", "blocks_basins.pdf")            # its vector copy
 B, N, D, L = 20000, 20, 5, 3
 GRAD_TOL = 1e-6                 # experiments.GRAD_TOL: a converged run
 OPTIMISERS = ("Gauss-Newton", "L-BFGS")
@@ -63,47 +65,83 @@ def counts(runs, f_star):
 
 
 def figure(record):
-    """The figure's PNG bytes."""
+    """The figure as {path: bytes}: a PNG (150 dpi) and a PDF beside it (no creation date), in the style of
+    experiments_cli's figures (Okabe-Ito colours, text >= 8 pt; docs/FIGURES.md)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    runs, f_star = record["runs"], record["optimum"]["loss"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    # rows of the left panel: each basin reached, lowest loss first, then the runs that did not converge
-    keys = sorted({basin_key(r["basin_loss"]) for r in runs if r["converged"]}, key=float)
-    labels = [f"f = {k}" + (" (global)" if k == record["global_key"] else "") for k in keys] + ["not converged"]
-    for name, marker, dy in (("Gauss-Newton", "o", -0.12), ("L-BFGS", "s", 0.12)):
-        mine = [r for r in runs if r["optimiser"] == name]
-        rows = [keys.index(basin_key(r["basin_loss"])) if r["converged"] else len(keys) for r in mine]
-        left.scatter([r["start"] for r in mine], [k + dy for k in rows], marker=marker, alpha=0.8,
-                     label=f"{name}: {sum(r['converged'] for r in mine)} of {len(mine)} converged")
-        conv = [r for r in mine if r["converged"]]
-        right.scatter([r["a"][1] for r in conv], [r["b"][1] for r in conv], marker=marker, label=name, alpha=0.8)
-    basins = sorted({(r["basin_loss"], tuple(r["basin_a"]), tuple(r["basin_b"][:2])) for r in runs if r["converged"]})
-    for f, a, b in basins:
-        right.scatter([a[1]], [b[1]], marker="x", color="k", s=80)
-        right.annotate(f"f = {f:.4e}", (a[1], b[1]), textcoords="offset points", xytext=(6, 6), fontsize=8)
-    left.set_yticks(range(len(labels)), labels)
-    left.set_ylim(-0.6, len(labels) - 0.4)
-    left.set(xlabel="start", ylabel="population minimum of the run's basin",
-             title="Basin reached from each start")
-    left.set_xticks(range(0, record["starts"], max(1, record["starts"] // 10)))
-    left.legend(fontsize=8)
-    right.set(xlabel="fitted a_1 (A_1 ~ a_1 Sigma^-1)", ylabel="fitted b_1 (B_1 ~ b_1 I)",
-              title="Layer 1's fitted scalars (x: the basins' minima)")
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    f = io.BytesIO()
-    fig.savefig(f, format="png", dpi=110)
-    plt.close(fig)
-    return f.getvalue()
+    import experiments_cli  # noqa: E402  (the figures' style and saving)
+    runs = record["runs"]
+    style = dict(experiments_cli.FIGURE_STYLE, **{"axes.prop_cycle": matplotlib.cycler(color=experiments_cli.OKABE_ITO)})
+    with matplotlib.rc_context(style):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8), layout="constrained")
+        # rows of the left panel: each basin reached, lowest loss first, then the runs that did not converge
+        keys = sorted({basin_key(r["basin_loss"]) for r in runs if r["converged"]}, key=float)
+        labels = [f"f = {k}" + (" (global)" if k == record["global_key"] else "") for k in keys] + ["not converged"]
+        # Gauss-Newton: large open circles; L-BFGS: small filled squares, drawn inside them (both
+        # optimisers often reach the same point: neither hides the other)
+        for name, marker, dy, size, face in (("Gauss-Newton", "o", -0.12, 70, "none"), ("L-BFGS", "s", 0.12, 22, None)):
+            color = "C0" if name == "Gauss-Newton" else "C1"
+            mine = [r for r in runs if r["optimiser"] == name]
+            rows = [keys.index(basin_key(r["basin_loss"])) if r["converged"] else len(keys) for r in mine]
+            kw = dict(marker=marker, s=size, edgecolors=color, facecolors=face or color, linewidths=1.5)
+            left.scatter([r["start"] for r in mine], [k + dy for k in rows], **kw,
+                         label=f"{name}: {sum(r['converged'] for r in mine)} of {len(mine)} converged")
+            conv = [r for r in mine if r["converged"]]
+            right.scatter([r["a"][1] for r in conv], [r["b"][1] for r in conv], **kw, label=f"{name} (converged runs)")
+        basins = sorted({basin_key(r["basin_loss"]): (r["basin_loss"], r["basin_a"], r["basin_b"][:2])
+                         for r in runs if r["converged"]}.values())          # one per population minimum
+        for i, (f, a, b) in enumerate(basins):
+            right.scatter([a[1]], [b[1]], marker="x", color="k", s=90, linewidths=2,
+                          label="the basins' population minima" if i == 0 else None)
+        right.margins(0.15)
+        lo, hi = right.get_xlim()
+        for f, a, b in basins:          # a label on the side of its point away from the nearer frame
+            inside = a[1] < (lo + hi) / 2
+            right.annotate(f"f = {f:.4e}", (a[1], b[1]), textcoords="offset points", xytext=(8 if inside else -8, 8),
+                           ha="left" if inside else "right", fontsize=8)
+        left.set_yticks(range(len(labels)), labels)
+        left.set_ylim(-0.6, len(labels) - 0.4)
+        left.set(xlabel="start", ylabel="population minimum of the run's basin",
+                 title="(a) basin reached from each start")
+        left.set_xticks(range(0, record["starts"], max(1, record["starts"] // 10)))
+        left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+        right.set(xlabel=r"fitted $a_1$ ($A_1 \approx a_1 \Sigma^{-1}$)", ylabel=r"fitted $b_1$ ($B_1 \approx b_1 I$)",
+                  title="(b) layer 1's fitted scalars")
+        right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+        fig.suptitle(rf"Blocks model at Ahn et al.'s size ($B$ = {record['B']}, $n$ = {record['n']}, $d$ = {record['d']}, "
+                     rf"$L$ = {record['L']}, noiseless): {record['starts']} random starts, each trained by Gauss-Newton "
+                     "and by L-BFGS")
+        out = {FIGURE: experiments_cli.figure_bytes(fig, "png"), FIGURE_PDF: experiments_cli.figure_bytes(fig, "pdf")}
+        plt.close(fig)
+    return out
+
+
+def redraw():
+    """Draw the figure again from the runs docs/blocks_basins.json keeps (no training) and record the new
+    figures' hashes in its provenance (which still names the commit the runs were made from)."""
+    record = records.load("blocks_basins")
+    try:
+        for path, data in figure(record).items():
+            records.write(path, data)
+        record["provenance"]["outputs"] = {path: records.sha256_file(path) for path in (FIGURE, FIGURE_PDF)}
+        records.write(RECORD, record)
+    except (icl_files.Refused, icl_files.WriteFailed) as e:
+        print(f"not written: {e}", file=sys.stderr)
+        return 2
+    print(FIGURE, FIGURE_PDF, RECORD)
+    return 0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--starts", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--redraw", action="store_true",
+                    help="only draw the figure again from docs/blocks_basins.json's runs (seconds; no training)")
     args = ap.parse_args(argv)
+    if args.redraw:
+        return redraw()
     if args.starts < 1:
         ap.error(f"--starts must be >= 1, got {args.starts}")
     stop = []
@@ -139,16 +177,18 @@ def main(argv=None):
                   optimum=dict(a=list(a_star), b=list(b_star[:-1]), loss=f_star), counts=table, global_key=global_key,
                   runs=runs)
     try:
-        records.write(FIGURE, figure(record))
+        for path, data in figure(record).items():
+            records.write(path, data)
         record = dict(provenance=records.provenance(["tools/blocks_basins.py", "--starts", str(args.starts), "--seed",
-                                                     str(args.seed)], SOURCES, time.time() - t0, [FIGURE]), **record)
+                                                     str(args.seed)], SOURCES, time.time() - t0, [FIGURE, FIGURE_PDF]),
+                      **record)
         records.write(RECORD, record)
     except (icl_files.Refused, icl_files.WriteFailed) as e:
         print(f"not written: {e}", file=sys.stderr)
         return 2
     for name in OPTIMISERS:
         print(name, json.dumps(table[name]))
-    print(RECORD, FIGURE)
+    print(RECORD, FIGURE, FIGURE_PDF)
     return 0
 
 

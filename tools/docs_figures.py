@@ -7,9 +7,9 @@ A run is copied only when its record (config.json) says it is complete, full siz
 of every experiment, made from a commit with no uncommitted change to the experiments' code
 (experiments.SOURCES: dirty false), that code unchanged since, and each file to copy has the SHA-256 the
 record lists. The files copied are those of the run the documents name (`shown`): each figure they link
-to and each table a generated block reads. They go into docs/ (never through a symbolic link), then
-docs/figures.json: the provenance (tools/records.py; the run's commit, the files with their hashes) and
-each experiment's wall-clock and CPU seconds. `python3 tools/records.py render` then writes the numbers.
+to (its PNG and the PDF beside it) and each table a generated block reads. They go into docs/ (never
+through a symbolic link), then docs/figures.json: the provenance (tools/records.py; the run's commit, the
+files with their hashes) and each experiment's wall-clock and CPU seconds. `python3 tools/records.py render` then writes the numbers.
 
 Exit statuses: 0 copied; 2 bad arguments, a run that may not be copied (the message says why; nothing is
 written) or docs/ refused; else a full run's own status when it did not complete (one with a failed claim,
@@ -36,9 +36,11 @@ import records  # noqa: E402  (tools/records.py: the provenance)
 
 
 def shown(files):
-    """The files of a run (names) that the documents link to (figures) or whose rows a block reads (tables)."""
+    """The files of a run (names) that the documents link to (figures, each PNG with its vector copy, the
+    PDF beside it, when the run wrote one) or whose rows a block reads (tables)."""
     text = "".join(records.read(doc) for doc in records.DOCS)
-    named = set(re.findall(r"([\w-]+\.png)\)", text)) | {f"{t}.csv" for t in re.findall(r"rows?\('([\w-]+)/", text)}
+    pngs = set(re.findall(r"([\w-]+\.png)\)", text))
+    named = pngs | {p[:-len("png")] + "pdf" for p in pngs} | {f"{t}.csv" for t in re.findall(r"rows?\('([\w-]+)/", text)}
     return sorted(f for f in files if f in named)
 
 
