@@ -305,6 +305,16 @@ def test_a_template_reads_only_what_it_is_given():
     for template in ("{().__class__}", "{__import__('os')}", "{(lambda: 1)()}", "{open('x')}"):
         with pytest.raises(records.Problem):
             records.render_block(template, {})
+    # no attribute leads out of the values a template is given: a generator's frame reaches the module's
+    # globals (os) without one underscore (round 6 ran a shell command this way), a method's format
+    # string reads attributes, and Rows of anything but rows reads nothing
+    frame = "[g.gi_frame.f_back.f_globals for g in [(y for y in [1])]]"
+    for template in ("{" + frame + "}", "{[g for g in [(y for y in [1])]][0].gi_code}", "{'{0.real}'.format(1)}",
+                     "{Rows([(y for y in [1])]).gi_frame}", "{up.func_globals}"):
+        with pytest.raises(records.Problem):
+            records.render_block(template, {})
+    # what the documents' templates do read: fields, and a few methods of plain values
+    assert records.render_block("{'a b'.split()} {[1, 1].count(1)} {dict.fromkeys('ab')}", {}) == "['a', 'b'] 2 {'a': None, 'b': None}"
 
 
 @pytest.mark.parametrize("path, content, said", [

@@ -182,6 +182,8 @@ class Rows(list):
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        if not all(isinstance(r, Fields) for r in self):   # only rows' fields: Rows([x]).name reads nothing else
+            raise Problem(f"a template may read {name} only of rows")
         return [getattr(r, name) for r in self]
 
 
@@ -289,16 +291,42 @@ NODES = (ast.Expression, ast.JoinedStr, ast.FormattedValue, ast.Constant, ast.Na
          ast.operator, ast.unaryop, ast.boolop, ast.cmpop, ast.expr_context)
 
 
+# the methods a template may call on a plain value (a string, list, dict or set): none reaches an
+# object's internals (no format, whose fields read attributes; a generator's or function's attributes
+# lead to frames and globals, so an attribute is read only through `attribute`)
+METHODS = frozenset({"count", "fromkeys", "get", "index", "items", "join", "keys", "split", "startswith", "values"})
+
+
+def attribute(value, name):
+    """`value.name` in a template: a field of a row or record (Fields, Rows), or one of METHODS of a
+    plain value; anything else is refused."""
+    if isinstance(value, (Fields, Rows)):
+        return getattr(value, name)
+    if name in METHODS and (isinstance(value, (str, list, tuple, dict, set)) or value in (dict, str)):
+        return getattr(value, name)
+    raise Problem(f"a template may not read {name} of a {type(value).__name__}")
+
+
+class Attributes(ast.NodeTransformer):
+    """Every `x.name` read becomes `__attribute(x, "name")` (after the check, so no template can name it)."""
+
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        return ast.copy_location(ast.Call(ast.Name("__attribute", ast.Load()), [node.value, ast.Constant(node.attr)], []),
+                                 node)
+
+
 def evaluate(expression, names):
     """A template's expression over `names`, once checked: it reads names, fields and items and calls
-    what `names` holds (NAMES and methods of values), with no underscore, lambda or assignment."""
+    what `names` holds (NAMES and METHODS of values), with no underscore, lambda or assignment."""
     tree = ast.parse(expression, mode="eval")
     bad = [n for n in ast.walk(tree) if not isinstance(n, NODES) or isinstance(n, ast.Name) and n.id.startswith("_")
            or isinstance(n, ast.Attribute) and n.attr.startswith("_")]
     if bad:
         raise Problem(f"a template may not use {type(bad[0]).__name__} {getattr(bad[0], 'id', getattr(bad[0], 'attr', ''))}")
+    tree = ast.fix_missing_locations(Attributes().visit(tree))
     try:
-        return eval(compile(tree, "<template>", "eval"), {**names, "__builtins__": {}})
+        return eval(compile(tree, "<template>", "eval"), {**names, "__attribute": attribute, "__builtins__": {}})
     except NameError as e:
         raise Problem(f"a template may not use {e}") from None
 
