@@ -537,11 +537,27 @@ class Folder:
         return Refused(f"{self.path!r} is in use by another {self.tool} run (it holds the lock "
                        f"{self.show(self.lock)!r}{holder}): wait for it to finish, or name another directory")
 
+    def _lock_owner(self, st):
+        """The pid and host a lock file names, or None when it names none (cut short, or not ours)."""
+        try:
+            owner = json.loads(self._read(self.lock, st, 4096) or b"null")
+        except (OSError, ValueError, Refused):
+            return None
+        ok = isinstance(owner, dict) and isinstance(owner.get("pid"), int) and isinstance(owner.get("host"), str)
+        return owner if ok else None
+
     def _lock_entry(self):
+        """The lock file's lstat, or None; Refused when a file of that name cannot be a lock of this
+        tool: not a regular file, linked elsewhere too (a hard link: truncating it would change the
+        other name's file), or holding anything but nothing or a pid and host (a file of the user's)."""
         st = self._lstat(self.lock)
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise Refused(f"{self.path!r}: the lock file {self.show(self.lock)!r} is {_kind(st)}: not using it; "
                           "remove it if no run is writing there")
+        if st is not None and (st.st_nlink != 1 or st.st_size > 0 and self._lock_owner(st) is None):
+            why = "has other names (hard links)" if st.st_nlink != 1 else "holds something other than a lock's pid and host"
+            raise Refused(f"{self.path!r}: {self.show(self.lock)!r} {why}: not a lock of {self.tool}, not touching it; "
+                          "move it away if it is yours, or name another directory")
         return st
 
     def _flock(self):
@@ -586,15 +602,6 @@ class Folder:
         who = (f", pid {owner['pid']} on {owner['host']}; if no {self.tool} run is writing there, remove it"
                if owner else "; if no run is writing there, remove it")
         raise self._in_use(who)
-
-    def _lock_owner(self, st):
-        """The pid and host a lock file names, or None when it names none (cut short, or not ours)."""
-        try:
-            owner = json.loads(self._read(self.lock, st, 4096) or b"null")
-        except (OSError, ValueError, Refused):
-            return None
-        ok = isinstance(owner, dict) and isinstance(owner.get("pid"), int) and isinstance(owner.get("host"), str)
-        return owner if ok else None
 
     def _take_over(self, owner, st):
         """Remove a lock file whose run is dead (its pid runs no process on this host). The exclusive

@@ -279,6 +279,25 @@ def test_a_folder_another_run_holds_is_refused(tmp_path, means):
     write_set(out, overwrite=True)
 
 
+@pytest.mark.parametrize("planted", ["a file of the user's", "a hard link to a file elsewhere"])
+def test_a_users_file_under_the_lock_name_is_neither_written_nor_removed(tmp_path, means, planted):
+    # the lock's name is not counted as a file of the folder's (a run's lock comes and goes), so a file
+    # of that name that is no lock - the user's notes, or a second name of a file outside - must be
+    # refused, not truncated to hold a pid and then removed (round 6: both happened, exit 0)
+    out = tmp_path / "v"
+    out.mkdir()
+    mine = tmp_path / "precious.txt"
+    mine.write_text("notes")
+    if planted == "a file of the user's":
+        (out / LOCK).write_text("notes")
+    else:
+        os.link(mine, out / LOCK)
+    before = snapshot(tmp_path)
+    with pytest.raises(icl_files.Refused, match="not a lock of fake vectors, not touching it"):
+        write_set(out)
+    assert snapshot(tmp_path) == before and mine.read_text() == "notes"
+
+
 def dead_pid():
     """The pid of a process of this host that has ended."""
     proc = subprocess.Popen([sys.executable, "-c", ""])
