@@ -406,9 +406,16 @@ def main(argv=None):
 
 def kept_experiments(out, names):
     """The earlier run's complete experiments this run does not redo, from its record: they stay,
-    in the folder and in the record."""
+    in the folder and in the record. One whose files are not all still the ones it wrote (a file
+    replaced since, by the user) stays as `incomplete`, listing only the files still its own."""
     earlier = out.earlier["experiments"] if out.earlier else {}
-    return {n: e for n, e in earlier.items() if n not in names and e.get("status") == "complete"}
+    kept = {}
+    for n, e in earlier.items():
+        if n not in names and e.get("status") == "complete":
+            gone = [f for f in e["files"] if f not in out.owned]
+            kept[n] = dict(e, status="incomplete", files=[f for f in e["files"] if f in out.owned],
+                           why=f"{', '.join(gone)} no longer the file{'s' if len(gone) > 1 else ''} it wrote") if gone else e
+    return kept
 
 
 def leftovers(out, kept, names):
@@ -546,6 +553,7 @@ def summary_text(args, names, out, results, done, ending, plot_note, start):
         summary += ["## Kept from earlier runs", ""] + [
             f"- {n}: {', '.join(experiments[n]['files'])} ({'quick' if experiments[n].get('quick') else 'full'}, "
             f"seed {experiments[n].get('seed')}, run started {experiments[n].get('run_started_utc')})"
+            + (f"; INCOMPLETE: {experiments[n]['why']}" if experiments[n].get("status") != "complete" else "")
             for n in kept] + [""]
     if plot_note:
         summary += ["", plot_note]

@@ -316,6 +316,22 @@ def test_overwrite_removes_only_an_earlier_runs_files_and_duplicates_run_once(tm
     assert "notes.md" not in json.loads((tmp_path / "config.json").read_text())["files"]
 
 
+def test_a_kept_experiment_whose_file_is_now_the_users_is_recorded_incomplete(tmp_path, monkeypatch):
+    # --keep-others leaves a file that is not provably the run's where it is; the experiment that wrote
+    # a file of that name earlier is then not complete, and the record and summary.md must say so
+    # (round 6: the record said "complete", listing the user's file, and summary.md said "Kept")
+    for name in ("first", "second"):
+        monkeypatch.setitem(ex.EXPERIMENTS, name, (lambda ctx: ([ex.row("x", "x", ex.INFO)], {}), "t"))
+    assert runner.main(["first", "second", "--out", str(tmp_path)]) == 0
+    (tmp_path / "second.csv").write_text("mine")
+    assert runner.main(["first", "--out", str(tmp_path), "--overwrite", "--keep-others"]) == 0
+    config = json.loads((tmp_path / "config.json").read_text())
+    second = config["experiments"]["second"]
+    assert second["status"] == "incomplete" and "second.csv" not in second["files"] and "second.csv" in second["why"]
+    assert "second.csv" not in config["files"] and (tmp_path / "second.csv").read_text() == "mine"
+    assert "INCOMPLETE: second.csv" in (tmp_path / "summary.md").read_text()
+
+
 def test_overwrite_never_deletes_files_of_a_directory_that_held_no_run(tmp_path, monkeypatch):
     monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", "x", ex.INFO)], {}), "t"))
     for name, text in (("notes.md", "a"), ("data.json", "{}"), ("mydata.csv", "1,2")):
