@@ -196,7 +196,7 @@ EXIT_STATUSES = {
     EXIT_FAILED: ("complete", "a checked claim failed (named on stderr and in summary.md)"),
     EXIT_REFUSED: ("untouched", "bad arguments, or --out refused (nothing written; the message says why)"),
     EXIT_CRASHED: ("crashed", "an experiment raised an error (a bug): its traceback on stderr"),
-    EXIT_WRITE_ERROR: ("write error", "a write into --out failed: disk full, file-size limit, no permission, "
+    EXIT_WRITE_ERROR: ("write error", "a write into --out (or to stdout) failed: disk full, file-size limit, no permission, "
                                       "or a file not the run's appeared under an output's name"),
     EXIT_SIGINT: ("interrupted", "stopped by Ctrl-C (SIGINT)"),
     EXIT_BROKEN_PIPE: ("broken pipe", "stdout was closed (`| head`, a pager quit)"),
@@ -261,7 +261,7 @@ class Console:
     safe, with EXIT_BROKEN_PIPE."""
 
     def __init__(self, start):
-        self.start, self.closed = start, False
+        self.start, self.closed, self.failed = start, False, None
 
     def say(self, text):
         if not self.closed:
@@ -269,6 +269,14 @@ class Console:
                 print(text, flush=True)
             except BrokenPipeError:
                 self.close()
+            except OSError as e:                            # stdout on a full disk, /dev/full: a write error
+                self.failed = icl_files.WriteFailed("stdout", e)
+                self.close()
+
+    def stop_if_closed(self):
+        """Stop the run where it is safe once the console closed: a broken pipe, or stdout's write error."""
+        if self.closed:
+            raise self.failed or BrokenPipeError()
 
     def log(self, msg):
         self.say(f"[{time.perf_counter() - self.start:7.1f} s] {msg}")
@@ -472,8 +480,7 @@ def run(args, names, out):
             out.save("running")
             out.remove(leftovers(out, experiments, names))
             for k, name in enumerate(names, 1):
-                if console.closed:
-                    raise BrokenPipeError
+                console.stop_if_closed()
                 fn, answers = ex.EXPERIMENTS[name]
                 log(f"[{k}/{len(names)}] {name}: {answers}")
                 t0, cpu0 = time.perf_counter(), time.process_time()
@@ -499,8 +506,7 @@ def run(args, names, out):
                     raise Stopped() if signal.SIGTERM in held else KeyboardInterrupt()
                 log(f"[{k}/{len(names)}] {name} done in {seconds:.1f} s ({cpu:.1f} s of CPU); "
                     f"{time.perf_counter() - start:.0f} s so far")
-            if console.closed:                                   # the last lines were not all delivered
-                raise BrokenPipeError
+            console.stop_if_closed()                             # the last lines were not all delivered
         except Exception as e:
             ending = Ending.of(e, term)
             if ending.status == "crashed":
@@ -553,7 +559,7 @@ def summary_text(args, names, out, results, done, ending, plot_note, start):
         summary += ["## Kept from earlier runs", ""] + [
             f"- {n}: {', '.join(experiments[n]['files'])} ({'quick' if experiments[n].get('quick') else 'full'}, "
             f"seed {experiments[n].get('seed')}, run started {experiments[n].get('run_started_utc')})"
-            + (f"; INCOMPLETE: {experiments[n]['why']}" if experiments[n].get("status") != "complete" else "")
+            + (f"; INCOMPLETE: {experiments[n].get('why')}" if experiments[n].get("status") == "incomplete" else "")
             for n in kept] + [""]
     if plot_note:
         summary += ["", plot_note]
