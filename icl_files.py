@@ -651,12 +651,11 @@ class Folder:
         """Write the record: the tool's fields (updated by **fields), the status, the files written
         and those being written, with their SHA-256. Atomic: a new temporary file renamed over the
         record, which must still be the one this run wrote (or the earlier run's it trusted)."""
-        if status is not None:
-            if status not in STATUSES:
-                raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
-            self.status = status
+        if status is not None and status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+        status = self.status if status is None else status
         self.fields.update(fields)
-        record = dict(self.fields, status=self.status, files=dict(sorted(self.owned.items())),
+        record = dict(self.fields, status=status, files=dict(sorted(self.owned.items())),
                       writing=dict(sorted(self.writing.items())))
         data = (json.dumps(record, indent=2) + "\n").encode()
         now = self._lstat(self.record)
@@ -672,7 +671,7 @@ class Folder:
         except OSError as e:
             self._remove_made(self.temp, made)
             raise WriteFailed(self.show(self.record), e) from None
-        self.record_id = made
+        self.record_id, self.status = made, status         # `status`: what the record on disk says
 
     def _unlink_if_absent_ok(self, name):
         try:

@@ -392,6 +392,22 @@ def test_the_record_holds_each_hash_before_its_file_is_written(tmp_path, monkeyp
     assert seen == [True] * 4
 
 
+def test_a_record_that_cannot_be_saved_keeps_saying_what_the_file_says(tmp_path, monkeypatch):
+    # Folder.status is what the record on disk says: a save that fails leaves it, so a message quoting
+    # it is true (round 6: "it says 'write error'" of a record that said "running")
+    out = tmp_path / "v"
+    with folder(out) as f:
+        f.open(overwrite=False, keep_others=None, writes=lambda name: True)
+        f.save("running")
+
+        def full(src, dst):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(f, "_rename", full)
+        with pytest.raises(icl_files.WriteFailed):
+            f.save("write error")
+        assert f.status == "running" == json.loads((out / RECORD).read_text())["status"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Write errors: a message that says what to do, the record says so, no partial file
 # ---------------------------------------------------------------------------------------------
