@@ -57,6 +57,9 @@ def quick_run(out, names):
             assert all(re.fullmatch(ex.ID_PATTERN, i) and i.startswith(table[:-4] + "/") for i in ids), (table, ids)
         checked = [r for r in rows if r["check"]]
         assert all(r["verdict"] == ex.PASS for r in checked), (name, [r["claim"] for r in checked])
+        # every checked row names its tolerance's kind; "k SE" only beside a standard error that is not 0
+        assert all(r["kind"].split(" (")[0] in ex.KINDS for r in checked), (name, [r["id"] for r in checked])
+        assert all(not r["k"] or re.search(r"[1-9]", r["se"]) for r in checked), name
         assert all(r["verdict"] == ex.INFO for r in rows if not r["check"]), name
         assert config["experiments"][name]["tally"]["PASS"] == len(checked)
     return config
@@ -663,15 +666,41 @@ def test_judge_each_check_at_and_past_its_tolerance(check, measured, verdict):
     assert fields["theory"] == 1.0 and fields["measured"] == measured and fields["se"] == 0.25
 
 
+@pytest.mark.parametrize("se,kwargs,kind", [
+    (0.25, {}, "statistical (4 SE)"),
+    (0.25, dict(slack=0.5, criterion="10% of it"), "statistical (4 SE + criterion: 10% of it)"),
+    ([0.0, 0.25], {}, "statistical (4 SE)"),
+    (0.0, dict(slack=1e-12, rounding="float64 sums"), "exact (rounding: float64 sums)"),
+    (None, dict(slack=0.05, criterion="5% of a*"), "criterion (5% of a*)")])
+def test_judge_names_its_tolerance_kind_and_no_k_without_a_standard_error(se, kwargs, kind):
+    fields = ex.judge("two-sided", [1.0, 1.0], [1.0, 1.0], se=0.0 if se is None else se, **kwargs)
+    assert fields["kind"] == kind and fields["kind"].split(" (")[0] in ex.KINDS
+    statistical = kind.startswith("statistical")
+    assert (fields["k"] == ex.K_SE) == statistical and (fields["k"] is None) == (not statistical)
+    assert (fields["se"] is None) == (not statistical)
+    # the printed check: "exact, tolerance 1e-12 (rounding: ...)", never "(4 SE)" of a zero SE
+    text = runner.render(ex.row("x", "x", **fields))[3]
+    assert ("SE" in text) == statistical and text.startswith(f"two-sided; {kind.split(' (')[0]}, tolerance ")
+
+
+def test_a_tolerance_without_its_reason_is_refused():
+    with pytest.raises(ValueError, match="reason"):
+        ex.judge("two-sided", 1.0, 1.0, slack=1e-12)                  # no se: exact or criterion, and why
+    with pytest.raises(ValueError, match="reason"):
+        ex.judge("two-sided", 1.0, 1.0, se=0.1, slack=0.1)            # a slack beside k SE, and why
+    with pytest.raises(ValueError, match="not both"):
+        ex.judge("two-sided", 1.0, 1.0, slack=0.1, rounding="r", criterion="c")
+
+
 def test_judge_tolerance_is_k_se_plus_slack_elementwise():
     fields = ex.judge("two-sided", [1.5, 3.0], [1.0, 1.0], se=[0.125, 0.5], k=4.0, slack=0.0)
     assert fields["verdict"] == ex.PASS and list(fields["tolerance"]) == [0.5, 2.0]
     # one element past its own tolerance fails the row, though it is within the other's
     assert ex.judge("two-sided", [1.5 + 1e-9, 1.0], [1.0, 1.0], se=[0.125, 0.5], k=4.0)["verdict"] == ex.FAIL
-    assert ex.judge("at most (one-sided)", 1.25, 1.0, se=0.0, k=0.0, slack=0.25)["verdict"] == ex.PASS
-    assert ex.judge("at most (one-sided)", 1.25 + 1e-9, 1.0, se=0.0, k=0.0, slack=0.25)["verdict"] == ex.FAIL
+    assert ex.judge("at most (one-sided)", 1.25, 1.0, slack=0.25, criterion="c")["verdict"] == ex.PASS
+    assert ex.judge("at most (one-sided)", 1.25 + 1e-9, 1.0, slack=0.25, criterion="c")["verdict"] == ex.FAIL
     with pytest.raises(ValueError, match="unknown check"):
-        ex.judge("roughly", 1.0, 1.0)
+        ex.judge("roughly", 1.0, 1.0, se=0.1)
 
 
 @pytest.mark.parametrize("runs,verdict", [
@@ -697,9 +726,10 @@ def test_blocked_claims_and_decided_properties():
     assert ex.decide(True, [done()], blocked="none reached")["verdict"] == ex.NO_VERDICT
     assert ex.decide(True, [done()], blocked="none reached")["why"] == "none reached"
     assert ex.decide(True)["verdict"] == ex.PASS and ex.decide(False)["verdict"] == ex.FAIL
-    assert ex.decide(None)["verdict"] == ex.INFO and ex.decide(None)["check"] is None
+    assert ex.decide(None)["verdict"] == ex.INFO and ex.decide(None)["check"] is None and ex.decide(None)["kind"] is None
+    assert ex.decide(True)["kind"] == ex.EXACTLY and ex.EXACTLY.split(" (")[0] in ex.KINDS
     row = ex.full_run_only("c", "c", "too slow")
-    assert row["verdict"] == ex.INFO and row["why"] == "full run only: too slow" and list(row)[:11] == [f for f in ex.FIELDS if f != "experiment"]
+    assert row["verdict"] == ex.INFO and row["why"] == "full run only: too slow" and list(row)[:len(ex.FIELDS) - 1] == [f for f in ex.FIELDS if f != "experiment"]
 
 
 def optimum_model(a_star, Si, scale=1.0, grad_norm=0.0):
