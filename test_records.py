@@ -484,6 +484,10 @@ RUN = "e2b0e7f022b36b99bfc2c57c78d5c47cdcb24527"      # the commit of the full r
 # (both ends to 6.8e-16 where they were 1.2e-13; the balance to 1.2e-11 where it was 9.4e-13)
 CHANGED = {"full-run-time": None, "beyond-time": None, "experiment-times": None,
            "benchmarks": None,                # its notes cite MATH.md §16 where they cited §3.2 (renumbered)
+           # issue 51: these blocks now quote more of their rows (learning rates, the no-pool optima, the 10% criterion)
+           "optimizers": ["406", "27", "0.01", "0.002", "1.01", "2000"],
+           "task-diversity-ridge": ["3.18", "1.29", "0.51", "3.18", "1.17"],
+           "shift-summary": ["4", "11", "6", "2", "2", "6", "-45", "10", "1.444", "0.340", "10"],
            "looped-flow": ["3.19", "3", "2", "2", "1.06", "0.05", "1e-15", "2", "2", "0", "2e-11", "0.05", "1.41",
                            "0.01", "8", "50000", "1.7", "5", "0.6"]}
 
