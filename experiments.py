@@ -698,7 +698,8 @@ def three_layer_blocks(ctx):
         return [row("seed0-footnote4", f"seed 0: B_(L-1) never moves under {lb['nit']} L-BFGS iterations (footnote 4: it does not "
                     "enter the loss)", **decide(not moved, blocked="" if lb["nit"] else "L-BFGS took no step", measured=moved), seed=0, nit=lb["nit"]),
                 full_run_only("trained", "the trained blocks model (Gauss-Newton, 3 seeds) against the exact blocks "
-                              "family optimum: fitted (a_l, b_l), population basin, Gauss-Newton spectrum; f* at n = 10 "
+                              "family optimum: fitted (a_l, b_l) against the batch's own family optimum, population basin, "
+                              "Gauss-Newton spectrum; f* at n = 10 "
                               "and 20 against the notebook's loss", "the blocks family optimum's 24-start search "
                               "(~10 s) and Gauss-Newton at B = 20000")], {"heatmaps": [], "optimum": []}
     a_star, b_star, f_star = family_optimum(L, n, d, blocks=True)

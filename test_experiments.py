@@ -765,6 +765,21 @@ def test_blocks_fitted_scalars_against_the_batch_family_optimum_fail_when_moved_
     assert ex.blocks_batch_rows("s", "s", fitted, influence, stopped, a_star, b_star, 1.0, 0.5, [res])[0]["verdict"] == ex.NO_VERDICT
 
 
+@pytest.mark.slow
+def test_the_full_blocks_experiment_at_a_small_batch_writes_its_batch_family_rows(monkeypatch):
+    # the full (not --quick) path of three-layer-blocks end to end, its batches cut to 1500 prompts (~3 min
+    # on 2 cores): every converged run gets its batch-family row (checked) and its population row (INFO)
+    data = ex.paper_data
+    monkeypatch.setattr(ex, "paper_data", lambda rng, B, n, **kw: data(rng, 1500, n, **kw))
+    rows, _ = ex.three_layer_blocks(ex.Context(rng=np.random.default_rng(0), quick=False, log=lambda *a: None))
+    fits = [r for r in rows if r["id"].endswith("-fit") and r["converged"]]
+    family = [r for r in rows if r["id"].endswith("-batch-family")]
+    population = [r for r in rows if r["id"].endswith("-batch-vs-population")]
+    assert fits and len(family) == len(population) == len(fits)
+    assert all(r["verdict"] in (ex.PASS, ex.FAIL) and r["kind"] == f"statistical ({ex.K_SE:g} SE)" for r in family)
+    assert all(r["verdict"] == ex.INFO and len(r["rel_diff"]) == 5 and r["loss_at_star"] > 0 for r in population)
+
+
 def optimum_model(a_star, Si, scale=1.0, grad_norm=0.0):
     P, Q = ir.sparse_params(scale * np.asarray(a_star)[:, None, None] * Si)
     return dict(P=P, Q=Q, grad_norm=grad_norm, interrupted=False, loss=None)
