@@ -154,6 +154,8 @@ def judge(check, measured, theory, se=0.0, k=K_SE, slack=0.0, rounding="", crite
     m, t = np.asarray(measured, dtype=float), np.asarray(theory, dtype=float)
     statistical = bool(np.any(np.asarray(se, dtype=float) > 0))
     kind = tolerance_kind(statistical, k, slack, rounding, criterion)
+    if statistical and np.any(np.asarray(se, dtype=float) == 0):      # entries computed exactly beside estimated ones
+        kind = kind[:-1] + "; entries with SE 0 are exact: k SE of them is 0)"
     if not statistical:
         se, k = None, None
     tol = (k * np.asarray(se, dtype=float) if statistical else np.zeros(())) + slack

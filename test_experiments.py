@@ -669,7 +669,7 @@ def test_judge_each_check_at_and_past_its_tolerance(check, measured, verdict):
 @pytest.mark.parametrize("se,kwargs,kind", [
     (0.25, {}, "statistical (4 SE)"),
     (0.25, dict(slack=0.5, criterion="10% of it"), "statistical (4 SE + criterion: 10% of it)"),
-    ([0.0, 0.25], {}, "statistical (4 SE)"),
+    ([0.0, 0.25], {}, "statistical (4 SE; entries with SE 0 are exact: k SE of them is 0)"),
     (0.0, dict(slack=1e-12, rounding="float64 sums"), "exact (rounding: float64 sums)"),
     (None, dict(slack=0.05, criterion="5% of a*"), "criterion (5% of a*)")])
 def test_judge_names_its_tolerance_kind_and_no_k_without_a_standard_error(se, kwargs, kind):
