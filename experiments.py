@@ -4,12 +4,16 @@
 
 Every experiment states claims, computes the theory side with icl_ref's closed forms and the
 measured side with icl_ref's trained models, and returns one record per claim: the fields FIELDS
-(id, experiment, claim, theory, measured, se, k, tolerance, check, verdict, converged, why) and
+(id, experiment, claim, theory, measured, se, k, tolerance, check, kind, verdict, converged, why) and
 named extras, all numbers or lists of numbers, and extra tables whose rows carry ids too (keyed).
 A row's id (ID_PATTERN, e.g. "noise/isotropic-var2") is how the documents and tests find it, so a
 claim's words can change freely. Verdicts:
   PASS / FAIL  a checked claim (its `check` says how: two-sided |measured - theory| <= tolerance,
-               or one-sided and named so; tolerance = k se + slack, k printed in the row);
+               or one-sided and named so; tolerance = k se + slack) and its `kind`, which names
+               where the tolerance comes from (KINDS): "statistical (k SE)" when se > 0, k set;
+               "exact (rounding: why)" when the compared numbers are exact up to rounding (se and k
+               empty); "criterion (why)" for a margin this project chose; a slack beside k SE is
+               named after them ("statistical (4 SE + criterion: why)");
   INFO         a finding reported, not checked; also a claim the --quick sizes cannot decide,
                reported once with why = "full run only: ...";
   NO VERDICT   a checked claim or finding whose trained models did not all converge (|grad| >
@@ -48,6 +52,8 @@ GRAD_TOL = 1e-6
 # A trained loss "reached" a reference loss when it is at most this much above it, relative: converged
 # runs of one stationary point agree to ~1e-9 (|grad|^2 / curvature), distinct minima differ by > 1e-4.
 REACHED_RTOL = 1e-6
+# The tolerance of "a converged model's batch loss <= a given model's on the same batch": 1e-9 relative
+OPTIMISATION = "optimisation: 1e-9 relative, a converged run's |grad|^2 / curvature (GRAD_TOL)"
 EXPERIMENTS = {}
 PLOTS = {}                   # experiment name -> its plot function (see `experiment`)
 # Two heads count as "opposite" when the cosine of their acting blocks is below -1/2 (at least 120
@@ -62,13 +68,18 @@ CHECKS = {"two-sided": "|measured - theory| <= tolerance",
           "at most (one-sided)": "measured <= theory + tolerance",
           "above (one-sided)": "measured >= theory + tolerance (a difference resolved by k SE)",
           "holds": "the stated property holds exactly (to rounding)"}
+# Where a checked row's tolerance comes from (the first word of its `kind` field; judge builds it)
+KINDS = {"statistical": "k standard errors of a Monte Carlo or sandwich estimate (k and se set)",
+         "exact": "numbers exact up to rounding: the tolerance is rounding's, with its reason (no se, no k)",
+         "criterion": "a margin this project chose, with its reason (not a sampling error, not rounding)"}
 # A row's id: "experiment/name" for a claim, "experiment_table/name" for a row of an extra table
 ID_PATTERN = r"[a-z0-9_-]+/[A-Za-z0-9][A-Za-z0-9.-]*"
 # The code whose results a run records (config.json: its commit, and whether any of it was edited since)
 SOURCES = ("icl_ref.py", "icl_fast.py", "icl_estimators.py", "icl_looped.py", "experiments.py", "experiments_beyond.py",
            "experiments_cli.py")
 # The fields every row carries, in this order; an experiment adds named extras after them
-FIELDS = ("id", "experiment", "claim", "theory", "measured", "se", "k", "tolerance", "check", "verdict", "converged", "why")
+FIELDS = ("id", "experiment", "claim", "theory", "measured", "se", "k", "tolerance", "check", "kind", "verdict", "converged",
+          "why")
 
 
 def experiment(name, answers, plot=None):
@@ -87,13 +98,13 @@ def converged(res):
     return not res["interrupted"] and res["grad_norm"] <= GRAD_TOL
 
 
-def row(id, claim, verdict, theory=None, measured=None, se=None, k=None, tolerance=None, check=None,
+def row(id, claim, verdict, theory=None, measured=None, se=None, k=None, tolerance=None, check=None, kind=None,
         converged=None, why="", **extras):
     """One claim's result as a record: numbers in fields, no prose beyond the claim and `why`. `id`
     names the row within its experiment (the run prefixes "experiment/"): stable, whatever the claim's
     words, so the documents and tests find a row by it (ID_PATTERN)."""
     return dict(id=id, claim=claim, theory=theory, measured=measured, se=se, k=k, tolerance=tolerance,
-                check=check, verdict=verdict, converged=converged, why=why, **extras)
+                check=check, kind=kind, verdict=verdict, converged=converged, why=why, **extras)
 
 
 def slug(text):
@@ -118,12 +129,36 @@ def unconverged(runs):
             f"(|grad| {max(r['grad_norm'] for r in bad):.1e} > {GRAD_TOL:g})")
 
 
-def judge(check, measured, theory, se=0.0, k=K_SE, slack=0.0, runs=(), blocked=""):
+def tolerance_kind(statistical, k=None, slack=0.0, rounding="", criterion=""):
+    """A checked row's `kind` (KINDS): where its tolerance k se + slack comes from. A slack needs its
+    reason, `rounding` (the compared numbers are exact but for rounding) or `criterion` (a margin this
+    project chose); without standard errors one of them is the whole tolerance (ValueError if none)."""
+    if rounding and criterion:
+        raise ValueError("a tolerance's slack is rounding or a criterion, not both")
+    reason = f"rounding: {rounding}" if rounding else f"criterion: {criterion}" if criterion else ""
+    if statistical:
+        if np.any(np.asarray(slack) != 0) and not reason:
+            raise ValueError("a slack beside k SE needs its reason (rounding= or criterion=)")
+        return f"statistical ({k:g} SE" + (f" + {reason})" if reason else ")")
+    if not reason:
+        raise ValueError("a check without standard errors needs its tolerance's reason (rounding= or criterion=)")
+    return f"exact ({reason})" if rounding else f"criterion ({criterion})"
+
+
+def judge(check, measured, theory, se=0.0, k=K_SE, slack=0.0, rounding="", criterion="", runs=(), blocked=""):
     """The verdict fields of a checked claim: PASS when `measured` meets `theory` by `check` (CHECKS)
     within tolerance = k se + slack, elementwise for arrays, FAIL when not; NO VERDICT when a run the
-    claim reads did not converge or `blocked` gives another reason (the `why` field says which)."""
+    claim reads did not converge or `blocked` gives another reason (the `why` field says which).
+    The row's `kind` (tolerance_kind) says where the tolerance comes from: with no se > 0 the check is
+    exact or a criterion, and the row carries no se and no k (no "k SE" of a zero SE)."""
     m, t = np.asarray(measured, dtype=float), np.asarray(theory, dtype=float)
-    tol = k * np.asarray(se, dtype=float) + slack
+    statistical = bool(np.any(np.asarray(se, dtype=float) > 0))
+    kind = tolerance_kind(statistical, k, slack, rounding, criterion)
+    if statistical and np.any(np.asarray(se, dtype=float) == 0):      # entries computed exactly beside estimated ones
+        kind = kind[:-1] + "; entries with SE 0 are exact: k SE of them is 0)"
+    if not statistical:
+        se, k = None, None
+    tol = (k * np.asarray(se, dtype=float) if statistical else np.zeros(())) + slack
     if check == "two-sided":
         ok = np.all(np.abs(m - t) <= tol)
     elif check == "at least (one-sided)":
@@ -135,15 +170,19 @@ def judge(check, measured, theory, se=0.0, k=K_SE, slack=0.0, runs=(), blocked="
     else:
         raise ValueError(f"unknown check {check!r}")
     return decide(bool(ok), runs, blocked, theory=theory, measured=measured, se=se, k=k,
-                  tolerance=tol if tol.ndim else float(tol), check=check)
+                  tolerance=tol if tol.ndim else float(tol), check=check, kind=kind)
 
 
-def decide(ok, runs=(), blocked="", check="holds", **fields):
+EXACTLY = "exact (no tolerance: a property of exactly computed values, decided as stated)"
+
+
+def decide(ok, runs=(), blocked="", check="holds", kind=EXACTLY, **fields):
     """Verdict fields from a decided property `ok` (True/False; None: a finding, INFO): NO VERDICT
-    when `blocked` names a reason or a run in `runs` did not converge."""
+    when `blocked` names a reason or a run in `runs` did not converge. `kind` (KINDS) says where any
+    tolerance of the check comes from (default: none, an exact property)."""
     why = blocked or unconverged(runs)
     verdict = NO_VERDICT if why else INFO if ok is None else PASS if ok else FAIL
-    return dict(fields, check=None if ok is None else check, verdict=verdict,
+    return dict(fields, check=None if ok is None else check, kind=None if ok is None else kind, verdict=verdict,
                 converged=all(converged(r) for r in runs) if runs else None, why=why)
 
 
@@ -392,7 +431,8 @@ def single_layer(ctx):
         bound = quadratic_excess_bound(loss, G, cov, sds=5.0)
         rows.append(row(f"n{n}-sparse-excess", f"n={n}: trained sparse Gamma's exact excess loss over L* lies in [0, sampling bound]",
                         **decide(0 <= excess <= bound, [res], theory=0.0, measured=excess, tolerance=bound,
-                                 k=5.0, check="0 <= measured <= tolerance (mean + k sd of its chi-square law)"),
+                                 k=5.0, check="0 <= measured <= tolerance (mean + k sd of its chi-square law)",
+                                 kind="statistical (5 sd of the excess's chi-square sampling law)"),
                         n=n, L_star=L_star, grad_norm=res["grad_norm"],
                         dist_to_gamma_star=ir.distance_to_multiple(res["coords"]["A"][0], G)))
         # full (P, Q) has spurious local minima (finding 15): several starts, the verdict from
@@ -418,7 +458,8 @@ def single_layer(ctx):
     ratio = dists[-2] / dists[-1]
     rows.append(row("gamma-star-limit", "dist(Gamma*(n), Sigma^-1), n = 2..10^4, decreases monotonically to 0 like 1/n (exact)",
                     **decide(bool(np.all(np.diff(dists) < 0)) and 5 < ratio < 20, theory=10.0, measured=ratio,
-                             check="monotone and 5 < dist(10^3)/dist(10^4) < 20"),
+                             check="monotone and 5 < dist(10^3)/dist(10^4) < 20",
+                             kind="criterion (5 < ratio < 20: the O(1/n^2) terms allowed a factor 2 either way)"),
                     distances=dists))
     return rows, {}
 
@@ -536,6 +577,98 @@ def three_layer_sparse(ctx):
                   "optimum": keyed([dict(layer=l, a_star=a_star[l]) for l in range(L)], "layer")}
 
 
+def family_coordinates(Si, L):
+    """E (p, 2L-1): the blocks model's coordinates (pack order: A then B, each (L, d, d)) of the family
+    scalars theta = (a (L,), b (L-1,)), A_l = a_l Sigma^-1, B_l = b_l I, B_{L-1} = 0 (it never enters)."""
+    d = len(Si)
+    E = np.zeros((2 * L * d * d, 2 * L - 1))
+    for l in range(L):
+        E[l * d * d:(l + 1) * d * d, l] = Si.ravel()
+    for l in range(L - 1):
+        E[(L + l) * d * d:(L + l + 1) * d * d, L + l] = np.eye(d).ravel()
+    return E
+
+
+def fitted_scalars_projection(Si, L):
+    """(2L-1, p): the rows that take the blocks coordinates to the fitted scalars (a_hat, b_hat[:-1]),
+    <A_l, Sigma^-1>/<Sigma^-1, Sigma^-1> and <B_l, I>/d (ir.fitted_scalar)."""
+    E = family_coordinates(Si, L)
+    return E.T / np.sum(E * E, axis=0)[:, None]
+
+
+def batch_family_optimum(ctx, Z, y, Si, L, start, h=1e-5):
+    """The blocks family's own minimum of this batch's loss: theta = (a (L,), b (L-1,)) minimising the
+    batch loss of A_l = a_l Sigma^-1, B_l = b_l I (Gauss-Newton, scipy's Levenberg-Marquardt, from
+    `start`), and each prompt's influence on it, -H^-1 (2 r_b J_b) (H: the exact Hessian of the batch
+    loss in theta, central differences of the exact gradient with step h), so that the sandwich
+    covariance is cov(influence) / B. Returns dict(theta, loss, grad_norm, influence (B, 2L-1))."""
+    E, B = family_coordinates(Si, L), len(y)
+    d = len(Si)
+    cache = {}
+
+    def rj(theta):
+        key = theta.tobytes()
+        if key not in cache:
+            A = theta[:L, None, None] * Si
+            Bm = np.r_[theta[L:], 0.0][:, None, None] * np.eye(d)
+            r, J = fast.residuals_and_jacobian(*ir.block_params(A, Bm), Z, y, structure="blocks", threads=ctx.threads)
+            cache.clear()
+            cache[key] = r, J @ E
+        return cache[key]
+    fit = scipy.optimize.least_squares(lambda t: rj(t)[0], np.asarray(start, dtype=float), jac=lambda t: rj(t)[1],
+                                       method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15)
+    theta = fit.x
+    r, J = rj(theta)
+    grad = lambda t: 2 * rj(t)[1].T @ rj(t)[0] / B
+    H = np.array([(grad(theta + h * e) - grad(theta - h * e)) / (2 * h) for e in np.eye(len(theta))])
+    H = (H + H.T) / 2
+    return dict(theta=theta, loss=float(np.mean(r ** 2)), grad_norm=float(np.linalg.norm(2 * J.T @ r / B)),
+                influence=-(2 * r[:, None] * J) @ np.linalg.inv(H))
+
+
+def blocks_influence(ctx, res, Z, y, Si, L):
+    """Each prompt's influence on the trained blocks model's fitted scalars (a_hat, b_hat[:-1]):
+    P (-U H_U^-1 U^T (2 r_b J_b)), U and H_U the identifiable coordinates and Hessian (the sandwich
+    covariance's, ir.sandwich_covariance), P the projection onto the scalars. (B, 2L-1)."""
+    curvature = ctx.identifiable_hessian("blocks", res["coords"], Z, y)
+    U, H_U = curvature["basis"], curvature["hessian"]
+    r, J = fast.residuals_and_jacobian(res["P"], res["Q"], Z, y, structure="blocks", threads=ctx.threads)
+    return -(2 * r[:, None] * (J @ U)) @ np.linalg.solve(H_U, U.T @ fitted_scalars_projection(Si, L).T)
+
+
+def blocks_batch_rows(key, label, fitted, fitted_influence, family, a_star, b_star, f_star, loss_at_star, runs,
+                      **extras):
+    """Theorem 4's trained scalars explained (issue 51): two rows for one trained blocks model.
+
+    `-batch-family` (checked): the fitted scalars (a_hat, b_hat[:-1]) equal the batch-optimal family
+    scalars (`family`, batch_family_optimum) within K_SE standard errors of their difference. Both are
+    estimators on the same batch; the SE of the difference is the sandwich one of the joint influence,
+    sd(fitted influence - family influence) / sqrt(B) (the correlation of the two removed). A model
+    that stopped elsewhere (early, or at another stationary point) is off by more.
+    `-batch-vs-population` (INFO): the batch-optimal scalars against the population optimum (a*, b*),
+    relative and in sandwich SEs of the family estimator. Not checked: the per-prompt loss is
+    heavy-tailed (the batch's loss at a*, `loss_at_star`, is an unbiased but typically low estimate of
+    f*), so a batch's sandwich SE understates the spread from batch to batch (MATH.md §10-§11)."""
+    fitted, batch = np.asarray(fitted, dtype=float), np.asarray(family["theta"], dtype=float)
+    B = len(fitted_influence)
+    se_diff = np.std(np.asarray(fitted_influence) - family["influence"], axis=0, ddof=1) / math.sqrt(B)
+    se_family = np.std(family["influence"], axis=0, ddof=1) / math.sqrt(B)
+    star = np.r_[a_star, b_star[:len(a_star) - 1]]
+    # the family fit is a 2L-1 parameter least-squares problem solved to |grad| ~1e-10 (GRAD_TOL bounds it)
+    blocked = "" if family["grad_norm"] <= GRAD_TOL else (
+        f"the batch family optimum did not converge (|grad| {family['grad_norm']:.1e} > {GRAD_TOL:g})")
+    return [row(f"{key}-batch-family", f"{label}: the fitted (a_l, b_l) equal the blocks family's own minimum of this batch's loss "
+                f"(batch-optimal family scalars), within {fmt(K_SE)} SE of their difference (sandwich, joint influence "
+                "on the one batch)", **judge("two-sided", fitted, batch, se_diff, runs=runs, blocked=blocked),
+                a_batch=batch[:len(a_star)], b_batch=batch[len(a_star):], batch_family_loss=family["loss"],
+                family_grad_norm=family["grad_norm"], diff_in_se=(fitted - batch) / se_diff, **extras),
+            row(f"{key}-batch-vs-population", f"{label}: the batch-optimal family scalars against the population optimum (a*, b*) "
+                "(relative difference; in sandwich SEs, which understate the batch-to-batch spread of this heavy-tailed "
+                "loss: the batch's loss at a* against f*)", **info(runs, theory=star, measured=batch, se=se_family),
+                rel_diff=batch / star - 1, diff_in_se=(batch - star) / se_family, loss_at_star=loss_at_star,
+                f_star=f_star, **extras)]
+
+
 def plot_three_layer_blocks(plt, save, rows, tables):
     made = []
     opt = tables["optimum"]
@@ -590,7 +723,8 @@ def three_layer_blocks(ctx):
         return [row("seed0-footnote4", f"seed 0: B_(L-1) never moves under {lb['nit']} L-BFGS iterations (footnote 4: it does not "
                     "enter the loss)", **decide(not moved, blocked="" if lb["nit"] else "L-BFGS took no step", measured=moved), seed=0, nit=lb["nit"]),
                 full_run_only("trained", "the trained blocks model (Gauss-Newton, 3 seeds) against the exact blocks "
-                              "family optimum: fitted (a_l, b_l), population basin, Gauss-Newton spectrum; f* at n = 10 "
+                              "family optimum: fitted (a_l, b_l) against the batch's own family optimum, population basin, "
+                              "Gauss-Newton spectrum; f* at n = 10 "
                               "and 20 against the notebook's loss", "the blocks family optimum's 24-start search "
                               "(~10 s) and Gauss-Newton at B = 20000")], {"heatmaps": [], "optimum": []}
     a_star, b_star, f_star = family_optimum(L, n, d, blocks=True)
@@ -647,6 +781,13 @@ def three_layer_blocks(ctx):
                 # of the Gauss-Newton model, with no other null direction in this structure
                 _, J = fast.residuals_and_jacobian(res["P"], res["Q"], Z, y, structure="blocks", threads=ctx.threads)
                 eig = np.linalg.eigvalsh(2 * J[:, :-d * d].T @ J[:, :-d * d] / B)
+                # the fitted scalars against the batch's own family optimum (issue 51: they sat 12-18% above a*)
+                family = batch_family_optimum(ctx, Z, y, Si, L, np.r_[a_hat, b_hat[:-1]])
+                star_model = ir.block_params(np.asarray(a_star)[:, None, None] * Si,
+                                             np.r_[b_star[:-1], 0.0][:, None, None] * np.eye(d))
+                rows += blocks_batch_rows(f"seed{s}-{slug(name)}", f"seed {s}, {name}", np.r_[a_hat, b_hat[:-1]],
+                                          blocks_influence(ctx, res, Z, y, Si, L), family, a_star, b_star, f_star,
+                                          ir.in_context_loss(*star_model, Z, y), [res], seed=s, trainer=name)
                 rows.append(row(f"seed{s}-{slug(name)}-spectrum", f"seed {s}, {name}: the stationary point's smallest Gauss-Newton eigenvalue (B_2 excluded; "
                                 "> 0 at a strict minimum)", **info([res], measured=eig[0]),
                                 seed=s, trainer=name, eig_min=eig[0], eig_max=eig[-1],
@@ -683,8 +824,8 @@ def two_layer_isotropic(ctx):
         # batch loss is at most the best scalar member's on the same batch (slack 1e-9 relative: the
         # stopping gradient's |grad|^2 / curvature)
         rows.append(row(f"init{k}-loss", f"init {k}: trained batch loss <= the best scalar member's (a*, the exact family optimum) "
-                        "on the same batch", **judge("at most (one-sided)", res["loss"], family, 0.0, k=0.0,
-                                                    slack=1e-9 * family, runs=[res]),
+                        "on the same batch", **judge("at most (one-sided)", res["loss"], family, slack=1e-9 * family, runs=[res],
+                                                    rounding=OPTIMISATION),
                         init=k, loss=res["loss"], a_star=a, f_star=f_star))
         rows.append(row(f"init{k}-shape", f"init {k}: multiples of I, diagonal (commuting, symmetric) or neither? (Theorem 2: a "
                         "diagonal minimiser exists)", **info([res], measured=comm), init=k,
@@ -709,8 +850,8 @@ def optimum_checks(key, label, res, Z, y, Zv, yv, a_star, f_star, Si, **extras):
     return [row(f"{key}-test", f"{label}: trained transformer's test loss does not beat the exact family optimum f*",
                 **judge("at least (one-sided)", mean, f_star, se, runs=[res]), **extras),
             row(f"{key}-batch", f"{label}: trained batch loss <= the exact family optimum model's on the same batch (it reached "
-                "the optimum)", **judge("at most (one-sided)", res["loss"], optimum, 0.0, k=0.0,
-                                        slack=1e-9 * optimum, runs=[res]), **extras)], (mean, se)
+                "the optimum)", **judge("at most (one-sided)", res["loss"], optimum, slack=1e-9 * optimum, runs=[res],
+                                        rounding=OPTIMISATION), **extras)], (mean, se)
 
 
 def baselines(Z_tune, y_tune, Z_test, y_test, L, Si, n, d):
@@ -1248,7 +1389,8 @@ def single_layer_landscape(ctx):
                         "batch one is (measured: its loss; theory: Theorem 1's optimum L*; certified: max |gradient| < 1e-6, "
                         "smallest Hessian eigenvalue > 1e-4, loss > 1.001 L*, and the optimum's descent ends at L* "
                         "within 1e-9 relative)",
-                        **decide(ok, theory=L_star, measured=f_hi, check="certificate (see the claim)"),
+                        **decide(ok, theory=L_star, measured=f_hi, check="certificate (see the claim)",
+                                 kind="criterion (the certificate's margins in the claim, each above its computation's error)"),
                         L_star=L_star, population_spurious=f_hi, population_optimum=f_lo, population_grad_max=g_hi,
                         population_grad_max_optimum=g_lo, population_hessian_min=eig_hi[0],
                         population_hessian_max=eig_hi[-1]))
@@ -1299,7 +1441,8 @@ def multi_head(ctx):
     err = np.max(np.abs(shared - summed)) / np.max(np.abs(summed))
     # rounding: a few additions of O(1) terms, relative error ~1e-16 per operation; 1e-12 leaves 10^4 of room
     rows = [row("shared-P", "heads sharing P: sum of heads = one head (P, Q1 + Q2) (exact: linear in Q; measured: the largest "
-                "relative difference)", **judge("at most (one-sided)", err, 0.0, 0.0, k=0.0, slack=1e-12))]
+                "relative difference)", **judge("at most (one-sided)", err, 0.0, slack=1e-12,
+                                                rounding="a few float64 additions of O(1) terms, 1e4 times their ~1e-16"))]
     P2 = 0.3 * rng.standard_normal((2, d + 1, d + 1))
     general = ir.forward(np.stack([P1, P2], 1), np.stack([Q1, Q2], 1), Z)
     summed = ir.forward((P1 + P2)[:, None], (Q1 + Q2)[:, None], Z)
@@ -1307,7 +1450,8 @@ def multi_head(ctx):
     # the cross terms are O(1) for random heads of scale 0.3: 1e-2 is far above rounding, far below O(1)
     rows.append(row("general-heads", "general heads: sum of heads != one head (P1+P2, Q1+Q2) (bilinear: cross terms "
                     "P1 S Q2 + P2 S Q1; measured: the largest relative difference)",
-                    **judge("above (one-sided)", err, 0.0, 0.0, k=0.0, slack=1e-2)))
+                    **judge("above (one-sided)", err, 0.0, slack=1e-2,
+                             criterion="1e-2: far above rounding, far below the O(1) cross terms")))
     if quick:
         rows.append(full_run_only("trained", "trained 1-head vs 2-head (full P, Q) batch loss, L = 1 and 2 (2 heads contain 1)",
                                   "full (P, Q) with two heads needs ~500 Gauss-Newton evaluations"))

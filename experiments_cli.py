@@ -78,8 +78,11 @@ def render(r):
     check = ""
     if r["check"]:
         check = r["check"]
-        if r["tolerance"] is not None:
-            check += f"; tolerance {ex.fmt(r['tolerance'], 2)}" + (f" ({ex.fmt(r['k'])} SE)" if r["k"] else "")
+        word, _, reason = (r.get("kind") or "").partition(" (")
+        if r["tolerance"] is not None:      # "statistical, tolerance 0.01 (4 SE)", "exact, tolerance 1e-12 (rounding: ...)"
+            check += f"; {word + ', ' if word else ''}tolerance {ex.fmt(r['tolerance'], 2)}" + (f" ({reason}" if reason else "")
+        elif word:                          # a property decided without a tolerance
+            check += f"; {word}" + (f" ({reason}" if reason else "")
     verdict = r["verdict"] + (f": {r['why']}" if r["why"] else "")
     details = "; ".join(f"{k} {ex.fmt(v)}" for k, v in r.items() if k not in ex.FIELDS and v is not None)
     return [r["claim"], ex.fmt(r["theory"]), measured, check, verdict, details]

@@ -535,6 +535,10 @@ CHANGED = {"full-run-time": None, "beyond-time": None, "experiment-times": None,
            # finding 17 rewritten from docs/looped_landscape.json (issue 52): the exact curvatures, not the
            # run's second differences at step 0.3
            "looped-curvature": None,
+           # issue 51: these blocks now quote more of their rows (learning rates, the no-pool optima, the 10% criterion)
+           "optimizers": ["406", "27", "0.01", "0.002", "1.01", "2000"],
+           "task-diversity-ridge": ["3.18", "1.29", "0.51", "3.18", "1.17"],
+           "shift-summary": ["4", "11", "6", "2", "2", "6", "-45", "10", "1.444", "0.340", "10"],
            "looped-flow": ["3.19", "3", "2", "2", "1.06", "0.05", "1e-15", "2", "2", "0", "2e-11", "0.05", "1.41",
                            "0.01", "8", "50000", "1.7", "5", "0.6"]}
 
