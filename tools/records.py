@@ -304,6 +304,8 @@ def attribute(value, name):
         return getattr(value, name)
     if name in METHODS and (isinstance(value, (str, list, tuple, dict, set)) or value in (dict, str)):
         return getattr(value, name)
+    if not hasattr(value, name):                          # a record's null or number where a field was expected
+        raise AttributeError(f"{type(value).__name__} has no field {name}")
     raise Problem(f"a template may not read {name} of a {type(value).__name__}")
 
 
