@@ -1137,7 +1137,13 @@ def _main(argv=None):
     except OSError as e:                               # icl_files.WriteFailed: disk full, ulimit -f, permission
         print(f"{v.prog}: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {len(manifest['cases'])} cases and manifest.json to {args.out}")
+    try:
+        print(f"wrote {len(manifest['cases'])} cases and manifest.json to {args.out}", flush=True)
+    except OSError:                                    # stdout closed (`| true`) or full: the vectors are written
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the flush at exit is quiet
+        except (OSError, ValueError, AttributeError):
+            pass
     return 0
 
 

@@ -909,6 +909,18 @@ def vectors_cli(out, *flags, **kwargs):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120, **kwargs)
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_vectors_written_whole_when_stdout_cannot_take_the_last_line(tmp_path):
+    # `| true` or `> /dev/full`: the vectors are written before the line that says so; no traceback,
+    # status 0 (round 6: a BrokenPipe/OSError traceback and status 1 after writing all 13 files)
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "icl_check", "vectors", "--out", str(tmp_path / "v")], stdout=full,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert json.loads((tmp_path / "v" / "manifest.json").read_text())["cases"]
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_vectors_a_fifo_named_manifest_json_never_blocks(tmp_path, overwrite):
     # a reader would wait forever for a writer to open the FIFO: it is seen (lstat), never opened
