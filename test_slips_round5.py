@@ -1,0 +1,283 @@
+"""Round 5 of the audit by slips (issue 54): tests written from the promises (the tools' docstrings and
+--help, docs/RECORDS.md, README.md, the modules' docstrings, MATH.md) for the single-line slips of
+tools/mutants.py's `r5-` block that the rest of the default suite let pass. Each test names the promise
+it holds the code to; none reads the line it guards. Every tolerance says why it is what it is.
+
+    python3 tools/mutants.py -k r5-          # the round's slips, each against the whole default suite
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import icl_check as ic
+import icl_estimators as est
+import icl_files
+import icl_looped as lp
+import icl_ref as ir
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import docs_figures  # noqa: E402  (tools/ on the path)
+import records  # noqa: E402
+from test_records import docs, edit_csv, full_run, make, repo, run, spoil  # noqa: E402,F401  (the fixtures and helpers)
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/records.py: its exit statuses in every outcome (its docstring), where staleness looks
+# (docs/RECORDS.md), what refresh runs by default and that it writes the blocks
+# ---------------------------------------------------------------------------------------------
+
+def every_block_spoiled(root):
+    """Put a 9 before the text of every generated block of every document under `root`."""
+    for doc in records.DOCS:
+        path = root / doc
+        text = path.read_text()
+        for name in [m.group(1) for m in records.BLOCK.finditer(text)]:
+            text = spoil(text, name)
+        path.write_text(text)
+
+
+@pytest.mark.parametrize("broken", ["docs/dynamics.csv", "docs/benchmarks.json"])
+def test_a_block_that_cannot_be_rendered_is_status_2_whatever_else_differs(docs, capsys, broken):
+    # "2: a block cannot be rendered"; "1: a block differs": a document with both is the worse, 2, in
+    # whichever order the documents put them (a FINDINGS.md block reads dynamics.csv, README.md's and
+    # docs/benchmarks.md's read benchmarks.json; every other block differs)
+    every_block_spoiled(docs)
+    if broken.endswith(".csv"):
+        edit_csv(docs / broken, lambda r: None if r["id"] == "dynamics/inside-end" else r)
+    else:
+        (docs / broken).write_text("{not json")
+    for command in (["render", "--check"], ["check"]):
+        status, out = run(capsys, *command)
+        assert status == 2 and "differs from the records" in out, (command, out[-2000:])
+
+
+def test_a_table_that_repeats_an_id_is_refused_by_name(docs, capsys):
+    # RECORDS.md: a row is found by its id, and "a row id ... missing, rows that disagree" are each named
+    # (exit 2); rows.py's own words: Problem when "the table has no unique ids". A table with one id
+    # twice cannot say which row a block quotes
+    edit_csv(docs / "docs/dynamics.csv", lambda r: dict(r, id="dynamics/inside-end") if r["id"] == "dynamics/outside-end"
+             else r)
+    status, out = run(capsys, "render", "--check")
+    assert status == 2 and "repeats an id" in out
+
+
+def test_a_record_not_known_to_be_made_from_committed_code_is_stale(repo):
+    # RECORDS.md: stale "when it was made with `dirty` not false"; the records made before the
+    # provenance had dirty have `null` (not known)
+    make(dirty=None)
+    assert records.stale("made") == ["not known whether it was made from uncommitted changes"]
+    make(dirty=False)
+    assert records.stale("made") == []
+
+
+def test_a_provenance_whose_outputs_are_not_under_docs_is_malformed(repo):
+    # RECORDS.md: `outputs` are "the files it wrote besides the record (paths from the root, under docs/)";
+    # a provenance whose files are not of the form provenance writes is refused as malformed
+    make(outputs={"m.py": icl_files.sha256(b"x = 1\n")})
+    with pytest.raises(records.Problem, match=r"field\(s\) outputs missing or malformed"):
+        records.stale("made")
+
+
+@pytest.fixture
+def tools_noted(repo, monkeypatch):
+    """The repo fixture with `made` its only record, its tool only noted (git still runs), render counted."""
+    root, git = repo
+    monkeypatch.setattr(records, "TOOLS", {"made": records.TOOLS["made"]})
+    ran, rendered, real = [], [], subprocess.run
+
+    def fake(command, cwd=None, **kwargs):
+        if command[0] == "git":
+            return real(command, cwd=cwd, **kwargs)
+        ran.append(command[1:])
+        return subprocess.CompletedProcess(command, 0)
+    monkeypatch.setattr(subprocess, "run", fake)
+    monkeypatch.setattr(records, "render", lambda check=False: rendered.append(check) or 0)
+    return root, ran, rendered
+
+
+def test_refresh_without_names_runs_the_stale_and_the_unreadable_records_only(tools_noted, capsys):
+    # the docstring: "rerun the tools of the named records (default: the stale ones)", and refresh's:
+    # "(default: the stale ones and those that cannot be read)"; then it renders
+    root, ran, rendered = tools_noted
+    make()
+    assert run(capsys, "refresh") == (0, "") and ran == [] and rendered == [False]   # current: nothing to run
+    (root / "m.py").write_text("x = 2\n")                                            # stale now
+    assert run(capsys, "refresh")[0] == 0 and ran == [["tools/make.py", "--seed", "0"]]
+    (root / "m.py").write_text("x = 1\n")
+    (root / "docs" / "made.json").write_text("{not json")                           # cannot be read
+    assert run(capsys, "refresh")[0] == 0 and ran == [["tools/make.py", "--seed", "0"]] * 2
+    assert rendered == [False] * 3
+
+
+def test_refresh_writes_the_blocks_after_the_tools(docs, capsys, monkeypatch):
+    # "refresh: the tools ran and the blocks were written" (exit 0): with every record current nothing
+    # runs, and a block that differs from the records is rewritten
+    monkeypatch.setattr(records, "stale", lambda name: [])
+    math_md = docs / "MATH.md"
+    text = math_md.read_text()
+    math_md.write_text(spoil(text, "landscape-count"))
+    status, out = run(capsys, "refresh")
+    assert status == 0 and math_md.read_text() == text and "wrote MATH.md" in out
+
+
+def test_refresh_naming_an_unknown_record_runs_nothing(tools_noted, capsys):
+    # "2 ... refresh refused (an unknown record ...: nothing is run)", also beside a record it knows
+    root, ran, rendered = tools_noted
+    make()
+    (root / "m.py").write_text("x = 2\n")                                            # made is stale
+    status, out = run(capsys, "refresh", "made", "no-such")
+    assert status == 2 and "no-such" in out and ran == [] and rendered == []
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/docs_figures.py: a full run now, which runs it copies and what it exits with (its docstring)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def full_run_now(monkeypatch):
+    """docs_figures.main without --from, the experiments' code committed: the full run it starts only
+    noted (its exit status set by the test), copy_from noted."""
+    started, copied, status = [], [], {}
+    monkeypatch.setattr(icl_files, "source_state", lambda files, root=None: dict(commit="a" * 40, dirty=False))
+    monkeypatch.setattr(docs_figures.subprocess, "run", lambda command, **kw: started.append(command) or
+                        subprocess.CompletedProcess(command, status["run"]))
+    monkeypatch.setattr(docs_figures, "copy_from", lambda out: copied.append(out) or 0)
+    return started, copied, status
+
+
+@pytest.mark.parametrize("run_status, copies, exits", [(0, True, 0), (1, True, 0), (70, False, 70), (130, False, 130),
+                                                        (143, False, 143)])
+def test_a_full_run_now_is_copied_when_complete_even_with_a_failed_claim(full_run_now, run_status, copies, exits):
+    # "Exit statuses: 0 copied; ... else a full run's own status when it did not complete (one with a
+    # failed claim, status 1, is copied: the documents quote its verdicts)"
+    started, copied, status = full_run_now
+    status["run"] = run_status
+    assert docs_figures.main([]) == exits
+    assert len(started) == 1 and started[0][1].endswith("experiments.py") and bool(copied) == copies
+
+
+@pytest.mark.parametrize("dirty", [True, None])
+def test_no_full_run_starts_unless_the_experiments_code_is_known_to_be_committed(full_run_now, monkeypatch, capsys, dirty):
+    # a run is copied only when "made from a commit with no uncommitted change to the experiments'
+    # code (dirty false)": where that is not known (no git checkout: dirty None) the 8-15 min run that
+    # could not be copied is not started (status 2, "a run that may not be copied")
+    started, copied, _ = full_run_now
+    monkeypatch.setattr(icl_files, "source_state", lambda files, root=None: dict(commit=None, dirty=dirty))
+    assert docs_figures.main([]) == 2 and started == [] and copied == []
+    assert "commit first" in capsys.readouterr().err
+
+
+def test_a_run_that_drew_no_figures_is_not_copied(full_run, capsys):
+    # README: docs_figures "copies into docs/ the figures and tables the documents show and quote, from
+    # one full run": a run made without matplotlib (its record lists no figure) would leave the figures
+    # of another run beside its tables; nothing is written (status 2)
+    out, run_record = full_run
+    files = {k: v for k, v in run_record["files"].items() if not k.endswith(".png")}
+    for name in run_record["files"]:
+        if name.endswith(".png"):
+            (out / name).unlink()
+    (out / "config.json").write_text(json.dumps(dict(run_record, files=files)))
+    before = {p: p.read_bytes() for p in (out.parent / "docs").iterdir()}
+    assert docs_figures.main(["--from", str(out)]) == 2
+    assert "without figures" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (out.parent / "docs").iterdir()} == before
+
+
+# ---------------------------------------------------------------------------------------------
+# icl_files: the hardened writer's record of what it wrote, and source_state
+# ---------------------------------------------------------------------------------------------
+
+def test_source_state_counts_a_file_not_yet_committed_as_dirty(tmp_path):
+    # source_state: "dirty: whether any of `files` ... differs from that commit (edited, or not committed)"
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True,
+                                    capture_output=True)
+    (tmp_path / "a.py").write_text("a = 1\n")
+    git("init", "-q")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "one")
+    assert icl_files.source_state(["a.py"], str(tmp_path))["dirty"] is False
+    (tmp_path / "new.py").write_text("b = 1\n")                      # never committed, not even added
+    assert icl_files.source_state(["a.py", "new.py"], str(tmp_path))["dirty"] is True
+    git("add", "new.py")                                              # added, not committed
+    assert icl_files.source_state(["new.py"], str(tmp_path))["dirty"] is True
+    git("commit", "-q", "-m", "two")
+    assert icl_files.source_state(["a.py", "new.py"], str(tmp_path)) == dict(
+        commit=git("rev-parse", "HEAD").stdout.decode().strip(), dirty=False)
+    (tmp_path / "a.py").write_text("a = 2\n")                         # edited
+    assert icl_files.source_state(["a.py"], str(tmp_path))["dirty"] is True
+
+
+def open_folder(out):
+    """A Folder of a made-up tool in `out`, opened (new or empty), its record started."""
+    folder = icl_files.Folder(out, "r5 tool", "record.json", ".r5.lock")
+    folder.open(overwrite=False, keep_others=None, writes=lambda name: True)
+    folder.fields = dict(format=icl_files.JOURNAL_FORMAT, tool="r5 tool")
+    folder.save("running")
+    return folder
+
+
+def test_a_written_file_moves_from_writing_to_files_in_the_record(tmp_path):
+    # the module's promise 5: "Before a file is written its name and the hash ... are recorded as
+    # `writing`; once written it moves to `files`"
+    with open_folder(tmp_path / "out") as folder:
+        folder.write({"a.txt": b"one", "b.txt": b"two"})
+        record = json.loads((tmp_path / "out" / "record.json").read_text())
+    assert record["files"] == {"a.txt": icl_files.sha256(b"one"), "b.txt": icl_files.sha256(b"two")}
+    assert record["writing"] == {} and record["status"] == "running"
+
+
+def test_a_record_takes_only_the_documented_statuses(tmp_path):
+    # STATUSES: "a record's statuses: running, complete, interrupted, broken pipe, write error, crashed"
+    with open_folder(tmp_path / "out") as folder:
+        with pytest.raises(ValueError, match="status must be one of"):
+            folder.save("finished")
+        folder.save("complete")
+    assert json.loads((tmp_path / "out" / "record.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.parametrize("error, status", [(KeyboardInterrupt(), "interrupted"), (RuntimeError("bug"), "crashed")])
+def test_a_set_stopped_while_written_says_how_in_its_record(tmp_path, monkeypatch, error, status):
+    # write_file_set: "A failure or interruption is recorded there (write error, interrupted, crashed)
+    # before the exception goes on"
+    real = icl_files.Folder._create
+
+    def create(self, name, data):
+        if name == "b.npz":                                  # the second file: stopped as it is written
+            raise error
+        return real(self, name, data)
+    monkeypatch.setattr(icl_files.Folder, "_create", create)
+    with pytest.raises(type(error)):
+        icl_files.write_file_set(tmp_path / "out", {"a.npz": b"1", "b.npz": b"2", "manifest.json": b"{}"}, tool="r5 tool",
+                                 record=".r5-record.json", lock=".r5.lock", vouchers={}, overwrite=False)
+    record = json.loads((tmp_path / "out" / ".r5-record.json").read_text())
+    assert record["status"] == status and record["files"] == {"a.npz": icl_files.sha256(b"1")}
+
+
+def test_a_lock_whose_holder_cannot_be_asked_about_is_not_taken_over(tmp_path, monkeypatch):
+    # the module: the portable lock of a run killed by SIGKILL is taken over "when its pid names no
+    # running process of this host" and "otherwise refuses"; where the system cannot be asked (_running
+    # None: Windows' signal 0 is not a question) it is not known to name none
+    monkeypatch.setitem(sys.modules, "fcntl", None)          # the portable lock: a file created exclusively
+    monkeypatch.setattr(icl_files, "_running", lambda pid: None)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".r5.lock").write_text(json.dumps(dict(pid=2 ** 22 + 12345, host=__import__("socket").gethostname())))
+    with pytest.raises(icl_files.Refused, match="in use by another"):
+        open_folder(out)
+    assert os.listdir(out) == [".r5.lock"]
+
+
+def test_replacing_a_tracked_file_keeps_its_permissions(tmp_path):
+    # replace_file writes "one of the project's own tracked files" whole; git tracks a file's executable
+    # bit, so a rewritten document or script must keep its mode (else `git status` shows a change)
+    path = tmp_path / "tool.py"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o750)
+    icl_files.replace_file(str(path), b"new")
+    assert path.read_bytes() == b"new" and (os.stat(path).st_mode & 0o777) == 0o750
