@@ -281,3 +281,40 @@ def test_replacing_a_tracked_file_keeps_its_permissions(tmp_path):
     os.chmod(path, 0o750)
     icl_files.replace_file(str(path), b"new")
     assert path.read_bytes() == b"new" and (os.stat(path).st_mode & 0o777) == 0o750
+
+
+# ---------------------------------------------------------------------------------------------
+# icl_estimators: least squares' risk below d, and monte_carlo_risk's standard error recomputed
+# ---------------------------------------------------------------------------------------------
+
+def test_the_interpolants_noise_term_is_the_monte_carlo_risk_on_pure_noise():
+    # ols_population_risk for n < d: "c s (d - n) + noise_var n / (d - n - 1)" (+ noise_var). Labels of
+    # pure noise (w_star ~ N(0, 1e-12 I): the bias term is 5e-12) leave the noise term alone, here 3/4
+    # (+1, the query's): a d - n for d - n - 1 gives 3/5 (0.15 lower). 20000 prompts give a standard error
+    # of ~0.022 (E tr (X X^T)^-2 is finite for d - n > 3); 4 standard errors, the project's k for Monte
+    # Carlo checks, leave the slip ~7 standard errors out
+    n, d, s2 = 3, 8, 1.0
+    risk = est.ols_population_risk(n, np.eye(d), 1e-12 * np.eye(d), noise_var=s2)
+    mc, se = est.monte_carlo_risk(lambda Z: est.ridge_predict(Z, 0.0), np.random.default_rng(5), 20000, n, np.eye(d),
+                                  1e-12 * np.eye(d), noise_var=s2)
+    assert se < 0.03 and abs(mc - risk) <= 4 * se, (mc, se, risk)
+
+
+def test_monte_carlo_risks_standard_error_is_the_samples_std_over_root_batch():
+    # monte_carlo_risk: "E (predict(Z) - y_q)^2 by Monte Carlo ... with its standard error
+    # std / sqrt(batch)" (the sample standard deviation, ddof 1), over every prompt, "called on chunks of
+    # at most 4096 prompts". One task and no noise make y_q = <w, x_q> readable from the Z predict is
+    # handed, so the test recomputes each squared error itself; 6000 prompts span two chunks. The same
+    # numbers summed in another order: 1e-12 relative
+    w = np.array([[0.5, -1.0, 2.0]])
+    seen = []
+
+    def predict(Z):
+        seen.append(Z.copy())
+        return Z[:, 0, -1]                                   # some estimate: the query's first coordinate
+    risk, se = est.monte_carlo_risk(predict, np.random.default_rng(3), 6000, 4, np.eye(3), tasks=w)
+    Z = np.concatenate(seen)
+    errors = (Z[:, 0, -1] - Z[:, :3, -1] @ w[0]) ** 2
+    assert len(Z) == 6000 and max(len(z) for z in seen) <= 4096
+    assert abs(risk - np.mean(errors)) <= 1e-12 * risk
+    assert abs(se - np.std(errors, ddof=1) / math.sqrt(6000)) <= 1e-12 * se
