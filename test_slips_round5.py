@@ -318,3 +318,63 @@ def test_monte_carlo_risks_standard_error_is_the_samples_std_over_root_batch():
     assert len(Z) == 6000 and max(len(z) for z in seen) <= 4096
     assert abs(risk - np.mean(errors)) <= 1e-12 * risk
     assert abs(se - np.std(errors, ddof=1) / math.sqrt(6000)) <= 1e-12 * se
+
+
+# ---------------------------------------------------------------------------------------------
+# icl_looped: the Monte Carlo estimates' standard errors, recomputed from the samples, and the
+# documented corners of the tied optimum and the flow's bound
+# ---------------------------------------------------------------------------------------------
+
+def test_mc_loss_and_its_control_variate_are_recomputed_from_the_samples():
+    # mc_loss: "f(W) by Monte Carlo over S, with its standard error"; with control (W0, f0) "the
+    # least-variance coefficient c = cov / var estimated from the samples" of x = loss(W0) - f0: the
+    # estimate is mean(y - c x), its standard error std(y - c x) / sqrt(B) (sample std, ddof 1; cov and
+    # var both unbiased, so c = sum of products / sum of squares). The same sums in another order: 1e-10
+    rng = np.random.default_rng(11)
+    L, n, d, B = 2, 20, 3, 300
+    S = lp.sample_whitened_covariances(rng, B, n, d)
+    W, W0 = 0.6 * np.eye(d) + 0.05 * rng.standard_normal((d, d)), 0.6 * np.eye(d)
+    y, x = lp.per_sample_loss(W, S, L), lp.per_sample_loss(W0, S, L) - 0.01
+    m, se, c = lp.mc_loss(W, S, L)
+    assert c == 0.0 and abs(m - y.mean()) <= 1e-12 * m
+    assert abs(se - np.std(y, ddof=1) / math.sqrt(B)) <= 1e-10 * se
+    m, se, c = lp.mc_loss(W, S, L, control=(W0, 0.01))
+    c_own = np.sum((y - y.mean()) * (x - x.mean())) / np.sum((x - x.mean()) ** 2)
+    v = y - c_own * x
+    assert abs(c - c_own) <= 1e-10 * abs(c_own)
+    assert abs(m - v.mean()) <= 1e-10 * m and abs(se - np.std(v, ddof=1) / math.sqrt(B)) <= 1e-10 * se
+
+
+def test_mc_certificates_gradient_standard_errors_are_the_samples():
+    # mc_certificate: "the gradient's mean and standard error per entry" (std over the samples, ddof 1,
+    # over sqrt(B)). The certificate sums squares (E g^2 - (E g)^2), which loses ~eps (E g)^2 / var(g) of
+    # the variance to cancellation: ~1e-15 here (W away from a minimum, |mean| ~ std); 1e-8 relative is
+    # far from that and far below the 1 / (2B) = 1.7e-3 of a ddof 0
+    rng = np.random.default_rng(12)
+    L, n, d, B = 2, 20, 3, 300
+    S = lp.sample_whitened_covariances(rng, B, n, d)
+    W = 0.5 * np.eye(d) + 0.1 * rng.standard_normal((d, d))
+    cert = lp.mc_certificate(W, S, L)
+    g = lp.per_sample_gradient(W, S, L)
+    np.testing.assert_allclose(cert["grad_mean"], g.mean(axis=0), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(cert["grad_se"], np.std(g, axis=0, ddof=1) / math.sqrt(B), rtol=1e-8)
+    assert cert["loss_se"] == lp.mc_loss(W, S, L)[1]
+
+
+def test_the_flows_initial_scale_bound_is_zhang_frei_bartletts():
+    # one_layer_gradient_flow: "sigma_bound = sqrt(2 / (sqrt(d) |Gamma*^-1|_2)) with Gamma* =
+    # gamma_star(Sigma, n, Sigma_w)"; one formula evaluated two ways: rounding, 1e-12
+    rng = np.random.default_rng(13)
+    Sigma = ir.rotated_covariance(rng)[0]
+    out = lp.one_layer_gradient_flow(Sigma, 20, 0.1, [0.0])
+    bound = math.sqrt(2 / (math.sqrt(5) * np.linalg.norm(np.linalg.inv(ir.gamma_star(Sigma, 20)), 2)))
+    assert abs(out["sigma_bound"] - bound) <= 1e-12 * bound
+
+
+def test_the_tied_blocks_optimum_of_one_layer_has_no_b():
+    # optimal_tied_family: "b NaN when L = 1 (B_0 never enters)"; a, the loss as for the sparse family
+    # (the same one-layer model): both searches stop where the gradient is ~1e-12, 1e-8 relative
+    a, b, loss = lp.optimal_tied_family(1, 20, 5, blocks=True)
+    a_sparse, b_sparse, loss_sparse = lp.optimal_tied_family(1, 20, 5)
+    assert math.isnan(b) and b_sparse is None
+    assert abs(a - a_sparse) <= 1e-8 * a and abs(loss - loss_sparse) <= 1e-8 * loss
