@@ -5,6 +5,7 @@ it holds the code to; none reads the line it guards. Every tolerance says why it
 
     python3 tools/mutants.py -k r5-          # the round's slips, each against the whole default suite
 """
+import csv
 import json
 import math
 import os
@@ -31,6 +32,11 @@ from test_records import docs, edit_csv, full_run, make, repo, run, spoil  # noq
 # tools/records.py: its exit statuses in every outcome (its docstring), where staleness looks
 # (docs/RECORDS.md), what refresh runs by default and that it writes the blocks
 # ---------------------------------------------------------------------------------------------
+
+def csv_rows(path):
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f))
+
 
 def every_block_spoiled(root):
     """Put a 9 before the text of every generated block of every document under `root`."""
@@ -65,6 +71,30 @@ def test_a_table_that_repeats_an_id_is_refused_by_name(docs, capsys):
              else r)
     status, out = run(capsys, "render", "--check")
     assert status == 2 and "repeats an id" in out
+
+
+@pytest.mark.parametrize("which", [0, 2, -1])
+def test_rows_that_disagree_anywhere_in_a_quoted_set_are_named(docs, capsys, which):
+    # RECORDS.md: `one(rows, field)` is "the one value the rows agree on", and "rows that disagree" are
+    # named (exit 2): whichever row of the set differs (looped-flow quotes one eta of dynamics_descent/*)
+    ids = [r["id"] for r in csv_rows(docs / "docs/dynamics_descent.csv")]
+    assert len(ids) >= 4
+    edit_csv(docs / "docs/dynamics_descent.csv", lambda r: dict(r, eta="0.02") if r["id"] == ids[which] else r)
+    status, out = run(capsys, "render", "--check")
+    assert status == 2 and "disagree on eta" in out and "looped-flow" in out
+
+
+def test_a_block_differing_only_in_its_spacing_is_found_and_rewritten(docs, capsys):
+    # "1: check: ... a block differs; render --check: a block differs": the text between the markers is
+    # the rendered text, spaces included (here two spaces before it: a line that Markdown would then
+    # read as continuing a list or, with more, as code)
+    math_md = docs / "MATH.md"
+    text = math_md.read_text()
+    m = next(m for m in records.BLOCK.finditer(text) if m.group(1) == "landscape-count")
+    math_md.write_text(text[:m.start(4)] + "  " + text[m.start(4):])
+    status, out = run(capsys, "render", "--check")
+    assert status == 1 and "MATH.md block landscape-count: differs" in out
+    assert run(capsys, "render")[0] == 0 and math_md.read_text() == text
 
 
 def test_a_record_not_known_to_be_made_from_committed_code_is_stale(repo):
@@ -187,6 +217,20 @@ def test_a_run_that_drew_no_figures_is_not_copied(full_run, capsys):
     assert docs_figures.main(["--from", str(out)]) == 2
     assert "without figures" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in (out.parent / "docs").iterdir()} == before
+
+
+def test_the_figures_record_says_how_long_the_run_took(full_run, capsys):
+    # RECORDS.md: a provenance's `seconds` is how long the tool ran; the figures' tool is the full run,
+    # whose experiments run one after another: the sum of their wall-clock seconds (timing), which are
+    # exact binary fractions here, so the sum is exact
+    out, run_record = full_run
+    seconds = {name: 0.5 + k for k, name in enumerate(run_record["experiments"])}
+    run_record["experiments"] = {name: dict(seconds=s, cpu_seconds=2 * s) for name, s in seconds.items()}
+    (out / "config.json").write_text(json.dumps(run_record))
+    assert docs_figures.main(["--from", str(out)]) == 0
+    rec = records.load("figures")
+    assert rec.provenance.seconds == round(sum(seconds.values()), 1)
+    assert {n: t.seconds for n, t in rec.timing.experiments.items()} == seconds
 
 
 # ---------------------------------------------------------------------------------------------
