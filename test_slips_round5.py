@@ -422,3 +422,73 @@ def test_the_tied_blocks_optimum_of_one_layer_has_no_b():
     a_sparse, b_sparse, loss_sparse = lp.optimal_tied_family(1, 20, 5)
     assert math.isnan(b) and b_sparse is None
     assert abs(a - a_sparse) <= 1e-8 * a and abs(loss - loss_sparse) <= 1e-8 * loss
+
+
+# ---------------------------------------------------------------------------------------------
+# icl_ref's options at their corners: weight tying, label noise with a task law not the identity,
+# task pools, and a strict caller's floating-point rules
+# ---------------------------------------------------------------------------------------------
+
+def test_tied_parameters_must_have_every_layer_equal_in_p_and_in_q():
+    # residuals_and_jacobian(..., tied=True): "every layer of P, Q equal"; a Q whose layers differ is
+    # refused as a P whose layers differ is (the Jacobian's columns are one layer's)
+    rng = np.random.default_rng(21)
+    Z, y = ir.sample_prompts(rng, 8, 5, np.eye(2))
+    P, Q = np.repeat(0.1 * rng.standard_normal((2, 1, 1, 3, 3)), 2, axis=1)
+    for P_, Q_ in ((P, Q + np.r_[0.0, 0.1][:, None, None, None]), (P + np.r_[0.0, 0.1][:, None, None, None], Q)):
+        with pytest.raises(ValueError, match="every layer equal"):
+            ir.residuals_and_jacobian(P_, Q_, Z, y, structure="full", tied=True)
+    ir.residuals_and_jacobian(P, Q, Z, y, structure="full", tied=True)
+
+
+def own_K(Sigma, Sigma_w, n, noise_var):
+    """gamma_star's docstring: K = ((n+1)/n) Sigma Sigma_w Sigma + ((tr(Sigma_w Sigma) + noise_var)/n) Sigma."""
+    return (n + 1) / n * Sigma @ Sigma_w @ Sigma + (np.trace(Sigma_w @ Sigma) + noise_var) / n * Sigma
+
+
+@pytest.mark.parametrize("w_scale", [4.0, 1e-3])
+def test_label_noise_with_a_task_law_off_the_identity_is_the_documented_optimum_and_loss(w_scale):
+    # gamma_star: Gamma* = K^-1 Sigma Sigma_w with the noise inside K; single_layer_population_loss:
+    # tr(Sigma G^T K G) - 2 tr(Sigma G^T Sigma Sigma_w) + tr(Sigma Sigma_w) + noise_var. Sigma_w a
+    # multiple of an SPD matrix with entries far from 1, so the noise's share of K depends on its scale.
+    # K's condition number is ~10 here: the two evaluations agree to ~1e-14; 1e-11 relative
+    rng = np.random.default_rng(22)
+    n, d, s2 = 10, 3, 0.7
+    Sigma = ir.rotated_covariance(rng, [1.0, 0.5, 0.2])[0]
+    A = rng.standard_normal((d, d))
+    Sigma_w = w_scale * (A @ A.T + d * np.eye(d)) / d
+    K = own_K(Sigma, Sigma_w, n, s2)
+    G = np.linalg.solve(K, Sigma @ Sigma_w)
+    np.testing.assert_allclose(ir.gamma_star(Sigma, n, Sigma_w, noise_var=s2), G, rtol=1e-11, atol=1e-11 * np.max(np.abs(G)))
+    Gamma = G + 0.3 * np.max(np.abs(G)) * rng.standard_normal((d, d))
+    loss = (np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ Sigma @ Sigma_w)
+            + np.trace(Sigma @ Sigma_w) + s2)
+    assert abs(ir.single_layer_population_loss(Gamma, Sigma, n, Sigma_w, noise_var=s2) - loss) <= 1e-11 * loss
+
+
+def test_a_pools_law_is_its_uniform_draw_and_its_second_moment():
+    # sample_prompts: with tasks, "w_star is a uniformly drawn row of the pool"; gamma_star: "Sigma_w is
+    # the pool's second moment" (1/K) sum_k w_k w_k^T, here with K = 5 tasks in d = 3 (K != d). Each of
+    # the 5 rows is drawn ~400 times of 2000 (sd ~18): 5 sd is 90
+    rng = np.random.default_rng(23)
+    tasks = rng.standard_normal((5, 3))
+    _, _, w = ir.sample_prompts(rng, 2000, 4, np.eye(3), tasks=tasks, return_w_star=True)
+    counts = [int(np.sum(np.all(w == t, axis=1))) for t in tasks]
+    assert sum(counts) == 2000 and all(abs(c - 400) <= 90 for c in counts), counts
+    # with label noise (without it Gamma* does not depend on the moment's scale): one formula, two
+    # evaluations, rounding: 1e-12
+    moment = tasks.T @ tasks / 5
+    np.testing.assert_allclose(ir.gamma_star(np.eye(3), 4, tasks=tasks, noise_var=0.3),
+                               ir.gamma_star(np.eye(3), 4, moment, noise_var=0.3), rtol=1e-12)
+
+
+def test_the_query_label_carries_the_noise_the_context_labels_do():
+    # sample_prompts: y_i = <w_star, x_i> + noise_std N(0, 1) for i = 0..n (the last is the query), and y
+    # is "the query's label (noise included)". The residuals' sample std over 4000 prompts is within
+    # ~1.1% (1 / sqrt(2B)) of noise_std; 6% is > 5 of those, and a noiseless query label is 100% off
+    rng = np.random.default_rng(24)
+    Z, y, w = ir.sample_prompts(rng, 4000, 3, np.eye(2), noise_std=0.5, return_w_star=True)
+    query = y - np.einsum("bd,bd->b", Z[:, :2, -1], w)
+    context = Z[:, 2, :-1] - np.einsum("bdi,bd->bi", Z[:, :2, :-1], w)
+    for r in (query, context.ravel()):
+        assert abs(np.std(r) - 0.5) <= 0.06 * 0.5 and abs(np.mean(r)) <= 0.05
