@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -492,3 +493,50 @@ def test_the_query_label_carries_the_noise_the_context_labels_do():
     context = Z[:, 2, :-1] - np.einsum("bdi,bd->bi", Z[:, :2, :-1], w)
     for r in (query, context.ravel()):
         assert abs(np.std(r) - 0.5) <= 0.06 * 0.5 and abs(np.mean(r)) <= 0.05
+
+
+def outcome(call):
+    """What a call gives: ("value", its result as text, the warnings it issued) or ("error", the
+    exception's type and message): a function's whole behaviour, to compare across np.seterr rules."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            result = ("value", repr(call()))
+        except Exception as e:                               # compared, never swallowed: the test asserts on it
+            result = ("error", type(e).__name__, str(e))
+    return result + (sorted({f"{w.category.__name__}: {w.message}" for w in seen}),)
+
+
+STRICT_OVERFLOWS = {
+    # a predictor whose squared errors overflow: the risk's intermediate (y_hat - y)^2 is inf
+    "monte_carlo_risk": lambda: est.monte_carlo_risk(lambda Z: np.full(len(Z), 1e200), np.random.default_rng(0), 8, 3,
+                                                     np.eye(2)),
+    # <M, T> / <T, T> = 2e300 / 2e-600: the quotient overflows
+    "fitted_scalar": lambda: ir.fitted_scalar(1e300 * np.ones((2, 2)), 1e-300 * np.eye(2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRICT_OVERFLOWS))
+@pytest.mark.parametrize("mode", ["raise", "call", "log"])
+def test_a_strict_callers_real_overflow_meets_the_default_rules(name, mode):
+    # README: "The library computes under NumPy's default floating-point rules whatever np.seterr the
+    # caller set"; icl_ref's rules: '"raise" (or "call", "log") made "warn"'. Where an intermediate really
+    # overflows (not only underflows, as in test_icl_ref's strict test), a caller with all=mode gets what
+    # a caller with the default rules gets, the handler it set is never called, and its rules come back
+    call, calls = STRICT_OVERFLOWS[name], []
+    with np.errstate(under="ignore"):                        # the default rules
+        expected = outcome(call)
+    assert "overflow" in str(expected), expected         # the overflow is real
+
+    class Log:
+        def write(self, message):
+            calls.append(message)
+    old_call = np.seterrcall((lambda kind, flag: calls.append(kind)) if mode == "call" else Log())
+    old = np.seterr(all=mode)
+    try:
+        got = outcome(call)
+        assert np.geterr() == dict.fromkeys(("divide", "over", "under", "invalid"), mode)
+    finally:
+        np.seterr(**old)
+        np.seterrcall(old_call)
+    assert got == expected and calls == []
