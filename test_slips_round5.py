@@ -345,6 +345,19 @@ def test_the_interpolants_noise_term_is_the_monte_carlo_risk_on_pure_noise():
     assert se < 0.03 and abs(mc - risk) <= 4 * se, (mc, se, risk)
 
 
+def test_least_squares_risk_is_refused_by_name_exactly_where_it_is_infinite():
+    # ols_population_risk: with noise "n > d + 1" (n >= d) and "n < d - 1" (n < d); "Elsewhere the risk
+    # is infinite (n in d-1..d+1 with noise)": a ValueError naming n, at each of the three
+    d = 6
+    for n in (d - 1, d, d + 1):
+        with pytest.raises(ValueError, match="n must be"):
+            est.ols_population_risk(n, np.eye(d), noise_var=0.5)
+    for n in (d - 2, d + 2):
+        assert math.isfinite(est.ols_population_risk(n, np.eye(d), noise_var=0.5))
+    for n in (d - 1, d, d + 1):                              # without noise every n has a finite risk
+        assert math.isfinite(est.ols_population_risk(n, np.eye(d)))
+
+
 def test_monte_carlo_risks_standard_error_is_the_samples_std_over_root_batch():
     # monte_carlo_risk: "E (predict(Z) - y_q)^2 by Monte Carlo ... with its standard error
     # std / sqrt(batch)" (the sample standard deviation, ddof 1), over every prompt, "called on chunks of
