@@ -439,6 +439,23 @@ def test_the_tied_blocks_optimum_of_one_layer_has_no_b():
 
 
 # ---------------------------------------------------------------------------------------------
+# icl_check: what counts as a number in another implementation's outputs
+# ---------------------------------------------------------------------------------------------
+
+def test_booleans_are_not_numbers_to_the_conformance_kit():
+    # README: an output "that is not a real array (None, a string, complex, objects) ... is a
+    # TypeError/ValueError naming the case and the output"; diagnose: one "not real numbers" is named as
+    # malformed before any comparison (icl_ref itself refuses boolean arrays as input: "a real integer or
+    # float array"). A y_hat of booleans (a comparison returned by mistake) is not compared as 0s and 1s
+    case = ic.reference_cases()[0]
+    flags = np.ones(case["Z"].shape[0], dtype=bool)
+    with pytest.raises(TypeError, match=r"'y_hat' for case '" + case["name"] + "'.*bool"):
+        ic.check_implementation(lambda inputs: {"y_hat": flags.copy()}, cases=case["name"], outputs="y_hat")
+    _, found = ic.diagnose({case["name"]: {"y_hat": flags}})
+    assert found[case["name"]]["y_hat"].startswith("malformed: not a numeric array")
+
+
+# ---------------------------------------------------------------------------------------------
 # icl_ref's options at their corners: weight tying, label noise with a task law not the identity,
 # task pools, and a strict caller's floating-point rules
 # ---------------------------------------------------------------------------------------------
