@@ -9,6 +9,7 @@ import csv
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import warnings
@@ -307,12 +308,12 @@ def test_a_set_stopped_while_written_says_how_in_its_record(tmp_path, monkeypatc
 def test_a_lock_whose_holder_cannot_be_asked_about_is_not_taken_over(tmp_path, monkeypatch):
     # the module: the portable lock of a run killed by SIGKILL is taken over "when its pid names no
     # running process of this host" and "otherwise refuses"; where the system cannot be asked (_running
-    # None: Windows' signal 0 is not a question) it is not known to name none
+    # None: Windows' signal 0 is not a question) it is not known to name none (the pid is then never asked)
     monkeypatch.setitem(sys.modules, "fcntl", None)          # the portable lock: a file created exclusively
     monkeypatch.setattr(icl_files, "_running", lambda pid: None)
     out = tmp_path / "out"
     out.mkdir()
-    (out / ".r5.lock").write_text(json.dumps(dict(pid=2 ** 22 + 12345, host=__import__("socket").gethostname())))
+    (out / ".r5.lock").write_text(json.dumps(dict(pid=2 ** 22 + 12345, host=socket.gethostname())))
     with pytest.raises(icl_files.Refused, match="in use by another"):
         open_folder(out)
     assert os.listdir(out) == [".r5.lock"]
