@@ -154,22 +154,22 @@ def table_loss_and_grad(repeats):
         for d in DS:
             P, Q, Z, y = problem(d, B=batch)
             ref = ir.loss_and_grad(P, Q, Z, y)
-            runs = [lambda: ir.loss_and_grad(P, Q, Z, y), lambda: fast.loss_and_grad(P, Q, Z, y)]
             diffs = [np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(fast.loss_and_grad(P, Q, Z, y)[1:], ref[1:])]
-            if d in PEER_DS:
+            t_ref, t_fast = interleaved_medians([lambda: ir.loss_and_grad(P, Q, Z, y),
+                                                 lambda: fast.loss_and_grad(P, Q, Z, y)], repeats, budget=BUDGET_S)
+            t_peers = [None] * len(peers)
+            if d in PEER_DS:            # after icl_ref and icl_fast: the peers' threads keep spinning after a call
+                t_peers = interleaved_medians([lambda f=f: f(P, Q, Z, y) for _, f in peers], repeats, budget=BUDGET_S)
                 for _, f in peers:
-                    runs.append(lambda f=f: f(P, Q, Z, y))
                     diffs += [np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(f(P, Q, Z, y)[1:], ref[1:])]
-            times = interleaved_medians(runs, repeats, budget=BUDGET_S)
-            t_ref, t_fast, t_peers = times[0], times[1], times[2:] or [None] * len(peers)
             show = lambda t, digits=4: "-" if t is None else f"{t:.{digits}f}"
             rows.append([batch, d, show(t_ref), show(t_fast)] + [show(t) for t in t_peers] + [f"{t_fast / t_ref:.2f}"]
                         + [show(t and t_ref / t, 2) for t in t_peers] + [show(t and t_fast / t, 2) for t in t_peers]
                         + [f"{max(diffs):.1e}"])
             print(" ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
-    note = ("n = 20, L = 3, one head, P, Q ~ 0.1 N(0, 1); icl_fast on every core; the implementations timed in "
-            "turn within each round, one warm-up call each, then the median of {} rounds ({} once the "
-            "first round shows that {} would take over {:.0f} s). Peers, at d = {}: {}. The gradient "
+    note = ("n = 20, L = 3, one head, P, Q ~ 0.1 N(0, 1); icl_fast on every core; icl_ref and icl_fast timed in "
+            "turn within each round, then the peers likewise, one warm-up call each, then the median of {} rounds "
+            "({} once the first round shows that {} would take over {:.0f} s). Peers, at d = {}: {}. The gradient "
             "difference is the largest max|a - b| / max|b| of any implementation against icl_ref.").format(
                 repeats, min(3, repeats), repeats, BUDGET_S, ", ".join(map(str, PEER_DS)),
                 ", ".join(name for name, _ in peers) or "none importable")
