@@ -12,8 +12,10 @@ therefore accepts on the caller's behalf:
 
 - the lanes formulation (MATH.md §16) for the linear layer at small D: a chunk of b prompts held
   as (D, D, b), so each prompt's small products are vector operations across the prompts, and the
-  layer's kernel acts on S's D(D+1)/2 distinct entries; at larger D, icl_ref's own methods on the
-  chunks;
+  layer's kernel acts on S's D(D+1)/2 distinct entries; at larger D, icl_ref's public layers
+  (layer_forward, readout_forward and their adjoints) on chunks of 2^17 / D^2 prompts, each chunk in
+  one pass (icl_ref's own evaluations would cut them into its chunks of 2^18 / D^3, a few prompts
+  each, and two workers would spend their time taking turns in the interpreter);
 - worker threads, one per core by default, kept between calls and bound one to a core (Linux) when
   there is one per core; `shutdown()` ends them;
 - BLAS limited to one thread while an icl_fast call runs (the workers' own products would otherwise
@@ -48,11 +50,11 @@ import icl_ref as ir
 __version__ = "0.4.0"
 
 # The largest D = d + 1 at which the loss, and apart from it the Jacobian, take the lanes
-# formulation; above it icl_ref's batch-first layers run on the workers, as their D^3 BLAS products
-# beat D^3 vector loops there. Near the crossing either costs about the same, and where it lies
-# moves a little between machines (docs/benchmarks.md records both); either choice gives the same
-# numbers.
-LANES_MAX_D = 17
+# formulation; above it icl_ref's batch-first layers run on the workers (batch_first_chunk), as their
+# D^3 BLAS products beat D^3 vector loops there. Near the crossing either costs about the same, and
+# where it lies moves a little between machines (docs/benchmarks.md records both); either choice
+# gives the same numbers.
+LANES_MAX_D = 11
 LANES_MAX_D_JACOBIAN = 7
 
 # The smallest evaluation, in multiply-adds B L H D^3 of the layers' products, that the workers
@@ -61,6 +63,10 @@ LANES_MAX_D_JACOBIAN = 7
 # cost that exceeds what they save there (docs/benchmarks.md records both sides).
 PARALLEL_MIN_WORK = 2 ** 21
 PARALLEL_MIN_WORK_JACOBIAN = 2 ** 19
+
+# The batch-first layers' chunks on the workers: max(1, BATCH_FIRST_CHUNK // D^2) prompts each
+# (_batch_first_bounds).
+BATCH_FIRST_CHUNK = 2 ** 17
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,9 +447,55 @@ def lanes_jacobian_gram(P, Q, S0, q0, y, n, threads=1):
 # ---------------------------------------------------------------------------------------------
 
 def _batch_first_bounds(B, D):
-    """The chunks of 2^15 / D^2 prompts in which the workers run icl_ref's batch-first methods: each
-    chunk's (b, D, D) stacks in cache."""
-    return _bounds(B, max(1, 2 ** 15 // D ** 2))
+    """The chunks in which the workers run icl_ref's batch-first layers: a multiple of 4 equal
+    chunks of at most max(1, 2^17 / D^2) prompts each (BATCH_FIRST_CHUNK; each chunk's (b, D, D)
+    stacks about 1 MB). That is at least the reference's own 2^18 / D^3 wherever they run
+    (D > LANES_MAX_D), so each of the layers' products, one Python call, covers many prompts and the
+    interpreter time that the workers take in turn (the GIL) stays small beside the products; equal
+    chunks keep 2 or 4 workers equally busy. They depend on B and D only, never on the worker count."""
+    count = 4 * -(-B // (4 * max(1, BATCH_FIRST_CHUNK // D ** 2)))
+    return _bounds(B, -(-B // count))
+
+
+def batch_first_chunk(P, Q, S0, q0, y, n, start, stop, batch=None):
+    """The prompts start:stop of the Gram form through icl_ref's public layers in one pass:
+    layer_forward through the first L - 1 layers and readout_forward in the last, then back through
+    readout_backward and layer_backward. With `batch`, the whole batch's size B: the reverse pass
+    seeded with 2 r / B and summed over the chunk's prompts, returning the chunk's part
+    (sum r^2 / B, dP, dQ) of (loss, dP, dQ). With batch None: each prompt's own reverse pass seeded
+    with 1, returning (r (b,), JP, JQ (b, L, H, D, D)), the chunk's rows of the Jacobian.
+    MATH.md §3, §3.1, §16."""
+    S, q, caches = S0[start:stop], q0[start:stop], []
+    for P_l, Q_l in zip(P[:-1], Q[:-1]):
+        S, q, _, cache = ir.layer_forward(P_l, Q_l, S, q, n)
+        caches.append(cache)
+    out, cache = ir.readout_forward(P[-1], Q[-1], S, q, n)
+    r, per_prompt = out + y[start:stop], batch is None              # r = Z_L[d, n] + y = y - y_hat
+    dS, dq, dP_l, dQ_l = ir.readout_backward(np.ones_like(r) if per_prompt else 2.0 * r / batch, cache, per_prompt)
+    dP, dQ = [dP_l], [dQ_l]
+    for l in reversed(range(len(caches))):
+        dS, dq, dP_l, dQ_l = ir.layer_backward(dS, dq, caches[l], need_dS=l > 0, per_prompt=per_prompt)
+        dP.insert(0, dP_l)
+        dQ.insert(0, dQ_l)
+    axis = 1 if per_prompt else 0
+    return r if per_prompt else float(r @ r) / batch, np.stack(dP, axis), np.stack(dQ, axis)
+
+
+def batch_first_loss_and_grad_gram(P, Q, S0, q0, y, n, threads=1):
+    """REFERENCE.loss_and_grad_gram through batch_first_chunk on `threads` workers: (loss, dP, dQ),
+    each chunk's reverse pass seeded with 2 r / B (the whole batch's B) and the chunks' parts added
+    in chunk order. MATH.md §3, §16."""
+    B = y.shape[0]
+    parts = _map(lambda a, b: batch_first_chunk(P, Q, S0, q0, y, n, a, b, batch=B),
+                 _batch_first_bounds(B, P.shape[-1]), threads)
+    return tuple(sum(part[i] for part in parts) for i in range(3))
+
+
+def batch_first_jacobian_gram(P, Q, S0, q0, y, n, threads=1):
+    """REFERENCE.jacobian_gram through batch_first_chunk on `threads` workers: r (B,), JP, JQ
+    (B, L, H, D, D), the chunks' rows stacked in order. MATH.md §3.1, §16."""
+    return _concatenated(_map(lambda a, b: batch_first_chunk(P, Q, S0, q0, y, n, a, b),
+                              _batch_first_bounds(y.shape[0], P.shape[-1]), threads))
 
 
 class _Engine:
@@ -452,35 +504,31 @@ class _Engine:
     def __init__(self, threads):
         self.threads = _thread_count(threads)
 
-    def _gram_form(self, args, lanes, reference, combine, max_D, min_work):
+    def _gram_form(self, args, lanes, batch_first, max_D, min_work):
         """An evaluation of the Gram form args = (P, Q, S0, q0, y, n) of B prompts: lanes(*args,
-        threads=...) for D <= max_D, else `reference` on the chunks, combine(parts, bounds, B); on the
-        calling thread alone when its B L H D^3 multiply-adds are below min_work."""
-        P, Q, S0, q0, y, n = args
+        threads=...) for D <= max_D, else batch_first(*args, threads=...); on the calling thread alone
+        when its B L H D^3 multiply-adds are below min_work."""
+        P, y = args[0], args[4]
         (L, H, D), B = P.shape[:3], y.shape[0]
         threads = 1 if B * L * H * D ** 3 < min_work else self.threads
-        if D <= max_D:
-            return lanes(*args, threads=threads)
-        bounds = _batch_first_bounds(B, D)
-        return combine(_map(lambda a, b: reference(P, Q, S0[a:b], q0[a:b], y[a:b], n), bounds, threads), bounds, B)
+        return (lanes if D <= max_D else batch_first)(*args, threads=threads)
 
     def gram(self, Z):
-        """S_0 = Z M Z^T (B, D, D): REFERENCE.gram on the chunks."""
-        bounds = _batch_first_bounds(*Z.shape[:2])
+        """S_0 = Z M Z^T (B, D, D): REFERENCE.gram on chunks of 2^15 / D^2 prompts (each chunk's
+        (b, D, D) in cache; one product per chunk)."""
+        bounds = _bounds(Z.shape[0], max(1, 2 ** 15 // Z.shape[1] ** 2))
         return np.concatenate(_map(lambda a, b: ir.REFERENCE.gram(Z[a:b]), bounds, self.threads))
 
     def loss_and_grad_gram(self, P, Q, S0, q0, y, n):
-        """(loss, dP, dQ): lanes for D <= LANES_MAX_D, else REFERENCE.loss_and_grad_gram on the chunks,
-        their means weighted by their shares of the batch."""
-        return self._gram_form((P, Q, S0, q0, y, n), lanes_loss_and_grad_gram, ir.REFERENCE.loss_and_grad_gram,
-                               _mean_of_chunks, LANES_MAX_D, PARALLEL_MIN_WORK)
+        """(loss, dP, dQ): lanes for D <= LANES_MAX_D, else icl_ref's batch-first layers on the chunks."""
+        return self._gram_form((P, Q, S0, q0, y, n), lanes_loss_and_grad_gram, batch_first_loss_and_grad_gram,
+                               LANES_MAX_D, PARALLEL_MIN_WORK)
 
     def jacobian_gram(self, P, Q, S0, q0, y, n):
-        """(r, JP, JQ): lanes for D <= LANES_MAX_D_JACOBIAN, else REFERENCE.jacobian_gram on the chunks,
-        stacked."""
-        return self._gram_form((P, Q, S0, q0, y, n), lanes_jacobian_gram, ir.REFERENCE.jacobian_gram,
-                               lambda parts, bounds, B: _concatenated(parts), LANES_MAX_D_JACOBIAN,
-                               PARALLEL_MIN_WORK_JACOBIAN)
+        """(r, JP, JQ): lanes for D <= LANES_MAX_D_JACOBIAN, else icl_ref's batch-first layers on the
+        chunks."""
+        return self._gram_form((P, Q, S0, q0, y, n), lanes_jacobian_gram, batch_first_jacobian_gram,
+                               LANES_MAX_D_JACOBIAN, PARALLEL_MIN_WORK_JACOBIAN)
 
     def activation_pass(self, P, Q, Z, y, activation, jacobian=False):
         """REFERENCE.activation_pass on chunks of 2^15 / (n+1)^2 prompts (their (b, n+1, n+1) score

@@ -129,16 +129,16 @@ def test_engine_has_the_methods_of_REFERENCE():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("H", [1, 2])
-@pytest.mark.parametrize("d", [1, 2, 5, 9, pytest.param(12, marks=pytest.mark.slow), 20])
+@pytest.mark.parametrize("d", [1, 2, 5, 9, 10, 11, pytest.param(12, marks=pytest.mark.slow), 20, 30])
 def test_engine_equals_the_reference(d, H):
-    # through icl_ref's public functions: lanes below the thresholds, REFERENCE's methods on the
-    # chunks above; B = 700 makes several chunks in either
+    # through icl_ref's public functions: lanes below the thresholds, icl_ref's layers on the chunks
+    # above (d = 10, 11 on either side of LANES_MAX_D = 11); B = 700 makes several chunks in either
     P, Q, Z, y = problem(100 + d + H, 700, d, H=H)
     n = Z.shape[2] - 1
     S0, q0 = gram_form(Z)
     assert_all_close(fast.loss_and_grad(P, Q, Z, y), ir.loss_and_grad(P, Q, Z, y))
     assert_all_close(fast.loss_and_grad_gram(P, Q, S0, q0, y, n), ir.loss_and_grad_gram(P, Q, S0, q0, y, n))
-    k = 60 if d == 20 else 700                   # the Jacobian at d = 20 has 3528 columns per row
+    k = 60 if d >= 20 else 700                   # the Jacobian at d = 20 has 3528 columns per row
     assert_all_close(fast.residuals_and_jacobian(P, Q, Z[:k], y[:k]), ir.residuals_and_jacobian(P, Q, Z[:k], y[:k]))
     assert_all_close(fast.residuals_and_jacobian_gram(P, Q, S0[:k], q0[:k], y[:k], n),
                      ir.residuals_and_jacobian_gram(P, Q, S0[:k], q0[:k], y[:k], n))
@@ -160,7 +160,7 @@ def test_engine_methods_equal_REFERENCEs_on_the_same_inputs():
     # each of the five methods on two workers against REFERENCE's on the same inputs: sums over
     # chunks weighted by their shares (EXACT), concatenations
     mine, ref = fast.engine(2), ir.REFERENCE
-    P, Q, Z, y = problem(3, 400, 19, n=4)                  # D = 20: REFERENCE's methods on 5 chunks
+    P, Q, Z, y = problem(3, 400, 19, n=4)                  # D = 20: icl_ref's layers on 4 chunks
     assert_close(mine.gram(Z), ref.gram(Z))
     args = (P, Q, *gram_form(Z), y, 4)
     assert_all_close(mine.loss_and_grad_gram(*args), ref.loss_and_grad_gram(*args))
@@ -171,6 +171,68 @@ def test_engine_methods_equal_REFERENCEs_on_the_same_inputs():
             assert_all_close(mine.activation_pass(P, Q, Z, y, activation, jacobian),
                              ref.activation_pass(P, Q, Z, y, activation, jacobian))
 
+
+
+@pytest.mark.parametrize("L,H", [(1, 1), (2, 2), (3, 1)])
+@pytest.mark.parametrize("chunk,count", [(1, 150), (3000, 12), (fast.BATCH_FIRST_CHUNK, 4)])
+def test_batch_first_equals_REFERENCE_on_the_same_inputs(L, H, chunk, count, monkeypatch):
+    # icl_ref's layers on the engine's chunks (batch_first_chunk: the readout alone at L = 1) against
+    # REFERENCE's methods on the same Gram form, on one thread and on two, at the engine's chunk
+    # size (4 chunks of 38 or fewer prompts at D = 13, B = 150) and at smaller ones: one prompt per
+    # chunk (150 chunks) and at most 3000 / D^2 = 17 prompts (12 chunks of 13, the last of 7). The
+    # chunks only reorder the sums over prompts: the sums agree within EXACT, and the rows too
+    monkeypatch.setattr(fast, "BATCH_FIRST_CHUNK", chunk)
+    P, Q, Z, y = problem(140 + L + H, 150, 12, L=L, H=H, scale=0.2)
+    args = (P, Q, *gram_form(Z), y, Z.shape[2] - 1)
+    assert len(fast._batch_first_bounds(150, 13)) == count
+    for threads in (1, 2):
+        assert_all_close(fast.batch_first_loss_and_grad_gram(*args, threads=threads),
+                         ir.REFERENCE.loss_and_grad_gram(*args))
+        assert_all_close(fast.batch_first_jacobian_gram(*args, threads=threads), ir.REFERENCE.jacobian_gram(*args))
+
+
+def test_batch_first_runs_icl_refs_layers_on_whole_chunks():
+    # above LANES_MAX_D the engine hands each of its chunks to icl_ref's layers in one pass: every
+    # layer_forward sees a whole chunk (at D = 21, B = 2000: 8 chunks of 250 prompts, where the
+    # reference's own chunks hold 2^18 / 21^3 = 28), not REFERENCE's re-chunked pieces
+    P, Q, Z, y = problem(150, 2000, 20, L=3, scale=0.1)
+    args = (P, Q, *gram_form(Z), y, Z.shape[2] - 1)
+    sizes, original = [], ir.layer_forward
+
+    def spy(P_l, Q_l, S, q, n):
+        sizes.append(len(S))
+        return original(P_l, Q_l, S, q, n)
+    for method in ("loss_and_grad_gram", "jacobian_gram"):
+        sizes.clear()
+        with mock.patch.object(ir, "layer_forward", spy):
+            getattr(fast.engine(2), method)(*args)
+        assert sorted(sizes) == [250] * 16, (method, sizes)      # 8 chunks x 2 layers before the readout
+
+
+def test_batch_first_chunks_are_equal_a_multiple_of_four_and_at_least_the_references():
+    for B, D in ((20000, 21), (2000, 13), (7, 41), (1, 13), (20001, 64), (150, 13)):
+        bounds = fast._batch_first_bounds(B, D)
+        sizes = [b - a for a, b in bounds]
+        assert bounds[0][0] == 0 and bounds[-1][1] == B
+        assert all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
+        assert len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0] <= max(1, fast.BATCH_FIRST_CHUNK // D ** 2)
+        assert B < 4 or len(bounds) % 4 == 0 or sizes[-1] < sizes[0]
+    # wherever the batch-first layers run, a chunk holds at least the reference's own chunk of
+    # 2^18 / D^3 prompts (fewer, larger products: less interpreter time per prompt)
+    for D in range(fast.LANES_MAX_D + 1, 200):
+        B = 40 * max(1, 2 ** 18 // D ** 3)
+        assert fast._batch_first_bounds(B, D)[0][1] >= ir._chunks(B, D)[0][1], D
+
+
+def test_batch_first_results_are_the_same_in_every_run():
+    # the chunks' parts are added in chunk order, whichever worker finishes first: bit-identical
+    # results in repeated runs on two workers and on one
+    P, Q, Z, y = problem(151, 1200, 13, H=2, scale=0.2)
+    args = (P, Q, *gram_form(Z), y, Z.shape[2] - 1)
+    for method in ("loss_and_grad_gram", "jacobian_gram"):
+        first = getattr(fast.engine(1), method)(*args)
+        for _ in range(4):
+            assert_identical(getattr(fast.engine(2), method)(*args), first)
 
 @pytest.mark.parametrize("engine", [fast.engine(), ir.REFERENCE], ids=["icl_fast", "icl_ref"])
 def test_reduced_least_squares_keeps_the_normal_equations_and_the_residual_norm(engine):
@@ -221,7 +283,7 @@ def test_small_evaluations_run_on_the_calling_thread():
 def test_thread_count_does_not_change_results():
     # chunks depend on B and D only and are combined in chunk order: bit-identical results; the
     # sizes reach PARALLEL_MIN_WORK and PARALLEL_MIN_WORK_JACOBIAN, so that the workers share them
-    for d, B, k in ((3, 9000, 2100), (16, 900, 300)):         # lanes; REFERENCE's methods on chunks
+    for d, B, k in ((3, 9000, 2100), (16, 900, 300)):         # lanes; icl_ref's layers on chunks
         P, Q, Z, y = problem(114 + d, B, d, H=2)
         runs = [fast.loss_and_grad(P, Q, Z, y, threads=t) for t in (1, 2, 3)]
         jac = [fast.residuals_and_jacobian(P, Q, Z[:k], y[:k], threads=t) for t in (1, 2)]

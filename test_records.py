@@ -539,6 +539,7 @@ CHANGED = {"full-run-time": None, "beyond-time": None, "experiment-times": None,
            "optimizers": ["406", "27", "0.01", "0.002", "1.01", "2000"],
            "task-diversity-ridge": ["3.18", "1.29", "0.51", "3.18", "1.17"],
            "shift-summary": ["4", "11", "6", "2", "2", "6", "-45", "10", "1.444", "0.340", "10"],
+           "speed-range": None, "speed": None,   # README's speed figures, from the benchmarks run for issue 53
            "looped-flow": ["3.19", "3", "2", "2", "1.06", "0.05", "1e-15", "2", "2", "0", "2e-11", "0.05", "1.41",
                            "0.01", "8", "50000", "1.7", "5", "0.6"]}
 

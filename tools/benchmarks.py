@@ -8,15 +8,15 @@ from it by `python3 tools/records.py render`, which this script runs when it wri
 Exit status: 0 written (and rendered), 2 bad arguments or the record's file refused (a symbolic link).
 
 Run it as a user runs the library: a plain `python3` process, no environment variables, an
-otherwise idle machine. It takes about 10 minutes on 2 cores. torch and jax are optional
+otherwise idle machine. It takes about 20 minutes on 2 cores. torch and jax are optional
 measurement tools (`pip install torch==2.13.0 jax jaxlib`): when importable, the first table also
 times a PyTorch and a JAX implementation of the same loss and gradient written here in the layer's
 Gram form (MATH.md §2; autodiff), the fastest form a user of those libraries would write.
 
 Tables:
-1. loss_and_grad at the paper's size, d = 1 .. 20: icl_ref, icl_fast (every core and one thread),
-   and the peers, with the largest relative gradient difference from icl_ref.
-2. icl_fast's formulation choice: lanes against the reference's chunks on the workers, for the loss
+1. loss_and_grad at n = 20, L = 3, d = 1 .. 40, B = 2000 and 20000: icl_ref, icl_fast (every core)
+   and, at a few d, the peers, with the largest relative gradient difference from icl_ref.
+2. icl_fast's formulation choice: lanes against icl_ref's batch-first layers on the workers, for the loss
    and the Jacobian, d = 1 .. 20 (where LANES_MAX_D and LANES_MAX_D_JACOBIAN come from).
 3. icl_fast's workers against the calling thread alone for small evaluations, on both sides of
    PARALLEL_MIN_WORK and PARALLEL_MIN_WORK_JACOBIAN.
@@ -116,52 +116,69 @@ def jax_peer():
     return f"jax {jax.__version__}", loss_and_grad
 
 
-def table_loss_and_grad(repeats):
-    peers = [p for p in (torch_peer(), jax_peer()) if p is not None]
-    head = ["d", "icl_ref s", "icl_fast s", "icl_fast 1 thread s"] + [f"{name.split()[0]} s" for name, _ in peers]
-    head += [f"icl_ref / {name.split()[0]}" for name, _ in peers] + [f"icl_fast / {name.split()[0]}" for name, _ in peers]
-    head += ["max rel grad diff"]
-    rows = []
-    for d in (1, 2, 5, 10, 20):
-        P, Q, Z, y = problem(d)
-        ref = ir.loss_and_grad(P, Q, Z, y)
-        t_ref = median_seconds(lambda: ir.loss_and_grad(P, Q, Z, y), repeats)
-        t_fast = median_seconds(lambda: fast.loss_and_grad(P, Q, Z, y), repeats)
-        t_one = median_seconds(lambda: fast.loss_and_grad(P, Q, Z, y, threads=1), repeats)
-        diffs = [np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(fast.loss_and_grad(P, Q, Z, y)[1:], ref[1:])]
-        t_peers = []
-        for _, f in peers:
-            t_peers.append(median_seconds(lambda f=f: f(P, Q, Z, y), repeats))
-            diffs += [np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(f(P, Q, Z, y)[1:], ref[1:])]
-        rows.append([d, f"{t_ref:.4f}", f"{t_fast:.4f}", f"{t_one:.4f}"] + [f"{t:.4f}" for t in t_peers]
-                    + [f"{t_ref / t:.2f}" for t in t_peers] + [f"{t_fast / t:.2f}" for t in t_peers]
-                    + [f"{max(diffs):.1e}"])
-    note = ("B = 20000, n = 20, L = 3, one head, P, Q ~ 0.1 N(0, 1); median of {} calls after one warm-up; "
-            "icl_fast on every core unless stated. Peers: {}. The gradient difference is the largest "
-            "max|a - b| / max|b| of any implementation against icl_ref.").format(
-                repeats, ", ".join(name for name, _ in peers) or "none importable")
-    return "loss_and_grad", head, rows, note
-
-
-def interleaved_medians(runs, repeats, calls=1):
+def interleaved_medians(runs, repeats, calls=1, budget=None):
     """Each run's median seconds per call over `repeats` rounds, the runs timed in turn within a
     round (the machine's drift falls on all of them alike), each time the mean of `calls` calls;
-    one warm-up call each first."""
+    one warm-up call each first. With a budget (seconds), min(3, repeats) rounds when the first
+    round shows that `repeats` rounds would exceed it."""
     times = [[] for _ in runs]
     for run in runs:
         run()
-    for _ in range(repeats):
+    rounds = repeats
+    while len(times[0]) < rounds:
         for run, t in zip(runs, times):
             start = time.perf_counter()
             for _ in range(calls):
                 run()
             t.append((time.perf_counter() - start) / calls)
+        if budget is not None and len(times[0]) == 1 and sum(t[0] for t in times) * calls * repeats > budget:
+            rounds = min(3, repeats)
     return [statistics.median(t) for t in times]
+
+
+BATCHES, DS = (2000, B), range(1, 41)     # table 1's batch sizes and dimensions
+PEER_DS = (1, 2, 5, 10, 20, 30, 40)      # the dimensions at which the peers are timed too
+BUDGET_S = 10.0                          # the time one (B, d) may take before its rounds drop to 3
+
+
+def table_loss_and_grad(repeats):
+    """loss_and_grad over DS (d = 1 .. 40) at BATCHES (B = 2000, 20000): icl_ref, icl_fast and, at PEER_DS, the
+    peers, timed in turn within each round (the machine's drift falls on all of them alike)."""
+    peers = [p for p in (torch_peer(), jax_peer()) if p is not None]
+    names = [name.split()[0] for name, _ in peers]
+    head = ["B", "d", "icl_ref s", "icl_fast s"] + [f"{name} s" for name in names] + ["icl_fast / icl_ref"]
+    head += [f"icl_ref / {name}" for name in names] + [f"icl_fast / {name}" for name in names]
+    head += ["max rel grad diff"]
+    rows = []
+    for batch in BATCHES:
+        for d in DS:
+            P, Q, Z, y = problem(d, B=batch)
+            ref = ir.loss_and_grad(P, Q, Z, y)
+            diffs = [np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(fast.loss_and_grad(P, Q, Z, y)[1:], ref[1:])]
+            t_ref, t_fast = interleaved_medians([lambda: ir.loss_and_grad(P, Q, Z, y),
+                                                 lambda: fast.loss_and_grad(P, Q, Z, y)], repeats, budget=BUDGET_S)
+            t_peers = [None] * len(peers)
+            if d in PEER_DS:            # after icl_ref and icl_fast: the peers' threads keep spinning after a call
+                t_peers = interleaved_medians([lambda f=f: f(P, Q, Z, y) for _, f in peers], repeats, budget=BUDGET_S)
+                for _, f in peers:
+                    diffs += [np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(f(P, Q, Z, y)[1:], ref[1:])]
+            show = lambda t, digits=4: "-" if t is None else f"{t:.{digits}f}"
+            rows.append([batch, d, show(t_ref), show(t_fast)] + [show(t) for t in t_peers] + [f"{t_fast / t_ref:.2f}"]
+                        + [show(t and t_ref / t, 2) for t in t_peers] + [show(t and t_fast / t, 2) for t in t_peers]
+                        + [f"{max(diffs):.1e}"])
+            print(" ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    note = ("n = 20, L = 3, one head, P, Q ~ 0.1 N(0, 1); icl_fast on every core; icl_ref and icl_fast timed in "
+            "turn within each round, then the peers likewise, one warm-up call each, then the median of {} rounds "
+            "({} once the first round shows that {} would take over {:.0f} s). Peers, at d = {}: {}. The gradient "
+            "difference is the largest max|a - b| / max|b| of any implementation against icl_ref.").format(
+                repeats, min(3, repeats), repeats, BUDGET_S, ", ".join(map(str, PEER_DS)),
+                ", ".join(name for name, _ in peers) or "none importable")
+    return "loss_and_grad", head, rows, note
 
 
 def formulation(which, method, args):
     """engine(None).method(*args) with the engine's choice of formulation forced to `which` ("lanes"
-    or "batch-first": icl_ref.REFERENCE's method on the chunks) through its public thresholds."""
+    or "batch-first": icl_ref's layers on the engine's chunks) through its public thresholds."""
     saved = fast.LANES_MAX_D, fast.LANES_MAX_D_JACOBIAN
     fast.LANES_MAX_D = fast.LANES_MAX_D_JACOBIAN = 10 ** 6 if which == "lanes" else 0
     try:
@@ -171,7 +188,7 @@ def formulation(which, method, args):
 
 
 def table_formulations(repeats):
-    """icl_fast's lanes against the reference's batch-first chunks on the same workers, the four
+    """icl_fast's lanes against icl_ref's batch-first layers on the same workers, the four
     timed in turn within each repeat (the machine's drift falls on all of them alike)."""
     head = ["d", "loss: lanes s", "loss: batch-first s", "Jacobian: lanes s", "Jacobian: batch-first s"]
     rows = []
@@ -186,8 +203,8 @@ def table_formulations(repeats):
                 lambda: formulation("batch-first", "jacobian_gram", args_k)]
         rows.append([d] + [f"{t:.4f}" for t in interleaved_medians(runs, repeats)])
     note = (f"The loss at B = 20000 and the Jacobian (full P, Q) at B = 5000, n = 20, L = 3, on every core; "
-            f"median of {repeats}; batch-first: icl_ref.REFERENCE's loss_and_grad_gram and jacobian_gram "
-            f"on each chunk. icl_fast takes lanes for the loss up to d = {fast.LANES_MAX_D - 1} and for the "
+            f"median of {repeats}; batch-first: icl_ref's layers on each of the engine's chunks "
+            f"(batch_first_chunk). icl_fast takes lanes for the loss up to d = {fast.LANES_MAX_D - 1} and for the "
             f"Jacobian up to d = {fast.LANES_MAX_D_JACOBIAN - 1} (MATH.md §16).")
     return "icl_fast's formulations", head, rows, note
 
