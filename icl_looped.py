@@ -76,6 +76,13 @@ MAX_LOOPS = 6
 # they vanish exactly for the rotations commuting with W; at the points polished here (|grad| ~ 1e-13)
 # the others are >= 1e-2, so any threshold between 1e-10 and 1e-3 gives the same dimension.
 ORBIT_RTOL = 1e-8
+# tied_local_minimum certifies a point only when its Newton decrement g^T H^-1 g / 2 on the orbit's normal
+# space (the second-order estimate of f(W) - f at the nearby critical point) is at most DECREMENT_RTOL f(W):
+# relative to the loss it minimises, so neither a huge W (f ~ 1e78, |grad| ~ 1e59) nor a small loss
+# (f ~ 1e-2 where the minimum is 1e-31, |grad| ~ 0.1) passes on the Hessian's sign alone.
+DECREMENT_RTOL = 1e-6
+# tied_local_minimum's Newton steps: each converges quadratically from L-BFGS-B's end, so a handful does
+MAX_NEWTON_STEPS = 100
 # The complex step of tied_hessian and per_sample_hessian_products: the imaginary part of a
 # holomorphic g(W + i h E) is h g'(W)E + O(h^3), with no cancellation, so any tiny h is exact.
 COMPLEX_STEP = 1e-30
@@ -103,6 +110,15 @@ def _square(name, W, d=None, complex_ok=False):
     if not np.all(np.isfinite(W)):
         raise ValueError(f"{name} must be finite")
     return W if np.iscomplexobj(W) else W.astype(np.float64)
+
+
+def _rtol(rtol):
+    """rtol as a float in (0, 1], else a TypeError/ValueError naming it (NaN would count nothing as zero)."""
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float, np.integer, np.floating)):
+        raise TypeError(f"rtol must be a real number, got {type(rtol).__name__}")
+    if not 0 < rtol <= 1:
+        raise ValueError(f"rtol must be finite, > 0 and <= 1, got {rtol}")
+    return float(rtol)
 
 
 def _spd_root(Sigma):
@@ -530,7 +546,7 @@ def rotation_orbit_tangent(W, rtol=ORBIT_RTOL):
     commute with W (r = 0 at a I; r = 6 for d = 5 and a normal W with one or two equal rotation blocks).
     Singular values below rtol ||W||_F count as zero (a point a I + 1e-13 noise, where a descent to the
     family point ends, has orbit dimension 0)."""
-    W = _square("W", W)
+    W, rtol = _square("W", W), _rtol(rtol)
     d = W.shape[0]
     cols = []
     for i in range(d):
@@ -572,7 +588,7 @@ def rotation_normal_form(W, rtol=1e-8):
     (||W W^T - W^T W|| <= rtol ||W||^2), T is block diagonal: its real eigenvalues ascending, then one
     2 x 2 block [[alpha, beta], [-beta, alpha]] (beta > 0) per pair alpha +- i beta, by (alpha, beta);
     otherwise T is scipy's real Schur form. Returns T (d, d), O (d, d), normal (bool)."""
-    W = _square("W", W)
+    W, rtol = _square("W", W), _rtol(rtol)
     T, O = scipy.linalg.schur(W, output="real")
     d = W.shape[0]
     normal = bool(np.linalg.norm(W @ W.T - W.T @ W) <= rtol * max(np.linalg.norm(W) ** 2, 1e-300))
@@ -614,19 +630,34 @@ def tied_local_minimum(W0, L, n, d, newton_steps=4):
     Hessian restricted to the complement of the rotation orbit (the orbit directions are exact zeros
     of the Hessian at a critical point and would make it singular). The certificate, exact up to
     float64 rounding: the gradient's norm (rounding ~1e-13) and the reduced Hessian's eigenvalues
-    (all > 0: a strict local minimum modulo rotations, within |grad| / min eigenvalue of W).
+    (all > 0: a strict local minimum modulo rotations, within |grad| / min eigenvalue of W). A point is
+    certified (is_minimum) only when, besides, it is critical relative to the loss: f(W) > 0 and the
+    Newton decrement g_N^T H_N^-1 g_N / 2 (g_N, H_N the gradient and Hessian on the orbit's normal space;
+    the second-order estimate of f(W) minus f at the nearby critical point) is <= DECREMENT_RTOL f(W)
+    (1e-6). Where float64 cannot resolve f that finely (f ~ 1e-16 of its terms, as at n >~ 1e9) no point is
+    certified.
 
-    W0: (d, d). Returns a dict: W (the end point), loss, grad_norm, orbit_dim, reduced_eigenvalues,
+    W0: (d, d), finite; newton_steps: an int in [0, MAX_NEWTON_STEPS]. A loss, gradient or Hessian
+    that overflows float64 (||W|| ~ 1e38 at L = 2) raises a ValueError naming ||W||. Returns a dict: W
+    (the end point), loss, grad_norm, newton_decrement, orbit_dim, reduced_eigenvalues,
     T (W up to rotation, rotation_normal_form), O, normal, eigenvalues_W (of W, complex, sorted),
     antisymmetric_singular_values (of (W - W^T)/2), family_loss (f at a*_L I), relative_to_family
-    (loss / family_loss - 1), is_minimum (all reduced eigenvalues > 0)."""
+    (loss / family_loss - 1), is_minimum (all reduced eigenvalues > 0 and the decrement test)."""
     L, n, d = _sizes(L, n, d, MAX_LOOPS)
     W = _square("W0", W0, d)
+    newton_steps = _int("newton_steps", newton_steps, 0)
+    if newton_steps > MAX_NEWTON_STEPS:
+        raise ValueError(f"newton_steps must be <= {MAX_NEWTON_STEPS}, got {newton_steps}")
     ev = _evaluator(L, n, d)
 
     def fun(x):
-        f, g = ev.loss_and_grad(x.reshape(d, d))
-        return float(f), np.asarray(g, dtype=np.float64).ravel()
+        with np.errstate(over="ignore", invalid="ignore"):
+            f, g = ev.loss_and_grad(x.reshape(d, d))
+        f, g = float(f), np.asarray(g, dtype=np.float64).ravel()
+        if not (math.isfinite(f) and np.all(np.isfinite(g))):
+            raise ValueError(f"f or its gradient is not finite: float64 overflowed at ||W||_F = "
+                             f"{np.linalg.norm(x):.3g} (f grows like ||W||^{2 * L}); start nearer the family point")
+        return f, g
     res = scipy.optimize.minimize(fun, W.ravel(), jac=True, method="L-BFGS-B",
                                   options=dict(ftol=1e-16, gtol=1e-13, maxiter=20000, maxcor=30))
     W = res.x.reshape(d, d)
@@ -639,14 +670,23 @@ def tied_local_minimum(W0, L, n, d, newton_steps=4):
         step = C @ np.linalg.solve(C.T @ H @ C, C.T @ g)
         W = W - step.reshape(d, d)
     f, g = fun(W.ravel())
-    lam, _, r = reduced_hessian(W, L, n, d)
+    with np.errstate(over="ignore", invalid="ignore"):
+        H = tied_hessian(W, L, n, d)
+    if not np.all(np.isfinite(H)):
+        raise ValueError(f"the Hessian is not finite: float64 overflowed at ||W||_F = {np.linalg.norm(W):.3g}")
+    C = orbit_complement(W)
+    lam, V = np.linalg.eigh(C.T @ H @ C)
+    r = d * d - C.shape[1]
+    q = (C @ V).T @ g
+    decrement = float(np.sum(q ** 2 / lam) / 2) if lam.size == 0 or lam[0] > 0 else math.inf
     T, O, normal = rotation_normal_form(W)
     a, _, f_family = optimal_tied_family(L, n, d)
-    return dict(W=W, loss=f, grad_norm=float(np.linalg.norm(g)), orbit_dim=r, reduced_eigenvalues=lam,
+    return dict(W=W, loss=f, grad_norm=float(np.linalg.norm(g)), newton_decrement=decrement, orbit_dim=r,
+                reduced_eigenvalues=lam,
                 T=T, O=O, normal=normal, eigenvalues_W=np.sort_complex(np.linalg.eigvals(W)),
                 antisymmetric_singular_values=np.linalg.svd((W - W.T) / 2, compute_uv=False),
                 family_a=a, family_loss=f_family, relative_to_family=f / f_family - 1,
-                is_minimum=bool(lam.size == 0 or lam[0] > 0))
+                is_minimum=bool((lam.size == 0 or lam[0] > 0) and f > 0 and decrement <= DECREMENT_RTOL * f))
 
 
 @_numpy_rules

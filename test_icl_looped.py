@@ -519,6 +519,32 @@ def test_descent_from_a_random_tilt_of_the_family_point(L):
         assert diff.mean() < -Z_MC * se and abs(diff.mean() - (m["loss"] - m["family_loss"])) <= Z_MC * se
 
 
+def test_certificate_needs_a_critical_point_relative_to_the_loss():
+    # hostile round 7, H2: the reduced Hessian's sign alone certified points far from critical. At
+    # 1e20 I, L-BFGS-B does not move (f ~ 2.6e78, |grad| ~ 3.7e59, decrement ~ 0.7 f); at 1e100 I, f overflows
+    m = lp.tied_local_minimum(1e20 * np.eye(2), 2, 5, 2)
+    assert not m["is_minimum"] and m["newton_decrement"] > 1e-6 * m["loss"]
+    with pytest.raises(ValueError, match=r"overflowed at \|\|W\|\|_F = 1.41e\+100"):
+        lp.tied_local_minimum(1e100 * np.eye(2), 2, 5, 2)
+    # n = 2^53: f's terms (O(1)) cancel to ~1e-31, float64 cannot resolve it, and the end point
+    # (f ~ 0.013, |grad| ~ 0.13) was returned as certified; n = 1e9: f ~ 1.6e-15, 33x the family's
+    # 4.6e-17 (rounding of the terms), certified. Now neither is; at n = 1e6 the minimum is
+    # certified, its decrement (~1e-25) far below 1e-6 f (~4e-17)
+    assert lp.tied_minima_from_family(2, 2 ** 53, 2) == [] and lp.tied_minima_from_family(2, 10 ** 9, 2) == []
+    ms = lp.tied_minima_from_family(2, 10 ** 6, 2)
+    assert len(ms) == 1 and ms[0]["newton_decrement"] <= 1e-6 * ms[0]["loss"] and ms[0]["relative_to_family"] < 0
+    # a genuine minimum still passes: decrement ~1e-31 against f ~ 0.49
+    assert lp.tied_local_minimum(0.5 * np.eye(2), 2, 5, 2)["is_minimum"]
+    for bad, err in [(-1, ValueError), (True, TypeError), (2.0, TypeError), (10 ** 6, ValueError)]:
+        with pytest.raises(err, match="newton_steps"):
+            lp.tied_local_minimum(np.eye(2), 2, 5, 2, newton_steps=bad)
+    for bad, err in [(math.nan, ValueError), (0.0, ValueError), (-1e-8, ValueError), (math.inf, ValueError),
+                     ("x", TypeError)]:
+        for f in (lp.rotation_orbit_tangent, lp.orbit_complement, lp.rotation_normal_form):
+            with pytest.raises(err, match="rtol"):
+                f(np.eye(2), rtol=bad)
+
+
 def test_orbit_and_normal_form():
     assert lp.rotation_orbit_tangent(0.7 * np.eye(D)).shape == (D * D, 0)
     rng = np.random.default_rng(5)
