@@ -43,8 +43,8 @@ import scipy.linalg
 import scipy.optimize
 
 import icl_ref as ir
-from icl_ref import _array, _family_search, _int, _nonneg, _numpy_rules, _single_layer_moments, _spd, \
-    _task_covariance, _wishart_T
+from icl_ref import _array, _family_search, _int, _nonneg, _numpy_rules, _single_layer_loss, \
+    _single_layer_moments, _spd, _task_moment, _wishart_T
 
 __version__ = ir.__version__
 
@@ -998,12 +998,10 @@ def mc_certificate(W, S, L, control=None, C=None, chunk=20000):
 # ---------------------------------------------------------------------------------------------
 
 def _one_layer_field(u, U, Sigma, K, E_hw):
-    """(L - L(0), dL/du, dL/dU) of the layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] through
-    Gamma = u U: grad_Gamma = 2 (K Gamma Sigma - E[h w^T] Sigma) (MATH.md §8, §14)."""
-    Gamma = u * U
-    G = 2 * (K @ Gamma @ Sigma - E_hw @ Sigma)
-    excess = np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
-    return excess, float(np.sum(G * U)), u * G
+    """(dL/du, dL/dU) of the layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] through Gamma = u U:
+    grad_Gamma = 2 (K Gamma Sigma - E[h w^T] Sigma) (MATH.md §8, §14)."""
+    G = 2 * (K @ (u * U) @ Sigma - E_hw @ Sigma)
+    return float(np.sum(G * U)), u * G
 
 
 def _one_layer_hessian(u, U, Sigma, K, E_hw):
@@ -1017,12 +1015,28 @@ def _one_layer_hessian(u, U, Sigma, K, E_hw):
                      [cross[:, None], 2 * u ** 2 * np.kron(K, Sigma)]])
 
 
-def _noiseless_moments(Sigma, n, Sigma_w):
-    """(Sigma, Sigma_w, K, E[h w^T]) of MATH.md §8, checked, for noiseless labels."""
+def _scaled_moments(Sigma, n, Sigma_w):
+    """Checked (n, Sigma, c, S, (W, w), K, E[h w^T]) for noiseless labels: Sigma = c S and
+    Sigma_w = w W with max entries 1, K and E[h w^T] those of (S, W) (MATH.md §8), so that no product
+    of entries under- or overflows; the loss at (Sigma, Sigma_w) is c w times that at (S, W) with
+    Gamma scaled by c (MATH.md §14)."""
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
-    Sigma_w = _task_covariance(Sigma_w, Sigma.shape[0])[0]
-    return (Sigma, Sigma_w, *_single_layer_moments(Sigma, n, Sigma_w, 0.0))
+    W, w = _task_moment(Sigma_w, None, Sigma.shape[0])
+    c = float(np.max(np.abs(Sigma)))
+    S = Sigma / c
+    return (n, Sigma, c, S, (W, w), *_single_layer_moments(S, n, W, 0.0))
+
+
+def _in_range(name, value, factors, c, w):
+    """value itself unless it is not finite or its scale (the product of the nonzero factors, taken
+    in logarithms) is below float64's normal range: then a ValueError naming the scales."""
+    tiny = np.finfo(np.float64).tiny
+    if np.all(np.isfinite(value)) and not (all(f > 0 for f in factors)
+                                           and sum(math.log(f) for f in factors) < math.log(tiny)):
+        return value
+    raise ValueError(f"{name} overflows float64 or underflows below its normal range: max |Sigma| = {c:.3g}, "
+                     f"max |Sigma_w| = {w:.3g}; rescale x or w_star")
 
 
 @_numpy_rules
@@ -1030,16 +1044,36 @@ def one_layer_population_grad(u, U, Sigma, n, Sigma_w=None):
     """Exact population loss of one layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] (noiseless
     labels; Zhang, Frei and Bartlett's value scalar and key-query block) and its gradient in (u, U),
     the chain rule of icl_ref.single_layer_population_loss through Gamma = u U (MATH.md §14).
+    Scale-free: the loss is icl_ref's (a sum of squares, right at any scale and n); the gradient is
+    computed at Sigma / max |Sigma|, Sigma_w / max |Sigma_w| and rescaled. A loss or gradient outside
+    float64's normal range is a ValueError naming the scales (at Gamma = Gamma*, |dU| ~ max |Sigma|^2:
+    refused below ~1e-154 and above ~1e154).
     u: float; U: (d, d); Sigma, Sigma_w: (d, d) SPD. Returns (loss, du (float), dU (d, d)); the
     gradient of icl_ref.full_layer_population_loss in every other entry of (P, Q) is 0 there.
     """
     u = float(_array("u", u, 0))
-    Sigma, Sigma_w, K, E_hw = _noiseless_moments(Sigma, n, Sigma_w)
+    n, Sigma, c, S, (W, w), K, E_hw = _scaled_moments(Sigma, n, Sigma_w)
     U = _array("U", U, 2)
     if U.shape != Sigma.shape:
         raise ValueError(f"U must have shape {Sigma.shape} to match Sigma, got {U.shape}")
-    excess, du, dU = _one_layer_field(u, U, Sigma, K, E_hw)
-    return float(excess + np.trace(Sigma @ Sigma_w)), du, dU
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):      # checked below
+        Gamma = u * U
+        KGS, ES = K @ (c * Gamma) @ S, E_hw @ S
+        g = 2 * (KGS - ES)                                      # grad_Gamma / (c^2 w)
+        du = c * w * float(np.sum(g * (c * U)))
+        dU = (c * w) * (c * u) * g
+    if not np.all(np.isfinite(Gamma)):
+        raise ValueError(f"u U overflows float64 (|u| = {abs(u):.3g}, max |U| = {np.max(np.abs(U)):.3g})")
+    loss = _single_layer_loss(Gamma, Sigma, (W, w), Sigma, n, 0.0, False)
+    gmax = 2 * max(float(np.max(np.abs(KGS))), float(np.max(np.abs(ES))))    # g's terms (g ~ 0 at Gamma*)
+    du = _in_range("the gradient du", du, [c, c, w, gmax, float(np.max(np.abs(U)))], c, w)
+    dU = _in_range("the gradient dU", dU, [c, c, w, gmax, abs(u)], c, w)
+    return loss, float(du), dU
+
+
+# one_layer_gradient_flow refuses a start sigma above MAX_START_RATIO times the rest scale |Gamma*|^(1/2):
+# LSODA's cost grows slowly up to ~1e12 (4.5e3 evaluations) and it fails at 1e16
+MAX_START_RATIO = 1e10
 
 
 def _tolerance(rtol):
@@ -1073,7 +1107,7 @@ def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1
     gamma_star(Sigma, n, Sigma_w) (for Sigma_w = I the initial scale below which their Theorem 4.1
     proves convergence), nfev.
     """
-    Sigma, Sigma_w, K, E_hw = _noiseless_moments(Sigma, n, Sigma_w)
+    n, Sigma, c, S, (W, w), K, E_hw = _scaled_moments(Sigma, n, Sigma_w)
     d = Sigma.shape[0]
     sigma = _nonneg("sigma", sigma)
     if sigma == 0:
@@ -1087,34 +1121,46 @@ def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1
     rtol = _tolerance(rtol)
     Theta = Theta / np.max(np.abs(Theta))               # Theta Theta^T neither over- nor underflows
     M = Theta @ Theta.T
-    y0 = sigma * np.r_[1.0, (M / np.linalg.norm(M)).ravel()]
-    # the state's scale from start to rest (u^2 ~ |U| ~ |Gamma*|^(1/2) at rest): an absolute tolerance
-    # below 1e-2 rtol of it would ask for less than the field's own rounding there, and the implicit
-    # steps would shrink without end once the flow rests
-    scale = max(sigma, math.sqrt(np.max(np.abs(np.linalg.solve(K, E_hw)))))
+    # scale-free (MATH.md §14): with Sigma = c S, Sigma_w = w W, the loss is c w l(c u U), l that of (S, W),
+    # so (u~, U~) = sqrt(c) (u, U) follows the flow of l at the rate c^2 w: d(u~, U~)/dt = -c^2 w grad l
+    root = math.sqrt(c)
+    with np.errstate(over="ignore", under="ignore"):
+        s0, rate = sigma * root, c * c * w
+    rest = math.sqrt(np.max(np.abs(np.linalg.solve(K, E_hw))))     # |u~| ~ |Gamma~*|^(1/2) at rest
+    if not (0 < s0 < math.inf and rate < math.inf):
+        raise ValueError(f"the flow's scaled start sigma sqrt(c) = {s0:.3g} or rate c^2 w do not fit float64 "
+                         f"(c = max |Sigma| = {c:.3g}, w = max |Sigma_w| = {w:.3g}): rescale x or w_star")
+    if s0 > MAX_START_RATIO * rest:
+        raise ValueError(f"sigma = {sigma:.3g} is {s0 / rest:.3g} times the rest scale |Gamma*|^(1/2) = {rest / root:.3g} "
+                         f"(max |Sigma| = {c:.3g}): the flow's rates span the square of that and LSODA fails beyond "
+                         f"~1e12; start below {MAX_START_RATIO:.0e} times it")
+    y0 = s0 * np.r_[1.0, (M / np.linalg.norm(M)).ravel()]
+    # the state's scale from start to rest: an absolute tolerance below 1e-2 rtol of it would ask for
+    # less than the field's own rounding there, and the implicit steps would shrink without end once the flow rests
+    scale = max(s0, rest)
 
     def field(_, y):
-        _, du, dU = _one_layer_field(y[0], y[1:].reshape(d, d), Sigma, K, E_hw)
-        return -np.r_[du, dU.ravel()]
+        du, dU = _one_layer_field(y[0], y[1:].reshape(d, d), S, K, E_hw)
+        return -rate * np.r_[du, dU.ravel()]
 
     def jacobian(_, y):
-        return -_one_layer_hessian(y[0], y[1:].reshape(d, d), Sigma, K, E_hw)
+        return -rate * _one_layer_hessian(y[0], y[1:].reshape(d, d), S, K, E_hw)
     ys = y0[:, None]
     if t[-1] > 0:
         with np.errstate(over="ignore", invalid="ignore"):
             sol = scipy.integrate.solve_ivp(field, (0.0, t[-1]), y0, method="LSODA", t_eval=t, rtol=rtol,
                                             atol=rtol * 1e-2 * scale, jac=jacobian)
         if not np.all(np.isfinite(sol.y)):
-            raise ValueError(f"the flow overflowed float64 (sigma = {sigma:.3g}, max |Sigma| = "
-                             f"{np.max(np.abs(Sigma)):.3g}): start smaller or rescale x")
+            raise ValueError(f"the flow overflowed float64 (sigma = {sigma:.3g}, max |Sigma| = {c:.3g}): start smaller "
+                             f"or rescale x")
         if not sol.success:
             raise ValueError(f"solve_ivp failed: {sol.message}")
         ys = sol.y
-    u, U = ys[0], ys[1:].T.reshape(-1, d, d)
-    Gamma = u[:, None, None] * U
-    base = np.trace(Sigma @ Sigma_w)
-    loss = np.array([base + _one_layer_field(1.0, G, Sigma, K, E_hw)[0] for G in Gamma])
-    gamma_inv = np.linalg.solve(E_hw, K)                       # Gamma*^-1 = (Sigma Sigma_w)^-1 K
-    return dict(t=t, u=u, U=U, Gamma=Gamma, loss=loss, invariant=u ** 2 - np.sum(U ** 2, axis=(1, 2)),
-                sigma_bound=math.sqrt(2 / (math.sqrt(d) * np.linalg.norm(gamma_inv, 2))),
+    u, U = ys[0] / root, ys[1:].T.reshape(-1, d, d) / root
+    Gamma = ys[0][:, None, None] * ys[1:].T.reshape(-1, d, d) / c
+    loss = np.array([_single_layer_loss(G, Sigma, (W, w), Sigma, n, 0.0, False) for G in Gamma])
+    gamma_inv = np.linalg.solve(E_hw, K)                       # Gamma~*^-1 = (S W)^-1 K; Gamma*^-1 = c times it
+    return dict(t=t, u=u, U=U, Gamma=Gamma, loss=loss,
+                invariant=(ys[0] ** 2 - np.sum(ys[1:] ** 2, axis=0)) / c,
+                sigma_bound=math.sqrt(2 / (math.sqrt(d) * np.linalg.norm(gamma_inv, 2))) / root,
                 nfev=int(sol.nfev) if t[-1] > 0 else 0)

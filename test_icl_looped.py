@@ -710,6 +710,36 @@ def test_the_flows_cost_stops_growing_once_it_has_converged():
     assert np.max(np.abs(runs[1e12]["Gamma"][-1] - G_star)) <= 1e-10 * np.max(np.abs(G_star))
 
 
+def test_one_layer_loss_and_flow_are_right_at_any_scale_of_sigma_or_say_they_cannot_be():
+    # hostile round 7, H3: the loss's O(1) terms, products of entries of c S, underflowed at
+    # c = 1e-170 (-1.06e-170 for +1.22e-170) and overflowed to NaN at 1e160. Now icl_ref's sum of
+    # squares: L(Gamma*(c S); c S) = c L(Gamma*(S); S) in the mathematics, to 1e-12 (O(100) roundings);
+    # the gradient dU ~ c^2 leaves float64's normal range beyond c ~ 1e+-154 and is refused by name
+    rng = np.random.default_rng(135)
+    S, _ = ir.rotated_covariance(rng, [0.5, 1.0, 2.0])
+    unit, du1, dU1 = lp.one_layer_population_grad(1.0, ir.gamma_star(S, 7), S, 7)
+    for c in (1e-150, 1e150):
+        loss, du, dU = lp.one_layer_population_grad(1.0, ir.gamma_star(c * S, 7), c * S, 7)
+        assert loss > 0 and abs(loss / c - unit) <= 1e-12 * unit, c
+        U = np.diag([1.0, 2.0, 3.0]) / c                              # Gamma = U: du ~ c, dU ~ c^2 (1 at c = 1)
+        _, du, dU = lp.one_layer_population_grad(1.0, U, c * S, 7)
+        _, du1, dU1 = lp.one_layer_population_grad(1.0, U * c, S, 7)
+        assert abs(du / c - du1) <= 1e-12 * abs(du1) and np.max(np.abs(dU / c ** 2 - dU1)) <= 1e-12 * np.max(np.abs(dU1))
+    for c in (1e-170, 1e160):
+        with pytest.raises(ValueError, match="underflows below its normal range: max \\|Sigma\\| = 1.53e"):
+            lp.one_layer_population_grad(1.0, ir.gamma_star(c * S, 7), c * S, 7)
+    # the flow is scale-free too: (u, U) sqrt(c) follows the unit flow in the time c^2 t (1e-9: the
+    # solver's rtol 1e-12 over ~1.5e3 steps, as in the other flow tests); a start 1e24 times the rest
+    # scale (sigma = 0.1 at c = 1e50, which ran > 40 s) is refused, not integrated
+    flow = lp.one_layer_gradient_flow(S, 7, 0.1, [0.0, 1.0, 10.0])
+    for c in (1e-50, 1e50):
+        scaled = lp.one_layer_gradient_flow(c * S, 7, 0.1 / math.sqrt(c), np.array([0.0, 1.0, 10.0]) / c ** 2)
+        assert_allclose(scaled["Gamma"] * c, flow["Gamma"], rtol=1e-9, atol=1e-12)
+        assert_allclose(scaled["loss"] / c, flow["loss"], rtol=1e-9)
+    with pytest.raises(ValueError, match="times the rest scale"):
+        lp.one_layer_gradient_flow(1e50 * S, 7, 0.1, [0.0, 1.0])
+
+
 def test_the_flow_from_a_tiny_or_huge_theta_is_the_flow_from_its_direction():
     # Theta enters only through Theta Theta^T / |Theta Theta^T|: a scale of 1e-200 or 1e200 (whose
     # square under- or overflows) gives the unit-scale flow, rounding aside
