@@ -329,3 +329,15 @@ def test_estimators_work_under_a_strict_caller_at_any_scale():
         expected = {name: call() for name, call in calls().items()}
     assert np.all(np.isfinite(expected["ridge_predict"]))
     assert_close(expected["ridge_predict"] / 1e-160, est.ridge_predict(Z), rel=1e-12)
+
+
+def test_ridge_and_bayes_are_right_at_any_scale_of_the_prior():
+    # hostile round 7, H7: Sigma_w = 1e308 I overflowed s^2 with only a RuntimeWarning and returned a wrong
+    # prediction. The ridge at (c_w W, lam) is the ridge at (W, lam / c_w) exactly in the mathematics;
+    # computed so, the two sides run the same float operations up to the penalty's rounding: 1e-12
+    Z, _ = ir.sample_prompts(np.random.default_rng(3), 3, 6, np.eye(3))
+    with np.errstate(over="raise", invalid="raise"):      # an overflow is an error, not a warning
+        for c in (1e308, 1e-300):
+            expected = est.ridge_predict(Z, 1.0 / c)
+            np.testing.assert_allclose(est.ridge_predict(Z, 1.0, c * np.eye(3)), expected, rtol=1e-12)
+            np.testing.assert_allclose(est.bayes_predict(Z, c * np.eye(3), 1.0), expected, rtol=1e-12)
