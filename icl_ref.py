@@ -1718,11 +1718,29 @@ def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
     return a, b, family_population_loss(a, n, d, b, noise_var=noise_var)
 
 
+# The family descents refuse n beyond MAX_FAMILY_N: the loss at the Gauss nodes (eigenvalues 1 +- O(n^-1/2))
+# falls like n^-L from O(1) terms, so float64 forms it to ~n eps relative, and the relative stationarity test of
+# _family_descent is met within rounding only while n eps << 1 (at n = 1e15, n eps = 0.1, the optima agree with
+# the exact loss; at 2^53 a stopped at 0.83 with a loss 1e13 times a = 1's)
+MAX_FAMILY_N = 10 ** 15
+# family_local_minimum's single descent from an arbitrary start is measured to hold only to n = 1e9: from
+# a = 0.5 1_3 (d = 2) it stops at a = 1.0000243, 40 times the symmetric minimum's loss, at n = 1e10
+MAX_LOCAL_FAMILY_N = 10 ** 9
+
+
+def _family_n(n, bound=MAX_FAMILY_N):
+    n = _int("n", n, 1)
+    if n > bound:
+        raise ValueError(f"n must be <= {bound:.0e} for the family descent: its loss is formed to ~n eps "
+                         f"relative in float64 (n eps = {n * 2.0 ** -52:.2g}), got {n}")
+    return n
+
+
 def _family_search(L, n, d, blocks, noise_var, starts, rng, tied=False):
     """The theta of the lowest of `starts` descents of the exact family loss (_family_descent) from
     a ~ U(0, 2), b ~ U(0, 1.5) drawn from rng (default seed 0), one (a, b) per layer or, tied, one
     for all; returns it and the checked (L, n, d, noise_var)."""
-    L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
+    L, n, d = _int("L", L, 1), _family_n(n), _int("d", d, 1)
     noise_var, blocks = _nonneg("noise_var", noise_var), _flag("blocks", blocks)
     starts = _int("starts", starts, 1)
     rng = np.random.default_rng(0) if _rng(rng, optional=True) is None else rng
@@ -1748,6 +1766,7 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     family_population_loss at the optimum (exact rationals). Starts: a_l ~ U(0, 2), b_l ~ U(0, 1.5)
     from rng (default seed 0). Returns (a (L,), b (L,) or None, loss); b[L-1] is NaN since B_{L-1}
     does not enter ([A] footnote 4); the sparse family's a is sorted (Lemma 4: the loss is symmetric).
+    n <= MAX_FAMILY_N (1e15): beyond, float64 cannot resolve the loss the descent minimises (ValueError).
     """
     best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng)
     return _family_result(best, L, n, d, blocks, noise_var, sort=not blocks)
@@ -1758,10 +1777,10 @@ def family_local_minimum(a, n, d, b=None, noise_var=0.0):
     """The local minimum of the exact family loss (family_population_loss) whose basin holds the start
     (a, b): one L-BFGS-B descent on the exact Gauss rule, as in optimal_family_scalars (MATH.md §10).
     Tells which population minimum a trained model's fitted scalars belong to (the blocks family has
-    more than one). a, b: (L,) (b[L-1] ignored; b None: the sparse family).
+    more than one). a, b: (L,) (b[L-1] ignored; b None: the sparse family); n <= MAX_LOCAL_FAMILY_N (1e9).
     Returns (a (L,), b (L,) with b[L-1] = NaN, or None, loss)."""
     a, b_full = _family_scalars(a, b)
-    n, d = _int("n", n, 1), _int("d", d, 1)
+    n, d = _family_n(n, MAX_LOCAL_FAMILY_N), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
     L, blocks = a.size, b is not None
     theta0 = np.r_[a, b_full[:-1]] if blocks else a

@@ -1205,6 +1205,18 @@ def test_the_single_layer_losses_are_right_at_large_n():
         assert ir.single_layer_population_loss(G, S, n, S_w, 0.1, query_noise=False) == pytest.approx(exact, rel=1e-13, abs=0)
 
 
+def test_the_family_descents_refuse_n_beyond_what_float64_resolves():
+    # hostile round 7, H5: at n = 2^53 optimal_family_scalars returned a = (0.83, ...) with loss 1e-32
+    # where a = 1 gives 7.5e-46, and family_local_minimum stopped at 4.9e-28: the loss ~n^-L is formed
+    # from O(1) terms to ~n eps relative. Now refused by name beyond the bounds where they were measured right
+    with pytest.raises(ValueError, match="n must be <= 1e\\+15 for the family descent"):
+        ir.optimal_family_scalars(3, 2 ** 53, 2)
+    with pytest.raises(ValueError, match="n must be <= 1e\\+09 for the family descent"):
+        ir.family_local_minimum(np.full(3, 0.5), 10 ** 10, 2)
+    # inside: the optimum at n = 1e15 is below a = 1 (exact loss, 1.9e-43 < 5.5e-43)
+    assert ir.optimal_family_scalars(3, 10 ** 15, 2, starts=4)[2] < ir.family_population_loss(np.ones(3), 10 ** 15, 2)
+
+
 def test_gamma_star_of_a_pool_of_zero_or_tiny_or_huge_tasks():
     # a pool enters through its second moment: all-zero tasks without noise leave Gamma* undefined
     # (every Gamma has loss 0), said in words; a pool of scale 1e-200 (its moment underflows) gives the
