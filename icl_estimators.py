@@ -143,8 +143,8 @@ def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True)
                                                                     n < d - 1 when noise_var > 0)
 
     plus noise_var when query_noise. Elsewhere the risk is infinite (n in d-1..d+1 with noise) or
-    has no closed form (n < d, anisotropic): a ValueError points to monte_carlo_risk.
-    Returns a float.
+    has no closed form (n < d, anisotropic): a ValueError points to monte_carlo_risk. A bias c s (d - n)
+    outside float64's normal range is a ValueError naming the scales. Returns a float.
     """
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
@@ -161,7 +161,12 @@ def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True)
     if c is None or s is None:
         raise ValueError("Sigma and Sigma_w must be multiples of the identity for n < d: the risk of the "
                          "minimum-norm interpolant has no closed form otherwise; use monte_carlo_risk")
-    return float(c * s * (d - n) + (noise_var * n / (d - n - 1) if noise_var > 0 else 0.0)) + query
+    with np.errstate(over="ignore", under="ignore"):
+        bias = c * s * (d - n)
+    if not np.finfo(np.float64).tiny <= bias < math.inf:        # c, s > 0: the bias is never 0 in the mathematics
+        raise ValueError(f"the bias c s (d - n) overflows float64 or underflows below its normal range "
+                         f"(Sigma = {c:.3g} I, Sigma_w = {s:.3g} I): rescale x or w_star")
+    return float(bias + (noise_var * n / (d - n - 1) if noise_var > 0 else 0.0)) + query
 
 
 @_numpy_rules
