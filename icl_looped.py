@@ -487,12 +487,18 @@ def _evaluator(L, n, d):
 def tied_population_loss(W, L, n, d, exact=False):
     """f(W) = E ||(I - W^T S)^L||_F^2, the tied sparse model's noiseless population loss at its
     whitened block W (whiten; MATH.md §14), from tied_loss_polynomial. W: (d, d), any real matrix. Returns a
-    float (rounding: ~1e-16 times the largest term, ~1e-14 at L = 4, n = 20); exact: the exact
+    float (rounding: ~1e-16 times the largest term, ~1e-14 at L = 4, n = 20; an overflow, |W| ~ 1e77 at
+    L = 2, is a ValueError naming max |W|); exact: the exact
     rational at W's float64 entries (each converted exactly), a Fraction (slow: seconds at L = 4)."""
     L, n, d = _sizes(L, n, d, MAX_LOOPS)
     W = _square("W", W, d)
     if not exact:
-        return float(_evaluator(L, n, d).loss(W))
+        with np.errstate(over="ignore", invalid="ignore"):
+            f = float(_evaluator(L, n, d).loss(W))
+        if not math.isfinite(f):
+            raise ValueError(f"f is not finite: float64 overflowed at max |W| = {np.max(np.abs(W)):.3g} (f grows like "
+                             f"||W||^{2 * L}); use exact=True or a smaller W")
+        return f
     Wf = [[Fraction(float(x)) for x in r] for r in W]
     WT = [list(r) for r in zip(*Wf)]
     cache = {}

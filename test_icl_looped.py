@@ -547,6 +547,14 @@ def test_certificate_needs_a_critical_point_relative_to_the_loss():
                 f(np.eye(2), rtol=bad)
 
 
+def test_tied_loss_overflow_is_refused_by_name():
+    # hostile round 7, M2: f(1e200 I) came out NaN (inf - inf among the polynomial's terms), silently
+    with pytest.raises(ValueError, match="overflowed at"):
+        lp.tied_population_loss(1e200 * np.eye(2), 2, 5, 2)
+    f = lp.tied_population_loss(0.5 * np.eye(2), 2, 5, 2)
+    assert f == pytest.approx(float(lp.tied_population_loss(0.5 * np.eye(2), 2, 5, 2, exact=True)), rel=1e-13, abs=0)
+
+
 def test_orbit_and_normal_form():
     assert lp.rotation_orbit_tangent(0.7 * np.eye(D)).shape == (D * D, 0)
     rng = np.random.default_rng(5)
