@@ -56,20 +56,24 @@ def ridge_predict(Z, lam=0.0, Sigma_w=None):
     below max(n, d) eps s_max then count as zero, as in numpy's pinv. lam = noise_var is
     bayes_predict. Each prompt is solved scale-free: with X = s_x X', x_q = s_x x_q', y = s_y y',
     y_hat = s_y <w', x_q'> for w' the ridge of (X', y') at lam / s_x^2, so no square over- or
-    underflows at any scale of the data. Z: (B, d+1, n+1); lam >= 0; Sigma_w (d, d) SPD or None.
+    underflows at any scale of the data; likewise Sigma_w = c_w W is the ridge of W at lam / c_w. Z: (B, d+1, n+1); lam >= 0; Sigma_w (d, d) SPD or None.
     Returns y_hat (B,).
     """
     Z = _prompts(Z)
     lam = _nonneg("lam", lam)
     d = Z.shape[1] - 1
-    F = _task_covariance(Sigma_w, d)[1]
+    S_w, F = _task_covariance(Sigma_w, d)
+    # Sigma_w = c_w W (max |W| = 1): the ridge at (W, lam / c_w) has the same w_hat (v' = sqrt(c_w) v),
+    # and X F no longer over- or underflows with Sigma_w (1e308 I overflowed s^2 silently)
+    c_w = float(np.max(np.abs(S_w)))
+    F = F / math.sqrt(c_w)
     X, y, x_q = _regression(Z)
     s_x, s_y = _scales(Z[:, :d, :], (1, 2)), _scales(y, 1)
     X, x_q, y = X / s_x[:, None, None], x_q / s_x[:, None], y / s_y[:, None]
     U, s, Vt = np.linalg.svd(X @ F, full_matrices=False)
     keep = s > (max(X.shape[1:]) * np.finfo(float).eps * s[:, :1] if lam == 0 else 0.0)
-    with np.errstate(over="ignore"):                 # lam / s_x^2 = inf: the penalty wins, w' = 0
-        penalty = (lam / s_x / s_x)[:, None]
+    with np.errstate(over="ignore", under="ignore"):     # lam / s_x^2 = inf: the penalty wins, w' = 0
+        penalty = (lam / c_w / s_x / s_x)[:, None]
     shrink = np.divide(*((1.0, s) if lam == 0 else (s, s ** 2 + penalty)), out=np.zeros_like(s), where=keep)
     v = np.einsum("bkd,bk->bd", Vt, shrink * np.einsum("bnk,bn->bk", U, y))
     return s_y * np.einsum("bd,bd->b", v @ F.T, x_q)
@@ -139,8 +143,8 @@ def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True)
                                                                     n < d - 1 when noise_var > 0)
 
     plus noise_var when query_noise. Elsewhere the risk is infinite (n in d-1..d+1 with noise) or
-    has no closed form (n < d, anisotropic): a ValueError points to monte_carlo_risk.
-    Returns a float.
+    has no closed form (n < d, anisotropic): a ValueError points to monte_carlo_risk. A bias c s (d - n)
+    outside float64's normal range is a ValueError naming the scales. Returns a float.
     """
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
@@ -157,7 +161,12 @@ def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True)
     if c is None or s is None:
         raise ValueError("Sigma and Sigma_w must be multiples of the identity for n < d: the risk of the "
                          "minimum-norm interpolant has no closed form otherwise; use monte_carlo_risk")
-    return float(c * s * (d - n) + (noise_var * n / (d - n - 1) if noise_var > 0 else 0.0)) + query
+    with np.errstate(over="ignore", under="ignore"):
+        bias = c * s * (d - n)
+    if not np.finfo(np.float64).tiny <= bias < math.inf:        # c, s > 0: the bias is never 0 in the mathematics
+        raise ValueError(f"the bias c s (d - n) overflows float64 or underflows below its normal range "
+                         f"(Sigma = {c:.3g} I, Sigma_w = {s:.3g} I): rescale x or w_star")
+    return float(bias + (noise_var * n / (d - n - 1) if noise_var > 0 else 0.0)) + query
 
 
 @_numpy_rules

@@ -43,8 +43,8 @@ import scipy.linalg
 import scipy.optimize
 
 import icl_ref as ir
-from icl_ref import _array, _family_search, _int, _nonneg, _numpy_rules, _single_layer_moments, _spd, \
-    _task_covariance, _wishart_T
+from icl_ref import _array, _family_search, _int, _nonneg, _numpy_rules, _single_layer_loss, \
+    _single_layer_moments, _spd, _task_moment, _wishart_T
 
 __version__ = ir.__version__
 
@@ -76,6 +76,13 @@ MAX_LOOPS = 6
 # they vanish exactly for the rotations commuting with W; at the points polished here (|grad| ~ 1e-13)
 # the others are >= 1e-2, so any threshold between 1e-10 and 1e-3 gives the same dimension.
 ORBIT_RTOL = 1e-8
+# tied_local_minimum certifies a point only when its Newton decrement g^T H^-1 g / 2 on the orbit's normal
+# space (the second-order estimate of f(W) - f at the nearby critical point) is at most DECREMENT_RTOL f(W):
+# relative to the loss it minimises, so neither a huge W (f ~ 1e78, |grad| ~ 1e59) nor a small loss
+# (f ~ 1e-2 where the minimum is 1e-31, |grad| ~ 0.1) passes on the Hessian's sign alone.
+DECREMENT_RTOL = 1e-6
+# tied_local_minimum's Newton steps: each converges quadratically from L-BFGS-B's end, so a handful does
+MAX_NEWTON_STEPS = 100
 # The complex step of tied_hessian and per_sample_hessian_products: the imaginary part of a
 # holomorphic g(W + i h E) is h g'(W)E + O(h^3), with no cancellation, so any tiny h is exact.
 COMPLEX_STEP = 1e-30
@@ -103,6 +110,15 @@ def _square(name, W, d=None, complex_ok=False):
     if not np.all(np.isfinite(W)):
         raise ValueError(f"{name} must be finite")
     return W if np.iscomplexobj(W) else W.astype(np.float64)
+
+
+def _rtol(rtol):
+    """rtol as a float in (0, 1], else a TypeError/ValueError naming it (NaN would count nothing as zero)."""
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float, np.integer, np.floating)):
+        raise TypeError(f"rtol must be a real number, got {type(rtol).__name__}")
+    if not 0 < rtol <= 1:
+        raise ValueError(f"rtol must be finite, > 0 and <= 1, got {rtol}")
+    return float(rtol)
 
 
 def _spd_root(Sigma):
@@ -471,12 +487,18 @@ def _evaluator(L, n, d):
 def tied_population_loss(W, L, n, d, exact=False):
     """f(W) = E ||(I - W^T S)^L||_F^2, the tied sparse model's noiseless population loss at its
     whitened block W (whiten; MATH.md §14), from tied_loss_polynomial. W: (d, d), any real matrix. Returns a
-    float (rounding: ~1e-16 times the largest term, ~1e-14 at L = 4, n = 20); exact: the exact
+    float (rounding: ~1e-16 times the largest term, ~1e-14 at L = 4, n = 20; an overflow, |W| ~ 1e77 at
+    L = 2, is a ValueError naming max |W|); exact: the exact
     rational at W's float64 entries (each converted exactly), a Fraction (slow: seconds at L = 4)."""
     L, n, d = _sizes(L, n, d, MAX_LOOPS)
     W = _square("W", W, d)
     if not exact:
-        return float(_evaluator(L, n, d).loss(W))
+        with np.errstate(over="ignore", invalid="ignore"):
+            f = float(_evaluator(L, n, d).loss(W))
+        if not math.isfinite(f):
+            raise ValueError(f"f is not finite: float64 overflowed at max |W| = {np.max(np.abs(W)):.3g} (f grows like "
+                             f"||W||^{2 * L}); use exact=True or a smaller W")
+        return f
     Wf = [[Fraction(float(x)) for x in r] for r in W]
     WT = [list(r) for r in zip(*Wf)]
     cache = {}
@@ -530,7 +552,7 @@ def rotation_orbit_tangent(W, rtol=ORBIT_RTOL):
     commute with W (r = 0 at a I; r = 6 for d = 5 and a normal W with one or two equal rotation blocks).
     Singular values below rtol ||W||_F count as zero (a point a I + 1e-13 noise, where a descent to the
     family point ends, has orbit dimension 0)."""
-    W = _square("W", W)
+    W, rtol = _square("W", W), _rtol(rtol)
     d = W.shape[0]
     cols = []
     for i in range(d):
@@ -572,7 +594,7 @@ def rotation_normal_form(W, rtol=1e-8):
     (||W W^T - W^T W|| <= rtol ||W||^2), T is block diagonal: its real eigenvalues ascending, then one
     2 x 2 block [[alpha, beta], [-beta, alpha]] (beta > 0) per pair alpha +- i beta, by (alpha, beta);
     otherwise T is scipy's real Schur form. Returns T (d, d), O (d, d), normal (bool)."""
-    W = _square("W", W)
+    W, rtol = _square("W", W), _rtol(rtol)
     T, O = scipy.linalg.schur(W, output="real")
     d = W.shape[0]
     normal = bool(np.linalg.norm(W @ W.T - W.T @ W) <= rtol * max(np.linalg.norm(W) ** 2, 1e-300))
@@ -614,19 +636,34 @@ def tied_local_minimum(W0, L, n, d, newton_steps=4):
     Hessian restricted to the complement of the rotation orbit (the orbit directions are exact zeros
     of the Hessian at a critical point and would make it singular). The certificate, exact up to
     float64 rounding: the gradient's norm (rounding ~1e-13) and the reduced Hessian's eigenvalues
-    (all > 0: a strict local minimum modulo rotations, within |grad| / min eigenvalue of W).
+    (all > 0: a strict local minimum modulo rotations, within |grad| / min eigenvalue of W). A point is
+    certified (is_minimum) only when, besides, it is critical relative to the loss: f(W) > 0 and the
+    Newton decrement g_N^T H_N^-1 g_N / 2 (g_N, H_N the gradient and Hessian on the orbit's normal space;
+    the second-order estimate of f(W) minus f at the nearby critical point) is <= DECREMENT_RTOL f(W)
+    (1e-6). Where float64 cannot resolve f that finely (f ~ 1e-16 of its terms, as at n >~ 1e9) no point is
+    certified.
 
-    W0: (d, d). Returns a dict: W (the end point), loss, grad_norm, orbit_dim, reduced_eigenvalues,
+    W0: (d, d), finite; newton_steps: an int in [0, MAX_NEWTON_STEPS]. A loss, gradient or Hessian
+    that overflows float64 (||W|| ~ 1e38 at L = 2) raises a ValueError naming ||W||. Returns a dict: W
+    (the end point), loss, grad_norm, newton_decrement, orbit_dim, reduced_eigenvalues,
     T (W up to rotation, rotation_normal_form), O, normal, eigenvalues_W (of W, complex, sorted),
     antisymmetric_singular_values (of (W - W^T)/2), family_loss (f at a*_L I), relative_to_family
-    (loss / family_loss - 1), is_minimum (all reduced eigenvalues > 0)."""
+    (loss / family_loss - 1), is_minimum (all reduced eigenvalues > 0 and the decrement test)."""
     L, n, d = _sizes(L, n, d, MAX_LOOPS)
     W = _square("W0", W0, d)
+    newton_steps = _int("newton_steps", newton_steps, 0)
+    if newton_steps > MAX_NEWTON_STEPS:
+        raise ValueError(f"newton_steps must be <= {MAX_NEWTON_STEPS}, got {newton_steps}")
     ev = _evaluator(L, n, d)
 
     def fun(x):
-        f, g = ev.loss_and_grad(x.reshape(d, d))
-        return float(f), np.asarray(g, dtype=np.float64).ravel()
+        with np.errstate(over="ignore", invalid="ignore"):
+            f, g = ev.loss_and_grad(x.reshape(d, d))
+        f, g = float(f), np.asarray(g, dtype=np.float64).ravel()
+        if not (math.isfinite(f) and np.all(np.isfinite(g))):
+            raise ValueError(f"f or its gradient is not finite: float64 overflowed at ||W||_F = "
+                             f"{np.linalg.norm(x):.3g} (f grows like ||W||^{2 * L}); start nearer the family point")
+        return f, g
     res = scipy.optimize.minimize(fun, W.ravel(), jac=True, method="L-BFGS-B",
                                   options=dict(ftol=1e-16, gtol=1e-13, maxiter=20000, maxcor=30))
     W = res.x.reshape(d, d)
@@ -639,14 +676,23 @@ def tied_local_minimum(W0, L, n, d, newton_steps=4):
         step = C @ np.linalg.solve(C.T @ H @ C, C.T @ g)
         W = W - step.reshape(d, d)
     f, g = fun(W.ravel())
-    lam, _, r = reduced_hessian(W, L, n, d)
+    with np.errstate(over="ignore", invalid="ignore"):
+        H = tied_hessian(W, L, n, d)
+    if not np.all(np.isfinite(H)):
+        raise ValueError(f"the Hessian is not finite: float64 overflowed at ||W||_F = {np.linalg.norm(W):.3g}")
+    C = orbit_complement(W)
+    lam, V = np.linalg.eigh(C.T @ H @ C)
+    r = d * d - C.shape[1]
+    q = (C @ V).T @ g
+    decrement = float(np.sum(q ** 2 / lam) / 2) if lam.size == 0 or lam[0] > 0 else math.inf
     T, O, normal = rotation_normal_form(W)
     a, _, f_family = optimal_tied_family(L, n, d)
-    return dict(W=W, loss=f, grad_norm=float(np.linalg.norm(g)), orbit_dim=r, reduced_eigenvalues=lam,
+    return dict(W=W, loss=f, grad_norm=float(np.linalg.norm(g)), newton_decrement=decrement, orbit_dim=r,
+                reduced_eigenvalues=lam,
                 T=T, O=O, normal=normal, eigenvalues_W=np.sort_complex(np.linalg.eigvals(W)),
                 antisymmetric_singular_values=np.linalg.svd((W - W.T) / 2, compute_uv=False),
                 family_a=a, family_loss=f_family, relative_to_family=f / f_family - 1,
-                is_minimum=bool(lam.size == 0 or lam[0] > 0))
+                is_minimum=bool((lam.size == 0 or lam[0] > 0) and f > 0 and decrement <= DECREMENT_RTOL * f))
 
 
 @_numpy_rules
@@ -958,12 +1004,10 @@ def mc_certificate(W, S, L, control=None, C=None, chunk=20000):
 # ---------------------------------------------------------------------------------------------
 
 def _one_layer_field(u, U, Sigma, K, E_hw):
-    """(L - L(0), dL/du, dL/dU) of the layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] through
-    Gamma = u U: grad_Gamma = 2 (K Gamma Sigma - E[h w^T] Sigma) (MATH.md §8, §14)."""
-    Gamma = u * U
-    G = 2 * (K @ Gamma @ Sigma - E_hw @ Sigma)
-    excess = np.trace(Sigma @ Gamma.T @ K @ Gamma) - 2 * np.trace(Sigma @ Gamma.T @ E_hw)
-    return excess, float(np.sum(G * U)), u * G
+    """(dL/du, dL/dU) of the layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] through Gamma = u U:
+    grad_Gamma = 2 (K Gamma Sigma - E[h w^T] Sigma) (MATH.md §8, §14)."""
+    G = 2 * (K @ (u * U) @ Sigma - E_hw @ Sigma)
+    return float(np.sum(G * U)), u * G
 
 
 def _one_layer_hessian(u, U, Sigma, K, E_hw):
@@ -977,12 +1021,28 @@ def _one_layer_hessian(u, U, Sigma, K, E_hw):
                      [cross[:, None], 2 * u ** 2 * np.kron(K, Sigma)]])
 
 
-def _noiseless_moments(Sigma, n, Sigma_w):
-    """(Sigma, Sigma_w, K, E[h w^T]) of MATH.md §8, checked, for noiseless labels."""
+def _scaled_moments(Sigma, n, Sigma_w):
+    """Checked (n, Sigma, c, S, (W, w), K, E[h w^T]) for noiseless labels: Sigma = c S and
+    Sigma_w = w W with max entries 1, K and E[h w^T] those of (S, W) (MATH.md §8), so that no product
+    of entries under- or overflows; the loss at (Sigma, Sigma_w) is c w times that at (S, W) with
+    Gamma scaled by c (MATH.md §14)."""
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
-    Sigma_w = _task_covariance(Sigma_w, Sigma.shape[0])[0]
-    return (Sigma, Sigma_w, *_single_layer_moments(Sigma, n, Sigma_w, 0.0))
+    W, w = _task_moment(Sigma_w, None, Sigma.shape[0])
+    c = float(np.max(np.abs(Sigma)))
+    S = Sigma / c
+    return (n, Sigma, c, S, (W, w), *_single_layer_moments(S, n, W, 0.0))
+
+
+def _in_range(name, value, factors, c, w):
+    """value itself unless it is not finite or its scale (the product of the nonzero factors, taken
+    in logarithms) is below float64's normal range: then a ValueError naming the scales."""
+    tiny = np.finfo(np.float64).tiny
+    if np.all(np.isfinite(value)) and not (all(f > 0 for f in factors)
+                                           and sum(math.log(f) for f in factors) < math.log(tiny)):
+        return value
+    raise ValueError(f"{name} overflows float64 or underflows below its normal range: max |Sigma| = {c:.3g}, "
+                     f"max |Sigma_w| = {w:.3g}; rescale x or w_star")
 
 
 @_numpy_rules
@@ -990,16 +1050,36 @@ def one_layer_population_grad(u, U, Sigma, n, Sigma_w=None):
     """Exact population loss of one layer P = u e_d e_d^T, Q = -[[U, 0], [0, 0]] (noiseless
     labels; Zhang, Frei and Bartlett's value scalar and key-query block) and its gradient in (u, U),
     the chain rule of icl_ref.single_layer_population_loss through Gamma = u U (MATH.md §14).
+    Scale-free: the loss is icl_ref's (a sum of squares, right at any scale and n); the gradient is
+    computed at Sigma / max |Sigma|, Sigma_w / max |Sigma_w| and rescaled. A loss or gradient outside
+    float64's normal range is a ValueError naming the scales (at Gamma = Gamma*, |dU| ~ max |Sigma|^2:
+    refused below ~1e-154 and above ~1e154).
     u: float; U: (d, d); Sigma, Sigma_w: (d, d) SPD. Returns (loss, du (float), dU (d, d)); the
     gradient of icl_ref.full_layer_population_loss in every other entry of (P, Q) is 0 there.
     """
     u = float(_array("u", u, 0))
-    Sigma, Sigma_w, K, E_hw = _noiseless_moments(Sigma, n, Sigma_w)
+    n, Sigma, c, S, (W, w), K, E_hw = _scaled_moments(Sigma, n, Sigma_w)
     U = _array("U", U, 2)
     if U.shape != Sigma.shape:
         raise ValueError(f"U must have shape {Sigma.shape} to match Sigma, got {U.shape}")
-    excess, du, dU = _one_layer_field(u, U, Sigma, K, E_hw)
-    return float(excess + np.trace(Sigma @ Sigma_w)), du, dU
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):      # checked below
+        Gamma = u * U
+        KGS, ES = K @ (c * Gamma) @ S, E_hw @ S
+        g = 2 * (KGS - ES)                                      # grad_Gamma / (c^2 w)
+        du = c * w * float(np.sum(g * (c * U)))
+        dU = (c * w) * (c * u) * g
+    if not np.all(np.isfinite(Gamma)):
+        raise ValueError(f"u U overflows float64 (|u| = {abs(u):.3g}, max |U| = {np.max(np.abs(U)):.3g})")
+    loss = _single_layer_loss(Gamma, Sigma, (W, w), Sigma, n, 0.0, False)
+    gmax = 2 * max(float(np.max(np.abs(KGS))), float(np.max(np.abs(ES))))    # g's terms (g ~ 0 at Gamma*)
+    du = _in_range("the gradient du", du, [c, c, w, gmax, float(np.max(np.abs(U)))], c, w)
+    dU = _in_range("the gradient dU", dU, [c, c, w, gmax, abs(u)], c, w)
+    return loss, float(du), dU
+
+
+# one_layer_gradient_flow refuses a start sigma above MAX_START_RATIO times the rest scale |Gamma*|^(1/2):
+# LSODA's cost grows slowly up to ~1e12 (4.5e3 evaluations) and it fails at 1e16
+MAX_START_RATIO = 1e10
 
 
 def _tolerance(rtol):
@@ -1033,7 +1113,7 @@ def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1
     gamma_star(Sigma, n, Sigma_w) (for Sigma_w = I the initial scale below which their Theorem 4.1
     proves convergence), nfev.
     """
-    Sigma, Sigma_w, K, E_hw = _noiseless_moments(Sigma, n, Sigma_w)
+    n, Sigma, c, S, (W, w), K, E_hw = _scaled_moments(Sigma, n, Sigma_w)
     d = Sigma.shape[0]
     sigma = _nonneg("sigma", sigma)
     if sigma == 0:
@@ -1047,34 +1127,46 @@ def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1
     rtol = _tolerance(rtol)
     Theta = Theta / np.max(np.abs(Theta))               # Theta Theta^T neither over- nor underflows
     M = Theta @ Theta.T
-    y0 = sigma * np.r_[1.0, (M / np.linalg.norm(M)).ravel()]
-    # the state's scale from start to rest (u^2 ~ |U| ~ |Gamma*|^(1/2) at rest): an absolute tolerance
-    # below 1e-2 rtol of it would ask for less than the field's own rounding there, and the implicit
-    # steps would shrink without end once the flow rests
-    scale = max(sigma, math.sqrt(np.max(np.abs(np.linalg.solve(K, E_hw)))))
+    # scale-free (MATH.md §14): with Sigma = c S, Sigma_w = w W, the loss is c w l(c u U), l that of (S, W),
+    # so (u~, U~) = sqrt(c) (u, U) follows the flow of l at the rate c^2 w: d(u~, U~)/dt = -c^2 w grad l
+    root = math.sqrt(c)
+    with np.errstate(over="ignore", under="ignore"):
+        s0, rate = sigma * root, c * c * w
+    rest = math.sqrt(np.max(np.abs(np.linalg.solve(K, E_hw))))     # |u~| ~ |Gamma~*|^(1/2) at rest
+    if not (0 < s0 < math.inf and rate < math.inf):
+        raise ValueError(f"the flow's scaled start sigma sqrt(c) = {s0:.3g} or rate c^2 w do not fit float64 "
+                         f"(c = max |Sigma| = {c:.3g}, w = max |Sigma_w| = {w:.3g}): rescale x or w_star")
+    if s0 > MAX_START_RATIO * rest:
+        raise ValueError(f"sigma = {sigma:.3g} is {s0 / rest:.3g} times the rest scale |Gamma*|^(1/2) = {rest / root:.3g} "
+                         f"(max |Sigma| = {c:.3g}): the flow's rates span the square of that and LSODA fails beyond "
+                         f"~1e12; start below {MAX_START_RATIO:.0e} times it")
+    y0 = s0 * np.r_[1.0, (M / np.linalg.norm(M)).ravel()]
+    # the state's scale from start to rest: an absolute tolerance below 1e-2 rtol of it would ask for
+    # less than the field's own rounding there, and the implicit steps would shrink without end once the flow rests
+    scale = max(s0, rest)
 
     def field(_, y):
-        _, du, dU = _one_layer_field(y[0], y[1:].reshape(d, d), Sigma, K, E_hw)
-        return -np.r_[du, dU.ravel()]
+        du, dU = _one_layer_field(y[0], y[1:].reshape(d, d), S, K, E_hw)
+        return -rate * np.r_[du, dU.ravel()]
 
     def jacobian(_, y):
-        return -_one_layer_hessian(y[0], y[1:].reshape(d, d), Sigma, K, E_hw)
+        return -rate * _one_layer_hessian(y[0], y[1:].reshape(d, d), S, K, E_hw)
     ys = y0[:, None]
     if t[-1] > 0:
         with np.errstate(over="ignore", invalid="ignore"):
             sol = scipy.integrate.solve_ivp(field, (0.0, t[-1]), y0, method="LSODA", t_eval=t, rtol=rtol,
                                             atol=rtol * 1e-2 * scale, jac=jacobian)
         if not np.all(np.isfinite(sol.y)):
-            raise ValueError(f"the flow overflowed float64 (sigma = {sigma:.3g}, max |Sigma| = "
-                             f"{np.max(np.abs(Sigma)):.3g}): start smaller or rescale x")
+            raise ValueError(f"the flow overflowed float64 (sigma = {sigma:.3g}, max |Sigma| = {c:.3g}): start smaller "
+                             f"or rescale x")
         if not sol.success:
             raise ValueError(f"solve_ivp failed: {sol.message}")
         ys = sol.y
-    u, U = ys[0], ys[1:].T.reshape(-1, d, d)
-    Gamma = u[:, None, None] * U
-    base = np.trace(Sigma @ Sigma_w)
-    loss = np.array([base + _one_layer_field(1.0, G, Sigma, K, E_hw)[0] for G in Gamma])
-    gamma_inv = np.linalg.solve(E_hw, K)                       # Gamma*^-1 = (Sigma Sigma_w)^-1 K
-    return dict(t=t, u=u, U=U, Gamma=Gamma, loss=loss, invariant=u ** 2 - np.sum(U ** 2, axis=(1, 2)),
-                sigma_bound=math.sqrt(2 / (math.sqrt(d) * np.linalg.norm(gamma_inv, 2))),
+    u, U = ys[0] / root, ys[1:].T.reshape(-1, d, d) / root
+    Gamma = ys[0][:, None, None] * ys[1:].T.reshape(-1, d, d) / c
+    loss = np.array([_single_layer_loss(G, Sigma, (W, w), Sigma, n, 0.0, False) for G in Gamma])
+    gamma_inv = np.linalg.solve(E_hw, K)                       # Gamma~*^-1 = (S W)^-1 K; Gamma*^-1 = c times it
+    return dict(t=t, u=u, U=U, Gamma=Gamma, loss=loss,
+                invariant=(ys[0] ** 2 - np.sum(ys[1:] ** 2, axis=0)) / c,
+                sigma_bound=math.sqrt(2 / (math.sqrt(d) * np.linalg.norm(gamma_inv, 2))) / root,
                 nfev=int(sol.nfev) if t[-1] > 0 else 0)

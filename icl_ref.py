@@ -1349,19 +1349,30 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
     return G
 
 
+def _psd_root(A):
+    """The PSD square root of a symmetric PSD A (negative rounding eigenvalues clipped to 0)."""
+    lam, V = np.linalg.eigh((A + A.T) / 2)
+    return (V * np.sqrt(np.clip(lam, 0.0, None))) @ V.T
+
+
 def _single_layer_loss(Gamma, Sigma, moment, Sigma_q, n, noise_var, query_noise):
     """E (y_hat - y_q)^2 of the sparse layer A_0 = Gamma (MATH.md §8), checked arguments: context
     x ~ N(0, Sigma), query x_q ~ N(0, Sigma_q), E[w_star w_star^T] = M = w W as moment = (W, w),
     label noise noise_var: L = tr(Sigma_q Gamma^T K Gamma) - 2 tr(Sigma_q Gamma^T Sigma M) + tr(Sigma_q M)
     (+ noise_var). Scale-free: with Sigma = c S, Sigma_q = c_q T (largest entries 1), G = c Gamma,
-    L = c_q w [tr(T G^T K' G) - 2 tr(T G^T S W) + tr(T W)], K' being K of (S, W) with the noise
-    noise_var / (c w). A loss outside float64's normal range is a ValueError naming the scale."""
+    L = c_q w [...] with the noise noise_var / (c w). Without cancellation: the bracket is the sum of
+    three squares (MATH.md §8), |W^1/2 (S G - I) T^1/2|^2 + |W^1/2 S G T^1/2|^2 / n
+    + (tr(W S) + noise) |S^1/2 G T^1/2|^2 / n, each computed to a few eps relative, so the loss is
+    right to ~1e-14 relative at every n (the expanded form's O(1) terms cancelled to n eps relative:
+    100% at n = 2^53). A loss outside float64's normal range is a ValueError naming the scale."""
     (W, w), c, c_q = moment, np.max(np.abs(Sigma)), np.max(np.abs(Sigma_q))
     S, T, G = Sigma / c, Sigma_q / c_q, c * Gamma
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):       # checked below
         noise = noise_var / c / w if noise_var else 0.0
-        K, E_hw = _single_layer_moments(S, n, W, noise)
-        excess = np.trace(T @ G.T @ K @ G) - 2 * np.trace(T @ G.T @ E_hw) + np.trace(T @ W)
+        Wh, Th = _psd_root(W), _psd_root(T)
+        SGT = S @ G @ Th
+        excess = (np.sum((Wh @ (S @ G - np.eye(len(S))) @ Th) ** 2) + np.sum((Wh @ SGT) ** 2) / n
+                  + (np.trace(W @ S) + noise) / n * np.sum((_psd_root(S) @ G @ Th) ** 2))
         loss = c_q * w * excess + (noise_var if query_noise else 0.0)
     if loss != 0 and not np.finfo(np.float64).tiny <= abs(loss) < math.inf:
         raise ValueError(f"the loss ({loss:.3g}) overflows float64 or underflows below its normal range: "
@@ -1429,11 +1440,12 @@ def full_layer_population_loss(P, Q, Sigma, n, Sigma_w=None):
     b = np.einsum("nkij,nhi->nkhj", K, Su)                       # b[k, h] = K_k^T Sigma u_h
     a = np.einsum("nhhj->nj", b)
     trace = np.einsum("nhij,nkij->nhk", K @ Sigma, Sigma @ K)    # tr(K_h Sigma K_k^T Sigma)
-    Sw = w @ Sigma
     with np.errstate(over="ignore", invalid="ignore"):
-        integrand = (np.einsum("ni,ij,nj->n", a, Sigma, a) + np.einsum("nkhi,ij,nhkj->n", b, Sigma, b) / n
-                     + np.einsum("nhk,nhi,nki->n", trace, Su, u) / n + 2 * np.sum(Sw * a, axis=1)
-                     + np.sum(Sw * w, axis=1))
+        # a^T Sigma a + 2 w^T Sigma a + w^T Sigma w = (a + w)^T Sigma (a + w): its O(1) terms cancel
+        # to O(1/n) near the optimum, n eps relative when summed (100% at n = 2^53); the square does not
+        r = a + w
+        integrand = (np.einsum("ni,ij,nj->n", r, Sigma, r) + np.einsum("nkhi,ij,nhkj->n", b, Sigma, b) / n
+                     + np.einsum("nhk,nhi,nki->n", trace, Su, u) / n)
         loss = weight @ integrand
     _finite({"the loss": loss}, P=P, Q=Q, Sigma=Sigma)
     return float(loss)
@@ -1706,11 +1718,29 @@ def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
     return a, b, family_population_loss(a, n, d, b, noise_var=noise_var)
 
 
+# The family descents refuse n beyond MAX_FAMILY_N: the loss at the Gauss nodes (eigenvalues 1 +- O(n^-1/2))
+# falls like n^-L from O(1) terms, so float64 forms it to ~n eps relative, and the relative stationarity test of
+# _family_descent is met within rounding only while n eps << 1 (at n = 1e15, n eps = 0.1, the optima agree with
+# the exact loss; at 2^53 a stopped at 0.83 with a loss 1e13 times a = 1's)
+MAX_FAMILY_N = 10 ** 15
+# family_local_minimum's single descent from an arbitrary start is measured to hold only to n = 1e9: from
+# a = 0.5 1_3 (d = 2) it stops at a = 1.0000243, 40 times the symmetric minimum's loss, at n = 1e10
+MAX_LOCAL_FAMILY_N = 10 ** 9
+
+
+def _family_n(n, bound=MAX_FAMILY_N):
+    n = _int("n", n, 1)
+    if n > bound:
+        raise ValueError(f"n must be <= {bound:.0e} for the family descent: its loss is formed to ~n eps "
+                         f"relative in float64 (n eps = {n * 2.0 ** -52:.2g}), got {n}")
+    return n
+
+
 def _family_search(L, n, d, blocks, noise_var, starts, rng, tied=False):
     """The theta of the lowest of `starts` descents of the exact family loss (_family_descent) from
     a ~ U(0, 2), b ~ U(0, 1.5) drawn from rng (default seed 0), one (a, b) per layer or, tied, one
     for all; returns it and the checked (L, n, d, noise_var)."""
-    L, n, d = _int("L", L, 1), _int("n", n, 1), _int("d", d, 1)
+    L, n, d = _int("L", L, 1), _family_n(n), _int("d", d, 1)
     noise_var, blocks = _nonneg("noise_var", noise_var), _flag("blocks", blocks)
     starts = _int("starts", starts, 1)
     rng = np.random.default_rng(0) if _rng(rng, optional=True) is None else rng
@@ -1736,6 +1766,7 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     family_population_loss at the optimum (exact rationals). Starts: a_l ~ U(0, 2), b_l ~ U(0, 1.5)
     from rng (default seed 0). Returns (a (L,), b (L,) or None, loss); b[L-1] is NaN since B_{L-1}
     does not enter ([A] footnote 4); the sparse family's a is sorted (Lemma 4: the loss is symmetric).
+    n <= MAX_FAMILY_N (1e15): beyond, float64 cannot resolve the loss the descent minimises (ValueError).
     """
     best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng)
     return _family_result(best, L, n, d, blocks, noise_var, sort=not blocks)
@@ -1746,10 +1777,10 @@ def family_local_minimum(a, n, d, b=None, noise_var=0.0):
     """The local minimum of the exact family loss (family_population_loss) whose basin holds the start
     (a, b): one L-BFGS-B descent on the exact Gauss rule, as in optimal_family_scalars (MATH.md §10).
     Tells which population minimum a trained model's fitted scalars belong to (the blocks family has
-    more than one). a, b: (L,) (b[L-1] ignored; b None: the sparse family).
+    more than one). a, b: (L,) (b[L-1] ignored; b None: the sparse family); n <= MAX_LOCAL_FAMILY_N (1e9).
     Returns (a (L,), b (L,) with b[L-1] = NaN, or None, loss)."""
     a, b_full = _family_scalars(a, b)
-    n, d = _int("n", n, 1), _int("d", d, 1)
+    n, d = _family_n(n, MAX_LOCAL_FAMILY_N), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
     L, blocks = a.size, b is not None
     theta0 = np.r_[a, b_full[:-1]] if blocks else a

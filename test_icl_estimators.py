@@ -329,3 +329,24 @@ def test_estimators_work_under_a_strict_caller_at_any_scale():
         expected = {name: call() for name, call in calls().items()}
     assert np.all(np.isfinite(expected["ridge_predict"]))
     assert_close(expected["ridge_predict"] / 1e-160, est.ridge_predict(Z), rel=1e-12)
+
+
+def test_ridge_and_bayes_are_right_at_any_scale_of_the_prior():
+    # hostile round 7, H7: Sigma_w = 1e308 I overflowed s^2 with only a RuntimeWarning and returned a wrong
+    # prediction. The ridge at (c_w W, lam) is the ridge at (W, lam / c_w) exactly in the mathematics;
+    # computed so, the two sides run the same float operations up to the penalty's rounding: 1e-12
+    Z, _ = ir.sample_prompts(np.random.default_rng(3), 3, 6, np.eye(3))
+    with np.errstate(over="raise", invalid="raise"):      # an overflow is an error, not a warning
+        for c in (1e308, 1e-300):
+            expected = est.ridge_predict(Z, 1.0 / c)
+            np.testing.assert_allclose(est.ridge_predict(Z, 1.0, c * np.eye(3)), expected, rtol=1e-12)
+            np.testing.assert_allclose(est.bayes_predict(Z, c * np.eye(3), 1.0), expected, rtol=1e-12)
+
+
+def test_ols_risk_is_right_at_any_scale_or_says_it_cannot_be():
+    # hostile round 7, M4: c s (d - n) overflowed to inf at 1e200 I (both) and underflowed to 0.0 at 1e-200,
+    # silently; now refused by name. Inside the range it is the closed form, exact to one rounding (1e-15)
+    for c in (1e200, 1e-200):
+        with pytest.raises(ValueError, match="normal range"):
+            est.ols_population_risk(1, c * np.eye(3), c * np.eye(3))
+    assert est.ols_population_risk(1, 1e100 * np.eye(3), 1e-100 * np.eye(3)) == pytest.approx(2.0, rel=1e-15, abs=0)

@@ -519,6 +519,42 @@ def test_descent_from_a_random_tilt_of_the_family_point(L):
         assert diff.mean() < -Z_MC * se and abs(diff.mean() - (m["loss"] - m["family_loss"])) <= Z_MC * se
 
 
+def test_certificate_needs_a_critical_point_relative_to_the_loss():
+    # hostile round 7, H2: the reduced Hessian's sign alone certified points far from critical. At
+    # 1e20 I, L-BFGS-B does not move (f ~ 2.6e78, |grad| ~ 3.7e59, decrement ~ 0.7 f); at 1e100 I, f overflows
+    m = lp.tied_local_minimum(1e20 * np.eye(2), 2, 5, 2)
+    assert not m["is_minimum"] and m["newton_decrement"] > 1e-6 * m["loss"]
+    with pytest.raises(ValueError, match=r"overflowed at \|\|W\|\|_F = 1.41e\+100"):
+        lp.tied_local_minimum(1e100 * np.eye(2), 2, 5, 2)
+    # n = 2^53: f's terms (O(1)) cancel to ~1e-31, float64 cannot resolve it, and the end point
+    # (f ~ 0.013, |grad| ~ 0.13) was returned as certified; n = 1e9: f ~ 1.6e-15, 33x the family's
+    # 4.6e-17 (rounding of the terms), certified. Now neither is; at n = 1e6 the minimum is
+    # certified, its decrement (~1e-25) far below 1e-6 f (~4e-17)
+    assert lp.tied_minima_from_family(2, 10 ** 9, 2) == []
+    with pytest.raises(ValueError, match="n must be <= 1e\\+15 for the family descent"):    # H5: refused since
+        lp.tied_minima_from_family(2, 2 ** 53, 2)
+    ms = lp.tied_minima_from_family(2, 10 ** 6, 2)
+    assert len(ms) == 1 and ms[0]["newton_decrement"] <= 1e-6 * ms[0]["loss"] and ms[0]["relative_to_family"] < 0
+    # a genuine minimum still passes: decrement ~1e-31 against f ~ 0.49
+    assert lp.tied_local_minimum(0.5 * np.eye(2), 2, 5, 2)["is_minimum"]
+    for bad, err in [(-1, ValueError), (True, TypeError), (2.0, TypeError), (10 ** 6, ValueError)]:
+        with pytest.raises(err, match="newton_steps"):
+            lp.tied_local_minimum(np.eye(2), 2, 5, 2, newton_steps=bad)
+    for bad, err in [(math.nan, ValueError), (0.0, ValueError), (-1e-8, ValueError), (math.inf, ValueError),
+                     ("x", TypeError)]:
+        for f in (lp.rotation_orbit_tangent, lp.orbit_complement, lp.rotation_normal_form):
+            with pytest.raises(err, match="rtol"):
+                f(np.eye(2), rtol=bad)
+
+
+def test_tied_loss_overflow_is_refused_by_name():
+    # hostile round 7, M2: f(1e200 I) came out NaN (inf - inf among the polynomial's terms), silently
+    with pytest.raises(ValueError, match="overflowed at"):
+        lp.tied_population_loss(1e200 * np.eye(2), 2, 5, 2)
+    f = lp.tied_population_loss(0.5 * np.eye(2), 2, 5, 2)
+    assert f == pytest.approx(float(lp.tied_population_loss(0.5 * np.eye(2), 2, 5, 2, exact=True)), rel=1e-13, abs=0)
+
+
 def test_orbit_and_normal_form():
     assert lp.rotation_orbit_tangent(0.7 * np.eye(D)).shape == (D * D, 0)
     rng = np.random.default_rng(5)
@@ -682,6 +718,36 @@ def test_the_flows_cost_stops_growing_once_it_has_converged():
     runs = {T: lp.one_layer_gradient_flow(Sigma, 20, 0.1, np.geomspace(1e-2, T, 20)) for T in (1e3, 1e6, 1e12)}
     assert max(r["nfev"] for r in runs.values()) <= 1.5 * runs[1e3]["nfev"], {T: r["nfev"] for T, r in runs.items()}
     assert np.max(np.abs(runs[1e12]["Gamma"][-1] - G_star)) <= 1e-10 * np.max(np.abs(G_star))
+
+
+def test_one_layer_loss_and_flow_are_right_at_any_scale_of_sigma_or_say_they_cannot_be():
+    # hostile round 7, H3: the loss's O(1) terms, products of entries of c S, underflowed at
+    # c = 1e-170 (-1.06e-170 for +1.22e-170) and overflowed to NaN at 1e160. Now icl_ref's sum of
+    # squares: L(Gamma*(c S); c S) = c L(Gamma*(S); S) in the mathematics, to 1e-12 (O(100) roundings);
+    # the gradient dU ~ c^2 leaves float64's normal range beyond c ~ 1e+-154 and is refused by name
+    rng = np.random.default_rng(135)
+    S, _ = ir.rotated_covariance(rng, [0.5, 1.0, 2.0])
+    unit, du1, dU1 = lp.one_layer_population_grad(1.0, ir.gamma_star(S, 7), S, 7)
+    for c in (1e-150, 1e150):
+        loss, du, dU = lp.one_layer_population_grad(1.0, ir.gamma_star(c * S, 7), c * S, 7)
+        assert loss > 0 and abs(loss / c - unit) <= 1e-12 * unit, c
+        U = np.diag([1.0, 2.0, 3.0]) / c                              # Gamma = U: du ~ c, dU ~ c^2 (1 at c = 1)
+        _, du, dU = lp.one_layer_population_grad(1.0, U, c * S, 7)
+        _, du1, dU1 = lp.one_layer_population_grad(1.0, U * c, S, 7)
+        assert abs(du / c - du1) <= 1e-12 * abs(du1) and np.max(np.abs(dU / c ** 2 - dU1)) <= 1e-12 * np.max(np.abs(dU1))
+    for c in (1e-170, 1e160):
+        with pytest.raises(ValueError, match="underflows below its normal range: max \\|Sigma\\| = 1.53e"):
+            lp.one_layer_population_grad(1.0, ir.gamma_star(c * S, 7), c * S, 7)
+    # the flow is scale-free too: (u, U) sqrt(c) follows the unit flow in the time c^2 t (1e-9: the
+    # solver's rtol 1e-12 over ~1.5e3 steps, as in the other flow tests); a start 1e24 times the rest
+    # scale (sigma = 0.1 at c = 1e50, which ran > 40 s) is refused, not integrated
+    flow = lp.one_layer_gradient_flow(S, 7, 0.1, [0.0, 1.0, 10.0])
+    for c in (1e-50, 1e50):
+        scaled = lp.one_layer_gradient_flow(c * S, 7, 0.1 / math.sqrt(c), np.array([0.0, 1.0, 10.0]) / c ** 2)
+        assert_allclose(scaled["Gamma"] * c, flow["Gamma"], rtol=1e-9, atol=1e-12)
+        assert_allclose(scaled["loss"] / c, flow["loss"], rtol=1e-9)
+    with pytest.raises(ValueError, match="times the rest scale"):
+        lp.one_layer_gradient_flow(1e50 * S, 7, 0.1, [0.0, 1.0])
 
 
 def test_the_flow_from_a_tiny_or_huge_theta_is_the_flow_from_its_direction():
