@@ -802,8 +802,8 @@ MUTANTS = [
     ('r5-files-bad-status-accepted', 'icl_files.py', 'Folder.save', 'if status is not None and status not in STATUSES:',
      'if False:', 'a record saved with a status no reader knows'),
     # r5: icl_estimators: the estimators, least squares' risk, monte_carlo_risk's standard error
-    ('r5-ridge-penalty-unscaled', 'icl_estimators.py', 'ridge_predict', 'penalty = (lam / s_x / s_x)[:, None]',
-     'penalty = (lam + 0 * s_x)[:, None]', 'the ridge penalty not rescaled with the data (wrong lam away from unit scale)'),
+    ('r5-ridge-penalty-unscaled', 'icl_estimators.py', 'ridge_predict', 'penalty = (lam / c_w / s_x / s_x)[:, None]',
+     'penalty = (lam / c_w + 0 * s_x)[:, None]', 'the ridge penalty not rescaled with the data (wrong lam away from unit scale)'),
     ('r5-ridge-metric-transposed', 'icl_estimators.py', 'ridge_predict', 'v @ F.T, x_q',
      'v @ F, x_q', "w = F v taken as F^T v: the prior's metric transposed"),
     ('r5-bayes-prior-dropped', 'icl_estimators.py', 'bayes_predict', 'return ridge_predict(Z, _nonneg("noise_var", noise_var), Sigma_w)',
