@@ -1720,9 +1720,10 @@ def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
 
 # The family descents refuse n beyond MAX_FAMILY_N: the loss at the Gauss nodes (eigenvalues 1 +- O(n^-1/2))
 # falls like n^-L from O(1) terms, so float64 forms it to ~n eps relative, and the relative stationarity test of
-# _family_descent is met within rounding only while n eps << 1 (at n = 1e15, n eps = 0.1, the optima agree with
-# the exact loss; at 2^53 a stopped at 0.83 with a loss 1e13 times a = 1's)
-MAX_FAMILY_N = 10 ** 15
+# _family_descent is met within rounding only while n eps << 1 (at n = 1e14 the optima agree with the exact loss
+# under every SciPy supported; at 1e15, n eps = 0.1, SciPy 1.11's L-BFGS-B stopped 70 times above a = 1's loss;
+# at 2^53 a stopped at 0.83 with a loss 1e13 times a = 1's)
+MAX_FAMILY_N = 10 ** 14
 # family_local_minimum's single descent from an arbitrary start is measured to hold only to n = 1e9: from
 # a = 0.5 1_3 (d = 2) it stops at a = 1.0000243, 40 times the symmetric minimum's loss, at n = 1e10
 MAX_LOCAL_FAMILY_N = 10 ** 9
@@ -1766,7 +1767,7 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     family_population_loss at the optimum (exact rationals). Starts: a_l ~ U(0, 2), b_l ~ U(0, 1.5)
     from rng (default seed 0). Returns (a (L,), b (L,) or None, loss); b[L-1] is NaN since B_{L-1}
     does not enter ([A] footnote 4); the sparse family's a is sorted (Lemma 4: the loss is symmetric).
-    n <= MAX_FAMILY_N (1e15): beyond, float64 cannot resolve the loss the descent minimises (ValueError).
+    n <= MAX_FAMILY_N (1e14): beyond, float64 cannot resolve the loss the descent minimises (ValueError).
     """
     best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng)
     return _family_result(best, L, n, d, blocks, noise_var, sort=not blocks)
