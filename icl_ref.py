@@ -1360,11 +1360,9 @@ def _single_layer_loss(Gamma, Sigma, moment, Sigma_q, n, noise_var, query_noise)
     x ~ N(0, Sigma), query x_q ~ N(0, Sigma_q), E[w_star w_star^T] = M = w W as moment = (W, w),
     label noise noise_var: L = tr(Sigma_q Gamma^T K Gamma) - 2 tr(Sigma_q Gamma^T Sigma M) + tr(Sigma_q M)
     (+ noise_var). Scale-free: with Sigma = c S, Sigma_q = c_q T (largest entries 1), G = c Gamma,
-    L = c_q w [...] with the noise noise_var / (c w). Without cancellation: the bracket is the sum of
-    three squares (MATH.md §8), |W^1/2 (S G - I) T^1/2|^2 + |W^1/2 S G T^1/2|^2 / n
-    + (tr(W S) + noise) |S^1/2 G T^1/2|^2 / n, each computed to a few eps relative, so the loss is
-    right to ~1e-14 relative at every n (the expanded form's O(1) terms cancelled to n eps relative:
-    100% at n = 2^53). A loss outside float64's normal range is a ValueError naming the scale."""
+    L = c_q w [...] with the noise noise_var / (c w), the bracket a sum of three squares (MATH.md §8),
+    |W^1/2 (S G - I) T^1/2|^2 + |W^1/2 S G T^1/2|^2 / n + (tr(W S) + noise) |S^1/2 G T^1/2|^2 / n: no
+    cancellation at any n. A loss outside float64's normal range is a ValueError naming the scale."""
     (W, w), c, c_q = moment, np.max(np.abs(Sigma)), np.max(np.abs(Sigma_q))
     S, T, G = Sigma / c, Sigma_q / c_q, c * Gamma
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):       # checked below
@@ -1718,15 +1716,9 @@ def _family_result(theta, L, n, d, blocks, noise_var, sort=False):
     return a, b, family_population_loss(a, n, d, b, noise_var=noise_var)
 
 
-# The family descents refuse n beyond MAX_FAMILY_N: the loss at the Gauss nodes (eigenvalues 1 +- O(n^-1/2))
-# falls like n^-L from O(1) terms, so float64 forms it to ~n eps relative, and the relative stationarity test of
-# _family_descent is met within rounding only while n eps << 1 (at n = 1e14 the optima agree with the exact loss
-# under every SciPy supported; at 1e15, n eps = 0.1, SciPy 1.11's L-BFGS-B stopped 70 times above a = 1's loss;
-# at 2^53 a stopped at 0.83 with a loss 1e13 times a = 1's)
-MAX_FAMILY_N = 10 ** 14
-# family_local_minimum's single descent from an arbitrary start is measured to hold only to n = 1e9: from
-# a = 0.5 1_3 (d = 2) it stops at a = 1.0000243, 40 times the symmetric minimum's loss, at n = 1e10
-MAX_LOCAL_FAMILY_N = 10 ** 9
+# The family loss falls like n^-L from O(1) terms, formed to ~n eps relative: the descents hold to these n,
+# measured (MATH.md §10 and its notes on the code), and refuse larger n
+MAX_FAMILY_N, MAX_LOCAL_FAMILY_N = 10 ** 14, 10 ** 9
 
 
 def _family_n(n, bound=MAX_FAMILY_N):
