@@ -867,6 +867,22 @@ MUTANTS = [
      'pool[rng.integers(max(pool.shape[0] - 1, 1), size=batch)]', "the pool's last task never drawn"),
     ('r5-pool-moment-over-d', 'icl_ref.py', '_task_moment', 'W = (tasks / m).T @ (tasks / m) / tasks.shape[0]',
      'W = (tasks / m).T @ (tasks / m) / tasks.shape[1]', "the pool's second moment divided by d, not by K"),
+    # round 6 of hostile input (issue 47): slips of the fixes, each killed by the test written for its defect
+    ('r6-template-any-attribute', 'tools/records.py', 'attribute',
+     'raise Problem(f"a template may not read {name} of a {type(value).__name__}")', 'return getattr(value, name)',
+     "a template reads any attribute (a generator's frame reaches the module's globals: a shell command ran)"),
+    ('r6-lock-entry-unchecked', 'icl_files.py', 'Folder._lock_entry',
+     'if st is not None and (st.st_nlink != 1 or st.st_size > 0 and self._lock_owner(st) is None):', 'if False:',
+     "a user's file under the lock's name truncated to a pid and removed"),
+    ('r6-lock-hard-link', 'icl_files.py', 'Folder._lock_entry', '(st.st_nlink != 1 or st.st_size > 0', '(st.st_size > 0',
+     "an empty file with another name (a hard link) under the lock's name written through"),
+    ('r6-kept-replaced-complete', 'experiments_cli.py', 'kept_experiments', 'if gone else e', 'if False else e',
+     "a kept experiment whose file is now the user's recorded complete"),
+    ('r6-stdout-error-crash', 'experiments_cli.py', 'Console.say', 'except OSError as e:', 'except ValueError as e:',
+     'stdout on a full disk a traceback and exit 1, the record left running'),
+    ('r6-status-before-save', 'icl_files.py', 'Folder.save', 'status = self.status if status is None else status',
+     'status = self.status = self.status if status is None else status',
+     "the run's status changed before its record is written (a message then quotes what the file does not say)"),
 ]
 
 # (name, file, function, old, new, why it cannot change any result)
