@@ -39,7 +39,6 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import icl_fast as fast  # noqa: E402  (after the path)
-import icl_files  # noqa: E402
 import icl_ref as ir  # noqa: E402
 import records  # noqa: E402  (tools/records.py: the provenance and the rendering)
 
@@ -341,15 +340,10 @@ def main(argv=None):
     record = dict(provenance=records.provenance(["tools/benchmarks.py", "--repeats", str(args.repeats)], SOURCES,
                                                 time.perf_counter() - start, **peer_versions()),
                   machine=machine(), tables=tables)
-    try:
-        records.write(os.path.abspath(args.out), record)
-    except (icl_files.Refused, icl_files.WriteFailed) as e:
-        print(f"not written: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out}")
-    if os.path.abspath(args.out) == os.path.join(ROOT, RECORD):
+    status = records.save(args.out, record)
+    if status == 0 and os.path.abspath(args.out) == os.path.join(ROOT, RECORD):
         return records.render()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-import icl_files  # noqa: E402
 import icl_ref as ir  # noqa: E402
 import records  # noqa: E402  (tools/records.py: the provenance)
 
@@ -119,13 +118,7 @@ def main(argv=None):
                   minima=[dict(loss=exact_loss(x, args.n, args.d), a=list(x[:3]), b=list(x[3:]),
                                max_gradient=float(np.max(np.abs(grad))), hessian_eigenvalues=list(eig), first_start=k)
                           for k, x, grad, eig in minima])
-    try:
-        records.write(os.path.abspath(args.out), record)
-    except (icl_files.Refused, icl_files.WriteFailed) as e:
-        print(f"not written: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out}")
-    return 0
+    return records.save(args.out, record)
 
 
 if __name__ == "__main__":

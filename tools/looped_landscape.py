@@ -39,7 +39,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-import icl_files  # noqa: E402
 import icl_looped as lp  # noqa: E402
 import records  # noqa: E402  (tools/records.py: the provenance)
 
@@ -146,13 +145,7 @@ def main(argv=None):
                        "--seed", str(args.seed)], SOURCES, time.perf_counter() - start_time),
                   n=n, d=d, samples=args.samples, seed=args.seed, eps=EPS,
                   hessian=hessian, character=character, points=points)
-    try:
-        records.write(os.path.abspath(args.out), record)
-    except (icl_files.Refused, icl_files.WriteFailed) as e:
-        print(f"not written: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out}")
-    return 0
+    return records.save(args.out, record)
 
 
 if __name__ == "__main__":

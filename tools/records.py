@@ -85,6 +85,18 @@ def write(path, data):
     icl_files.replace_file(os.path.join(ROOT, path), data.encode("utf-8") if isinstance(data, str) else data)
 
 
+def save(path, record):
+    """A tool's record written (write) to `path`, said on stdout; the exit status: 0, or 2 with the
+    reason on stderr when it was refused or could not be written."""
+    try:
+        write(os.path.abspath(path), record)
+    except (icl_files.Refused, icl_files.WriteFailed) as e:
+        print(f"not written: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
 def read(path):
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         return f.read()
