@@ -263,8 +263,8 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
     (identity by default), y_i = <w_star, x_i> + noise_std * N(0, 1), Gaussians drawn through the
     Cholesky factor F of Sigma (x = F g). With a pool tasks (K, d) in place of Sigma_w, w_star is a
     uniformly drawn row of the pool (MATH.md §15). rng: a numpy Generator; batch = B >= 1, n >= 1.
-    Returns Z (B, d+1, n+1) with the query label slot Z[:, d, n] = 0, and y (B,) the query's label
-    (noise included); with return_w_star also w_star (B, d).
+    Returns Z (B, d+1, n+1) with the query label slot Z[:, d, n] = 0, y (B,) the query's label (noise
+    included) and, with return_w_star, w_star (B, d).
     """
     _rng(rng)
     batch, n = _int("batch", batch, 1), _int("n", n, 1)
@@ -315,11 +315,9 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 # query column q. The prediction reads only row d of the last T: (T q)_d = q_d + (1/n) sum_h
 # p_h^T S Q_h q with p_h = P_h[d, :], the value row. A prompt enters only through (S_0, q_0).
 #
-# Stacks of the prompts' D x D matrices are multiplied with np.matmul, prompt by prompt, except
-# where one factor is shared by every prompt: _times and _summed turn those into one matrix
-# product of the stacked rows. The batch is walked in chunks (_chunks) small enough that BLAS
-# keeps every product on the calling thread, so an evaluation starts no BLAS threads (MATH.md's
-# notes on the code give the sizes, and what SciPy's own calls do).
+# Stacks of D x D matrices are multiplied prompt by prompt (np.matmul), a factor shared by every prompt
+# as one product of the stacked rows (_times, _summed), in chunks that keep BLAS on the calling thread
+# (_chunks; MATH.md's notes on the code give the sizes).
 # ---------------------------------------------------------------------------------------------
 
 def mask(n):
@@ -365,9 +363,8 @@ def gram(Z):
 
 
 def _chunks(B, D):
-    """(start, stop) of the batch of B prompts in chunks of 2^18 / D^3: every matrix product over a
-    chunk (b D^3 multiply-adds) is small enough for BLAS to run it on the calling thread, and the
-    chunk's (b, D, D) stacks stay in cache. The chunks only reorder the sums over prompts (MATH.md §3)."""
+    """(start, stop) of B prompts in chunks of 2^18 / D^3, whose products BLAS runs on the calling thread
+    and whose stacks stay in cache; chunks only reorder the sums over prompts (MATH.md §3)."""
     size = max(1, 2 ** 18 // D ** 3)
     return [(c, min(c + size, B)) for c in range(0, B, size)]
 
@@ -876,8 +873,7 @@ def structure_to_PQ(structure, coords, L=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# §3.1 with §4 and §5: the Jacobian in a structure's coordinates, and a batch evaluated by either
-# attention (what the trainers and the statistics of §11 call)
+# §3.1 with §4-§5: the Jacobian in a structure's coordinates; a batch by either attention (for §6, §11)
 # ---------------------------------------------------------------------------------------------
 
 def _check_structure_of(structure, P, Q, tied=False):
@@ -972,9 +968,8 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
 # ---------------------------------------------------------------------------------------------
 # §6 Training on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook)
 #
-# Both trainers work on the batch divided by c, a power of two near its size (_data_scale): the
-# token maps T_l are unchanged when S -> S / c^2 and Q -> c^2 Q, so the parameters map exactly and
-# gtol means the same at any scale of the data; data drawn as in the paper have c = 1.
+# Both trainers work on the batch divided by c, a power of two near its size (_data_scale): T_l is
+# unchanged by S -> S / c^2, Q -> c^2 Q, so gtol means the same at any scale (the paper's data: c = 1).
 # ---------------------------------------------------------------------------------------------
 
 def _data_scale(Z):
@@ -1076,23 +1071,20 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     Z: (B, d+1, n+1), y: (B,), layers = L >= 1, structure in STRUCTURES, heads = H >= 1 (only for
     "full"). init: "random" (iid N(0, init_scale^2) entries from rng, a numpy Generator, in the
     units of Z / c below: the same start at any scale) or a dict of arrays in the structure's
-    coordinates (structure_shapes). maxiter, maxfun (default 5 maxiter), maxcor, ftol, gtol and maxls
-    go to L-BFGS-B as they are; ftol = 0 stops only on the gradient (gtol bounds its largest entry)
-    or when the loss no longer decreases at all. maxcor = 20 suits the sparse structure, about twice
-    the coordinates the blocks one. progress = k > 0 prints "iteration, loss, |grad|, elapsed" to
-    stderr every k iterations; keep_iterates keeps the coordinates after every iteration (result
-    ["iterates"]). activation: "linear" (S_0 formed once, O(B L H D^3) per evaluation) or one of
+    coordinates (structure_shapes). maxiter, maxfun (default 5 maxiter), maxcor (20: about twice the
+    blocks structure's coordinates), ftol (0: stop only on the gradient, or when the loss no longer
+    decreases), gtol and maxls go to L-BFGS-B as they are. progress = k > 0 prints "iteration, loss,
+    |grad|, elapsed" to stderr every k iterations; keep_iterates keeps every iterate (["iterates"]). activation: "linear" (S_0 formed once, O(B L H D^3) per evaluation) or one of
     ACTIVATIONS (explicit attention, O(B L H n^2 D)); engine as loss_and_grad_gram; tied: one
     layer's coordinates applied `layers` times (the looped model of MATH.md §14).
 
     Returns a dict: structure, tied, coords (the structure's own arrays), P, Q, loss, grad_norm
     (Euclidean), scale (c), nit, nfev, success, status, message, interrupted, wall_time,
     scipy_version, history (the loss after each iteration, the initial loss first) and options.
-    success is icl_ref's own verdict: a finite loss and gradient, the gradient within gtol on the
-    batch divided by c = 2^floor(log2 rms(Z)) (exact; c = 1 for sample_prompts' data), so it reads
-    the same at any scale of the data; scipy's status and message are kept beside it. A trial point
-    where the model overflows is a failed trial. Ctrl-C before the first evaluation completes raises
-    KeyboardInterrupt; after it, the last completed iterate comes back with interrupted=True.
+    success is icl_ref's own verdict: finite loss and gradient, the gradient within gtol on the batch
+    divided by c = 2^floor(log2 rms(Z)) (the same at any scale); scipy's status and message beside it.
+    A trial point where the model overflows is a failed trial. Ctrl-C before the first evaluation
+    raises KeyboardInterrupt; after it, the last completed iterate returns with interrupted=True.
     """
     options = dict(maxiter=_int("maxiter", maxiter, 1),
                    maxfun=5 * maxiter if maxfun is None else _int("maxfun", maxfun, 1),
@@ -1177,11 +1169,8 @@ def _reduced_least_squares(r, J):
     factorisation of [J r] is [[R, g], [0, rho]], so f = [g; rho] (p+1,) and R stacked on a zero row
     (p+1, p). A trust-region Gauss-Newton step depends on J only through these, so the solver's SVD
     of the (B, p) Jacobian becomes one of a (p+1, p) matrix, the same steps in exact arithmetic
-    (MATH.md §6). r: (B,), J: (B, p).
-
-    The factor is updated by blocks of rows C: LAPACK's dtpqrt makes it the factor of [factor; C]
-    with reflectors 4 columns wide, so each block product, 4 x (rows) x (p+1), stays within the
-    2^18 multiply-adds that OpenBLAS runs on the calling thread (MATH.md's notes on the code)."""
+    (MATH.md §6). r: (B,), J: (B, p). The factor is updated by blocks of rows (LAPACK's dtpqrt), each
+    small enough to stay on the calling thread (MATH.md's notes on the code)."""
     B, p = J.shape
     R_aug = np.zeros((p + 1, p + 1), order="F")      # fewer than p + 1 prompts: its last rows stay 0
     rows = max(1, 2 ** 16 // (p + 1))
@@ -1198,10 +1187,9 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
                        tied=False):
     """Minimise the in-context loss on (Z, y) by Gauss-Newton with a trust region (MATH.md §6).
 
-    scipy.optimize.least_squares on the residuals r / sqrt(B) (method "dogbox" for the sparse and
-    blocks structures, "trf" for full P, Q, MATH.md §6) with the hand-derived Jacobian of
-    residuals_and_jacobian_gram, so its objective is half the loss; the solver sees the equivalent
-    (p+1)-dimensional system of _reduced_least_squares (the same steps, a small SVD). Arguments as
+    scipy.optimize.least_squares ("dogbox" for sparse and blocks, "trf" for full) on r / sqrt(B), half
+    the loss, with the Jacobian of residuals_and_jacobian_gram reduced to the equivalent (p+1)-dimensional
+    system of _reduced_least_squares (the same steps, a small SVD). Arguments as
     train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates that
     do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) stay at their initial
     values (result["fixed"] counts them). Converged: grad_norm = |2 J^T r / B| over the free
@@ -1357,12 +1345,11 @@ def _psd_root(A):
 
 def _single_layer_loss(Gamma, Sigma, moment, Sigma_q, n, noise_var, query_noise):
     """E (y_hat - y_q)^2 of the sparse layer A_0 = Gamma (MATH.md §8), checked arguments: context
-    x ~ N(0, Sigma), query x_q ~ N(0, Sigma_q), E[w_star w_star^T] = M = w W as moment = (W, w),
-    label noise noise_var: L = tr(Sigma_q Gamma^T K Gamma) - 2 tr(Sigma_q Gamma^T Sigma M) + tr(Sigma_q M)
-    (+ noise_var). Scale-free: with Sigma = c S, Sigma_q = c_q T (largest entries 1), G = c Gamma,
-    L = c_q w [...] with the noise noise_var / (c w), the bracket a sum of three squares (MATH.md §8),
-    |W^1/2 (S G - I) T^1/2|^2 + |W^1/2 S G T^1/2|^2 / n + (tr(W S) + noise) |S^1/2 G T^1/2|^2 / n: no
-    cancellation at any n. A loss outside float64's normal range is a ValueError naming the scale."""
+    x ~ N(0, Sigma), query x_q ~ N(0, Sigma_q), E[w_star w_star^T] = w W as moment = (W, w), label
+    noise noise_var. With Sigma = c S, Sigma_q = c_q T (largest entries 1), G = c Gamma, noise / (c w):
+    L = c_q w (|W^1/2 (S G - I) T^1/2|^2 + |W^1/2 S G T^1/2|^2 / n + (tr(W S) + noise) |S^1/2 G T^1/2|^2 / n)
+    (+ noise_var), a sum of squares (MATH.md §8): no cancellation at any n, no overflow of a scale.
+    A loss outside float64's normal range is a ValueError naming the scale."""
     (W, w), c, c_q = moment, np.max(np.abs(Sigma)), np.max(np.abs(Sigma_q))
     S, T, G = Sigma / c, Sigma_q / c_q, c * Gamma
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):       # checked below
@@ -1414,9 +1401,8 @@ def full_layer_population_loss(P, Q, Sigma, n, Sigma_w=None):
     with p_h = P_h[d, :] = [p_h,x; p_h,y] (the value row), G_h = Q_h[:, :d] = [G_h,x; g_h,y^T] (the
     query label is 0), x ~ N(0, Sigma) and w = w* ~ N(0, Sigma_w). The integrand is a polynomial of
     degree 4 in w, so a product Gauss-Hermite rule of 4 nodes per coordinate (exact to degree 7 in
-    each) gives E_w exactly: 4^d nodes, hence d <= MAX_FULL_LAYER_D.
-    P, Q: (1, H, D, D); Sigma, Sigma_w: (d, d) SPD; n >= 1. Returns a float. At sparse (P, Q) it is
-    single_layer_population_loss; P's other rows and Q's last column do not enter.
+    each) gives E_w exactly: 4^d nodes, hence d <= MAX_FULL_LAYER_D. P, Q: (1, H, D, D); Sigma,
+    Sigma_w: (d, d) SPD; n >= 1. Returns a float (single_layer_population_loss at sparse (P, Q)).
     """
     P, Q = _params(P, Q)
     n = _int("n", n, 1)
@@ -1439,8 +1425,7 @@ def full_layer_population_loss(P, Q, Sigma, n, Sigma_w=None):
     a = np.einsum("nhhj->nj", b)
     trace = np.einsum("nhij,nkij->nhk", K @ Sigma, Sigma @ K)    # tr(K_h Sigma K_k^T Sigma)
     with np.errstate(over="ignore", invalid="ignore"):
-        # a^T Sigma a + 2 w^T Sigma a + w^T Sigma w = (a + w)^T Sigma (a + w): its O(1) terms cancel
-        # to O(1/n) near the optimum, n eps relative when summed (100% at n = 2^53); the square does not
+        # (a + w)^T Sigma (a + w), not its expansion, whose O(1) terms cancel near the optimum (MATH.md §8)
         r = a + w
         integrand = (np.einsum("ni,ij,nj->n", r, Sigma, r) + np.einsum("nkhi,ij,nhkj->n", b, Sigma, b) / n
                      + np.einsum("nhk,nhi,nki->n", trace, Su, u) / n)
@@ -1876,12 +1861,10 @@ def _gradient_at(structure, coords, batch):
 
 @_numpy_rules
 def identifiable_hessian(structure, coords, Z, y, h=1e-5, activation="linear", engine=None):
-    """The batch loss's gradient and Hessian at coords in the identifiable coordinates: an
-    orthonormal basis U of the complement of the exact symmetry directions (symmetry_directions),
-    so that a strict local minimum has a zero gradient and a positive definite Hessian here, and a
-    saddle a negative eigenvalue (MATH.md §11).
-
-    The Hessian is central differences of the exact gradient along each column of U (h = 1e-5
+    """The batch loss's gradient and Hessian at coords in the identifiable coordinates, an orthonormal
+    basis U of the complement of the exact symmetry directions (symmetry_directions): a strict local
+    minimum has a zero gradient and a positive definite Hessian here, a saddle a negative eigenvalue
+    (MATH.md §11). The Hessian is central differences of the exact gradient along each column of U (h = 1e-5
     balances truncation h^2 against rounding eps/h), symmetrised. Arguments as sandwich_covariance.
     Returns a dict: basis U (p, m), gradient (m,) = U^T grad, hessian (m, m), eigenvalues (m,)
     ascending, symmetries k = p - m (the directions removed)."""
@@ -1910,9 +1893,9 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     exact symmetry directions removed by construction, so H_U is invertible at a strict minimum),
     V_U = U^T V U with V the covariance of one prompt's gradient: the sample covariance of the exact
     per-prompt gradients 2 r_b J_b for the linear layer (MATH.md §3.1), else the chunk size times
-    the covariance of `chunks` chunk-mean gradients. Symmetric, positive semi-definite, zero along
-    the symmetries. Valid near a strict minimiser of the batch loss (else a ValueError), for
-    gradients that are not heavy-tailed (MATH.md §10-§11). Returns a (p, p) array in pack order.
+    the covariance of `chunks` chunk-mean gradients. Symmetric PSD, zero along the symmetries; valid
+    near a strict minimiser (else a ValueError) for gradients not heavy-tailed (MATH.md §10-§11).
+    Returns a (p, p) array in pack order.
     """
     Z, y = _batch(structure, activation, Z, y)
     chunks = _int("chunks", chunks, 2)
@@ -1982,13 +1965,11 @@ REFERENCE = ReferenceEngine()
 # For the project's other modules: the private names they may use, and the names that moved
 # ---------------------------------------------------------------------------------------------
 
+# The private names the project's other modules may import (a test pins the list): the input checks (the
+# same words everywhere), one layer's moments and loss (§8), the family search (§10), the Wishart moments (§9)
 PRIVATE_API = ("_numpy_rules", "_array", "_int", "_nonneg", "_flag", "_rng", "_prompts", "_params", "_spd",
                "_finite", "_task_covariance", "_task_moment", "_pool", "_single_layer_moments",
                "_single_layer_loss", "_family_search", "_wishart_T")
-"""The private names the project's other modules may import (a test pins the list): the input checks,
-so that all refuse bad input in the same words; one layer's moments and loss (§8), which MATH.md
-§14-§15 extend; the family search (§10), which §14 runs with its scalars tied; the joint Wishart
-trace moments (§9), from which §14's Hessian eigenvalues come."""
 
 _MOVED = {**dict.fromkeys(("reference_cases", "write_reference_vectors", "diagnose", "check_implementation",
                            "LAYOUTS", "ARRAY_MEANINGS", "DIAGNOSIS_VARIANTS", "CHECK_TOLERANCES",
