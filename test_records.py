@@ -333,13 +333,13 @@ def test_a_corrupt_record_or_table_is_a_message_and_status_2(docs, capsys, path,
 
 def test_render_never_writes_through_a_symbolic_link(docs, capsys, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside") / "elsewhere.md"
-    readme = docs / "README.md"
-    outside.write_text(spoil(readme.read_text(), "speed"))
-    readme.unlink()
-    readme.symlink_to(outside)
+    document = docs / "docs" / "FINDINGS.md"
+    outside.write_text(spoil(document.read_text(), "beyond-checks"))
+    document.unlink()
+    document.symlink_to(outside)
     before = outside.read_text()
     status, out = run(capsys, "render")
-    assert status == 2 and "symbolic link" in out and readme.is_symlink() and outside.read_text() == before
+    assert status == 2 and "symbolic link" in out and document.is_symlink() and outside.read_text() == before
 
 
 def test_replace_file_writes_whole_and_refuses_links(tmp_path):
