@@ -463,7 +463,7 @@ def write_reference_vectors(out, overwrite=False):
             layouts=layouts, B=int(Z.shape[0]), d=int(Z.shape[1] - 1), n=int(Z.shape[2] - 1), L=int(P.shape[0]),
             H=int(P.shape[1]), arrays={k: dict(shape=list(np.shape(v)), meaning=ARRAY_MEANINGS[k])
                                        for k, v in arrays.items()}))
-    files["manifest.json"] = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()   # last: it vouches
+    files["manifest.json"] = icl_files.sealed_json(manifest, indent=1, sort_keys=True)   # last: it vouches
     icl_files.write_file_set(out, files, tool=VECTORS_TOOL, record=VECTORS_RECORD, lock=VECTORS_LOCK,
                              vouchers={"manifest.json": _manifest_files}, overwrite=overwrite)
     return manifest

@@ -18,7 +18,9 @@ someone put there, or another run of the same tool. Every tool keeps the same pr
    `writing`; once written it moves to `files`. After a SIGKILL or a crash the next run (with
    overwrite) therefore proves every file it finds by its hash, removes or replaces those, and names
    the rest (a file cut short as it was written) for the user to remove. A file whose write fails
-   in this process is removed at once: the descriptor the run holds proves it its own.
+   in this process is removed at once: the descriptor the run holds proves it its own. The record
+   carries its own SHA-256 (SEAL, sealed_json): a record edited since it was written is the user's
+   file like any other, and vouches for nothing.
 6. A write the operating system refuses (disk full ENOSPC, the file-size limit EFBIG - Python
    ignores SIGXFSZ, so `ulimit -f` gives EFBIG -, no permission EACCES, read-only disk EROFS) is a
    WriteFailed naming the file and what to do; the tool then records that status if it still can.
@@ -62,6 +64,9 @@ API
     write_file_set(path, files, tool, record, lock, vouchers, overwrite)
                       the whole of a run that writes a fixed set of files: the vectors writer's use
     sha256(data)      the hex SHA-256 of bytes, as records carry it
+    sealed_json(value, **dumps), unseal(data)
+                      a record's bytes carrying their own SHA-256 under SEAL; the record back, or
+                      None when its bytes changed since
     replace_file(path, data)
                       one of the project's own tracked files (a document, a record under docs/),
                       written whole and renamed into place; never through a symbolic link
@@ -103,6 +108,8 @@ import subprocess
 
 STATUSES = ("running", "complete", "interrupted", "broken pipe", "write error", "crashed")
 JOURNAL_FORMAT = "icl_files record"
+SEAL = "self_sha256"                  # a record's own hash (sealed_json): a record edited since is not trusted
+_UNSEALED = "0" * 64
 MAX_RECORD_BYTES = 64 << 20          # a larger file under a record's name is not read: no record is that big
 _CHUNK = 1 << 20
 
@@ -135,6 +142,36 @@ class WriteFailed(OSError):
 def sha256(data):
     """The hex SHA-256 of `data` (bytes), the form a record keeps."""
     return hashlib.sha256(data).hexdigest()
+
+
+def sealed_json(value, **dumps):
+    """`value` (a dict) as JSON bytes (json.dumps(value, **dumps) and a newline) that carry their own
+    SHA-256 under SEAL: the hash of these very bytes with SEAL's value written as 64 zeros. A record
+    so sealed proves itself as its tool wrote it: any change (a user's edit) breaks the seal (unseal),
+    and the file is then the user's."""
+    if SEAL in value:
+        raise ValueError(f"value must not carry {SEAL!r} already: it is added here")
+    data = (json.dumps({**value, SEAL: _UNSEALED}, **dumps) + "\n").encode()
+    placeholder = f'"{_UNSEALED}"'.encode()
+    if data.count(placeholder) != 1:               # a value of 64 zeros elsewhere would make the seal ambiguous
+        raise ValueError(f"value must not hold the string {_UNSEALED!r}: it marks where the seal goes")
+    return data.replace(placeholder, f'"{sha256(data)}"'.encode())
+
+
+def unseal(data):
+    """The dict that sealed JSON bytes hold (without SEAL), or None: not JSON, not a dict, no seal, or
+    a seal that does not match the bytes (changed since they were written)."""
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    seal = value.pop(SEAL, None) if isinstance(value, dict) else None
+    if not (isinstance(seal, str) and len(seal) == 64 and set(seal) <= set("0123456789abcdef")):
+        return None
+    quoted = f'"{seal}"'.encode()
+    if data.count(quoted) != 1 or sha256(data.replace(quoted, f'"{_UNSEALED}"'.encode())) != seal:
+        return None
+    return value
 
 
 def _write_fd(fd, data):
@@ -404,13 +441,13 @@ class Folder:
     # ---- what is in the folder, and whose ----
 
     def _json_at(self, name, st):
-        """The JSON value in the regular file `name` (lstat `st`), or None: not a regular file, too
-        large to be a record, unreadable or not JSON."""
+        """The record (a dict) in the regular file `name` (lstat `st`), or None: not a regular file,
+        too large to be a record, unreadable, or not sealed JSON as its tool wrote it (unseal)."""
         if st is None or not stat.S_ISREG(st.st_mode):
             return None
         try:
-            return json.loads(self._read(name, st, MAX_RECORD_BYTES) or b"null")
-        except (OSError, ValueError, Refused):
+            return unseal(self._read(name, st, MAX_RECORD_BYTES) or b"")
+        except (OSError, Refused):
             return None
 
     def _claims(self, entries):
@@ -453,8 +490,9 @@ class Folder:
         entries = {name: st for name, st in entries.items() if st is not None}     # gone since the listing
         claims, writing, records, earlier = self._claims(entries)
         if not records:
-            odd = [f"{n} is {_kind(entries[n])}" for n in (self.record, *self.vouchers)
-                   if n in entries and not stat.S_ISREG(entries[n].st_mode)]
+            odd = [f"{n} is {_kind(entries[n])}" if not stat.S_ISREG(entries[n].st_mode) else
+                   f"{n} is not a record this version of {self.tool} wrote, unchanged"
+                   for n in (self.record, *self.vouchers) if n in entries]
             raise Refused(f"{self.path!r} holds files but no record written by {self.tool}"
                           f"{' (' + '; '.join(odd) + ')' if odd else ''} ({' or '.join((*self.vouchers, self.record))} in the format this version "
                           f"of {self.tool} writes, with each file's SHA-256): not touching them; name a new directory")
@@ -657,7 +695,7 @@ class Folder:
         self.fields.update(fields)
         record = dict(self.fields, status=status, files=dict(sorted(self.owned.items())),
                       writing=dict(sorted(self.writing.items())))
-        data = (json.dumps(record, indent=2) + "\n").encode()
+        data = sealed_json(record, indent=2)
         now = self._lstat(self.record)
         if (now is None) != (self.record_id is None) or (now is not None and not _same(now, self.record_id)):
             raise Refused(f"{self.show(self.record)!r} was replaced or removed by someone else while this run "

@@ -624,11 +624,25 @@ def test_a_foreign_config_json_with_a_file_list_is_not_trusted(tmp_path, cli):
     for forged in (dict(format=runner.FORMAT, tool="other.py", format_version=runner.FORMAT_VERSION, experiments={}),
                    dict(format=runner.FORMAT, tool=runner.TOOL, format_version=runner.FORMAT_VERSION,
                         experiments={"stub-a": {"files": ["data.csv"]}})):
-        (out / "config.json").write_text(json.dumps(forged))
+        (out / "config.json").write_bytes(icl_files.sealed_json(forged))     # sealed: only the content decides
         status, err = cli("stub-a", "--out", out, "--overwrite")
         assert status == 2 and "no record written by experiments.py" in err
     (out / "config.json").write_text(foreign)
     assert snapshot(tmp_path) == before
+
+
+def test_a_config_json_edited_since_the_run_is_the_users(tmp_path, cli):
+    # the record vouches for the run's files only as the run wrote it: a note added to it, or a
+    # status changed by hand, makes it the user's file, and --overwrite then replaces nothing
+    out = tmp_path / "p"
+    assert cli("stub-a", "--out", out)[0] == 0
+    record = json.loads((out / "config.json").read_text())
+    for edit in (dict(record, note="seed 0 was the good one"), dict(record, status="interrupted")):
+        (out / "config.json").write_text(json.dumps(edit, indent=2) + "\n")
+        before = snapshot(tmp_path)
+        status, err = cli("stub-a", "--out", out, "--overwrite")
+        assert status == 2 and "config.json is not a record this version of experiments.py wrote" in err
+        assert snapshot(tmp_path) == before
 
 
 def test_a_users_file_named_like_an_output_is_never_replaced(tmp_path, cli):
@@ -1077,7 +1091,7 @@ def test_output_names_and_the_record_checks(tmp_path):
     for label, record in variants.items():
         folder = tmp_path / label.replace(" ", "-")
         folder.mkdir()
-        (folder / runner.RECORD).write_text(json.dumps(record))
+        (folder / runner.RECORD).write_bytes(icl_files.sealed_json(record))   # sealed: only the content decides
         out = runner.out_folder(folder)
         try:
             out.open(overwrite=True, keep_others=False, writes=lambda f: False)

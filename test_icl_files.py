@@ -4,6 +4,7 @@ reference-vectors writer uses it. Every promise is tested with the operating sys
 the portable ones (fcntl, O_NOFOLLOW, O_DIRECTORY and dir_fd hidden, as on Windows): the `means`
 fixture runs a test both ways."""
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -40,7 +41,7 @@ def fake_files(version=1, big=0):
     files = {f"case{k}.npz": (f"case {k} of version {version} ".encode() + b"x" * (big if k == 2 else 0))
              for k in (1, 2, 3)}
     manifest = dict(format="fake vectors", cases=[dict(file=f, sha256=icl_files.sha256(b)) for f, b in files.items()])
-    files["manifest.json"] = json.dumps(manifest).encode()
+    files["manifest.json"] = icl_files.sealed_json(manifest)
     return files
 
 
@@ -130,15 +131,15 @@ def test_earlier_files_the_new_set_no_longer_has_are_removed(tmp_path, means):
     out = tmp_path / "v"
     files = fake_files()
     files["old.npz"] = b"an earlier version's case"
-    manifest = json.loads(files.pop("manifest.json"))
+    manifest = icl_files.unseal(files.pop("manifest.json"))
     manifest["cases"].append(dict(file="old.npz", sha256=icl_files.sha256(files["old.npz"])))
-    files["manifest.json"] = json.dumps(manifest).encode()
+    files["manifest.json"] = icl_files.sealed_json(manifest)
     write_set(out, files)
     write_set(out, overwrite=True)
     assert contents(out) == fake_files()
 
 
-@pytest.mark.parametrize("change", ["changed", "foreign", "link", "their manifest", "not json"])
+@pytest.mark.parametrize("change", ["changed", "foreign", "link", "their manifest", "edited manifest", "not json"])
 def test_a_file_not_provably_ours_is_refused_by_name_and_nothing_is_touched(tmp_path, means, change):
     out, elsewhere = tmp_path / "v", tmp_path / "elsewhere.txt"
     elsewhere.write_bytes(b"the user's own file")
@@ -152,6 +153,9 @@ def test_a_file_not_provably_ours_is_refused_by_name_and_nothing_is_touched(tmp_
         (out / "case2.npz").symlink_to(elsewhere)
     elif change == "their manifest":                # another program's manifest.json vouches for nothing
         (out / "manifest.json").write_text(json.dumps(dict(format="my vectors", cases=[])))
+    elif change == "edited manifest":               # ours, with a note the user added: now theirs
+        manifest = json.loads((out / "manifest.json").read_bytes())
+        (out / "manifest.json").write_text(json.dumps(dict(manifest, note="checked against my kernel")))
     else:
         (out / "manifest.json").write_text("{not json")
     before = snapshot(tmp_path)
@@ -159,6 +163,7 @@ def test_a_file_not_provably_ours_is_refused_by_name_and_nothing_is_touched(tmp_
         write_set(out, fake_files(version=2), overwrite=True)
     named = {"changed": "case2.npz' is not the file fake vectors wrote", "foreign": "notes.md' was not written",
              "link": "case2.npz' is a symbolic link", "their manifest": "no record written by fake vectors",
+             "edited manifest": "manifest.json is not a record this version of fake vectors wrote",
              "not json": "no record written by fake vectors"}[change]
     assert named in str(refused.value)
     assert snapshot(tmp_path) == before
@@ -487,3 +492,20 @@ print("OK")
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
     assert os.listdir(theirs) == [] and (out / "case1.npz").read_bytes() == b"mine"
     assert (out / "case3.npz").read_bytes() == fake_files(version=2)["case3.npz"]
+
+
+def test_a_sealed_record_proves_its_bytes_and_nothing_else():
+    # sealed_json's promise: the bytes carry the SHA-256 of themselves with the seal written as 64
+    # zeros (recomputed here by hand), and unseal gives the record back only while every byte is as written
+    record = {"format": "x", "files": {"a.csv": "0" * 63 + "1"}, "note": "ünïcode"}
+    data = icl_files.sealed_json(record, indent=2)
+    seal = json.loads(data)[icl_files.SEAL]
+    assert hashlib.sha256(data.replace(seal.encode(), b"0" * 64)).hexdigest() == seal
+    assert icl_files.unseal(data) == record
+    for changed in (data.replace(b'"x"', b'"y"'), data.replace(b"\n", b"\r\n"), data + b" ",
+                    data.replace(seal.encode(), b"f" * 64), json.dumps(record).encode(), b"[]", b"\xff"):
+        assert icl_files.unseal(changed) is None
+    with pytest.raises(ValueError, match="must not hold the string"):
+        icl_files.sealed_json({"a": "0" * 64})
+    with pytest.raises(ValueError, match="must not carry"):
+        icl_files.sealed_json(json.loads(data))
