@@ -187,7 +187,12 @@ def monte_carlo_risk(predict, rng, batch, n, Sigma, Sigma_w=None, noise_var=0.0,
         y_hat = _array("predict(Z)", predict(Z), 1)
         if y_hat.shape != y.shape:
             raise ValueError(f"predict(Z) must have shape {y.shape}, got {y_hat.shape}")
-        errors.append((y_hat - y) ** 2)
+        with np.errstate(over="ignore"):            # an overflow is caught below, by name
+            error = (y_hat - y) ** 2
+        if not np.all(np.isfinite(error)):
+            raise ValueError("predict(Z)'s squared error overflows float64 (largest |predict(Z)| "
+                             f"{np.max(np.abs(y_hat)):.3g}): the risk is not a float64 number")
+        errors.append(error)
     errors = np.concatenate(errors)
     return float(np.mean(errors)), float(np.std(errors, ddof=1) / math.sqrt(batch))
 

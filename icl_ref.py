@@ -386,8 +386,7 @@ def layer_forward(P_l, Q_l, S, q, n):
     P_l, Q_l: (H, D, D); S: (B, D, D) = Z_l M Z_l^T (symmetric); q: (B, D) the query column of Z_l;
     n context size. Returns S' (B, D, D), q' (B, D), T (B, D, D) and the cache for layer_backward.
     An unchecked building block (forward, predict and loss_and_grad check their inputs): it assumes
-    float64 arrays, S symmetric and the same B in S and q.
-    """
+    float64 arrays, S symmetric and the same B in S and q."""
     PS = [P_h @ S for P_h in P_l]                                        # P_h S
     T = np.eye(S.shape[-1]) + sum(_times(PS_h, Q_h) for PS_h, Q_h in zip(PS, Q_l)) / n
     TS = T @ S
@@ -444,8 +443,7 @@ def readout_backward(dout, cache, per_prompt=False):
     """Adjoint of readout_forward (MATH.md §3): dout (B,) -> (dS, dq, dP_l, dQ_l).
 
     Returns dS (B, D, D), dq (B, D) and dP_l, dQ_l (H, D, D) summed over the prompts (dP_l is zero
-    outside row d), or with per_prompt each prompt's own (B, H, D, D).
-    """
+    outside row d), or with per_prompt each prompt's own (B, H, D, D)."""
     P_l, Q_l, n, S, q, Sp, Qq = cache
     g = (dout / n)[:, None]
     dq, dS = np.zeros_like(q), np.zeros_like(S)
@@ -1452,8 +1450,7 @@ def _wishart_T(n, d, parts, memo):
     """T(k_1..k_r) = E prod_j tr(W^{k_j}), W ~ Wishart_d(n, I), by the recursion of MATH.md §9.
 
     parts is a sorted tuple of positive integers; an exact Python integer is returned. memo holds
-    the values found so far in this computation (a dict the caller owns).
-    """
+    the values found so far in this computation (a dict the caller owns)."""
     if not parts:
         return 1
     if parts in memo:
@@ -1809,7 +1806,10 @@ def fitted_scalar(M, T):
     if not np.any(T):
         raise ValueError("T must be nonzero (the scalar alpha of M ~ alpha T is undefined)")
     m, t = np.max(np.abs(M)) or 1.0, np.max(np.abs(T))       # scale-free up to the final product
-    return float(np.sum((M / m) * (T / t)) / np.sum((T / t) ** 2) * (m / t))
+    alpha = float(np.sum((M / m) * (T / t)) / np.sum((T / t) ** 2)) * (float(m) / float(t))
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha = <M, T> / <T, T> overflows float64 (max |M| {m:.3g}, max |T| {t:.3g})")
+    return alpha
 
 
 @_numpy_rules

@@ -248,6 +248,9 @@ BAD = [
     (lambda: est.monte_carlo_risk(est.ridge_predict, np.random.default_rng(0), 1, 3, np.eye(2)), ValueError, "batch"),
     (lambda: est.monte_carlo_risk(lambda Z: Z[:, 0, :], np.random.default_rng(0), 10, 3, np.eye(2)),
      ValueError, "predict"),
+    # a finite prediction whose squared error overflows: it was (inf, nan) with a RuntimeWarning
+    (lambda: est.monte_carlo_risk(lambda Z: np.full(len(Z), 1e200), np.random.default_rng(0), 10, 3, np.eye(2)),
+     ValueError, "overflows"),
     (lambda: est.shifted_single_layer_loss(np.eye(2), np.eye(2), 3, Sigma_query=np.eye(3)), ValueError, "Sigma_query"),
     (lambda: est.shifted_single_layer_loss(np.eye(3), np.eye(2), 3), ValueError, "Gamma"),
 ]

@@ -2066,6 +2066,8 @@ BAD_CALLS = [
     # the Gauss rule needs moments to 2 deg p + 1: at L = 20 that is 41 > MAX_MOMENT_ORDER, said in terms of L
     ("optimal sparse L = 20", lambda: ir.optimal_family_scalars(20, 20, 5, starts=1), ValueError, "L must be <= 19"),
     ("fitted zero T", lambda: ir.fitted_scalar(np.eye(2), np.zeros((2, 2))), ValueError, "T"),
+    # alpha = 1e600 is no float64: it was inf with a RuntimeWarning
+    ("fitted overflow", lambda: ir.fitted_scalar(1e300 * np.ones((2, 2)), 1e-300 * np.eye(2)), ValueError, "overflows"),
     ("overflow loss", lambda: ir.loss_and_grad(_P + 1e30, _Q + 1e30, _Zs, _ys), ValueError, "overflow"),
     ("overflow forward", lambda: ir.forward(_P + 1, _Q + 1, _Zs[:, :4] * 1e100), ValueError, "overflow"),
     ("overflow predict", lambda: ir.predict(_P + 1, _Q + 1, _Zs[:, :4] * 1e100), ValueError, "overflow"),

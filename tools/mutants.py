@@ -883,6 +883,15 @@ MUTANTS = [
     ('r6-status-before-save', 'icl_files.py', 'Folder.save', 'status = self.status if status is None else status',
      'status = self.status = self.status if status is None else status',
      "the run's status changed before its record is written (a message then quotes what the file does not say)"),
+    # records that carry their own SHA-256 (icl_files.sealed_json / unseal)
+    ('seal-unchecked', 'icl_files.py', 'unseal', "sha256(data.replace(quoted, f'\"{_UNSEALED}\"'.encode())) != seal",
+     'False', "a record the user edited vouches for files and is replaced by --overwrite"),
+    ('seal-placeholder-kept', 'icl_files.py', 'sealed_json', "return data.replace(placeholder, f'\"{sha256(data)}\"'.encode())",
+     'return data', "records written with 64 zeros for their seal: every later --overwrite refuses the run's own folder"),
+    ('fitted-scalar-overflow-unchecked', 'icl_ref.py', 'fitted_scalar', 'if not math.isfinite(alpha):', 'if False:',
+     'alpha = inf returned as a number (with a RuntimeWarning at most)'),
+    ('mc-risk-overflow-unchecked', 'icl_estimators.py', 'monte_carlo_risk', 'if not np.all(np.isfinite(error)):', 'if False:',
+     'a risk of inf with a standard error of nan returned for a finite predictor'),
 ]
 
 # (name, file, function, old, new, why it cannot change any result)
