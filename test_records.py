@@ -151,6 +151,23 @@ def test_looped_landscape_is_the_current_curvature_and_its_points_are_still_cert
     assert r == 6 and lam[0] > 0.1 and np.allclose(lam, lower.reduced_eigenvalues, rtol=0, atol=1e-9)
     assert points["L4-one-block"].index == 3 and points["L3-saddle"].index == 1
     assert points["L2-tilted"].at_family and points["L3-tilted"].at_family
+    # the scan over n at L = 4: at each recorded W the recorded loss, a vanishing gradient, a positive reduced
+    # Hessian (a strict local minimum modulo rotations) and the symmetric part's recorded eigenvalues; the
+    # family point a saddle there (today's closed form) and above the point
+    for r in rec.scan:
+        W = np.array(r.W)
+        f, g = lp.tied_loss_and_grad(W, r.L, r.n, d)
+        # terms ~1e2 at L = 4 round to ~1e-13 absolute; f falls to ~5e-7 at n = 640, so absolute, not relative
+        assert abs(f - r.loss) <= 1e-12 and np.linalg.norm(g) <= 1e-10, r.n
+        # the complex-step Hessian of a polynomial is exact to rounding (~1e-12 here), as for the point above
+        lam, _, dim = lp.reduced_hessian(W, r.L, r.n, d)
+        assert dim == r.orbit_dim == 6 and lam[0] > 0 and abs(lam[0] - r.reduced_min) <= 1e-9, r.n
+        sym = np.linalg.eigvalsh((W + W.T) / 2)      # the same float64 W: eigvalsh's rounding, ~1e-15
+        assert abs(sym[0] - r.symmetric_min) <= 1e-12 and abs(sym[-1] - r.symmetric_max) <= 1e-12, r.n
+        today = lp.tied_family_hessian_eigenvalues(r.L, r.n, d)[2]     # an exact rational rounded once, twice
+        assert abs(today - r.family_antisymmetric) <= 1e-12 * abs(today) and today < 0, r.n
+        # the family loss at a step found to ~1e-9 relative: flat there, so only its rounding (~1e-13) shows
+        assert r.loss < r.family_loss and abs(lp.optimal_tied_family(r.L, r.n, d)[2] - r.family_loss) <= 1e-12, r.n
 
 
 def float32_layer_forward(P, Q, Z):

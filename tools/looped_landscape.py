@@ -20,7 +20,10 @@ antisymmetric). This tool records, for L = 1..4:
   fresh samples of S (mc_certificate: the loss with the family point's exact loss as control variate, the
   reduced Hessian's smallest eigenvalue) and by the paired difference of per-sample losses against the
   family point on the same samples (mean and SE: no control coefficient, nothing estimated but a mean);
-- at L = 3 the saddle between the family point and the second minimum (tied_block_saddle).
+- at L = 3 the saddle between the family point and the second minimum (tied_block_saddle);
+- at L = 4 and n = SCAN_NS (d as given), the point the same tilted descent reaches, certified by its exact
+  gradient and reduced Hessian (no Monte Carlo): how the lower minimum and its distance from the family's multiple of the identity change as n grows (the regime in
+  which results on looped models, Gatmiry et al.'s among them, are stated).
 
 Writes the record (docs/looped_landscape.json, provenance of tools/records.py) that docs/FINDINGS.md
 finding 17 quotes (`python3 tools/records.py render`; test_records.py checks it under the current code).
@@ -46,6 +49,7 @@ SOURCES = ["icl_ref.py", "icl_looped.py", "tools/looped_landscape.py"]     # the
 RECORD = os.path.join("docs", "looped_landscape.json")
 SUBSPACES = ("identity", "symmetric", "antisymmetric")
 EPS = 0.05            # the tilt off the family point: small, so the descent starts inside the saddle's neighbourhood
+SCAN_L, SCAN_NS = 4, (20, 40, 80, 160, 320, 640)   # doublings from the paper's n, while f stays far above its rounding
 
 
 def hessian_rows(n, d, S):
@@ -117,6 +121,33 @@ def landscape_points(n, d, rng, S):
     return out
 
 
+def scan_rows(d, rng):
+    """At L = SCAN_L, for each n in SCAN_NS: the family point's antisymmetric eigenvalue and the point the tilted
+    descent reaches from it, certified, with the eigenvalue range of W's symmetric part (the preconditioner's
+    quadratic form against Sigma^-1 in whitened coordinates) and its rotation blocks."""
+    out = []
+    for n in SCAN_NS:
+        m = lp.tied_descent_from_family(SCAN_L, n, d, rng, EPS)
+        W = m["W"]
+        sym = np.linalg.eigvalsh((W + W.T) / 2)
+        T = lp.rotation_normal_form(W)[0]
+        lam = np.asarray(m["reduced_eigenvalues"])
+        r = dict(L=SCAN_L, n=n, a=m["family_a"], family_antisymmetric=float(lp.tied_family_hessian_eigenvalues(SCAN_L, n, d)[2]),
+                 family_loss=m["family_loss"], loss=m["loss"], relative_to_family=m["relative_to_family"],
+                 grad_norm=m["grad_norm"], orbit_dim=int(m["orbit_dim"]), index=int(np.sum(lam < 0)),
+                 reduced_min=float(lam[0]), is_minimum=m["is_minimum"], symmetric_min=float(sym[0]),
+                 symmetric_max=float(sym[-1]), rotation_blocks=[[float(T[i, i]), float(T[i, i + 1])]
+                                                                 for i in range(d - 1) if T[i, i + 1] > 0],
+                 antisymmetric_ratio=float(np.linalg.norm(W - W.T) / np.linalg.norm(W + W.T)),
+                 W=[[float(x) for x in row] for row in W])
+        out.append(r)
+        print(f"L = {SCAN_L}, n = {n}: family antisymmetric {r['family_antisymmetric']:+.3e}; descent ends "
+              f"{r['relative_to_family']:+.4%} of the family's loss {r['family_loss']:.4e}, index {r['index']}, orbit "
+              f"{r['orbit_dim']}, reduced Hessian from {r['reduced_min']:.3e}, |grad| {r['grad_norm']:.1e}; W's symmetric "
+              f"part in [{r['symmetric_min']:.4f}, {r['symmetric_max']:.4f}], |W - W^T| / |W + W^T| {r['antisymmetric_ratio']:.3f}")
+    return out
+
+
 def character_rows(d):
     rows = lp.family_point_character([1, 2, 3, 4, 5, 6], [10, 20, 40, 80], d)
     for r in rows:
@@ -140,11 +171,12 @@ def main(argv=None):
     hessian = hessian_rows(n, d, lp.sample_whitened_covariances(rng, args.samples, n, d))
     character = character_rows(d)
     points = landscape_points(n, d, rng, lp.sample_whitened_covariances(rng, args.samples, n, d))
+    scan = scan_rows(d, rng)
     record = dict(provenance=records.provenance(
                       ["tools/looped_landscape.py", "--n", str(n), "--d", str(d), "--samples", str(args.samples),
                        "--seed", str(args.seed)], SOURCES, time.perf_counter() - start_time),
                   n=n, d=d, samples=args.samples, seed=args.seed, eps=EPS,
-                  hessian=hessian, character=character, points=points)
+                  hessian=hessian, character=character, points=points, scan=scan)
     return records.save(args.out, record)
 
 
