@@ -251,6 +251,16 @@ def _family_step_fraction(L, n, d, a):
     return Fraction(a) if isinstance(a, Fraction) else Fraction(float(a))
 
 
+def _floats(values, a):
+    """Exact values as floats, or a ValueError naming the step when one is beyond float64 (the
+    curvatures grow like a^(2L-2))."""
+    try:
+        return tuple(float(x) for x in values)
+    except OverflowError:
+        raise ValueError(f"the curvatures at a = {float(a):.3g} overflow float64 (exact=True gives them as "
+                         "Fractions)") from None
+
+
 @_numpy_rules
 def tied_family_hessian_eigenvalues(L, n, d, a=None, exact=False):
     """The three eigenvalues of the Hessian of f (the tied sparse population loss in whitened
@@ -279,7 +289,7 @@ def tied_family_hessian_eigenvalues(L, n, d, a=None, exact=False):
         symmetric = 2 * (off_diagonal(g_plus) + 2 * diagonal(g_plus) * (1 - Fraction(1, d))) / (d * (d + 1) // 2 - 1)
         antisymmetric = 4 * off_diagonal(g_minus) / (d * (d - 1))
         out = (identity, symmetric, antisymmetric)
-    return out if exact else tuple(float(x) for x in out)
+    return out if exact else _floats(out, a)
 
 
 @_numpy_rules
@@ -307,7 +317,7 @@ def antisymmetric_curvature_parts(L, n, d, a=None, exact=False):
     scale = Fraction(2, d * (d - 1))
     stretch = scale * off_diagonal(_bmul({(2, 0): Fraction(1)}, _bmul(h, h)))
     twist = -scale * off_diagonal(_bmul({(1, 1): Fraction(1)}, _badd(h_odd, _bmul(h, h), scale=(L, -1))))
-    return (stretch, twist) if exact else (float(stretch), float(twist))
+    return (stretch, twist) if exact else _floats((stretch, twist), a)
 
 
 @_numpy_rules

@@ -595,6 +595,11 @@ def test_inputs_are_checked():
         lp.block_direction(D, 3)
     with pytest.raises(ValueError, match="d must be >= 2"):
         lp.antisymmetric_curvature_parts(2, N, 1)
+    # at a = 1e300 the curvatures are of order a^(2L-2): exact Fractions, but no float64 (an OverflowError)
+    with pytest.raises(ValueError, match="overflow float64"):
+        lp.tied_family_hessian_eigenvalues(3, N, D, a=1e300)
+    with pytest.raises(ValueError, match="overflow float64"):
+        lp.antisymmetric_curvature_parts(3, N, D, a=1e300)
     with pytest.raises(TypeError, match="Generator"):
         lp.tied_descent_from_family(2, N, D, 0)
     with pytest.raises(ValueError, match="eps must be > 0"):

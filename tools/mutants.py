@@ -890,6 +890,8 @@ MUTANTS = [
      'return data', "records written with 64 zeros for their seal: every later --overwrite refuses the run's own folder"),
     ('fitted-scalar-overflow-unchecked', 'icl_ref.py', 'fitted_scalar', 'if not math.isfinite(alpha):', 'if False:',
      'alpha = inf returned as a number (with a RuntimeWarning at most)'),
+    ('looped-curvature-overflow-bare', 'icl_looped.py', '_floats', 'except OverflowError:', 'except ArithmeticError as e:\n        raise e\n    except ValueError:',
+     "a bare OverflowError from Fraction to float instead of the documented ValueError naming the step"),
     ('mc-risk-overflow-unchecked', 'icl_estimators.py', 'monte_carlo_risk', 'if not np.all(np.isfinite(error)):', 'if False:',
      'a risk of inf with a standard error of nan returned for a finite predictor'),
 ]
