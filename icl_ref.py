@@ -1341,26 +1341,37 @@ def _psd_root(A):
     return (V * np.sqrt(np.clip(lam, 0.0, None))) @ V.T
 
 
+def _product(*factors, over=()):
+    """prod(factors) / prod(over), positive floats, from their binary mantissas and exponents: no
+    partial product under- or overflows; inf when the result overflows, 0 when it underflows."""
+    parts = [math.frexp(f) for f in factors] + [(1 / m, -e) for m, e in map(math.frexp, over)]
+    try:
+        return math.ldexp(math.prod(m for m, _ in parts), sum(e for _, e in parts))
+    except OverflowError:
+        return math.inf
+
+
 def _single_layer_loss(Gamma, Sigma, moment, Sigma_q, n, noise_var, query_noise):
     """E (y_hat - y_q)^2 of the sparse layer A_0 = Gamma (MATH.md §8), checked arguments: context
     x ~ N(0, Sigma), query x_q ~ N(0, Sigma_q), E[w_star w_star^T] = w W as moment = (W, w), label
-    noise noise_var. With Sigma = c S, Sigma_q = c_q T (largest entries 1), G = c Gamma, noise / (c w):
-    L = c_q w (|W^1/2 (S G - I) T^1/2|^2 + |W^1/2 S G T^1/2|^2 / n + (tr(W S) + noise) |S^1/2 G T^1/2|^2 / n)
-    (+ noise_var), a sum of squares (MATH.md §8): no cancellation at any n, no overflow of a scale.
-    A loss outside float64's normal range is a ValueError naming the scale."""
-    (W, w), c, c_q = moment, np.max(np.abs(Sigma)), np.max(np.abs(Sigma_q))
-    S, T, G = Sigma / c, Sigma_q / c_q, c * Gamma
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):       # checked below
-        noise = noise_var / c / w if noise_var else 0.0
-        Wh, Th = _psd_root(W), _psd_root(T)
-        SGT = S @ G @ Th
-        excess = (np.sum((Wh @ (S @ G - np.eye(len(S))) @ Th) ** 2) + np.sum((Wh @ SGT) ** 2) / n
-                  + (np.trace(W @ S) + noise) / n * np.sum((_psd_root(S) @ G @ Th) ** 2))
-        loss = c_q * w * excess + (noise_var if query_noise else 0.0)
-    if loss != 0 and not np.finfo(np.float64).tiny <= abs(loss) < math.inf:
+    noise noise_var. With Sigma = c S, Sigma_q = c_q T (largest entries 1), G = c Gamma = g G' (g = 1
+    unless max |c Gamma| > 1), the scales multiply sums of squares of order 1 (MATH.md §8):
+    L = c_q w g^2 (|W^1/2 (S G' - I/g) T^1/2|^2 + |W^1/2 S G' T^1/2|^2 / n + tr(W S) |S^1/2 G' T^1/2|^2 / n)
+      + c_q g^2 noise_var |S^1/2 G' T^1/2|^2 / (c n) (+ noise_var), each product formed from binary
+    exponents: no cancellation at any n, no under- or overflow of a scale. A nonzero loss outside
+    float64's normal range is a ValueError naming the scales."""
+    (W, w), c, c_q, a = moment, np.max(np.abs(Sigma)), np.max(np.abs(Sigma_q)), np.max(np.abs(Gamma))
+    big = _product(c, a) > 1
+    S, T, G, g = Sigma / c, Sigma_q / c_q, Gamma / a if big else c * Gamma, (c, a) * big
+    Wh, Th = _psd_root(W), _psd_root(T)
+    I = np.eye(len(S)) * (_product(1.0, over=g) if big else 1.0)
+    q = np.sum((_psd_root(S) @ G @ Th) ** 2)
+    excess = np.sum((Wh @ (S @ G - I) @ Th) ** 2) + np.sum((Wh @ S @ G @ Th) ** 2) / n + np.trace(W @ S) / n * q
+    loss = (_product(c_q, w, *g, *g, excess) + _product(c_q, noise_var, *g, *g, q, over=(c, n))
+            + (noise_var if query_noise else 0.0))
+    if (loss or excess or (noise_var and q)) and not np.finfo(np.float64).tiny <= loss < math.inf:
         raise ValueError(f"the loss ({loss:.3g}) overflows float64 or underflows below its normal range: "
-                         f"max |Sigma| = {c:.3g}, max |E w w^T| = {w:.3g}, max |Gamma| = {np.max(np.abs(Gamma)):.3g}; "
-                         "rescale x or w_star")
+                         f"max |Sigma| = {c:.3g}, max |E w w^T| = {w:.3g}, max |Gamma| = {a:.3g}; rescale x or w_star")
     return float(loss)
 
 

@@ -1205,6 +1205,26 @@ def test_the_single_layer_losses_are_right_at_large_n():
         assert ir.single_layer_population_loss(G, S, n, S_w, 0.1, query_noise=False) == pytest.approx(exact, rel=1e-13, abs=0)
 
 
+def test_the_single_layer_loss_applies_its_scales_in_any_order_of_magnitude():
+    # a loss inside float64's range is returned to rounding however its scales (Sigma, Sigma_w, Gamma)
+    # compare: c_q w formed first underflowed (to 0.0 for an exact 1.2e-300) before the large sum of
+    # squares was applied; 1e-13 relative bounds O(100) roundings of d <= 2 products, against the exact
+    # rational at the same float64 inputs (abs=0: approx's default abs would pass anything this small)
+    import icl_estimators as est          # its shifted loss shares icl_ref's _single_layer_loss
+    I1, I2 = np.eye(1), np.eye(2)
+    cases = [(1e250 * I1, 1e-200 * I1, 10, 1e-200 * I1, 0.0), (1e170 * I1, 1e-160 * I1, 10, 1e-160 * I1, 0.0),
+             (1e10 * ir.gamma_star(1e-160 * I2, 20, 1e-160 * I2), 1e-160 * I2, 20, 1e-160 * I2, 0.0),
+             (I1, 1e-124 * I1, 9, 1e-274 * I1, 1e-45)]          # the noise term alone is representable
+    for G, S, n, S_w, noise in cases:
+        exact = float(_exact_single_layer_loss(G, S, n, S_w, S, noise))
+        assert ir.single_layer_population_loss(G, S, n, S_w, noise) == pytest.approx(exact, rel=1e-13, abs=0)
+        assert est.shifted_single_layer_loss(G, S, n, S_w, noise) == pytest.approx(exact, rel=1e-13, abs=0)
+    # an exact loss of about 3e-472 is below float64's range: refused by name, not returned as 0.0
+    S = 1e-236 * I2
+    with pytest.raises(ValueError, match="underflows below its normal range"):
+        ir.single_layer_population_loss(ir.gamma_star(S, 7, S), S, 7, S)
+
+
 def test_the_family_descents_refuse_n_beyond_what_float64_resolves():
     # hostile round 7, H5: at n = 2^53 optimal_family_scalars returned a = (0.83, ...) with loss 1e-32
     # where a = 1 gives 7.5e-46, and family_local_minimum stopped at 4.9e-28: the loss ~n^-L is formed
