@@ -44,6 +44,16 @@ def _scales(A, axes):
     return np.where(s > 0, s, 1.0)
 
 
+def _exponents(num, den=()):
+    """(m, e) with prod(num) / prod(den) = m 2^e, for arrays of positive scales: formed from their
+    binary mantissas and exponents, so that no product of scales under- or overflows."""
+    m, e = 1.0, 0
+    for a, sign in [(a, 1) for a in num] + [(a, -1) for a in den]:
+        m_a, e_a = np.frexp(a)
+        m, e = m * m_a ** sign, e + sign * e_a
+    return m, e
+
+
 @_numpy_rules
 def ridge_predict(Z, lam=0.0, Sigma_w=None):
     """Ridge regression on each prompt's context, evaluated at its query (MATH.md §15):
@@ -54,10 +64,12 @@ def ridge_predict(Z, lam=0.0, Sigma_w=None):
     (F the Cholesky factor of Sigma_w, the identity by default). lam = 0 is least squares: OLS for
     n >= d, the minimum-norm interpolant (in the metric Sigma_w^-1) for n < d; singular values
     below max(n, d) eps s_max then count as zero, as in numpy's pinv. lam = noise_var is
-    bayes_predict. Each prompt is solved scale-free: with X = s_x X', x_q = s_x x_q', y = s_y y',
-    y_hat = s_y <w', x_q'> for w' the ridge of (X', y') at lam / s_x^2, so no square over- or
-    underflows at any scale of the data; likewise Sigma_w = c_w W is the ridge of W at lam / c_w. Z: (B, d+1, n+1); lam >= 0; Sigma_w (d, d) SPD or None.
-    Returns y_hat (B,).
+    bayes_predict. Each prompt is solved scale-free: with X = s_x X', x_q = s_q x_q', y = s_y y',
+    y_hat = (s_y s_q / s_x) <w', x_q'> for w' the ridge of (X', y') at lam / s_x^2, the scales (and a
+    penalty above 1) multiplied from their binary exponents, so no square or product of scales over-
+    or underflows at any scale of the data; likewise Sigma_w = c_w W is the ridge of W at lam / c_w.
+    A prediction beyond float64 is a ValueError. Z: (B, d+1, n+1); lam >= 0; Sigma_w (d, d) SPD or
+    None. Returns y_hat (B,).
     """
     Z = _prompts(Z)
     lam = _nonneg("lam", lam)
@@ -68,15 +80,27 @@ def ridge_predict(Z, lam=0.0, Sigma_w=None):
     c_w = float(np.max(np.abs(S_w)))
     F = F / math.sqrt(c_w)
     X, y, x_q = _regression(Z)
-    s_x, s_y = _scales(Z[:, :d, :], (1, 2)), _scales(y, 1)
-    X, x_q, y = X / s_x[:, None, None], x_q / s_x[:, None], y / s_y[:, None]
+    s_x, s_q, s_y = _scales(X, (1, 2)), _scales(x_q, 1), _scales(y, 1)
+    X, x_q, y = X / s_x[:, None, None], x_q / s_q[:, None], y / s_y[:, None]
     U, s, Vt = np.linalg.svd(X @ F, full_matrices=False)
     keep = s > (max(X.shape[1:]) * np.finfo(float).eps * s[:, :1] if lam == 0 else 0.0)
-    with np.errstate(over="ignore", under="ignore"):     # lam / s_x^2 = inf: the penalty wins, w' = 0
-        penalty = (lam / c_w / s_x / s_x)[:, None]
-    shrink = np.divide(*((1.0, s) if lam == 0 else (s, s ** 2 + penalty)), out=np.zeros_like(s), where=keep)
+    m, e = _exponents([s_y, s_q], [s_x])
+    if lam == 0:
+        shrink = np.divide(1.0, s, out=np.zeros_like(s), where=keep)
+    else:   # 1/p = c_w s_x^2 / lam; a penalty p > 1 leaves s / (s^2 + p) = (1/p) s / (s^2/p + 1), its 1/p
+        m_p, e_p = _exponents([c_w, s_x, s_x], [lam])       # joining the scales however small it is
+        with np.errstate(over="ignore"):                  # 1/p = inf: no penalty to speak of
+            inv_p = np.ldexp(m_p, e_p)
+        big = inv_p < 1
+        s2 = np.where(big[:, None], s ** 2 * inv_p[:, None], s ** 2)
+        shrink = np.divide(s, s2 + np.where(big, 1.0, 1 / np.maximum(inv_p, 1))[:, None], out=np.zeros_like(s),
+                           where=keep)
+        m, e = np.where(big, m * m_p, m), np.where(big, e + e_p, e)
     v = np.einsum("bkd,bk->bd", Vt, shrink * np.einsum("bnk,bn->bk", U, y))
-    return s_y * np.einsum("bd,bd->b", v @ F.T, x_q)
+    with np.errstate(over="ignore"):                # an overflow is refused below, by name
+        y_hat = np.ldexp(m * np.einsum("bd,bd->b", v @ F.T, x_q), e)
+    _finite({"the prediction": y_hat}, "rescale the prompts", Z=Z)
+    return y_hat
 
 
 @_numpy_rules
@@ -133,6 +157,16 @@ def _isotropic(S):
     return c if np.max(np.abs(S - c * np.eye(S.shape[0]))) <= 1e-12 * abs(c) else None
 
 
+def _risk(excess, query):
+    """The risk excess + query (Python floats, noise_var d / (n - d - 1) formed ratio first), or a
+    ValueError when it overflows float64."""
+    risk = excess + query
+    if not math.isfinite(risk):
+        raise ValueError("the risk overflows float64 (noise_var times the closed form's ratio, plus the "
+                         "query's noise_var): rescale y")
+    return float(risk)
+
+
 @_numpy_rules
 def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True):
     """Exact E (y_hat - y_q)^2 of least squares, ridge_predict(Z, 0), where it has a closed form
@@ -144,7 +178,7 @@ def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True)
 
     plus noise_var when query_noise. Elsewhere the risk is infinite (n in d-1..d+1 with noise) or
     has no closed form (n < d, anisotropic): a ValueError points to monte_carlo_risk. A bias c s (d - n)
-    outside float64's normal range is a ValueError naming the scales. Returns a float.
+    outside float64's normal range, or a risk beyond float64, is a ValueError naming it. Returns a float.
     """
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
@@ -156,7 +190,7 @@ def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True)
         raise ValueError(f"n must be < d - 1 or > d + 1 when noise_var > 0: the risk of least squares is "
                          f"infinite at n = {n}, d = {d}")
     if n >= d:
-        return float(noise_var * d / (n - d - 1) if noise_var > 0 else 0.0) + query
+        return _risk(noise_var * (d / (n - d - 1)) if noise_var > 0 else 0.0, query)
     c, s = _isotropic(Sigma), _isotropic(Sigma_w)
     if c is None or s is None:
         raise ValueError("Sigma and Sigma_w must be multiples of the identity for n < d: the risk of the "
@@ -166,7 +200,7 @@ def ols_population_risk(n, Sigma, Sigma_w=None, noise_var=0.0, query_noise=True)
     if not np.finfo(np.float64).tiny <= bias < math.inf:        # c, s > 0: the bias is never 0 in the mathematics
         raise ValueError(f"the bias c s (d - n) overflows float64 or underflows below its normal range "
                          f"(Sigma = {c:.3g} I, Sigma_w = {s:.3g} I): rescale x or w_star")
-    return float(bias + (noise_var * n / (d - n - 1) if noise_var > 0 else 0.0)) + query
+    return _risk(bias + (noise_var * (n / (d - n - 1)) if noise_var > 0 else 0.0), query)
 
 
 @_numpy_rules

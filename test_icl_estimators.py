@@ -346,6 +346,44 @@ def test_ridge_and_bayes_are_right_at_any_scale_of_the_prior():
             np.testing.assert_allclose(est.bayes_predict(Z, c * np.eye(3), 1.0), expected, rtol=1e-12)
 
 
+def _exact_ridge(Z, lam):
+    """ridge_predict of one prompt Z (d+1, n+1) with Sigma_w = I, in exact rationals at its float64 entries."""
+    from fractions import Fraction
+    d, n = Z.shape[0] - 1, Z.shape[1] - 1
+    X = [[Fraction(float(Z[j, i])) for j in range(d)] for i in range(n)]
+    A = [[sum(r[j] * r[k] for r in X) + (Fraction(lam) if j == k else 0) for k in range(d)] for j in range(d)]
+    b = [sum(r[j] * Fraction(float(Z[d, i])) for i, r in enumerate(X)) for j in range(d)]
+    for j in range(d):                                # Gauss-Jordan, exact
+        for k in range(d):
+            if k != j:
+                f = A[k][j] / A[j][j]
+                A[k], b[k] = [a - f * p for a, p in zip(A[k], A[j])], b[k] - f * b[j]
+    return float(sum(b[j] / A[j][j] * Fraction(float(Z[j, n])) for j in range(d)))
+
+
+def test_ridge_is_right_when_the_context_query_labels_and_penalty_differ_in_scale():
+    # the context, the query, the labels and the penalty each at its own scale, the prediction inside
+    # float64's range: a penalty lam / s_x^2 beyond float64 gave exactly 0 (exact 3.7e-19), a context
+    # 1e320 times smaller than the query gave NaN. 1e-10 relative: the SVD solve of a 10 x 3 problem of
+    # condition ~10 is right to ~cond^2 eps = 1e-14, with room for the penalty's rounding
+    Z0, _ = ir.sample_prompts(np.random.default_rng(1), 1, 10, np.eye(3))
+    for x, q, y, lam in ((1e-160, 1e-160, 1e300, 1.0), (0.1, 0.1, 1e300, 1e308), (1e-120, 1e200, 1e-220, 0.0),
+                         (1e-120, 1e200, 1e-220, 1e-250), (1e150, 1e-150, 1e-100, 1e-300)):
+        Z = Z0.copy()
+        Z[:, :3, :-1] *= x
+        Z[:, :3, -1] *= q
+        Z[:, 3, :] *= y
+        exact = _exact_ridge(Z[0], lam)
+        assert est.ridge_predict(Z, lam)[0] == pytest.approx(exact, rel=1e-10, abs=0), (x, q, y, lam)
+        assert est.bayes_predict(Z, noise_var=lam)[0] == pytest.approx(exact, rel=1e-10, abs=0), (x, q, y, lam)
+    # a prediction beyond float64 is refused by name, not returned as inf or NaN with a warning
+    Z = Z0.copy()
+    Z[:, 3, :] *= 1e300
+    Z[:, :3, -1] *= 1e10
+    with pytest.raises(ValueError, match="the prediction is not finite: float64 overflowed"):
+        est.ridge_predict(Z)
+
+
 def test_ols_risk_is_right_at_any_scale_or_says_it_cannot_be():
     # hostile round 7, M4: c s (d - n) overflowed to inf at 1e200 I (both) and underflowed to 0.0 at 1e-200,
     # silently; now refused by name. Inside the range it is the closed form, exact to one rounding (1e-15)
@@ -353,3 +391,9 @@ def test_ols_risk_is_right_at_any_scale_or_says_it_cannot_be():
         with pytest.raises(ValueError, match="normal range"):
             est.ols_population_risk(1, c * np.eye(3), c * np.eye(3))
     assert est.ols_population_risk(1, 1e100 * np.eye(3), 1e-100 * np.eye(3)) == pytest.approx(2.0, rel=1e-15, abs=0)
+    # near float64's limit the noise term noise_var d / (n - d - 1) fits (1.29e308 with the query's noise):
+    # it is returned to a few roundings (1e-15), not inf; a risk beyond the limit is refused by name
+    assert est.ols_population_risk(10, 1e300 * np.eye(2), noise_var=1e308) == pytest.approx(1e308 / 7 * 9, rel=1e-15)
+    assert est.ols_population_risk(1, np.eye(4), noise_var=1e308) == pytest.approx(1e308 / 2 * 3, rel=1e-15)
+    with pytest.raises(ValueError, match="the risk overflows float64"):
+        est.ols_population_risk(4, np.eye(2), noise_var=1.7e308)
