@@ -1758,20 +1758,38 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     return _family_result(best, L, n, d, blocks, noise_var, sort=not blocks)
 
 
+def _off_saddles(theta, L, blocks, rule, n, noise_var):
+    """theta moved off saddles: while the Hessian of the family loss (central differences of its exact
+    gradient, steps 1e-4: O(1e-8) relative error) has an eigenvalue below -1e-6 of its largest, the
+    descent restarts from the lower of the steps +-t v (t = 0.1, 0.01, 0.001) along its eigenvector v
+    (a symmetric start stays symmetric, and may stop at a saddle there)."""
+    grad = lambda x: _family_loss_at_nodes(x, L, blocks, *rule, n, noise_var)[1]
+    for _ in range(10):
+        H = np.array([(grad(theta + 1e-4 * e) - grad(theta - 1e-4 * e)) / 2e-4 for e in np.eye(theta.size)])
+        lam, V = np.linalg.eigh((H + H.T) / 2)
+        if lam[0] >= -1e-6 * np.max(np.abs(lam)):
+            break
+        steps = [theta + t * V[:, 0] for t in (0.1, -0.1, 0.01, -0.01, 0.001, -0.001)]
+        start = min(steps, key=lambda x: _family_loss_at_nodes(x, L, blocks, *rule, n, noise_var)[0])
+        theta = _family_descent(start, np.eye(theta.size), L, blocks, *rule, n, noise_var)[0]
+    return theta
+
+
 @_numpy_rules
 def family_local_minimum(a, n, d, b=None, noise_var=0.0):
-    """The local minimum of the exact family loss (family_population_loss) whose basin holds the start
-    (a, b): one L-BFGS-B descent on the exact Gauss rule, as in optimal_family_scalars (MATH.md §10).
-    Tells which population minimum a trained model's fitted scalars belong to (the blocks family has
-    more than one). a, b: (L,) (b[L-1] ignored; b None: the sparse family); n <= MAX_LOCAL_FAMILY_N (1e9).
-    Returns (a (L,), b (L,) with b[L-1] = NaN, or None, loss)."""
+    """A local minimum of the exact family loss (family_population_loss) reached from the start (a, b):
+    an L-BFGS-B descent on the exact Gauss rule, as in optimal_family_scalars (MATH.md §10), continued
+    off any saddle along its direction of negative curvature, so the Hessian there has no negative
+    eigenvalue (to 1e-6 of its largest). Tells which population minimum a trained model's fitted
+    scalars belong to (the blocks family has more than one). a, b: (L,) (b[L-1] ignored; b None: the
+    sparse family); n <= MAX_LOCAL_FAMILY_N (1e9). Returns (a (L,), b (L,) with b[L-1] = NaN, or None, loss)."""
     a, b_full = _family_scalars(a, b)
     n, d = _family_n(n, MAX_LOCAL_FAMILY_N), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
-    L, blocks = a.size, b is not None
+    L, blocks, rule = a.size, b is not None, _family_rule(a.size, n, d, b is not None)
     theta0 = np.r_[a, b_full[:-1]] if blocks else a
-    theta, _ = _family_descent(theta0, np.eye(theta0.size), L, blocks, *_family_rule(L, n, d, blocks), n, noise_var)
-    return _family_result(theta, L, n, d, blocks, noise_var)
+    theta, _ = _family_descent(theta0, np.eye(theta0.size), L, blocks, *rule, n, noise_var)
+    return _family_result(_off_saddles(theta, L, blocks, rule, n, noise_var), L, n, d, blocks, noise_var)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1572,6 +1572,22 @@ def test_sparse_family_degree_stays_L_and_blocks_L4_is_refused():
         ir.family_population_loss([0.3] * 4, 20, 5, b=[0.5] * 4)
 
 
+def test_family_local_minimum_leaves_a_saddle_that_a_symmetric_start_reaches():
+    # the promise is a local minimum: from a = (0.7, ..., 0.7) the descent stays on the symmetric line
+    # (the loss is symmetric in the a_l, Lemma 4) and stopped at a saddle (L = 2: curvature -2.39
+    # across the line). The returned point's Hessian, by central second differences of the exact
+    # (rational) loss with h = 1e-3, has no eigenvalue below -1e-3: the differences' error is
+    # h^2 times fourth derivatives of O(100), ~1e-4, far from the saddle's O(1) negative curvature
+    for L in (2, 3):
+        a, _, f = ir.family_local_minimum([0.7] * L, 20, 5)
+        h, E = 1e-3, np.eye(L) * 1e-3
+        g = lambda v: ir.family_population_loss(v, 20, 5)
+        hess = np.array([[(g(a + ei + ej) - g(a + ei - ej) - g(a - ei + ej) + g(a - ei - ej)) / (4 * h * h)
+                          for ej in E] for ei in E])
+        assert np.linalg.eigvalsh(hess)[0] > -1e-3, (L, a)
+        assert f == ir.family_population_loss(a, 20, 5) and f < ir.family_population_loss([0.7425] * L, 20, 5), L
+
+
 def test_blocks_family_has_a_second_local_minimum():
     # MATH.md §10: at n = 20, d = 5, L = 3 the exact blocks-family loss has, besides the global
     # optimum f* = 9.613e-4, a strict local minimum near a = (0.34, 2.86, 7.64), b = (0.88, 0.35),
