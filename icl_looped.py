@@ -43,7 +43,7 @@ import scipy.linalg
 import scipy.optimize
 
 import icl_ref as ir
-from icl_ref import _array, _family_search, _int, _nonneg, _numpy_rules, _single_layer_loss, \
+from icl_ref import _array, _family_search, _flag, _int, _nonneg, _numpy_rules, _single_layer_loss, \
     _single_layer_moments, _spd, _task_moment, _wishart_T
 
 __version__ = ir.__version__
@@ -450,6 +450,10 @@ class _Evaluator:
         self.words = sorted({w for monomial, _ in poly for w in monomial}, key=lambda w: (len(w), w))
         index = {w: i for i, w in enumerate(self.words)}
         self.monomials = [(float(c), [index[w] for w in monomial]) for monomial, c in poly]
+        # log of |c| d^k and the total length of the words of each monomial: its magnitude at most
+        # |c| d^k s^length for s the largest singular value of W (|tr w| <= d s^len(w))
+        self.log_size = np.array([math.log(abs(c)) + len(monomial) * math.log(d) for monomial, c in poly])
+        self.length = np.array([sum(map(len, monomial)) for monomial, _ in poly])
 
     def traces(self, W, grad=False):
         """tr of each word at W and, with grad, d tr(w)/dW: sum over the letters of w of (suffix
@@ -477,6 +481,14 @@ class _Evaluator:
         traces, _ = self.traces(W)
         return sum(c * math.prod(traces[i] for i in ids) for c, ids in self.monomials)
 
+    def log_magnitude(self, W):
+        """log of the sum of the monomials' magnitude bounds at W: float64's rounding of the loss is
+        about eps times it (measured: 2 to 20 times above the error at L <= 4, n <= 1e6)."""
+        with np.errstate(divide="ignore"):                   # W = 0: log 0 = -inf, its words vanish
+            log_s = math.log(np.linalg.norm(W, 2)) if np.any(W) else -math.inf
+        log_words = np.where(self.length > 0, np.maximum(self.length, 1) * log_s, 0.0)    # s^0 = 1
+        return float(np.logaddexp.reduce(self.log_size + log_words))
+
     def loss_and_grad(self, W):
         traces, grads = self.traces(W, grad=True)
         f, dtrace = 0.0, [0.0] * len(self.words)
@@ -497,17 +509,23 @@ def _evaluator(L, n, d):
 def tied_population_loss(W, L, n, d, exact=False):
     """f(W) = E ||(I - W^T S)^L||_F^2, the tied sparse model's noiseless population loss at its
     whitened block W (whiten; MATH.md §14), from tied_loss_polynomial. W: (d, d), any real matrix. Returns a
-    float (rounding: ~1e-16 times the largest term, ~1e-14 at L = 4, n = 20; an overflow, |W| ~ 1e77 at
-    L = 2, is a ValueError naming max |W|); exact: the exact
-    rational at W's float64 entries (each converted exactly), a Fraction (slow: seconds at L = 4)."""
+    float right to 1e-6 relative: its terms cancel (to ~n^-L near the minimum at large n), and where
+    float64's rounding, about eps times the sum of the terms' magnitudes, could exceed 1e-6 of f the
+    float is a ValueError pointing to exact (an overflow, |W| ~ 1e77 at L = 2, is a ValueError naming
+    max |W|); exact: the exact rational at W's float64 entries (each converted exactly), a Fraction
+    (slow: seconds at L = 4)."""
     L, n, d = _sizes(L, n, d, MAX_LOOPS)
     W = _square("W", W, d)
-    if not exact:
+    if not _flag("exact", exact):
+        ev = _evaluator(L, n, d)
         with np.errstate(over="ignore", invalid="ignore"):
-            f = float(_evaluator(L, n, d).loss(W))
+            f = float(ev.loss(W))
         if not math.isfinite(f):
             raise ValueError(f"f is not finite: float64 overflowed at max |W| = {np.max(np.abs(W)):.3g} (f grows like "
                              f"||W||^{2 * L}); use exact=True or a smaller W")
+        if f <= 0 or math.log(np.finfo(np.float64).eps / 1e-6) + ev.log_magnitude(W) > math.log(f):
+            raise ValueError(f"float64 does not resolve f to 1e-6 relative here (n = {n}, L = {L}): its terms, of "
+                             f"magnitude up to e^{ev.log_magnitude(W):.1f}, cancel to f = {f:.3g}; use exact=True")
         return f
     Wf = [[Fraction(float(x)) for x in r] for r in W]
     WT = [list(r) for r in zip(*Wf)]
