@@ -124,8 +124,13 @@ def _rtol(rtol):
 def _spd_root(Sigma):
     Sigma = _square("Sigma", Sigma)
     lam, V = np.linalg.eigh((Sigma + Sigma.T) / 2)
-    if np.max(np.abs(Sigma - Sigma.T)) > 1e-12 * np.max(np.abs(Sigma)) or lam[0] <= 0:
-        raise ValueError("Sigma must be symmetric positive definite")
+    if np.max(np.abs(Sigma - Sigma.T)) > 1e-12 * np.max(np.abs(Sigma)):
+        raise ValueError("Sigma must be symmetric")
+    if lam[0] <= 0:
+        _spd("Sigma", Sigma)             # not positive definite: said so by name; else float64 lost it:
+        raise ValueError(f"Sigma's condition number is beyond float64: its smallest eigenvalue is lost "
+                         f"below eps times its largest ({lam[-1]:.3g}), so Sigma^(-1/2) is not defined at "
+                         "float64 precision")
     return (V * np.sqrt(lam)) @ V.T, (V / np.sqrt(lam)) @ V.T
 
 
@@ -1108,6 +1113,7 @@ def one_layer_population_grad(u, U, Sigma, n, Sigma_w=None):
 # one_layer_gradient_flow refuses a start sigma above MAX_START_RATIO times the rest scale |Gamma*|^(1/2):
 # LSODA's cost grows slowly up to ~1e12 (4.5e3 evaluations) and it fails at 1e16
 MAX_START_RATIO = 1e10
+MAX_FLOW_TIME = 1e20     # of c^2 w t: LSODA's steps failed from ~1e25 on (the flow rests long before)
 
 
 def _tolerance(rtol):
@@ -1134,8 +1140,8 @@ def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1
     Jacobian: once the flow has converged its steps grow, so the cost stops growing with t. rtol in
     [1e-13, 0.1]; atol = rtol / 100 of the state's scale. BDF does not conserve the invariant
     exactly: it drifts by about the accumulated local error, rtol times the evaluations.
-    Sigma, Sigma_w: (d, d) SPD; n >= 1; sigma > 0; t: increasing times >= 0, (T,); Theta: (d, d),
-    nonzero (default I). Returns a dict: t (T,), u (T,), U (T, d, d), Gamma (T, d, d) = u U (the
+    Sigma, Sigma_w: (d, d) SPD; n >= 1; sigma > 0; t: increasing times >= 0, (T,), with c^2 w t <=
+    MAX_FLOW_TIME (c = max |Sigma|, w = max |Sigma_w|); Theta: (d, d), nonzero (default I). Returns a dict: t (T,), u (T,), U (T, d, d), Gamma (T, d, d) = u U (the
     effective preconditioner: y_hat = h^T Gamma x_q), loss (T,), invariant (T,) = u^2 - |U|_F^2
     (conserved; 0 here), sigma_bound = sqrt(2 / (sqrt(d) |Gamma*^-1|_2)) with Gamma* =
     gamma_star(Sigma, n, Sigma_w) (for Sigma_w = I the initial scale below which their Theorem 4.1
@@ -1164,6 +1170,9 @@ def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1
     if not (0 < s0 < math.inf and rate < math.inf):
         raise ValueError(f"the flow's scaled start sigma sqrt(c) = {s0:.3g} or rate c^2 w do not fit float64 "
                          f"(c = max |Sigma| = {c:.3g}, w = max |Sigma_w| = {w:.3g}): rescale x or w_star")
+    if rate * t[-1] > MAX_FLOW_TIME:
+        raise ValueError(f"t must be <= {MAX_FLOW_TIME / rate:.3g} (c^2 w t <= {MAX_FLOW_TIME:.0e}, c = max |Sigma|, "
+                         f"w = max |Sigma_w|): LSODA's steps cannot span longer flows; got t = {t[-1]:.3g}")
     if s0 > MAX_START_RATIO * rest:
         raise ValueError(f"sigma = {sigma:.3g} is {s0 / rest:.3g} times the rest scale |Gamma*|^(1/2) = {rest / root:.3g} "
                          f"(max |Sigma| = {c:.3g}): the flow's rates span the square of that and LSODA fails beyond "

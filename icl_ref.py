@@ -272,7 +272,7 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
     d = Sigma.shape[0]
     pool = None if tasks is None else _pool(tasks, d, Sigma_w)
     F_w = _task_covariance(Sigma_w, d)[1] if pool is None else None
-    noise_std = _nonneg("noise_std", noise_std)
+    noise_std, return_w_star = _nonneg("noise_std", noise_std), _flag("return_w_star", return_w_star)
     X = rng.standard_normal((batch, n + 1, d)) @ F.T                 # rows x_i ~ N(0, F F^T)
     w_star = (rng.standard_normal((batch, d)) @ F_w.T if pool is None
               else pool[rng.integers(pool.shape[0], size=batch)])    # a uniformly drawn row per prompt
@@ -498,7 +498,7 @@ def forward(P, Q, Z, all_layers=False):
     (Z_0, ..., Z_L) of shape (L+1, B, D, n+1). Computed as Z_{l+1} = T_l Z_l (Gram form above),
     chunk by chunk. MATH.md §2.
     """
-    P, Q, Z = _model_inputs(P, Q, Z)
+    (P, Q, Z), all_layers = _model_inputs(P, Q, Z), _flag("all_layers", all_layers)
     n = Z.shape[2] - 1
     with np.errstate(over="ignore", invalid="ignore"):
         Zs = np.concatenate([_layers_of(P, Q, Z[a:b], n) for a, b in _chunks(*Z.shape[:2])], axis=1)
@@ -977,7 +977,11 @@ def _data_scale(Z):
     if m < np.finfo(np.float64).tiny:
         raise ValueError(f"Z's entries are all zero or subnormal (largest {m:.1e}): there is nothing to train "
                          "on at float64 precision; rescale Z and y")
-    return 2.0 ** math.floor(math.log2(m * math.sqrt(float(np.mean((Z / m) ** 2)))))
+    c = 2.0 ** math.floor(math.log2(m * math.sqrt(float(np.mean((Z / m) ** 2)))))
+    if not 2.0 ** -511 <= c <= 2.0 ** 511:
+        raise ValueError(f"Z's scale c = {c:.3g} is beyond what float64 squares: the loss (c^2 times that of "
+                         "Z / c) and the trained Q (Q of Z / c over c^2) would leave float64; rescale Z and y")
+    return c
 
 
 def _rescaled(coords, s):
@@ -1088,6 +1092,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
                    maxfun=5 * maxiter if maxfun is None else _int("maxfun", maxfun, 1),
                    maxcor=_int("maxcor", maxcor, 1), ftol=_nonneg("ftol", ftol),
                    gtol=_nonneg("gtol", gtol), maxls=_int("maxls", maxls, 1))
+    keep_iterates = _flag("keep_iterates", keep_iterates)
     run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
     last, history, failed = {}, [], [0]
 
@@ -1295,6 +1300,16 @@ def preconditioned_gd(X, y, A):
 # §8 One layer: Theorem 1 generalised, Mahankali et al.
 # ---------------------------------------------------------------------------------------------
 
+def _product(*factors, over=()):
+    """prod(factors) / prod(over), positive floats, from their binary mantissas and exponents: no
+    partial product under- or overflows; inf when the result overflows, 0 when it underflows."""
+    parts = [math.frexp(f) for f in factors] + [(1 / m, -e) for m, e in map(math.frexp, over)]
+    try:
+        return math.ldexp(math.prod(m for m, _ in parts), sum(e for _, e in parts))
+    except OverflowError:
+        return math.inf
+
+
 def _single_layer_moments(Sigma, n, M, noise_var):
     """(K, E[h w^T]) of MATH.md §8, h = (1/n) sum_i y_i x_i, for checked Sigma (d, d), n, noise_var
     and M = E[w_star w_star^T] (d, d), which enters only through this second moment (MATH.md §15)."""
@@ -1322,15 +1337,20 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
         raise ValueError("tasks are all zero and noise_var = 0: every label is 0, every Gamma has loss 0, "
                          "and Gamma* is not defined")
     # scale-free: with Sigma = c S and M = w W (max entries 1), Gamma* = K'^-1 S W / c, where K'
-    # is K of (S, W) with the noise noise_var / (c w); no under- or overflow at any scale of Sigma
+    # is K of (S, W) with the noise noise_var / (c w) = 1/v; a noise above 1 is divided out of K' (its
+    # W becomes v W, its noise 1) into the scale v / c = w / noise_var, which may then be as large as it is
     c = np.max(np.abs(Sigma))
-    with np.errstate(over="ignore", divide="ignore"):           # a pool's w can underflow to 0
-        noise = noise_var / c / w if noise_var else 0.0
-    if not math.isfinite(noise):
-        raise ValueError(f"noise_var / (max |Sigma| max |E w w^T|) overflows float64 (max |Sigma| = {c:.3g}, "
-                         f"max |E w w^T| = {w:.3g}, noise_var = {noise_var:.3g}): rescale x or w_star")
-    K, E_hw = _single_layer_moments(Sigma / c, n, W, noise)
-    G = np.linalg.solve(K, E_hw) / c
+    v = _product(c, w, over=(noise_var,)) if noise_var else math.inf
+    scale = _product(w, over=(noise_var,)) if v < 1 else 1 / c
+    if not np.finfo(np.float64).tiny <= scale < math.inf:
+        raise ValueError(f"Gamma*'s scale min(1 / max |Sigma|, max |E w w^T| / noise_var) leaves float64 (max |Sigma| "
+                         f"= {c:.3g}, max |E w w^T| = {w:.3g}, noise_var = {noise_var:.3g}): rescale x or w_star")
+    K = _single_layer_moments(Sigma / c, n, W * min(v, 1.0), 1.0 if v < 1 else 1 / v)[0]
+    try:
+        G = np.linalg.solve(K, Sigma / c @ W) * scale
+    except np.linalg.LinAlgError:
+        raise ValueError(f"Sigma is singular to float64 (condition number {np.linalg.cond(Sigma):.3g}): Gamma* "
+                         "is not defined at float64 precision") from None
     _finite({"Gamma*": G}, "rescale x (Sigma) or w_star (Sigma_w, tasks)", Sigma=Sigma)
     return G
 
@@ -1339,16 +1359,6 @@ def _psd_root(A):
     """The PSD square root of a symmetric PSD A (negative rounding eigenvalues clipped to 0)."""
     lam, V = np.linalg.eigh((A + A.T) / 2)
     return (V * np.sqrt(np.clip(lam, 0.0, None))) @ V.T
-
-
-def _product(*factors, over=()):
-    """prod(factors) / prod(over), positive floats, from their binary mantissas and exponents: no
-    partial product under- or overflows; inf when the result overflows, 0 when it underflows."""
-    parts = [math.frexp(f) for f in factors] + [(1 / m, -e) for m, e in map(math.frexp, over)]
-    try:
-        return math.ldexp(math.prod(m for m, _ in parts), sum(e for _, e in parts))
-    except OverflowError:
-        return math.inf
 
 
 def _single_layer_loss(Gamma, Sigma, moment, Sigma_q, n, noise_var, query_noise):
@@ -1851,7 +1861,7 @@ def symmetry_directions(structure, coords, query_label_zero=True):
     - for full (P, Q), each layer's heads enter only through K_l = sum_h P_lh kron Q_lh^T, which
       (P_lh, Q_lh) -> (sum_g A_hg P_lg, sum_g (A^-T)_hg Q_lg) leaves unchanged for any invertible
       A: the tangent directions dP_lh = P_lg, dQ_lg = -Q_lh for every pair (h, g)."""
-    _choice("structure", structure, STRUCTURES)
+    structure, query_label_zero = _choice("structure", structure, STRUCTURES), _flag("query_label_zero", query_label_zero)
     P, Q = structure_to_PQ(structure, coords)
     L, H = P.shape[:2]
     shapes = structure_shapes(structure, L, P.shape[-1] - 1, H)

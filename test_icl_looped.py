@@ -624,6 +624,15 @@ def test_inputs_are_checked():
         lp.tied_descent_from_family(2, N, D, np.random.default_rng(0), eps=0.0)
     with pytest.raises(ValueError, match="positive definite"):
         lp.whiten(np.eye(2), -np.eye(2))
+    # diag(1e300, 1e-300) is positive definite, but its eigenvalues span more than float64 resolves:
+    # said so, not called "not positive definite"
+    with pytest.raises(ValueError, match="Sigma's condition number is beyond float64"):
+        lp.whiten(np.eye(2), np.diag([1e300, 1e-300]))
+    with pytest.raises(ValueError, match="must be symmetric$"):
+        lp.whiten(np.eye(2), [[1.0, 0.5], [0.0, 1.0]])
+    # a time at which LSODA's steps fail ("Unexpected istate in LSODA") is refused by name, before work
+    with pytest.raises(ValueError, match="t must be <= 1e\\+20"):
+        lp.one_layer_gradient_flow(np.eye(2), 20, 0.1, [0.0, 1e300])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1225,6 +1225,22 @@ def test_the_single_layer_loss_applies_its_scales_in_any_order_of_magnitude():
         ir.single_layer_population_loss(ir.gamma_star(S, 7, S), S, 7, S)
 
 
+def test_gamma_star_is_right_when_the_noise_dwarfs_the_signal():
+    # d = 1: Gamma* = n s / ((n + 1) c s + c s + noise_var) exactly, here 1.43e-221 (representable) while
+    # noise_var / (c s) = 8.5e483 is not: it was refused as an overflow. 1e-14: a few roundings
+    c, s, v = 2.3e-262, 9.2e-240, 1.8e-17
+    exact = 28 * s / (29 * s * c + s * c + v)
+    assert ir.gamma_star([[c]], 28, [[s]], noise_var=v)[0, 0] == pytest.approx(exact, rel=1e-14, abs=0)
+    rng = np.random.default_rng(137)
+    S, _ = ir.rotated_covariance(rng, [0.5, 1.0, 2.0])
+    for noise in (0.3, 30.0, 1e200):          # either side of the noise scale 1 at which K' is rescaled
+        K = (8 / 7) * S @ S + (np.trace(S) + noise) / 7 * S
+        expected = np.linalg.solve(K / noise, S) / noise
+        # conditioning ~10: 1e-12 of the largest entry (at noise 1e200 the off-diagonal entries are
+        # 1e-16 of the diagonal, at rounding level on both sides)
+        assert_allclose(ir.gamma_star(S, 7, noise_var=noise), expected, rtol=1e-12, atol=1e-12 * np.max(np.abs(expected)))
+
+
 def test_the_family_descents_refuse_n_beyond_what_float64_resolves():
     # hostile round 7, H5: at n = 2^53 optimal_family_scalars returned a = (0.83, ...) with loss 1e-32
     # where a = 1 gives 7.5e-46, and family_local_minimum stopped at 4.9e-28: the loss ~n^-L is formed
@@ -1249,7 +1265,7 @@ def test_gamma_star_of_a_pool_of_zero_or_tiny_or_huge_tasks():
     with pytest.raises(ValueError, match="tasks are all zero and noise_var = 0"):
         ir.gamma_star(S, 5, tasks=np.zeros((3, 2)))
     assert_allclose(ir.gamma_star(S, 5, tasks=1e-200 * tasks), ir.gamma_star(S, 5, tasks=tasks), rtol=1e-12)
-    with pytest.raises(ValueError, match="noise_var / .* overflows float64") as e:
+    with pytest.raises(ValueError, match="Gamma\\*'s scale .* leaves float64") as e:
         ir.gamma_star(1e-200 * S, 5, tasks=1e-200 * tasks, noise_var=1.0)
     assert "L layers" not in str(e.value)
     with pytest.raises(ValueError, match="must be <= 2\\^53") as e:
@@ -2132,6 +2148,21 @@ BAD_CALLS = [
      "overflow"),
     ("overflow activation", lambda: ir.loss_and_grad_activation(_P + 1e80, _Q + 1e80, _Zs[:, :4], _ys), ValueError,
      "overflow"),
+    # flags are booleans: a string such as "no" is not taken as True
+    ("return_w_star string", lambda: ir.sample_prompts(_rng, 2, 3, _S, return_w_star="no"), TypeError,
+     "return_w_star must be True or False"),
+    ("all_layers string", lambda: ir.forward(_P, _Q, _Z, all_layers="no"), TypeError, "all_layers must be True or False"),
+    ("query_label_zero string", lambda: ir.symmetry_directions("sparse", {"A": np.eye(3)[None]}, query_label_zero="False"),
+     TypeError, "query_label_zero must be True or False"),
+    ("keep_iterates string", lambda: ir.train_lbfgs(_Zs, _ys, 1, rng=_rng, keep_iterates="no"), TypeError,
+     "keep_iterates must be True or False"),
+    # a scale whose square leaves float64: the loss c^2 l and the trained Q / c^2 could not be returned
+    ("data scale beyond square", lambda: ir.train_lbfgs(_Zs * 2.0 ** -1000, _ys * 2.0 ** -1000, 1, rng=_rng), ValueError,
+     "Z's scale c = .* is beyond what float64 squares"),
+    ("data scale beyond square, large", lambda: ir.train_gauss_newton(_Zs * 2.0 ** 600, _ys * 2.0 ** 600, 1, rng=_rng),
+     ValueError, "Z's scale c = .* is beyond what float64 squares"),
+    ("Sigma singular to float64", lambda: ir.gamma_star([[1, 1 - 1e-16], [1 - 1e-16, 1]], 20), ValueError,
+     "Sigma is singular to float64"),
 ]
 
 
