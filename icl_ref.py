@@ -2,9 +2,8 @@
 
 "Transformers learn to implement preconditioned gradient descent for in-context learning",
 NeurIPS 2023 (arXiv 2306.00297), cited below as [A]. Equation and section numbers refer to
-[A]; "MATH.md §k" is section k of MATH.md beside this file, which derives every formula below,
-and this module's sections carry the same numbers (§1-§11). Everything is float64 NumPy;
-gradients are derived by hand and checked in test_icl_ref.py.
+[A]; "MATH.md §k" is section k of MATH.md beside this file, which derives every formula below.
+Everything is float64 NumPy; gradients are derived by hand and checked in test_icl_ref.py.
 
 Symbols (the paper's names; 0-based indices in code)
     B        batch size (number of prompts); the block parameter is called ``Bm`` in code
@@ -29,8 +28,8 @@ Conventions (MATH.md §1-§3, §5)
 
 Sections, as MATH.md's: §1 data, §2 model, §3 loss and gradient (§3.1 the per-prompt Jacobian),
 §4 attention with an activation ([A] §6), §5 parametrisations, §6 training, §7-§10 closed forms,
-§11 metrics; then the engine seam. One formulation of each quantity,
-serial, no file I/O, no process-wide state; every public function computes under numpy's default
+§11 metrics; then the engine seam. One formulation of each quantity, serial, no file I/O, no
+process-wide state; every public function computes under numpy's default
 floating-point rules whatever the caller set with np.seterr. A gradient's path: loss_and_grad ->
 _loss_and_grad_gram -> _propagate -> layer_forward, readout_forward; _backpropagate ->
 readout_backward, layer_backward. `engine=`: None for this module's functions, or an object with
@@ -38,8 +37,7 @@ ReferenceEngine's five methods computing the same numbers its own way (icl_fast.
 
 icl_check (the conformance kit, with the adapters to other code's layouts: §12-§13), icl_looped
 (§14), icl_estimators (§15) and icl_fast (§16) build on this module; the names that moved to them in
-0.4.0 are reachable here for one release.
-"""
+0.4.0 are reachable here for one release."""
 import functools
 import itertools
 import math
@@ -264,8 +262,7 @@ def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_s
     Cholesky factor F of Sigma (x = F g). With a pool tasks (K, d) in place of Sigma_w, w_star is a
     uniformly drawn row of the pool (MATH.md §15). rng: a numpy Generator; batch = B >= 1, n >= 1.
     Returns Z (B, d+1, n+1) with the query label slot Z[:, d, n] = 0, y (B,) the query's label (noise
-    included) and, with return_w_star, w_star (B, d).
-    """
+    included) and, with return_w_star, w_star (B, d)."""
     _rng(rng)
     batch, n = _int("batch", batch, 1), _int("n", n, 1)
     Sigma, F = _spd("Sigma", Sigma)
@@ -294,8 +291,7 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 
     U is the Q factor of a Gaussian matrix with the signs of diag(R) folded in, which makes it
     exactly Haar (the authors' code uses SVD of a uniform matrix, not Haar: MATH.md §1).
-    Returns Sigma (d, d) and U (d, d).
-    """
+    Returns Sigma (d, d) and U (d, d)."""
     _rng(rng)
     lam = _array("eigenvalues", eigenvalues, 1)
     if lam.size < 1 or np.any(lam <= 0):
@@ -333,8 +329,7 @@ def forward_literal(P, Q, Z):
 
         z_j <- z_j + (1/n) sum_h P_h sum_{i<n} z_i (z_i^T Q_h z_j)   for every j <= n (query too)
 
-    P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1). Cost O(B L H n^2 D^2). MATH.md §2.
-    """
+    P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1). Cost O(B L H n^2 D^2). MATH.md §2."""
     P, Q, Z = _model_inputs(P, Q, Z)
     Z = Z.copy()
     L, H = P.shape[:2]
@@ -401,8 +396,7 @@ def layer_backward(dS_next, dq_next, cache, need_dS=True, per_prompt=False):
 
     dS_next: (B, D, D); dq_next: (B, D). Returns dS (B, D, D) (None unless need_dS: the first
     layer's S_0 is data), dq (B, D) and dP_l, dQ_l (H, D, D) summed over the prompts, or with
-    per_prompt each prompt's own (B, H, D, D) (the rows of the Jacobian, MATH.md §3.1).
-    """
+    per_prompt each prompt's own (B, H, D, D) (the rows of the Jacobian, MATH.md §3.1)."""
     P_l, Q_l, n, S, q, T, TS, PS = cache
     over_prompts = np.matmul if per_prompt else _summed         # X_b Y_b for each prompt, or their sum
     Tt = T.transpose(0, 2, 1)
@@ -430,8 +424,7 @@ def readout_forward(P_l, Q_l, S, q, n):
 
         (T q)_d = q_d + (1/n) sum_h p_h^T S Q_h q,   p_h = P_h[d, :] (the value row),
 
-    so y_hat = -(T q)_d. Arguments as layer_forward. Returns (T q)_d (B,) and the cache.
-    """
+    so y_hat = -(T q)_d. Arguments as layer_forward. Returns (T q)_d (B,) and the cache."""
     Sp = [np.einsum("bij,j->bi", S, P_h[-1]) for P_h in P_l]             # S p_h = (p_h^T S)^T
     Qq = [np.einsum("ij,bj->bi", Q_h, q) for Q_h in Q_l]                # Q_h q
     out = q[:, -1] + sum(np.einsum("bi,bi->b", Sp_h, Qq_h) for Sp_h, Qq_h in zip(Sp, Qq)) / n
@@ -496,8 +489,7 @@ def forward(P, Q, Z, all_layers=False):
 
     P, Q: (L, H, D, D); Z: (B, D, n+1). Returns Z_L (B, D, n+1), or with all_layers the stack
     (Z_0, ..., Z_L) of shape (L+1, B, D, n+1). Computed as Z_{l+1} = T_l Z_l (Gram form above),
-    chunk by chunk. MATH.md §2.
-    """
+    chunk by chunk. MATH.md §2."""
     (P, Q, Z), all_layers = _model_inputs(P, Q, Z), _flag("all_layers", all_layers)
     n = Z.shape[2] - 1
     with np.errstate(over="ignore", invalid="ignore"):
@@ -567,8 +559,7 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, engine=None):
     n context size. The batch is walked in chunks of prompts (_chunks); each chunk's loss and
     gradient are divided by the whole B and added in chunk order. A non-finite result is a
     ValueError saying that float64 overflowed. engine: None (this module's functions) or another
-    evaluator with the methods of REFERENCE (icl_fast.engine()). Returns (loss, dP, dQ).
-    """
+    evaluator with the methods of REFERENCE (icl_fast.engine()). Returns (loss, dP, dQ)."""
     P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
     with np.errstate(over="ignore", invalid="ignore"):
         evaluate = _loss_and_grad_gram if engine is None else engine.loss_and_grad_gram
@@ -583,8 +574,7 @@ def loss_and_grad(P, Q, Z, y, engine=None):
 
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,). Returns (loss, dP, dQ), dP and dQ shaped like
     P, Q. Computed from the Gram form (S_0, q_0) as loss_and_grad_gram; engine as there. A result
-    that is not finite is a ValueError saying that float64 overflowed. MATH.md §3.
-    """
+    that is not finite is a ValueError saying that float64 overflowed. MATH.md §3."""
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
     n = Z.shape[2] - 1
     q0 = np.ascontiguousarray(Z[:, :, n])
@@ -910,8 +900,7 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=Non
     structure: "full" gives J in (P, Q) coordinates (columns in pack order of P then Q), "sparse"
     or "blocks" (P, Q of that form, H = 1) maps each row through the structure's chain rule (pack
     order of structure_shapes). tied: every layer of P, Q equal; J's columns are the one layer's
-    coordinates (MATH.md §14). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss.
-    """
+    coordinates (MATH.md §14). Returns r (B,) and J (B, p); 2 J^T r / B is the gradient of the loss."""
     _choice("structure", structure, STRUCTURES)
     P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
     _check_structure_of(structure, P, Q, tied)
@@ -950,8 +939,7 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
     """Per-prompt residuals r = Z_L[:, d, n] + y (B,) and Jacobian J (B, p) of the prompts Z
     (B, D, n+1): residuals_and_jacobian_gram (structure, engine, tied and the result as there) with
     S_0, q_0 formed from Z. J holds B p floats. activation: one of ACTIVATIONS; other than "linear"
-    the rows come from the explicit attention (MATH.md §3.1, §4).
-    """
+    the rows come from the explicit attention (MATH.md §3.1, §4)."""
     _choice("structure", structure, STRUCTURES)
     _choice("activation", activation, ACTIVATIONS)
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
@@ -979,8 +967,7 @@ def _data_scale(Z):
                          "on at float64 precision; rescale Z and y")
     c = 2.0 ** math.floor(math.log2(m * math.sqrt(float(np.mean((Z / m) ** 2)))))
     if not 2.0 ** -511 <= c <= 2.0 ** 511:
-        raise ValueError(f"Z's scale c = {c:.3g} is beyond what float64 squares: the loss (c^2 times that of "
-                         "Z / c) and the trained Q (Q of Z / c over c^2) would leave float64; rescale Z and y")
+        raise ValueError(f"Z's scale c = {c:.3g} is beyond what float64 squares (loss c^2): rescale Z and y")
     return c
 
 
@@ -1086,8 +1073,7 @@ def train_lbfgs(Z, y, layers, structure="sparse", heads=1, init="random", init_s
     success is icl_ref's own verdict: finite loss and gradient, the gradient within gtol on the batch
     divided by c = 2^floor(log2 rms(Z)) (the same at any scale); scipy's status and message beside it.
     A trial point where the model overflows is a failed trial. Ctrl-C before the first evaluation
-    raises KeyboardInterrupt; after it, the last completed iterate returns with interrupted=True.
-    """
+    raises KeyboardInterrupt; after it, the last completed iterate returns with interrupted=True."""
     options = dict(maxiter=_int("maxiter", maxiter, 1),
                    maxfun=5 * maxiter if maxfun is None else _int("maxfun", maxfun, 1),
                    maxcor=_int("maxcor", maxcor, 1), ftol=_nonneg("ftol", ftol),
@@ -1197,8 +1183,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) stay at their initial
     values (result["fixed"] counts them). Converged: grad_norm = |2 J^T r / B| over the free
     coordinates <= gtol. history: the loss after each accepted decrease; nit counts evaluations.
-    Returns train_lbfgs's dict (success, scale, tied and Ctrl-C as there) plus fixed.
-    """
+    Returns train_lbfgs's dict (success, scale, tied and Ctrl-C as there) plus fixed."""
     options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
     run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
     B = run.Z.shape[0]
@@ -1278,8 +1263,7 @@ def preconditioned_gd(X, y, A):
 
     The paper writes A_l; the transpose makes it exact for non-symmetric A_l (MATH.md §7).
     X: (n, d) or (B, n, d) context covariates; y: (n,) or (B, n) context labels; A: (L, d, d).
-    Returns W of shape (L+1, d) or (B, L+1, d); the transformer predicts <w_L, x_q>.
-    """
+    Returns W of shape (L+1, d) or (B, L+1, d); the transformer predicts <w_L, x_q>."""
     X, y, A = _array("X", X, (2, 3)), _array("y", y, (1, 2)), _blocks("A", A)
     if y.shape != X.shape[:-1]:
         raise ValueError(f"y must have shape {X.shape[:-1]} to match X of shape {X.shape}, got {y.shape}")
@@ -1304,10 +1288,8 @@ def _product(*factors, over=()):
     """prod(factors) / prod(over), positive floats, from their binary mantissas and exponents: no
     partial product under- or overflows; inf when the result overflows, 0 when it underflows."""
     parts = [math.frexp(f) for f in factors] + [(1 / m, -e) for m, e in map(math.frexp, over)]
-    try:
-        return math.ldexp(math.prod(m for m, _ in parts), sum(e for _, e in parts))
-    except OverflowError:
-        return math.inf
+    with np.errstate(over="ignore"):
+        return float(np.ldexp(math.prod(m for m, _ in parts), sum(e for _, e in parts)))
 
 
 def _single_layer_moments(Sigma, n, M, noise_var):
@@ -1327,8 +1309,7 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
     With Sigma_w = I and no noise, Gamma* = ((1 + 1/n) Sigma + (tr Sigma / n) I)^-1, eq. (6).
     Sigma, Sigma_w: (d, d) SPD; n >= 1; noise_var >= 0 (context label noise). With a pool tasks
     (K, d) in place of Sigma_w, Sigma_w is the pool's second moment: the layer trained on prompts
-    from that pool (MATH.md §15). Returns (d, d); the optimal layer is sparse_params(Gamma*[None]).
-    """
+    from that pool (MATH.md §15). Returns (d, d); the optimal layer is sparse_params(Gamma*[None])."""
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
     W, w = _task_moment(Sigma_w, tasks, Sigma.shape[0])
@@ -1336,9 +1317,8 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
     if not np.any(W) and noise_var == 0:
         raise ValueError("tasks are all zero and noise_var = 0: every label is 0, every Gamma has loss 0, "
                          "and Gamma* is not defined")
-    # scale-free: with Sigma = c S and M = w W (max entries 1), Gamma* = K'^-1 S W / c, where K'
-    # is K of (S, W) with the noise noise_var / (c w) = 1/v; a noise above 1 is divided out of K' (its
-    # W becomes v W, its noise 1) into the scale v / c = w / noise_var, which may then be as large as it is
+    # scale-free: Sigma = c S, M = w W (max entries 1), Gamma* = K'^-1 S W / c, K' that of (S, W) with noise
+    # 1/v = noise_var / (c w); a noise above 1 is divided out of K' (W -> v W, noise -> 1) into v / c
     c = np.max(np.abs(Sigma))
     v = _product(c, w, over=(noise_var,)) if noise_var else math.inf
     scale = _product(w, over=(noise_var,)) if v < 1 else 1 / c
@@ -1349,8 +1329,7 @@ def gamma_star(Sigma, n, Sigma_w=None, noise_var=0.0, tasks=None):
     try:
         G = np.linalg.solve(K, Sigma / c @ W) * scale
     except np.linalg.LinAlgError:
-        raise ValueError(f"Sigma is singular to float64 (condition number {np.linalg.cond(Sigma):.3g}): Gamma* "
-                         "is not defined at float64 precision") from None
+        raise ValueError(f"Sigma is singular to float64 (condition number {np.linalg.cond(Sigma):.3g})") from None
     _finite({"Gamma*": G}, "rescale x (Sigma) or w_star (Sigma_w, tasks)", Sigma=Sigma)
     return G
 
@@ -1364,17 +1343,16 @@ def _psd_root(A):
 def _single_layer_loss(Gamma, Sigma, moment, Sigma_q, n, noise_var, query_noise):
     """E (y_hat - y_q)^2 of the sparse layer A_0 = Gamma (MATH.md §8), checked arguments: context
     x ~ N(0, Sigma), query x_q ~ N(0, Sigma_q), E[w_star w_star^T] = w W as moment = (W, w), label
-    noise noise_var. With Sigma = c S, Sigma_q = c_q T (largest entries 1), G = c Gamma = g G' (g = 1
-    unless max |c Gamma| > 1), the scales multiply sums of squares of order 1 (MATH.md §8):
+    noise noise_var. With Sigma = c S, Sigma_q = c_q T (largest entries 1), c Gamma = g G' (g = 1 unless
+    max |c Gamma| > 1), the scales multiply sums of squares of order 1 from binary exponents (MATH.md §8):
     L = c_q w g^2 (|W^1/2 (S G' - I/g) T^1/2|^2 + |W^1/2 S G' T^1/2|^2 / n + tr(W S) |S^1/2 G' T^1/2|^2 / n)
-      + c_q g^2 noise_var |S^1/2 G' T^1/2|^2 / (c n) (+ noise_var), each product formed from binary
-    exponents: no cancellation at any n, no under- or overflow of a scale. A nonzero loss outside
-    float64's normal range is a ValueError naming the scales."""
+      + c_q g^2 noise_var |S^1/2 G' T^1/2|^2 / (c n) (+ noise_var): no cancellation at any n, no under-
+    or overflow of a scale; a nonzero loss outside float64's normal range is a ValueError naming them."""
     (W, w), c, c_q, a = moment, np.max(np.abs(Sigma)), np.max(np.abs(Sigma_q)), np.max(np.abs(Gamma))
     big = _product(c, a) > 1
     S, T, G, g = Sigma / c, Sigma_q / c_q, Gamma / a if big else c * Gamma, (c, a) * big
     Wh, Th = _psd_root(W), _psd_root(T)
-    I = np.eye(len(S)) * (_product(1.0, over=g) if big else 1.0)
+    I = np.eye(len(S)) * _product(1.0, over=g)
     q = np.sum((_psd_root(S) @ G @ Th) ** 2)
     excess = np.sum((Wh @ (S @ G - I) @ Th) ** 2) + np.sum((Wh @ S @ G @ Th) ** 2) / n + np.trace(W @ S) / n * q
     loss = (_product(c_q, w, *g, *g, excess) + _product(c_q, noise_var, *g, *g, q, over=(c, n))
@@ -1394,8 +1372,7 @@ def single_layer_population_loss(Gamma, Sigma, n, Sigma_w=None, noise_var=0.0, q
                    (+ noise_var if query_noise),
 
     K as in gamma_star; scale-free (a loss outside float64's normal range is a ValueError).
-    Arguments as gamma_star; returns a float.
-    """
+    Arguments as gamma_star; returns a float."""
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma)[0]
     noise_var = _nonneg("noise_var", noise_var)
@@ -1421,8 +1398,7 @@ def full_layer_population_loss(P, Q, Sigma, n, Sigma_w=None):
     query label is 0), x ~ N(0, Sigma) and w = w* ~ N(0, Sigma_w). The integrand is a polynomial of
     degree 4 in w, so a product Gauss-Hermite rule of 4 nodes per coordinate (exact to degree 7 in
     each) gives E_w exactly: 4^d nodes, hence d <= MAX_FULL_LAYER_D. P, Q: (1, H, D, D); Sigma,
-    Sigma_w: (d, d) SPD; n >= 1. Returns a float (single_layer_population_loss at sparse (P, Q)).
-    """
+    Sigma_w: (d, d) SPD; n >= 1. Returns a float (single_layer_population_loss at sparse (P, Q))."""
     P, Q = _params(P, Q)
     n = _int("n", n, 1)
     Sigma = _spd("Sigma", Sigma, P.shape[-1] - 1)[0]
@@ -1499,8 +1475,7 @@ def wishart_trace_moments(n, d, kmax):
     """m_k = E tr(S^k), k = 0..kmax, for S = W/n, W ~ Wishart_d(n, I) (MATH.md §9), exactly.
 
     S is the whitened sample covariance of n context examples ([A] §4.2). Returns a list of
-    fractions.Fraction; m_0 = d, m_1 = d, m_2 = d (n + d + 1)/n.
-    """
+    fractions.Fraction; m_0 = d, m_1 = d, m_2 = d (n + d + 1)/n."""
     n, d, kmax = _int("n", n, 1), _int("d", d, 1), _int("kmax", kmax, 0)
     if kmax > MAX_MOMENT_ORDER:      # the recursion visits every partition of k: p(40) = 37338, p(81) = 1.8e7
         raise ValueError(f"kmax must be <= {MAX_MOMENT_ORDER} (exact moments cost every partition of k), "
@@ -1563,8 +1538,7 @@ def family_polynomials(a, b=None):
 
     Built by p_{l+1} = p_l (1 - a_l s_l), r_{l+1} = r_l + a_l p_l phi_l^2, phi_{l+1} =
     phi_l (1 - a_l b_l s_l), with s_l = t phi_l^2 (so r needs no division). Floats in a, b are
-    converted to Fractions exactly.
-    """
+    converted to Fractions exactly."""
     a, b = _family_scalars(a, b)
     degree = _family_degree(a, b)
     if degree > MAX_MOMENT_ORDER:
@@ -1592,8 +1566,7 @@ def family_population_loss(a, n, d, b=None, noise_var=0.0, query_noise=True):
 
     with p^2 = sum c_k t^k, r^2 = sum e_k t^k (family_polynomials) and m_k the exact Wishart
     trace moments. Summed in exact rationals (high-degree terms cancel to ~1e-4 in float64) and
-    rounded once. a, b: (L,); b[L-1] does not enter. Returns a float.
-    """
+    rounded once. a, b: (L,); b[L-1] does not enter. Returns a float."""
     n, d = _int("n", n, 1), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
     degree = _family_degree(*_family_scalars(a, b))
@@ -1622,8 +1595,7 @@ def wishart_quadrature(n, d, K):
 
     The recurrence coefficients come from the exact moments by Chebyshev's algorithm in rational
     arithmetic (Gautschi, "Orthogonal polynomials", 2004, §2.1.7): only the final tridiagonal
-    eigenproblem is in floating point. Returns nodes (K,), weights (K,) (positive). MATH.md §10.
-    """
+    eigenproblem is in floating point. Returns nodes (K,), weights (K,) (positive). MATH.md §10."""
     K = _int("K", K, 1)
     if 2 * K - 1 > MAX_MOMENT_ORDER:
         raise ValueError(f"K must be <= {(MAX_MOMENT_ORDER + 1) // 2}: a K-node rule needs exact moments up to "
@@ -1768,38 +1740,29 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     return _family_result(best, L, n, d, blocks, noise_var, sort=not blocks)
 
 
-def _off_saddles(theta, L, blocks, rule, n, noise_var):
-    """theta moved off saddles: while the Hessian of the family loss (central differences of its exact
-    gradient, steps 1e-4: O(1e-8) relative error) has an eigenvalue below -1e-6 of its largest, the
-    descent restarts from the lower of the steps +-t v (t = 0.1, 0.01, 0.001) along its eigenvector v
-    (a symmetric start stays symmetric, and may stop at a saddle there)."""
-    grad = lambda x: _family_loss_at_nodes(x, L, blocks, *rule, n, noise_var)[1]
-    for _ in range(10):
-        H = np.array([(grad(theta + 1e-4 * e) - grad(theta - 1e-4 * e)) / 2e-4 for e in np.eye(theta.size)])
-        lam, V = np.linalg.eigh((H + H.T) / 2)
-        if lam[0] >= -1e-6 * np.max(np.abs(lam)):
-            break
-        steps = [theta + t * V[:, 0] for t in (0.1, -0.1, 0.01, -0.01, 0.001, -0.001)]
-        start = min(steps, key=lambda x: _family_loss_at_nodes(x, L, blocks, *rule, n, noise_var)[0])
-        theta = _family_descent(start, np.eye(theta.size), L, blocks, *rule, n, noise_var)[0]
-    return theta
-
-
 @_numpy_rules
 def family_local_minimum(a, n, d, b=None, noise_var=0.0):
     """A local minimum of the exact family loss (family_population_loss) reached from the start (a, b):
-    an L-BFGS-B descent on the exact Gauss rule, as in optimal_family_scalars (MATH.md §10), continued
-    off any saddle along its direction of negative curvature, so the Hessian there has no negative
-    eigenvalue (to 1e-6 of its largest). Tells which population minimum a trained model's fitted
-    scalars belong to (the blocks family has more than one). a, b: (L,) (b[L-1] ignored; b None: the
-    sparse family); n <= MAX_LOCAL_FAMILY_N (1e9). Returns (a (L,), b (L,) with b[L-1] = NaN, or None, loss)."""
+    L-BFGS-B on the exact Gauss rule (MATH.md §10), restarted, while the Hessian (central differences of
+    the exact gradient, steps 1e-4: ~1e-8 relative error) has an eigenvalue below -1e-6 of its largest (a
+    saddle, where a symmetric start stays), from the lowest step +-t v (t = 0.1, 0.01, 0.001) along its
+    eigenvector v. Tells which population minimum fitted scalars belong to (the blocks family has more
+    than one). a, b: (L,) (b[L-1] ignored; b None: the sparse family); n <= MAX_LOCAL_FAMILY_N (1e9).
+    Returns (a (L,), b (L,) with b[L-1] = NaN, or None, loss)."""
     a, b_full = _family_scalars(a, b)
     n, d = _family_n(n, MAX_LOCAL_FAMILY_N), _int("d", d, 1)
     noise_var = _nonneg("noise_var", noise_var)
     L, blocks, rule = a.size, b is not None, _family_rule(a.size, n, d, b is not None)
-    theta0 = np.r_[a, b_full[:-1]] if blocks else a
-    theta, _ = _family_descent(theta0, np.eye(theta0.size), L, blocks, *rule, n, noise_var)
-    return _family_result(_off_saddles(theta, L, blocks, rule, n, noise_var), L, n, d, blocks, noise_var)
+    theta = np.r_[a, b_full[:-1]] if blocks else a
+    fun = lambda x: _family_loss_at_nodes(x, L, blocks, *rule, n, noise_var)
+    for _ in range(10):
+        theta = _family_descent(theta, np.eye(theta.size), L, blocks, *rule, n, noise_var)[0]
+        H = np.array([(fun(theta + 1e-4 * e)[1] - fun(theta - 1e-4 * e)[1]) / 2e-4 for e in np.eye(theta.size)])
+        lam, V = np.linalg.eigh((H + H.T) / 2)
+        if lam[0] >= -1e-6 * np.max(np.abs(lam)):
+            break
+        theta = min((theta + t * V[:, 0] for t in (0.1, -0.1, 0.01, -0.01, 0.001, -0.001)), key=lambda x: fun(x)[0])
+    return _family_result(theta, L, n, d, blocks, noise_var)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1811,8 +1774,7 @@ def distance_to_multiple(M, T=None):
     """dist(M, T) = min_alpha ||M - alpha T||_F / ||M||_F, alpha = <M, T>_F / <T, T>_F.
 
     With T = I (the default) this is the authors' distance to identity, ||M - (tr M/d) I||/||M||
-    ([A] §4.3, MATH.md §11). M, T: (d, d), M != 0. Returns a float in [0, 1].
-    """
+    ([A] §4.3, MATH.md §11). M, T: (d, d), M != 0. Returns a float in [0, 1]."""
     M = _array("M", M, 2)
     T = np.eye(M.shape[0]) if T is None else _array("T", T, 2)
     if T.shape != M.shape or M.shape[0] != M.shape[1]:
@@ -1861,7 +1823,8 @@ def symmetry_directions(structure, coords, query_label_zero=True):
     - for full (P, Q), each layer's heads enter only through K_l = sum_h P_lh kron Q_lh^T, which
       (P_lh, Q_lh) -> (sum_g A_hg P_lg, sum_g (A^-T)_hg Q_lg) leaves unchanged for any invertible
       A: the tangent directions dP_lh = P_lg, dQ_lg = -Q_lh for every pair (h, g)."""
-    structure, query_label_zero = _choice("structure", structure, STRUCTURES), _flag("query_label_zero", query_label_zero)
+    _choice("structure", structure, STRUCTURES)
+    query_label_zero = _flag("query_label_zero", query_label_zero)
     P, Q = structure_to_PQ(structure, coords)
     L, H = P.shape[:2]
     shapes = structure_shapes(structure, L, P.shape[-1] - 1, H)
@@ -1934,8 +1897,7 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     per-prompt gradients 2 r_b J_b for the linear layer (MATH.md §3.1), else the chunk size times
     the covariance of `chunks` chunk-mean gradients. Symmetric PSD, zero along the symmetries; valid
     near a strict minimiser (else a ValueError) for gradients not heavy-tailed (MATH.md §10-§11).
-    Returns a (p, p) array in pack order.
-    """
+    Returns a (p, p) array in pack order."""
     Z, y = _batch(structure, activation, Z, y)
     chunks = _int("chunks", chunks, 2)
     if activation != "linear" and Z.shape[0] < 2 * chunks:
@@ -1987,8 +1949,7 @@ class ReferenceEngine:
         activation_pass(P, Q, Z, y, activation, jacobian=False)
                                                   (loss, dP, dQ, Z_L), or (r, JP, JQ, Z_L),
                                                   through the explicit attention               §4
-        reduced_least_squares(r, J)               (f, R) with R^T R = J^T J, R^T f = J^T r      §6
-    """
+        reduced_least_squares(r, J)               (f, R) with R^T R = J^T J, R^T f = J^T r      §6"""
     gram = staticmethod(_gram)
     loss_and_grad_gram = staticmethod(_loss_and_grad_gram)
     jacobian_gram = staticmethod(_jacobian_gram)
