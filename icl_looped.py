@@ -1170,13 +1170,13 @@ def one_layer_gradient_flow(Sigma, n, sigma, t, Theta=None, Sigma_w=None, rtol=1
     if not (0 < s0 < math.inf and rate < math.inf):
         raise ValueError(f"the flow's scaled start sigma sqrt(c) = {s0:.3g} or rate c^2 w do not fit float64 "
                          f"(c = max |Sigma| = {c:.3g}, w = max |Sigma_w| = {w:.3g}): rescale x or w_star")
-    if rate * t[-1] > MAX_FLOW_TIME:
-        raise ValueError(f"t must be <= {MAX_FLOW_TIME / rate:.3g} (c^2 w t <= {MAX_FLOW_TIME:.0e}, c = max |Sigma|, "
-                         f"w = max |Sigma_w|): LSODA's steps cannot span longer flows; got t = {t[-1]:.3g}")
     if s0 > MAX_START_RATIO * rest:
         raise ValueError(f"sigma = {sigma:.3g} is {s0 / rest:.3g} times the rest scale |Gamma*|^(1/2) = {rest / root:.3g} "
                          f"(max |Sigma| = {c:.3g}): the flow's rates span the square of that and LSODA fails beyond "
                          f"~1e12; start below {MAX_START_RATIO:.0e} times it")
+    if rate * t[-1] > MAX_FLOW_TIME:
+        raise ValueError(f"t must be <= {MAX_FLOW_TIME / rate:.3g} (c^2 w t <= {MAX_FLOW_TIME:.0e}, c = max |Sigma|, "
+                         f"w = max |Sigma_w|): LSODA's steps cannot span longer flows; got t = {t[-1]:.3g}")
     y0 = s0 * np.r_[1.0, (M / np.linalg.norm(M)).ravel()]
     # the state's scale from start to rest: an absolute tolerance below 1e-2 rtol of it would ask for
     # less than the field's own rounding there, and the implicit steps would shrink without end once the flow rests
