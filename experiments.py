@@ -690,7 +690,7 @@ def plot_three_layer_blocks(plt, save, rows, tables):
         if hat is None:
             return f"${name}$ of layer {l}\npopulation optimum {star:.2f}"
         return (f"${name}$ of layer {l}: fitted {hat:.3f}\n"
-                + (f"batch optimum {at_batch:.3f}, " if at_batch is not None else "") + f"population {star:.2f}")
+                + (f"batch optimum {at_batch:.3f}\n" if at_batch is not None else "") + f"population optimum {star:.2f}")
     for (s, trainer) in sorted(basins):
         A = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="A")
         Bm = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="B")[:len(opt) - 1]
@@ -702,14 +702,14 @@ def plot_three_layer_blocks(plt, save, rows, tables):
                       + [title("B", l, scalars["b_hat"][l], scalars["b_batch"][l], o["b_star"]) for l, o in enumerate(opt[:-1])])
         r = basins[s, trainer]
         labels.append(f"seed {s} (its own batch), {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
-                      f"(f {r['basin_loss']:.3e})")
+                      f"(f {r['basin_loss']:.3e})".replace(", ", "\n", 1))
     skipped = sorted({(r["seed"], r["trainer"]) for r in rows if "trainer" in r} - set(basins))
     last = len(opt) - 1
     if grid:
         made.append((heat_grid(plt, grid, titles, "Blocks model (Ahn et al. 2023, Figs. 3-5), $d$ = 5, $n$ = 20, $L$ = 3, noiseless: "
-                               "the whitened $A$ and the $B$ of each layer, each converged run; each seed draws its own batch "
-                               "and rotation of $\\Sigma$\ntitles: the fitted scalar, the exact family optimum of the run's "
-                               f"batch and of the population (f* = {opt[0]['f_star']:.3e}); $B$ of layer {last} not drawn "
+                               "the whitened $A$ and the $B$ of each layer,\neach converged run; each seed draws its own batch "
+                               "and rotation of $\\Sigma$; titles: the fitted scalar, the exact family optimum of the run's "
+                               f"batch\nand of the population (f* = {opt[0]['f_star']:.3e}); $B$ of layer {last} not drawn "
                                "(it never enters the loss)",
                                save, "_heatmaps", row_labels=labels),
                      f"Figs. 3-5: the {plural(len(grid), 'converged run')} of this run: the whitened A_l and the B_l on one "
@@ -910,9 +910,9 @@ def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"]
     if bad:       # a filled marker of the same shape: the open circle it replaces stays visible around it
         for a, ys in ((ax, [c["transformer"] for c in bad]), (res_ax, [r for r, c in zip(res, curve) if not c["converged"]])):
             a.plot([c[x] for c in bad], ys, "o", color="C3", ms=4, label="not converged (filled)")
-    top = max([abs(r) for r in res] + [K_SE]) * 1.6       # headroom: the legend above the points
+    top = max([abs(r) for r in res] + [K_SE]) * 1.3
     res_ax.set(ylim=(-top, top), ylabel="(model - optimum) / SE", xticks=xs)
-    res_ax.legend(fontsize=8, loc="upper center", ncol=1)
+    res_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))     # below the axes: hides no point
     return bad
 
 
@@ -1308,11 +1308,13 @@ def plot_single_layer_landscape(plt, save, rows, tables):
         opt_ = np.array([t["optimum"] / t["starts"] for t in ts])
         high = np.array([t["higher"] / t["starts"] for t in ts])
         nc = np.array([t["not_converged"] / t["starts"] for t in ts])
-        ax.bar(x, opt_, 0.4, color=color, edgecolor="k", lw=0.6, label=f"{trainer}: reached the optimum")
+        # the legend names only the outcomes some start had (a bar of height 0 is not seen)
+        ax.bar(x, opt_, 0.4, color=color, edgecolor="k", lw=0.6,
+               label=f"{trainer}: reached the optimum" if opt_.any() else None)
         ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.4, edgecolor="k", lw=0.6, hatch="//",
-               label=f"{trainer}: a higher minimum")
+               label=f"{trainer}: a higher minimum" if high.any() else None)
         ax.bar(x, nc, 0.4, bottom=opt_ + high, color="white", edgecolor=color, lw=1.2, hatch="xx" if k else "..",
-               label=f"{trainer}: not converged")
+               label=f"{trainer}: not converged" if nc.any() else None)
         for xi in x:
             ax.text(xi, 1.02, short, ha="center", va="bottom", fontsize=8)
     # "init=0.1" without spaces: nine settings side by side in 7 in

@@ -552,12 +552,12 @@ def plot_task_diversity(plt, save, rows, tables):
     fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8)
     first = pools[0]
     setting = (f"$d$ = {first['d']}, $n$ = {first['n']}, label noise variance {first['noise_var']:g}, " if "d" in first else "")
-    fig.suptitle(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$; {setting}$x \\sim N(0, I)$;\n"
-                 f"bars ±{k_se} SE (a bar not seen is smaller than its marker; points side by side in $K$)")
+    fig.suptitle(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$, $x \\sim N(0, I)$;\n{setting}"
+                 f"bars ±{k_se} SE\n(a bar not seen is smaller than its marker; points side by side in $K$)")
     return [(save(fig, ""), "Task diversity (after Raventos et al. 2023" + (
              f"; d = {first['d']}, n = {first['n']}, label noise variance {first['noise_var']:g}" if "d" in first else "")
-             + "): the one-layer optimum for the pool (exact), a trained three-layer sparse model, dMMSE over the pool and "
-             "ridge, tested on the pool (a) and on fresh tasks (b), against the pool size K; Monte Carlo points with "
+             + "): the one-layer optimum for the pool (exact), the trained three-layer sparse model, dMMSE over the pool and "
+             "ridge (Bayes for w ~ N(0, I)), tested on the pool (a) and on fresh tasks (b), against the pool size K; Monte Carlo points with "
              f"±{k_se} standard errors (where a bar is not seen it is smaller than the marker), the series drawn side by "
              "side in K so no point hides another; a filled square: a three-layer model that did not converge.")]
 
