@@ -390,10 +390,11 @@ def best_constant_step(Z, y, L, precond, drop_last=False):
     return float(res.x)
 
 
-def quadratic_excess_bound(loss, G_star, cov, sds=5.0):
+def quadratic_excess_law(loss, G_star, cov):
     """For an exact quadratic loss with minimiser G_star and an estimate G_hat ~ N(G_star, cov):
-    loss(G_hat) - loss(G_star) = delta^T M delta, a weighted chi-square with weights eig(M cov).
-    Returns mean + sds * sd. M is read off the quadratic by second differences (exact)."""
+    loss(G_hat) - loss(G_star) = delta^T M delta, a weighted chi-square with weights w = eig(M cov).
+    Returns its (mean, sd) = (sum w, sqrt(2 sum w^2)). M is read off the quadratic by second
+    differences (exact)."""
     p = G_star.size
     E = np.eye(p).reshape((p,) + G_star.shape)
     f0 = loss(G_star)
@@ -401,7 +402,7 @@ def quadratic_excess_bound(loss, G_star, cov, sds=5.0):
     M = np.array([[(loss(G_star + E[i] + E[j]) - f1[i] - f1[j] + f0) / 2 for j in range(p)]
                   for i in range(p)])
     w = np.linalg.eigvals(M @ cov).real
-    return float(w.sum() + sds * math.sqrt(2 * np.sum(w ** 2)))
+    return float(w.sum()), math.sqrt(2 * np.sum(w ** 2))
 
 
 def scalar_fit(A, T, cov_block):
@@ -430,11 +431,12 @@ def single_layer(ctx):
         excess = loss(res["coords"]["A"][0]) - L_star
         # the exact excess population loss of the trained Gamma is >= 0 and, the batch being finite,
         # within the sampling bound: mean + 5 sd of its weighted chi-square law (k = 5, not K_SE: the
-        # law's right tail is heavier than a normal one's); both sides checked
-        bound = quadratic_excess_bound(loss, G, cov, sds=5.0)
+        # law's right tail is heavier than a normal one's); both sides checked; its sd is the row's SE
+        mean, sd = quadratic_excess_law(loss, G, cov)
+        bound = mean + 5.0 * sd
         rows.append(row(f"n{n}-sparse-excess", f"n={n}: trained sparse Gamma's exact excess loss over L* lies in [0, sampling bound]",
                         **decide(0 <= excess <= bound, [res], theory=0.0, measured=excess, tolerance=bound,
-                                 k=5.0, check="0 <= measured <= tolerance (mean + k sd of its chi-square law)",
+                                 se=sd, k=5.0, check="0 <= measured <= tolerance (mean + k sd of its chi-square law)",
                                  kind="statistical (5 sd of the excess's chi-square sampling law)"),
                         n=n, L_star=L_star, grad_norm=res["grad_norm"],
                         dist_to_gamma_star=ir.distance_to_multiple(res["coords"]["A"][0], G)))

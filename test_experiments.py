@@ -236,13 +236,17 @@ def test_gd_predict_one_step_is_the_closed_form():
     assert_allclose(ex.gd_predict(Z, 0.7, 1, Pre, drop_last=True), dropped, rtol=EXACT)
 
 
-def test_quadratic_excess_bound_mean_is_trace():
+def test_quadratic_excess_law_is_the_weighted_chi_squares():
+    # delta^T M delta with delta ~ N(0, C): mean tr(MC), variance 2 tr((MC)^2) (Gaussian quadratic
+    # forms), written here from the traces, not the eigenvalues the code uses; 1e-12: rounding
     rng = np.random.default_rng(2)
     M = rng.standard_normal((4, 4))
     M = M @ M.T
     C = np.diag(rng.uniform(0.1, 1.0, 4))
     loss = lambda x: float(x.ravel() @ M @ x.ravel())
-    assert ex.quadratic_excess_bound(loss, np.zeros((2, 2)), C, sds=0) == pytest.approx(np.trace(M @ C), rel=1e-12)
+    mean, sd = ex.quadratic_excess_law(loss, np.zeros((2, 2)), C)
+    assert mean == pytest.approx(np.trace(M @ C), rel=1e-12)
+    assert sd == pytest.approx(math.sqrt(2 * np.trace(M @ C @ M @ C)), rel=1e-12)
 
 
 def test_scalar_fit_and_permutation_distance():
