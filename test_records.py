@@ -1,7 +1,7 @@
 """The records under docs/ and the tools that keep the documents' numbers true (tools/records.py,
 tools/docs_figures.py): each record checked by its content against the current code, the documents
 rendered from the records, and each tool's promises and exit statuses (their docstrings), on good input
-and on hostile input (issue 47: tools never execute what a data file says)."""
+and on hostile input (tools never execute what a data file says)."""
 import ast
 import csv
 import glob
@@ -323,7 +323,7 @@ def test_a_template_reads_only_what_it_is_given():
         with pytest.raises(records.Problem):
             records.render_block(template, {})
     # no attribute leads out of the values a template is given: a generator's frame reaches the module's
-    # globals (os) without one underscore (round 6 ran a shell command this way), a method's format
+    # globals (os) without one underscore (a shell command once ran this way), a method's format
     # string reads attributes, and Rows of anything but rows reads nothing
     frame = "[g.gi_frame.f_back.f_globals for g in [(y for y in [1])]]"
     for template in ("{" + frame + "}", "{[g for g in [(y for y in [1])]][0].gi_code}", "{'{0.real}'.format(1)}",
