@@ -375,6 +375,15 @@ def test_replace_file_writes_whole_and_refuses_links(tmp_path):
 # tools/records.py: staleness by git, and refresh's fixed table
 # ---------------------------------------------------------------------------------------------
 
+def git_in(path, monkeypatch):
+    """git run in `path` as a repository of its own: under a caller's GIT_DIR (a hook's, `git rebase -x`'s)
+    `git init` and the commits would act on the caller's repository instead."""
+    for var in [v for v in os.environ if v.startswith("GIT_")]:
+        monkeypatch.delenv(var)
+    return lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=path, check=True,
+                                     capture_output=True)
+
+
 @pytest.fixture
 def repo(tmp_path, monkeypatch):
     """A git repository with m.py, n.py and docs/out.png committed, as tools/records.py's ROOT."""
@@ -382,8 +391,7 @@ def repo(tmp_path, monkeypatch):
     (tmp_path / "m.py").write_text("x = 1\n")
     (tmp_path / "n.py").write_text("y = 1\n")
     (tmp_path / "docs" / "out.png").write_bytes(b"png")
-    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True,
-                                    capture_output=True)
+    git = git_in(tmp_path, monkeypatch)
     git("init", "-q")
     git("add", "-A")
     git("commit", "-q", "-m", "one")
