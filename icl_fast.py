@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -378,44 +379,70 @@ def _lanes_bounds(B, D):
     return _bounds(B, -(-B // count))
 
 
-def _lanes_chunk(Ks, S0, q0, y, start, stop):
-    """A chunk of the Gram form with the prompts last, through the layers' kernels K_s (lanes_forward
-    from S_0, s_0, q_0): its residuals r = (q_L)_d + y (b,) and the layers' caches."""
+def _exponent(a):
+    """The e of the power of two 2^e just above a's largest magnitude (0 for an all-zero a), kept
+    within [-1022, 1023] so that 2^e and 2^-e are normal: multiplying by either is exact, and
+    dividing by 2^e leaves the largest entry in [1/2, 1) unless it is below float64's normal range.
+    (np.ldexp would take any exponent, at about 80 times a product's cost per entry.)"""
+    top = float(max(a.max(), -a.min()))
+    return min(max(math.frexp(top)[1], -1022), 1023) if top > 0 else 0
+
+
+def _lanes_chunk(kernels, S0, q0, y, start, stop):
+    """A chunk of the Gram form with the prompts last, through the layers' kernels (lanes_forward
+    from S_0, s_0, q_0): its residuals r = (q_L)_d + y (b,), the layers' caches and the exponent e
+    of the chunk's S_0. The layers carry S / 2^e and each kernel times 2^e: T - I = K_s s is the
+    same, and the reverse pass forms dK_s = sum_b dT s^T at the scale of dT, not of dT S, which
+    leaves float64's range at data scales where the gradient (about dT Q S, as icl_ref forms it)
+    does not."""
     D = S0.shape[-1]
     S = np.ascontiguousarray(S0[start:stop].transpose(1, 2, 0))
+    e = _exponent(S)
+    S *= 2.0 ** -e
     s, q = S.reshape(D * D, -1).take(symmetric_coordinates(D)[0], axis=0), np.ascontiguousarray(q0[start:stop].T)
     caches = []
-    for l, K_s in enumerate(Ks):
-        S, s, q, cache = lanes_forward(K_s, S, s, q, last=l == len(Ks) - 1)
+    for l, (K_s, scale) in enumerate(kernels):
+        S, s, q, cache = lanes_forward(np.ldexp(K_s, scale + e), S, s, q, last=l == len(kernels) - 1)
         caches.append(cache)
-    return q + y[start:stop], caches
+    return q + y[start:stop], caches, e
 
 
 def _lanes_kernels(P, Q, n):
-    """Each layer's kernel on S's distinct entries, K_s = K E (D^2, U), and E."""
+    """Each layer's kernel on S's distinct entries from P_l / 2^a and Q_l / 2^c (_exponent: the
+    kernel's products neither under- nor overflow at any scale of P, Q), with a + c, so that
+    K_s = K E = 2^(a + c) times it; and E."""
     E = symmetric_coordinates(P.shape[-1])[2]
-    return [kernel_forward(P_l, Q_l, n) @ E for P_l, Q_l in zip(P, Q)], E
+    kernels = []
+    for P_l, Q_l in zip(P, Q):
+        a, c = _exponent(P_l), _exponent(Q_l)
+        kernels.append((kernel_forward(np.ldexp(P_l, -a), np.ldexp(Q_l, -c), n) @ E, a + c))
+    return kernels, E
 
 
 def lanes_loss_and_grad_gram(P, Q, S0, q0, y, n, threads=1):
     """REFERENCE.loss_and_grad_gram in the lanes formulation on `threads` workers: (loss, dP, dQ).
-    Each chunk's reverse pass is seeded with 2 r / B (the whole batch's B), and the kernels'
-    adjoints dK_s are added over the chunks before kernel_backward. MATH.md §16."""
+    Each chunk's reverse pass is seeded with 2 r / B (the whole batch's B); the kernels' adjoints
+    dK_s, each relative to its chunk's scale 2^e (_lanes_chunk), are brought to the largest chunk's
+    scale and added over the chunks before kernel_backward, whose results take the scales back
+    (powers of two: exact wherever the result is in float64's normal range). MATH.md §16."""
     B = y.shape[0]
-    Ks, E = _lanes_kernels(P, Q, n)
+    kernels, E = _lanes_kernels(P, Q, n)
 
     def one_chunk(start, stop):
-        r, caches = _lanes_chunk(Ks, S0, q0, y, start, stop)
-        G, dq, dKs = None, 2.0 * r / B, [None] * len(Ks)
-        for l in reversed(range(len(Ks))):
+        r, caches, e = _lanes_chunk(kernels, S0, q0, y, start, stop)
+        G, dq, dKs = None, 2.0 * r / B, [None] * len(kernels)
+        for l in reversed(range(len(kernels))):
             G, dq, dKs[l] = lanes_backward(G, dq, caches[l], first=l == 0)
-        return float(r @ r) / B, dKs
+        return float(r @ r) / B, dKs, e
 
     parts = _map(one_chunk, _lanes_bounds(B, P.shape[-1]), threads)
+    top = max(part[2] for part in parts)
     dP, dQ = np.empty_like(P), np.empty_like(Q)
     for l, (P_l, Q_l) in enumerate(zip(P, Q)):
-        dK = sum(part[1][l] for part in parts) @ E.T     # K_s = K E: dK = dK_s E^T
-        dP[l], dQ[l] = kernel_backward(dK, P_l, Q_l, n)
+        dK = sum(np.ldexp(part[1][l], part[2] - top) for part in parts) @ E.T     # K_s = K E: dK = dK_s E^T
+        a, c = _exponent(P_l), _exponent(Q_l)
+        dP_l, dQ_l = kernel_backward(dK, np.ldexp(P_l, -a), np.ldexp(Q_l, -c), n)
+        dP[l], dQ[l] = np.ldexp(dP_l, c + top), np.ldexp(dQ_l, a + top)
     return sum(part[0] for part in parts), dP, dQ
 
 
@@ -424,19 +451,19 @@ def lanes_jacobian_gram(P, Q, S0, q0, y, n, threads=1):
     (B, L, H, D, D). The reverse pass seeded with dr_b/d(q_L)_d = 1 for every prompt, each prompt's
     dT kept: dr_b/dP_lh = (1/n) dT_b Q^T S_b, dr_b/dQ_lh = (1/n) S_b P^T dT_b, formed with the
     prompts last. MATH.md §3.1, §16."""
-    Ks, _ = _lanes_kernels(P, Q, n)
+    kernels, _ = _lanes_kernels(P, Q, n)
     B, (L, H) = y.shape[0], P.shape[:2]
     r, JP, JQ = np.empty(B), np.empty((B,) + P.shape), np.empty((B,) + P.shape)
 
     def one_chunk(start, stop):         # writes its rows of r, JP and JQ
-        r[start:stop], caches = _lanes_chunk(Ks, S0, q0, y, start, stop)
-        G, dq = None, np.ones(stop - start)
+        r[start:stop], caches, e = _lanes_chunk(kernels, S0, q0, y, start, stop)
+        G, dq, unit = None, np.ones(stop - start), 2.0 ** e         # the caches hold S_l / 2^e
         for l in reversed(range(L)):
             G, dq, dT = lanes_backward(G, dq, caches[l], first=l == 0, per_prompt=True)
             S_l = caches[l][1]
             for h in range(H):
-                JP[start:stop, l, h] = np.einsum("ijb,kjb->bik", np.einsum("ijb,kj->ikb", dT, Q[l, h] / n), S_l)
-                JQ[start:stop, l, h] = np.einsum("ijb,jkb->bik", np.einsum("ijb,kj->ikb", S_l, P[l, h] / n), dT)
+                JP[start:stop, l, h] = np.einsum("ijb,kjb->bik", np.einsum("ijb,kj->ikb", dT, Q[l, h] / n), S_l) * unit
+                JQ[start:stop, l, h] = np.einsum("ijb,jkb->bik", np.einsum("ijb,kj->ikb", S_l, P[l, h] / n), dT) * unit
 
     _map(one_chunk, _lanes_bounds(B, P.shape[-1]), threads)
     return r, JP, JQ

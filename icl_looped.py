@@ -406,6 +406,13 @@ def _expectation(state, n, d, memo):
     return memo[state]
 
 
+# The largest words word_expectation takes: its recursion's cost grows combinatorially in the letters
+# "s" (pairings) and in the letters in all (distinct s-free words), from ~0.5 s for tied_loss_polynomial's
+# words at L = 4 (8 letters s) to ~5 s for the slowest mixes of 24 letters measured.
+MAX_WORD_S = 8
+MAX_WORD_LETTERS = 24
+
+
 @_numpy_rules
 def word_expectation(words, n, d):
     """E prod_j tr(w_j) for words over "a" (a fixed matrix W), "b" (W^T) and "s" (S = G G^T / n,
@@ -413,12 +420,23 @@ def word_expectation(words, n, d):
     words (canonical: least rotation of the word or its transpose) standing for the product of their
     traces (the empty monomial: 1). For example E tr(W S W S) = tr(W W) + (tr(W W^T) + tr(W)^2) / n:
     word_expectation(["asas"], n, d) == {("aa",): 1, ("ab",): 1/n, ("a", "a"): 1/n} (Isserlis, MATH.md §8).
-    words: a list of strings over "abs"."""
+    words: strings over "abs" (a list, or any iterable, read once), at most MAX_WORD_S letters "s" and
+    MAX_WORD_LETTERS letters in all."""
     n, d = _int("n", n, 1), _int("d", d, 1)
-    if isinstance(words, str) or not all(isinstance(w, str) and set(w) <= set("abs") for w in words):
-        raise ValueError("words must be a list of strings over 'a' (W), 'b' (W^T) and 's' (S)")
-    k = sum(w.count("s") for w in words)
-    factor, free, state = _split(list(words), d)
+    message = "words must be a list of strings over 'a' (W), 'b' (W^T) and 's' (S)"
+    if isinstance(words, str):
+        raise ValueError(message)
+    try:
+        words = list(words)
+    except TypeError:
+        raise TypeError(f"{message}, got {type(words).__name__}") from None
+    if not all(isinstance(w, str) and set(w) <= set("abs") for w in words):
+        raise ValueError(message)
+    k, letters = sum(w.count("s") for w in words), sum(map(len, words))
+    if k > MAX_WORD_S or letters > MAX_WORD_LETTERS:
+        raise ValueError(f"words must hold at most {MAX_WORD_S} letters 's' and {MAX_WORD_LETTERS} letters in all "
+                         f"(MAX_WORD_S, MAX_WORD_LETTERS), got {k} and {letters}")
+    factor, free, state = _split(words, d)
     return {tuple(sorted(free + m)): Fraction(factor * v, n ** k)
             for m, v in _expectation(state, n, d, {}).items()}
 

@@ -144,6 +144,57 @@ def test_engine_equals_the_reference(d, H):
                      ir.residuals_and_jacobian_gram(P, Q, S0[:k], q0[:k], y[:k], n))
 
 
+# P 2^p, Q 2^q, Z 2^z and y 2^(t + z), with t = p + q + 2z the scale of T - I = (1/n) sum_h P_h S Q_h
+# (S = Z M Z^T scales as 2^2z). With t = 0, T is unchanged in every layer; with one layer, only
+# (T - I) q enters the residual (q_d = 0). Either way r = (T q)_d + y scales as 2^(t + z), the loss
+# as 2^(2t + 2z), dP = (1/n) dT Q^T S as 2^(t + 4z + q), dQ as 2^(t + 4z + p), the Jacobian's rows as
+# 2^(3z + q) and 2^(3z + p): powers of two, exact while all stay normal. The rows (p, q, z, L, with
+# the loss): the data at about 1e-100 and 1e90 with T unchanged, where S times dT (about
+# 2^4z) leaves float64's range though the results do not; then P kron Q (about 2^(p + q)) below
+# float64's range, while T - I and the results are inside it (the last row's gradient of the loss
+# would overflow, so it checks the Jacobian alone).
+LANES_SCALES = [(332, 332, -332, 2, True), (-299, -299, 299, 2, True), (-581, -581, 332, 1, True),
+                (-520, -520, 480, 1, False)]
+
+
+@pytest.mark.parametrize("p,q,z,L,loss", LANES_SCALES)
+def test_lanes_results_at_scales_far_from_one_equal_the_references(p, q, z, L, loss):
+    # D = 3, two heads; B = 1200 makes 4 lanes chunks, the k-th prompts times 2^k so that the
+    # chunks' scales differ; the public functions and the lanes functions on one and two threads
+    P, Q, Z, y = problem(31, 1200, 2, L=L, H=2, scale=0.2)
+    Z = Z * 2.0 ** (np.arange(1200) // 300)[:, None, None]
+    t, n = p + q + 2 * z, Z.shape[2] - 1
+    big = (np.ldexp(P, p), np.ldexp(Q, q), np.ldexp(Z, z), np.ldexp(y, t + z))
+    gram_args = (*big[:2], *gram_form(big[2]), big[3], n)
+    r, J = ir.residuals_and_jacobian(P, Q, Z, y)
+    at_scale = ir.residuals_and_jacobian(*big)
+    assert_all_close(at_scale, (np.ldexp(r, t + z), np.ldexp(J, 3 * z + np.r_[[q] * P.size, [p] * Q.size])))
+    for threads in (1, 2):
+        assert_all_close(fast.residuals_and_jacobian(*big, threads=threads), at_scale)
+        r, JP, JQ = fast.lanes_jacobian_gram(*gram_args, threads=threads)
+        assert_all_close((r, np.c_[JP.reshape(len(r), -1), JQ.reshape(len(r), -1)]), at_scale)
+    if loss:
+        f, dP, dQ = ir.loss_and_grad(P, Q, Z, y)
+        at_scale = ir.loss_and_grad(*big)
+        assert_all_close(at_scale, (np.ldexp(f, 2 * t + 2 * z), np.ldexp(dP, t + 4 * z + q),
+                                    np.ldexp(dQ, t + 4 * z + p)))
+        for threads in (1, 2):
+            assert_all_close(fast.loss_and_grad(*big, threads=threads), at_scale)
+            assert_all_close(fast.lanes_loss_and_grad_gram(*gram_args, threads=threads), at_scale)
+
+
+@pytest.mark.parametrize("s", [1e-100, 1e-80])
+def test_lanes_gradient_of_small_data_with_queries_at_the_inverse_square(s):
+    # P, Q / s^2, Z s, y s: T, the residuals / s and dP / s^2 as at s = 1; dQ (about s^4) is below
+    # float64's normal range, so only the loss and dP are compared
+    P, Q, Z, y = problem(32, 100, 10, L=2, H=2, scale=0.1)
+    for threads in (1, 2):
+        loss, dP, _ = fast.loss_and_grad(P, Q / s ** 2, Z * s, y * s, threads=threads)
+        ref_loss, ref_dP, _ = ir.loss_and_grad(P, Q / s ** 2, Z * s, y * s)
+        assert np.max(np.abs(ref_dP)) > 0
+        assert_all_close((loss, dP), (ref_loss, ref_dP))
+
+
 @pytest.mark.parametrize("L,H", [(1, 1), (1, 3), (2, 2), (3, 1)])
 def test_lanes_kernels_equal_REFERENCE_on_the_same_inputs(L, H):
     # the lanes loss, gradient, residuals and per-prompt gradients against REFERENCE's on one Gram

@@ -237,6 +237,21 @@ def test_word_expectation_is_isserlis_with_the_transposes_in_place():
     assert lp.word_expectation(["ss", "s"], n, 3) == {(): Fraction(ir._wishart_T(n, 3, (1, 2), {}), n ** 3)}
 
 
+def test_word_expectation_reads_any_iterable_once_and_refuses_words_beyond_its_bound():
+    n = 7
+    assert lp.word_expectation(iter(["asas"]), n, 3) == lp.word_expectation(["asas"], n, 3)
+    assert lp.word_expectation((w for w in ("ss", "s")), n, 3) == lp.word_expectation(["ss", "s"], n, 3)
+    # at the bound, taken: the Wishart moment of MATH.md §9 (8 letters s) and a product of 24 traces of W
+    assert lp.word_expectation(["s" * lp.MAX_WORD_S], n, 3) == {(): ir.wishart_trace_moments(n, 3, lp.MAX_WORD_S)[-1]}
+    assert lp.word_expectation(["a"] * lp.MAX_WORD_LETTERS, n, 3) == {("a",) * lp.MAX_WORD_LETTERS: 1}
+    for words in (["s" * (lp.MAX_WORD_S + 1)], ["as"] * (lp.MAX_WORD_S + 1), ["a" * (lp.MAX_WORD_LETTERS + 1)],
+                  iter(["ab"] * lp.MAX_WORD_LETTERS)):
+        with pytest.raises(ValueError, match="MAX_WORD_S, MAX_WORD_LETTERS"):
+            lp.word_expectation(words, n, 3)
+    with pytest.raises(TypeError, match="words must be a list"):
+        lp.word_expectation(5, n, 3)
+
+
 @pytest.mark.parametrize("L", [1, 2, 3, 4])
 def test_loss_polynomial_is_the_family_loss_on_multiples_of_identity(L):
     # the other side: MATH.md §10's family loss, p(t) = (1 - a t)^L and exact trace moments; both exact rationals
