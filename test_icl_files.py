@@ -398,6 +398,29 @@ def test_the_record_holds_each_hash_before_its_file_is_written(tmp_path, monkeyp
     assert seen == [True] * 4
 
 
+def test_a_run_killed_as_it_renamed_its_record_is_read_from_the_record_itself(tmp_path, means):
+    # a run killed between writing its temporary record and renaming it leaves both whole: each counts
+    # for the files it lists, and the record itself (not the temporary one) is the earlier run's record
+    out = tmp_path / "v"
+    out.mkdir()
+    data = {"case1.npz": b"listed by the record", "case2.npz": b"listed by the temporary record only"}
+    for name, payload in data.items():
+        (out / name).write_bytes(payload)
+    f = folder(out)
+
+    def record(which, files):
+        return icl_files.sealed_json(dict(format=icl_files.JOURNAL_FORMAT, tool=TOOL, which=which, status="running",
+                                          files={n: icl_files.sha256(data[n]) for n in files}, writing={}))
+    (out / RECORD).write_bytes(record("the record", ["case1.npz"]))
+    (out / f.temp).write_bytes(record("the temporary record", ["case1.npz", "case2.npz"]))
+    with f:
+        f.open(overwrite=True, keep_others=None, writes=lambda name: True)
+        assert f.earlier["which"] == "the record"
+        assert f.owned == {n: icl_files.sha256(b) for n, b in data.items()}
+        f.save("complete")
+    assert sorted(os.listdir(out)) == sorted([RECORD, *data])      # the temporary record, proven, is gone
+
+
 def test_a_record_that_cannot_be_saved_keeps_saying_what_the_file_says(tmp_path, monkeypatch):
     # Folder.status is what the record on disk says: a save that fails leaves it, so a message quoting
     # it is true (round 6: "it says 'write error'" of a record that said "running")
