@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -504,13 +505,40 @@ def full_run(docs, tmp_path, monkeypatch):
     (dict(status="interrupted"), "not complete"), (dict(quick=True), "--quick"), (dict(seed=1), "seed"),
     (dict(completed=["noise"]), "missing an experiment"), (dict(dirty=True), "uncommitted"),
     (dict(dirty=None), "uncommitted"), (dict(commit="b" * 40), "changed since"),
-    (dict(files={}), "not as its record lists")])
+    (dict(files={}), "not as its record lists"), (dict(files=5), "not a record of experiments.py"),
+    (dict(completed=5), "not a record of experiments.py"), (dict(experiments={}), "not a record of experiments.py")])
 def test_docs_figures_copies_only_a_complete_full_run_of_the_current_committed_code(full_run, capsys, change, said):
     out, run = full_run
     (out / "config.json").write_text(json.dumps(dict(run, **change)))
     before = {p: p.read_bytes() for p in (out.parent / "docs").iterdir()}
     assert docs_figures.main(["--from", str(out)]) == 2
     assert said in capsys.readouterr().err and {p: p.read_bytes() for p in (out.parent / "docs").iterdir()} == before
+
+
+@pytest.mark.parametrize("plant", ["config.json nested too deep", "a FIFO named like a figure",
+                                   "config.json a link to /dev/zero"])
+def test_docs_figures_refuses_a_folder_it_cannot_read_without_a_traceback_or_waiting(full_run, capsys, plant):
+    # its docstring: a run that may not be copied exits 2 with a message saying why, writing nothing;
+    # a FIFO is seen before it is opened (opened to read, it would wait for a writer forever)
+    out, run = full_run
+    target = out / ("shift.png" if "FIFO" in plant else "config.json")
+    target.unlink()
+    if "nested" in plant:
+        target.write_text("[" * 200_000 + "]" * 200_000)
+    elif "FIFO" in plant:
+        os.mkfifo(target)
+    else:
+        target.symlink_to("/dev/zero")
+    before = {p: p.read_bytes() for p in (out.parent / "docs").iterdir()}
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(status=docs_figures.main(["--from", str(out)])), daemon=True)
+    worker.start()
+    worker.join(60)                                 # a refusal takes well under a second; a FIFO read never returns
+    if worker.is_alive():
+        os.close(os.open(target, os.O_WRONLY | os.O_NONBLOCK))        # a writer's open and close releases it
+        pytest.fail("blocked reading the folder")
+    assert box["status"] == 2 and "not a full run's folder" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (out.parent / "docs").iterdir()} == before
 
 
 def test_docs_figures_copies_a_good_run_and_records_what_it_wrote(full_run, capsys):
