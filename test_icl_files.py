@@ -288,7 +288,7 @@ def test_a_folder_another_run_holds_is_refused(tmp_path, means):
 
 
 @pytest.mark.parametrize("planted", ["a file of the user's", "a hard link to a file elsewhere",
-                                     "a hard link to an empty file elsewhere"])
+                                     "a hard link to an empty file elsewhere", "JSON nested too deep to read"])
 def test_a_users_file_under_the_lock_name_is_neither_written_nor_removed(tmp_path, means, planted):
     # the lock's name is not counted as a file of the folder's (a run's lock comes and goes), so a file
     # of that name that is no lock - the user's notes, or a second name of a file outside - must be
@@ -299,6 +299,8 @@ def test_a_users_file_under_the_lock_name_is_neither_written_nor_removed(tmp_pat
     mine.write_text("" if "empty" in planted else "notes")      # empty: only its other name tells
     if planted == "a file of the user's":
         (out / LOCK).write_text("notes")
+    elif "nested" in planted:                       # 4096 bytes, the most a lock's pid and host is read to
+        (out / LOCK).write_text("[" * 2048 + "]" * 2048)
     else:
         os.link(mine, out / LOCK)
     before = snapshot(tmp_path)
