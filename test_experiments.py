@@ -1119,10 +1119,11 @@ def test_figures_keep_text_at_least_8_pt_and_save_a_png_and_a_pdf():
 
 
 def test_output_names_and_the_record_checks(tmp_path):
-    # an experiment owns name.csv, name.png and name_*, nothing else that starts with its name; a
-    # record is trusted only with the marker, the tool, this version and a file list of the named
-    # experiments' own outputs in the folder itself, read without following a link
-    assert runner.output_of("noise", "noise_table.csv") and not runner.output_of("noise", "noise-floor.txt")
+    # an experiment owns name.csv, name.png (name.pdf) and name_*.csv/png/pdf, nothing else that starts
+    # with its name; a record is trusted only with the marker, the tool, this version and a file list of
+    # the named experiments' own outputs in the folder itself, read without following a link
+    assert runner.output_of("noise", "noise_table.csv") and not runner.output_of("noise", "noise-floor.csv")
+    assert not runner.output_of("noise", "noise-floor.txt") and not runner.output_of("noise", "noise_notes.txt")
     good = dict(format=runner.FORMAT, tool=runner.TOOL, format_version=runner.FORMAT_VERSION, files={}, writing={},
                 experiments={"noise": {"files": ["noise.csv", "noise_x.csv"]}})
     variants = {"good": good, "no marker": dict(good, format="other"), "old version": dict(good, format_version=2),
