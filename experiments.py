@@ -291,7 +291,10 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
     are written in white. Constrained layout: no label overprints another."""
     from matplotlib.colors import SymLogNorm
     cols = max(len(r) for r in grid)
-    fig, axes = plt.subplots(len(grid), cols, figsize=(2.05 * cols + 1.1, 2.15 * len(grid) + 0.8),
+    # a panel 2 in wide gives a cell of a 5 x 5 matrix room for "-0.00" at 8 pt; five panels a row
+    # (the blocks model's A_0..A_2, B_0, B_1) need 10.9 in, wider than a page's 7: a figure printed
+    # sideways on its own page, the price of values that can be read
+    fig, axes = plt.subplots(len(grid), cols, figsize=(2.0 * cols + 0.9, 2.2 * len(grid) + 0.9),
                              squeeze=False, layout="constrained")
     v = max(float(np.max(np.abs(M))) for r in grid for M in r) or 1.0
     norm = SymLogNorm(linthresh=0.1, linscale=0.5, vmin=-v, vmax=v, base=10)
@@ -306,14 +309,14 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
                 text = f"{x:.2f}"
                 ax.text(j, i, "0.00" if text == "-0.00" else text, ha="center", va="center", fontsize=8,
                         color="white" if abs(norm(x) - 0.5) > 0.3 else "black")
-            ax.set_title(title, fontsize=9)
+            ax.set_title(title, fontsize=8)
             ax.set(xticks=[], yticks=[])
         if row_labels:
             axes[r][0].set_ylabel(row_labels[r], fontsize=8)
     bar = fig.colorbar(image, ax=axes, shrink=0.8, aspect=30,
                        ticks=[t for t in (-10, -1, -0.1, 0, 0.1, 1, 10) if abs(t) <= v], format="%g")
     bar.set_label("entry (log beyond ±0.1)", fontsize=8)
-    fig.suptitle(suptitle, fontsize=10)
+    fig.suptitle(suptitle, fontsize=9)
     return save(fig, suffix)
 
 
@@ -387,10 +390,11 @@ def best_constant_step(Z, y, L, precond, drop_last=False):
     return float(res.x)
 
 
-def quadratic_excess_bound(loss, G_star, cov, sds=5.0):
+def quadratic_excess_law(loss, G_star, cov):
     """For an exact quadratic loss with minimiser G_star and an estimate G_hat ~ N(G_star, cov):
-    loss(G_hat) - loss(G_star) = delta^T M delta, a weighted chi-square with weights eig(M cov).
-    Returns mean + sds * sd. M is read off the quadratic by second differences (exact)."""
+    loss(G_hat) - loss(G_star) = delta^T M delta, a weighted chi-square with weights w = eig(M cov).
+    Returns its (mean, sd) = (sum w, sqrt(2 sum w^2)). M is read off the quadratic by second
+    differences (exact)."""
     p = G_star.size
     E = np.eye(p).reshape((p,) + G_star.shape)
     f0 = loss(G_star)
@@ -398,7 +402,7 @@ def quadratic_excess_bound(loss, G_star, cov, sds=5.0):
     M = np.array([[(loss(G_star + E[i] + E[j]) - f1[i] - f1[j] + f0) / 2 for j in range(p)]
                   for i in range(p)])
     w = np.linalg.eigvals(M @ cov).real
-    return float(w.sum() + sds * math.sqrt(2 * np.sum(w ** 2)))
+    return float(w.sum()), math.sqrt(2 * np.sum(w ** 2))
 
 
 def scalar_fit(A, T, cov_block):
@@ -427,11 +431,12 @@ def single_layer(ctx):
         excess = loss(res["coords"]["A"][0]) - L_star
         # the exact excess population loss of the trained Gamma is >= 0 and, the batch being finite,
         # within the sampling bound: mean + 5 sd of its weighted chi-square law (k = 5, not K_SE: the
-        # law's right tail is heavier than a normal one's); both sides checked
-        bound = quadratic_excess_bound(loss, G, cov, sds=5.0)
+        # law's right tail is heavier than a normal one's); both sides checked; its sd is the row's SE
+        mean, sd = quadratic_excess_law(loss, G, cov)
+        bound = mean + 5.0 * sd
         rows.append(row(f"n{n}-sparse-excess", f"n={n}: trained sparse Gamma's exact excess loss over L* lies in [0, sampling bound]",
                         **decide(0 <= excess <= bound, [res], theory=0.0, measured=excess, tolerance=bound,
-                                 k=5.0, check="0 <= measured <= tolerance (mean + k sd of its chi-square law)",
+                                 se=sd, k=5.0, check="0 <= measured <= tolerance (mean + k sd of its chi-square law)",
                                  kind="statistical (5 sd of the excess's chi-square sampling law)"),
                         n=n, L_star=L_star, grad_norm=res["grad_norm"],
                         dist_to_gamma_star=ir.distance_to_multiple(res["coords"]["A"][0], G)))
@@ -480,47 +485,51 @@ def plot_three_layer_sparse(plt, save, rows, tables):
     fits = [r for r in rows if r["id"].endswith(f"/seed{r.get('seed')}-fit")]
     ok = {r["seed"]: bool(r["converged"]) for r in fits}
     seeds = sorted(ok)
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
-    for s, style in zip(seeds, ("-", "--", ":", "-.")):
+    fig, ax = plt.subplots(1, 2, figsize=(7.0, 4.4), layout="constrained")
+    for s, (style, marker) in zip(seeds, (("-", None), ("--", "o"), (":", "s"), ("-.", "^"))):
         cs = [c for c in curve if c["seed"] == s]
-        ax[0].semilogy([c["iteration"] for c in cs], [c["loss"] for c in cs], style,
-                       color="C0" if ok[s] else "0.6", label=f"seed {s}" + ("" if ok[s] else " (not converged)"))
+        ax[0].semilogy([c["iteration"] for c in cs], [c["loss"] for c in cs], style, marker=marker, mfc="white",
+                       markevery=max(1, len(cs) // 6), color="C0" if ok[s] else "0.4",
+                       label=f"seed {s}" + ("" if ok[s] else " (not converged)"))
     f_star = fits[0]["f_star"]
-    ax[0].axhline(f_star, color="k", lw=0.8, label=f"population $f^*$ of the exact family optimum, {f_star:.4f}")
+    ax[0].axhline(f_star, color="k", lw=0.8, label=f"exact family optimum's\npopulation loss f* = {f_star:.4f}")
     ax[0].set(xlabel="L-BFGS iteration", ylabel="batch loss (log scale)",
-              title=f"batch loss, {plural(len(seeds), 'seed')}")
+              title=f"(a) batch loss, {plural(len(seeds), 'seed')}")
     cs = [c for c in curve if c["seed"] == seeds[0]]
     step = max(1, len(cs) // 8)               # 8 markers a curve, evenly in iterations, staggered by layer
     every = [(min(l * step // 3, len(cs) - 1), step) for l in range(len(a_star))]
-    for l, style in zip(range(len(a_star)), ("-", "--", ":")):
+    styles = ("-", "--", ":")
+    for l, style in zip(range(len(a_star)), styles):
         ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_Sigma_inv"] for c in cs], "C0" + style, marker="o",
-                   mfc="white", ms=4, markevery=every[l], label=rf"dist($A_{l}$, $\Sigma^{{-1}}$)")
+                   mfc="white", ms=4, markevery=every[l])
         ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_I"] for c in cs], "C3" + style, marker="x",
-                   ms=5, markevery=every[l], label=rf"dist($A_{l}$, $I$)")
-    ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance (0: a multiple)", ylim=(0, 1),
-              title=f"seed {seeds[0]}: distance of each $A_l$ to multiples" + ("" if ok[seeds[0]] else
-                                                                             " (not converged)"))
+                   ms=5, markevery=every[l])
+    # one legend entry per layer (line style) and per target (colour and marker): five entries, not six
+    handles = ([plt.Line2D([], [], color="0.3", ls=style, label=f"layer {l}") for l, style in zip(range(len(a_star)), styles)]
+               + [plt.Line2D([], [], color="C0", marker="o", mfc="white", ls="", label=r"to multiples of $\Sigma$ inverse"),
+                  plt.Line2D([], [], color="C3", marker="x", ls="", label="to multiples of $I$")])
+    ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance (0: a multiple)", ylim=(0, 1.35),
+              title=f"(b) seed {seeds[0]}: each layer's $A$" + ("" if ok[seeds[0]] else " (not converged)"))
     ax[0].legend(fontsize=8)
-    ax[1].legend(fontsize=8, ncol=2, loc="center right")
-    fig.suptitle(rf"Ahn et al. 2023, Fig. 1: three sparse layers, $d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']} "
+    ax[1].legend(handles=handles, fontsize=8, ncol=2, loc="upper center")    # above the curves (ylim to 1.35)
+    fig.suptitle(f"Ahn et al. 2023, Fig. 1: three sparse layers, $d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']}\n"
                  r"prompts, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1), rotated")
     last = cs[-1]
     to_inv = [last[f"dist_A{l}_Sigma_inv"] for l in range(len(a_star))]
     to_id = [last[f"dist_A{l}_I"] for l in range(len(a_star))]
-    made.append((save(fig, ""), f"Fig. 1: the batch loss per L-BFGS iteration beside the population optimum f* "
-                 f"(a batch's loss can end below it); seed {seeds[0]}'s A_l end at relative distance "
+    made.append((save(fig, ""), f"Fig. 1: (a) the batch loss per L-BFGS iteration beside the exact family optimum's population "
+                 f"loss f* (a batch's loss can end below it); (b) seed {seeds[0]}'s A_l end at relative distance "
                  f"{fmt(to_inv, 2)} from multiples of Sigma^-1 (blue, circles) and {fmt(to_id, 2)} from multiples of I "
                  "(vermillion, crosses; line style: the layer)" + ("" if all(ok.values()) else "; grey: a seed that did not converge") + "."))
     mats = heat_matrices(tables["heatmaps"], seed=seeds[0])
     fitted = {f["layer"]: f["a_hat"] for f in tables["fitted"] if f["seed"] == seeds[0]}
     verdict = fits[0]["verdict"]
-    made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted $a$ = {fitted[l]:.2f}" for l in range(len(mats))]],
-                           rf"Ahn et al. 2023, Fig. 2: whitened $\Sigma^{{1/2}} A_l \Sigma^{{1/2}}$ after training (seed {seeds[0]}, "
-                           rf"$d$ = 5, $n$ = 20, $B$ = {fits[0]['B']})"
-                           "\nexact family optimum: " + ", ".join(f"{a:.2f}" for a in a_star)
-                           + " times $I$, in some layer order", save, "_heatmaps"),
-                 f"Fig. 2: each whitened A_l of seed {seeds[0]}; its fitted multiples against the exact family "
-                 f"optimum (the experiment's first row): {verdict}"
+    made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted {fitted[l]:.2f}" for l in range(len(mats))]],
+                           f"Ahn et al. 2023, Fig. 2: each layer's whitened $A$ after training\n(seed {seeds[0]}, "
+                           f"$d$ = 5, $n$ = 20, batch $B$ = {fits[0]['B']})\nexact family optimum: "
+                           + ", ".join(f"{a:.2f}" for a in a_star) + " times $I$, in some layer order", save, "_heatmaps"),
+                 f"Fig. 2: each whitened Sigma^1/2 A_l Sigma^1/2 of seed {seeds[0]} (one colour scale, logarithmic beyond ±0.1), "
+                 f"titled with its fitted multiple of I; against the exact family optimum (the experiment's first row): {verdict}"
                  + (f" within {k_se} SE." if verdict in (PASS, FAIL) else f" ({fits[0]['why']}).")))
     return made
 
@@ -674,31 +683,40 @@ def plot_three_layer_blocks(plt, save, rows, tables):
     opt = tables["optimum"]
     basins = {(r["seed"], r["trainer"]): r for r in rows if "basin_loss" in r}
     fitted = {(r["seed"], r["trainer"]): r for r in rows if r.get("a_hat") is not None and "trainer" in r}
+    batch = {(r["seed"], r["trainer"]): r for r in rows if r.get("a_batch") is not None and "trainer" in r}
     grid, titles, labels = [], [], []
+
+    def title(name, l, hat, at_batch, star):
+        """A panel's title: the fitted scalar, the batch's own family optimum (what training on this batch
+        can reach) and the population optimum; no math scripts (their 70 % would fall below 8 pt)."""
+        if hat is None:
+            return f"${name}$ of layer {l}\npopulation optimum {star:.2f}"
+        return (f"${name}$ of layer {l}: fitted {hat:.3f}\n"
+                + (f"batch optimum {at_batch:.3f}\n" if at_batch is not None else "") + f"population optimum {star:.2f}")
     for (s, trainer) in sorted(basins):
         A = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="A")
         Bm = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="B")[:len(opt) - 1]
-        grid.append(A + Bm)                       # B_{L-1} never enters the loss: not drawn
-        fit = fitted.get((s, trainer), {})
-        a_hat = fit["a_hat"] if fit.get("a_hat") is not None else [None] * len(opt)
-        b_hat = fit["b_hat"] if fit.get("b_hat") is not None else [None] * len(opt)
-        titles.append([rf"$A_{l}$: $\hat a$ {fmt(a_hat[l], 3)}, $a^*$ {o['a_star']:.2f}" if a_hat[l] is not None
-                       else rf"$A_{l}$ ($a^*$ {o['a_star']:.2f})" for l, o in enumerate(opt)]
-                      + [rf"$B_{l}$: $\hat b$ {fmt(b_hat[l], 3)}, $b^*$ {o['b_star']:.2f}" if b_hat[l] is not None
-                         else rf"$B_{l}$ ($b^*$ {o['b_star']:.2f})" for l, o in enumerate(opt[:-1])])
+        grid.append(A + Bm)                       # B of the last layer never enters the loss: not drawn
+        fit, own = fitted.get((s, trainer), {}), batch.get((s, trainer), {})
+        scalars = {k: fit[k] if fit.get(k) is not None else [None] * len(opt) for k in ("a_hat", "b_hat")}
+        scalars.update({k: own[k] if own.get(k) is not None else [None] * len(opt) for k in ("a_batch", "b_batch")})
+        titles.append([title("A", l, scalars["a_hat"][l], scalars["a_batch"][l], o["a_star"]) for l, o in enumerate(opt)]
+                      + [title("B", l, scalars["b_hat"][l], scalars["b_batch"][l], o["b_star"]) for l, o in enumerate(opt[:-1])])
         r = basins[s, trainer]
-        labels.append(f"seed {s}, {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
-                      f"(f {r['basin_loss']:.3e})")
+        labels.append(f"seed {s} (its own batch), {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
+                      f"(f {r['basin_loss']:.3e})".replace(", ", "\n", 1))
     skipped = sorted({(r["seed"], r["trainer"]) for r in rows if "trainer" in r} - set(basins))
     last = len(opt) - 1
     if grid:
-        made.append((heat_grid(plt, grid, titles, r"Blocks model (Ahn et al. 2023, Figs. 3-5), $d$ = 5, $n$ = 20, $L$ = 3, converged runs: "
-                               r"whitened $\Sigma^{1/2} A_l \Sigma^{1/2}$ and $B_l$" + "\n"
-                               rf"titles: fitted scalar ($\hat a$, $\hat b$) and the global family optimum ($a^*$, $b^*$; "
-                               rf"$f^*$ = {opt[0]['f_star']:.3e}); $B_{last}$ not drawn (it never enters the loss)",
+        made.append((heat_grid(plt, grid, titles, "Blocks model (Ahn et al. 2023, Figs. 3-5), $d$ = 5, $n$ = 20, $L$ = 3, noiseless: "
+                               "the whitened $A$ and the $B$ of each layer,\neach converged run; each seed draws its own batch "
+                               "and rotation of $\\Sigma$; titles: the fitted scalar, the exact family optimum of the run's "
+                               f"batch\nand of the population (f* = {opt[0]['f_star']:.3e}); $B$ of layer {last} not drawn "
+                               "(it never enters the loss)",
                                save, "_heatmaps", row_labels=labels),
                      f"Figs. 3-5: the {plural(len(grid), 'converged run')} of this run: the whitened A_l and the B_l on one "
-                     "colour scale, each titled with its fitted scalar and the exact population optimum's; "
+                     "colour scale, each titled with its fitted scalar, the exact family optimum of the batch the run was "
+                     "trained on (what training can reach) and the population optimum; "
                      f"B_{last} is not drawn (it never enters the loss and keeps its random start); the row labels say "
                      "which population minimum's basin each run is in"
                      + (f"; not drawn (not converged): {', '.join(f'seed {s} {t}' for s, t in skipped)}."
@@ -869,36 +887,39 @@ def baselines(Z_tune, y_tune, Z_test, y_test, L, Si, n, d):
 
 
 # The estimators' names, the same in every figure and caption (docs/FIGURES.md)
-NAMES = {"transformer": "trained transformer", "optimum": "exact family optimum (theory)",
-         "GD": "GD-$L$", "PGD": r"$\Sigma^{-1}$-PGD-$L$", "OLS": "OLS", "ridge": "ridge (Bayes)"}
-K_SE_BAND = "±{k} SE band: the claims' tolerance"
+# One name for each estimator in every figure and caption (docs/FIGURES.md, checklist item 6; FINDINGS' names)
+NAMES = {"transformer": "trained model", "optimum": "exact family optimum",
+         "GD": "GD-$L$", "PGD": "PGD-$L$", "OLS": "OLS", "ridge": "ridge (Bayes)"}
+K_SE_BAND = "±{k} SE: the claims' tolerance"
+# the series beside one another on a linear x axis (offsets in x units), so that none hides another
+OFFSET = {"transformer": 0.0, "optimum": 0.0, "GD": -0.12, "PGD": 0.12, "OLS": -0.24, "ridge": 0.24}
 
 
-def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"]):
-    """Draw a curve's trained transformer (test loss, open circles with ±K_SE SE bars; "not converged"
+def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"], scale=1.0):
+    """Draw a curve's trained model (test loss, open circles with ±K_SE SE bars; "not converged"
     marked) and the exact family optimum (black pluses, drawn over it) against the field `x` on `ax`, and
-    on `res_ax` their difference in the transformer's standard errors beside the ±K_SE band; returns the
-    points that did not converge."""
+    on `res_ax` their difference in the model's standard errors inside the ±K_SE band; returns the
+    points that did not converge. `scale` multiplies OFFSET (the x axis' units)."""
     xs = [c[x] for c in curve]
     ax.errorbar(xs, [c["transformer"] for c in curve], [K_SE * c["transformer_se"] for c in curve], fmt="o-",
-                color="C0", mfc="white", ms=7, label=f"{label} (test loss, ±{fmt(K_SE)} SE)")
+                color="C0", mfc="white", ms=7, label=f"{label} (±{fmt(K_SE)} SE)")
     ax.plot(xs, [c["family_optimum"] for c in curve], "k+--", ms=10, mew=1.5, zorder=5, label=NAMES["optimum"])
     bad = [c for c in curve if not c["converged"]]
     res = [(c["transformer"] - c["family_optimum"]) / c["transformer_se"] for c in curve]
     res_ax.axhspan(-K_SE, K_SE, color="0.9", label=K_SE_BAND.format(k=fmt(K_SE)))
     res_ax.axhline(0.0, color="k", lw=0.8)
-    res_ax.plot(xs, res, "o", color="C0", mfc="white", ms=7, label="trained transformer - optimum")
-    if bad:
+    res_ax.plot(xs, res, "o", color="C0", mfc="white", ms=7, label="model - optimum")
+    if bad:       # a filled marker of the same shape: the open circle it replaces stays visible around it
         for a, ys in ((ax, [c["transformer"] for c in bad]), (res_ax, [r for r, c in zip(res, curve) if not c["converged"]])):
-            a.plot([c[x] for c in bad], ys, "x", color="C3", ms=11, mew=2, label="not converged")
+            a.plot([c[x] for c in bad], ys, "o", color="C3", ms=4, label="not converged (filled)")
     top = max([abs(r) for r in res] + [K_SE]) * 1.3
-    res_ax.set(ylim=(-top, top), ylabel="(transformer - optimum) / SE", xticks=xs)
-    res_ax.legend(fontsize=8, loc="lower left")
+    res_ax.set(ylim=(-top, top), ylabel="(model - optimum) / SE", xticks=xs)
+    res_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))     # below the axes: hides no point
     return bad
 
 
 def baselines_at_zero(curve, keys, suffix=""):
-    """The baselines of `keys` that are exactly 0 (rounding, below 1e-6 of the transformer's loss) at some
+    """The baselines of `keys` that are exactly 0 (rounding, below 1e-6 of the trained model's loss) at some
     point of `curve`: noiseless labels, interpolated exactly once n >= d."""
     return [k for k in keys if any(c[k + suffix] <= 1e-6 * c["transformer"] for c in curve)]
 
@@ -907,28 +928,32 @@ def plot_depth(plt, save, rows, tables):
     made = []
     rs = tables["curve"]
     Ls = [r["L"] for r in rs]
-    fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(10, 5.0), layout="constrained", width_ratios=(3, 2))
+    fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(7.0, 4.6), layout="constrained", width_ratios=(3, 2))
     bad = transformer_against_optimum(ax, res_ax, rs, "L")
-    ax.plot(Ls, [r["GD_loss"] for r in rs], "s:", color="C1", label=NAMES["GD"] + ", best constant step")
-    ax.plot(Ls, [r["PGD_loss"] for r in rs], "^-.", color="C2", label=NAMES["PGD"] + ", best constant step")
-    zero = baselines_at_zero(rs, ("OLS", "ridge"), "_loss")
-    ax.set(xlabel="layers $L$", ylabel="test loss $E(\\hat y - y)^2$ (log scale)", yscale="log", xticks=Ls,
+    ax.plot([L + OFFSET["GD"] for L in Ls], [r["GD_loss"] for r in rs], "s:", color="C1", mfc="white",
+            label=NAMES["GD"] + ", best constant step")
+    ax.plot([L + OFFSET["PGD"] for L in Ls], [r["PGD_loss"] for r in rs], "^-.", color="C2",
+            label=NAMES["PGD"] + ", best constant step")
+    # noiseless labels, n > d: OLS and ridge interpolate exactly; what is drawn is the largest rounding
+    # value over every L, so the legend says only what the table holds
+    exact = [k for k in ("OLS", "ridge") if all(r[k + "_loss"] <= 1e-6 * r["transformer"] for r in rs)]
+    ax.set(xlabel="layers $L$", ylabel=r"test loss, mean squared error (log scale)", yscale="log", xticks=Ls,
            title="(a) test loss against depth")
-    if zero:
-        ax.plot([], [], " ", label=f"{' and '.join(NAMES[k] for k in zero)}: below 1e-20 at every $L$\n"
-                "(noiseless labels, $n$ > $d$: exact), off the axis")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    res_ax.set(xlabel="layers $L$", title=f"(b) difference in standard errors")
-    fig.suptitle(r"Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless, $\Sigma$ eigenvalues "
-                 r"(1, 1, 1/4, 1/16, 1) rotated")
+    for k in exact:
+        top = max(r[k + "_loss"] for r in rs)
+        ax.plot([], [], " ", label=f"{NAMES[k]}: at most {top:.0e} at every $L$ (exact), off the axis")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
+    res_ax.set(xlabel="layers $L$", title="(b) model - optimum in SE")
+    fig.suptitle("Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless,\n"
+                 r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
     checks = [r for r in rows if r["check"]]
-    made.append((save(fig, ""), "Fig. 7: the trained transformer's test loss against the number of layers L (open circles, "
+    made.append((save(fig, ""), "Fig. 7: the trained model's test loss against the number of layers L (open circles, "
                  f"±{fmt(K_SE)} standard errors of the test batch) beside the exact family optimum (black pluses) and L steps "
-                 "of gradient descent (GD-L) and Sigma^-1-preconditioned gradient descent (Sigma^-1-PGD-L) with the best "
-                 "constant step; (b) the transformer minus the optimum in standard errors with the ±"
-                 f"{fmt(K_SE)} SE band"
-                 + (f"; {' and '.join(zero)} interpolate noiseless labels exactly (loss below 1e-20), off the log axis"
-                    if zero else "")
+                 "of gradient descent (GD-L, squares, drawn left) and Sigma^-1-preconditioned gradient descent (PGD-L, "
+                 "triangles, drawn right) with the best constant step; (b) the trained model minus the optimum in standard "
+                 f"errors inside the ±{fmt(K_SE)} SE band"
+                 + (f"; {' and '.join(NAMES[k] for k in exact)} interpolate noiseless labels exactly (loss at most "
+                    f"{max(r[k + '_loss'] for k in exact for r in rs):.0e} at every L), off the log axis" if exact else "")
                  + f"; the experiment's checks of the optimum: {sum(r['verdict'] == PASS for r in checks)} of "
                  f"{len(checks)} PASS" + (f"; not converged at L = {', '.join(str(r['L']) for r in bad)}." if bad else ".")))
     return made
@@ -966,32 +991,36 @@ def plot_icl_curve(plt, save, rows, tables):
     made = []
     curve = tables["curve"]
     ns = [c["n"] for c in curve]
-    fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(10, 5.0), layout="constrained", width_ratios=(3, 2))
+    fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(7.0, 4.8), layout="constrained", width_ratios=(3, 2))
     bad = transformer_against_optimum(ax, res_ax, curve, "n")
     zero = baselines_at_zero(curve, ("OLS", "ridge"))
-    for key, style, color, dx in (("GD", "s:", "C1", 0), ("PGD", "^-.", "C2", 0), ("OLS", "D--", "C4", -0.3),
-                                  ("ridge", "v:", "C5", 0.3)):
+    step = (max(ns) - min(ns)) / 40          # the offsets in units of n: a fortieth of the axis
+    for key, style, color in (("GD", "s:", "C1"), ("PGD", "^-.", "C2"), ("OLS", "D--", "C4"), ("ridge", "v:", "C5")):
         # noiseless labels: OLS and ridge are exactly 0 once n >= d, computed as rounding amplified by
-        # the solve's condition number (seen: 3e-9 at n = d); below 1e-6 of the transformer's loss it
+        # the solve's condition number (seen: 3e-9 at n = d); below 1e-6 of the trained model's loss it
         # is that zero, not drawn (a baseline that is not 0 is O(1) here)
         values = [c[key] if c[key] > 1e-6 * c["transformer"] else np.nan for c in curve]
         shown = [n for n, v in zip(ns, values) if not np.isnan(v)]
         if shown:
-            where = "" if len(shown) == len(ns) else f" (0 for $n \\geq$ {min(n for n, v in zip(ns, values) if np.isnan(v))})"
-            ax.plot([n + dx for n in ns], values, style, color=color, ms=7 if key in zero else 6,   # beside, not over
+            where = "" if len(shown) == len(ns) else (
+                f": drawn at $n$ = {', '.join(str(n) for n in shown)}; 0 (exact) for $n \\geq$ "
+                f"{min(n for n, v in zip(ns, values) if np.isnan(v))}")
+            ax.plot([n + OFFSET[key] / 0.12 * step for n in ns], values, style, color=color,
+                    mfc="white" if key in ("GD", "OLS") else color,
                     label=(NAMES[key].replace("$L$", "3") if key in ("GD", "PGD") else NAMES[key]) + where)
-    ax.set(xlabel="in-context examples $n$", ylabel="test loss $E(\\hat y - y)^2$ (log scale)", yscale="log",
+    ax.set(xlabel="in-context examples $n$", ylabel=r"test loss, mean squared error (log scale)", yscale="log",
            xticks=ns, title="(a) test loss against prompt length")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    res_ax.set(xlabel="in-context examples $n$", title="(b) difference in standard errors")
-    fig.suptitle(r"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless, $\Sigma$ eigenvalues "
-                 rf"(1, 1, 1/4, 1/16, 1) rotated; {plural(len(ns), 'length')}")
-    made.append((save(fig, ""), "Fig. 6: the trained three-layer transformer's test loss against the prompt length n (open "
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
+    res_ax.set(xlabel="in-context examples $n$", title="(b) model - optimum in SE")
+    fig.suptitle(r"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless," "\n"
+                 rf"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated; {plural(len(ns), 'length')}")
+    made.append((save(fig, ""), "Fig. 6: the trained three-layer model's test loss against the prompt length n (open "
                  f"circles, ±{fmt(K_SE)} standard errors) beside the exact family optimum (black pluses) and the "
-                 "baselines GD-3, Sigma^-1-PGD-3 (best constant step)" + (f", {' and '.join(zero)}: these are exactly 0 on "
-                                                                          "noiseless labels once n >= d and drawn only below"
-                                                                          if zero else "")
-                 + f"; (b) the transformer minus the optimum in standard errors with the ±{fmt(K_SE)} SE band"
+                 "baselines GD-3, PGD-3 (Sigma^-1-preconditioned; best constant step)"
+                 + (f", {' and '.join(NAMES[k] for k in zero)}: these are exactly 0 on noiseless labels once n >= d and "
+                    "drawn only below" if zero else "")
+                 + "; the baselines are drawn beside each n, not over one another"
+                 + f"; (b) the trained model minus the optimum in standard errors inside the ±{fmt(K_SE)} SE band"
                  + (f"; not converged at n = {', '.join(str(c['n']) for c in bad)}." if bad else ".")))
     return made
 
@@ -1274,26 +1303,30 @@ def plot_single_layer_landscape(plt, save, rows, tables):
     made = []
     table = tables["basins"]
     labels = list(dict.fromkeys(t["setting"] for t in table))
-    fig, ax = plt.subplots(figsize=(max(7.5, 0.95 * len(labels) + 2), 4.8), layout="constrained")
+    fig, ax = plt.subplots(figsize=(7.0, 5.0), layout="constrained")
     for k, (trainer, short, color) in enumerate((("Gauss-Newton", "GN", "C0"), ("L-BFGS", "LB", "C1"))):
         ts = [next(t for t in table if t["setting"] == s and t["trainer"] == trainer) for s in labels]
         x = np.arange(len(labels)) + 0.21 * (2 * k - 1)
         opt_ = np.array([t["optimum"] / t["starts"] for t in ts])
         high = np.array([t["higher"] / t["starts"] for t in ts])
         nc = np.array([t["not_converged"] / t["starts"] for t in ts])
-        ax.bar(x, opt_, 0.4, color=color, edgecolor="k", lw=0.6, label=f"{trainer}: reached the optimum")
+        # the legend names only the outcomes some start had (a bar of height 0 is not seen)
+        ax.bar(x, opt_, 0.4, color=color, edgecolor="k", lw=0.6,
+               label=f"{trainer}: reached the optimum" if opt_.any() else None)
         ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.4, edgecolor="k", lw=0.6, hatch="//",
-               label=f"{trainer}: a higher minimum")
+               label=f"{trainer}: a higher minimum" if high.any() else None)
         ax.bar(x, nc, 0.4, bottom=opt_ + high, color="white", edgecolor=color, lw=1.2, hatch="xx" if k else "..",
-               label=f"{trainer}: not converged")
+               label=f"{trainer}: not converged" if nc.any() else None)
         for xi in x:
             ax.text(xi, 1.02, short, ha="center", va="bottom", fontsize=8)
-    ax.set(xticks=np.arange(len(labels)), xticklabels=[setting_label(s) for s in labels], ylim=(0, 1.12),
+    # "init=0.1" without spaces: nine settings side by side in 7 in
+    ax.set(xticks=np.arange(len(labels)), xticklabels=[setting_label(s).replace(" = ", "=") for s in labels],
+           ylim=(0, 1.12),
            yticks=np.linspace(0, 1, 6), ylabel="fraction of random starts",
-           xlabel=r"setting (base: $d$ = 3, $n$ = 10, $\kappa$ = 4, init scale 0.3; the others change one of these)",
-           title=f"One full $(P, Q)$ layer: where training from {table[0]['starts']} random starts per setting ends\n"
-                 "(GN: Gauss-Newton, LB: L-BFGS; noiseless)")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)   # below the axes: hides no bar
+           xlabel="setting (base: $d$ = 3, $n$ = 10, $\\kappa$ = 4, init scale 0.3;\nthe others change one of these)",
+           title=f"One full $(P, Q)$ layer, noiseless: where training from {table[0]['starts']} random starts\n"
+                 "per setting ends (GN: Gauss-Newton, left bar; LB: L-BFGS, right bar)")
+    fig.legend(fontsize=8, loc="outside lower center", ncol=2)   # below the axes: hides no bar
     made.append((save(fig, ""), "One full (P, Q) layer, noiseless, Sigma with eigenvalues spread geometrically from 1 to "
                  "kappa and rotated: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
                  "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), stopped at a "
@@ -1520,7 +1553,7 @@ def plot_softmax_two_head(plt, save, rows, tables):
     starts = tables["starts"]
     lin_loss = rows[0]["measured"]                   # the linear baseline's test loss
     marker = {"random": "o", "rebuttal's construction": "*", "best 1 head + a small head": "s"}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True, layout="constrained")
+    fig, axes = plt.subplots(1, 2, figsize=(7.0, 4.4), sharey=True, layout="constrained")
     for ax, act in zip(axes, ("softmax_all", "softmax")):
         for x, H in enumerate((1, 2)):
             pts = [t for t in starts if t["activation"] == act and t["heads"] == H]
@@ -1533,14 +1566,18 @@ def plot_softmax_two_head(plt, save, rows, tables):
         ax.set(xticks=[0, 1], xticklabels=["1 head", "2 heads"], xlim=(-0.6, 1.6),
                title={"softmax_all": "authors' softmax (all $n$+1 keys)",
                       "softmax": "softmax over the $n$ context keys"}[act])
-    handles = [plt.Line2D([], [], ls="", marker=m, color="gray", ms=8, label=f"start: {k}") for k, m in marker.items()]
-    handles += [plt.Line2D([], [], ls="", marker="o", color="C0", label="converged (filled)"),
-                plt.Line2D([], [], ls="", marker="o", color="C3", mfc="white", mew=1.5, label="not converged (open)"),
-                plt.Line2D([], [], ls="--", color="k", label="trained linear layer")]
-    axes[0].set_ylabel(f"test loss (±{k_se} SE)")
-    fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer "
+    # the legend names only what is drawn: the kinds of start present, "not converged" only if one did not
+    kinds = {"random" if t["start"].startswith("random") else t["start"] for t in starts}
+    handles = [plt.Line2D([], [], ls="", marker=m, color="C0", ms=8, label=f"start: {k}") for k, m in marker.items()
+               if k in kinds]
+    if not all(t["converged"] for t in starts):
+        handles += [plt.Line2D([], [], ls="", marker="o", color="C0", label="converged (filled)"),
+                    plt.Line2D([], [], ls="", marker="o", color="C3", mfc="white", mew=1.5, label="not converged (open)")]
+    handles += [plt.Line2D([], [], ls="--", color="k", label="trained linear layer")]
+    axes[0].set_ylabel(f"test loss, mean squared error (±{k_se} SE)")
+    fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer\n"
                  r"($d$ = 5, $n$ = 10, $x, w \sim N(0, I)$, noiseless)")
-    fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=3)
+    fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=2)
     claims = {r["activation"]: r for r in rows if r["id"].endswith("-claim")}
     said = "; ".join(f"{act}: the claim {r['holds']}" if r["verdict"] == INFO else f"{act}: no verdict ({r['why']})"
                      for act, r in claims.items())

@@ -26,7 +26,10 @@ def plot_looped(plt, save, rows, tables):
     exact, hess, char, prof = tables["exact"], tables["hessian"], tables["character"], tables["profiles"]
     trained, points = tables["trained"], tables["points"]
     k_se = fmt(K_SE)
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13.5, 6.0), layout="constrained")
+    # (a) and (b) side by side, (c) below across the page: three panels in 7 in
+    fig, axes = plt.subplot_mosaic([["a", "b"], ["c", "c"]], figsize=(7.0, 9.0), layout="constrained",
+                                   height_ratios=(1, 1))
+    ax1, ax2, ax3 = axes["a"], axes["b"], axes["c"]
     for family, color, mfc in (("sparse", "C0", None), ("blocks", "C1", "white")):
         rs = [r for r in exact if r["family"] == family]
         ax1.plot([r["L"] for r in rs], [r["loss_untied"] for r in rs], "o-", color=color, mfc=mfc or color,
@@ -36,25 +39,26 @@ def plot_looped(plt, save, rows, tables):
     done = [t for t in trained if t.get("exact_loss") is not None and np.isfinite(t["exact_loss"])]
     if done:
         ax1.plot([t["L"] + 0.1 for t in done], [t["exact_loss"] for t in done], "*", color="k", ms=9, ls="none",
-                 label="trained tied sparse model (its exact loss; just right)")
+                 label="trained tied sparse model\n(exact loss, no error bar; just right)")
     ax1.set(xlabel="layers $L$", ylabel="population loss (exact; log scale)", yscale="log",
-            xticks=sorted({r["L"] for r in exact} | {t["L"] for t in done}), title="(a) exact family optima and trained models")
+            xticks=sorted({r["L"] for r in exact} | {t["L"] for t in done}), title="(a) family optima, trained models")
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     ns = sorted({r["n"] for r in char})
+    # marker and line style each tell one n from another (five markers, four styles: no two n alike)
     for i, n in enumerate(ns):
         rs = [r for r in char if r["n"] == n]
-        ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^D"[i % 4] + "-:"[i % 2], color=f"C{i}",
-                 ms=5, mfc="white", label=f"exact, $n$ = {n}")
+        ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^Dvp"[i % 6],
+                 ls=("-", ":", "--", "-.")[i % 4], color=f"C{i}", ms=5, mfc="white", label=f"exact, $n$ = {n}")
     ax2.errorbar([r["L"] + 0.12 for r in hess], [r["mc_antisymmetric"] for r in hess],
                  [K_SE * r["mc_antisymmetric_se"] for r in hess], fmt="kx", ms=7, elinewidth=1.5,
-                 label=f"Monte Carlo, $n$ = 20 (±{k_se} SE; drawn just right)")
+                 label=f"Monte Carlo, $n$ = 20 (±{k_se} SE;\ndrawn just right)")
     ax2.axhline(0.0, color="k", lw=0.8)
     ax2.set_yscale("symlog", linthresh=1e-2)
-    ax2.set(xlabel="layers $L$", ylabel=r"antisymmetric Hessian eigenvalue at $a^*_L I$ (symlog)",
+    ax2.set(xlabel="layers $L$", ylabel="antisymmetric Hessian eigenvalue\nat the tied family point (symlog)",
             xticks=sorted({r["L"] for r in char}),
-            yticks=[-0.1, -0.01, 0, 0.01, 0.1, 1], ylim=(None, 6.0), title="(b) below 0: the tied family point is a saddle")
+            yticks=[-0.1, -0.01, 0, 0.01, 0.1, 1], ylim=(None, 6.0), title="(b) below 0: a saddle")
     ax2.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
-    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     for (L, blocks), color, ls in (((3, 1), "C0", "-"), ((4, 2), "C3", "--")):
         rs = [r for r in prof if r["L"] == L]
         if rs:
@@ -71,25 +75,32 @@ def plot_looped(plt, save, rows, tables):
                      label=f"its Monte Carlo loss (±{k_se} SE; just right)")
     for t in trained:
         if t["L"] in (3, 4):
-            ax3.axvline(t["antisym_sv"][0], color="C0" if t["L"] == 3 else "C3", ls=":", lw=1.5,
-                        label=f"trained tied model, $L$ = {t['L']}: its largest rotation")
+            ax3.axvline(t["antisym_sv"][0], color="C0" if t["L"] == 3 else "C3", ls=":" if t["L"] == 3 else "-.",
+                        lw=1.5, label=f"trained tied model, $L$ = {t['L']}: its largest rotation")
     ax3.axhline(0.0, color="k", lw=0.8)
     ax3.set_yscale("symlog", linthresh=1e-3)
     ax3.set(xlabel=r"rotation block size $\beta$ (whitened)", ylabel="loss / family optimum - 1 (symlog)",
             yticks=[-0.1, -0.01, -0.001, 0, 0.001, 0.01, 0.1], ylim=(-0.3, 0.3),
-            title=r"(c) min over the rest at each $\beta$")
+            title=r"(c) the loss minimised over the rest at each $\beta$")
     ax3.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
-    ax3.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-    fig.suptitle(r"Looped (tied) models: one sparse layer applied $L$ times, $d$ = 5, $n$ = 20 unless said, noiseless, "
-                 r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
+    ax3.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    fig.suptitle("Looped (tied) models: one sparse layer applied $L$ times, $d$ = 5, $n$ = 20 unless said,\n"
+                 r"noiseless, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
     checks = [r for r in rows if r["check"]]
+    # each trained model's place against the tied family optimum, with the basin its exact descent ends in
+    # (a model above the falling curve is in another minimum's basin, not unconverged)
+    where = "; ".join(f"L = {t['L']}: {100 * (t['exact_loss'] / t['family_loss'] - 1):+.1f}%"
+                      + (f" ({t['basin']} basin)" if t.get("basin") else "")
+                      for t in done if t.get("family_loss"))
     return [(save(fig, ""), "Looped models (d = 5, n = 20): (a) the exact tied and untied family optima per depth, with the "
              "trained tied sparse models' exact losses (stars: a trained model need not sit on the tied family, it can "
-             "leave it through a rotation block, c); (b) the antisymmetric Hessian eigenvalue at the tied family point, "
-             f"exact per n and by Monte Carlo at n = 20 (±{k_se} SE); (c) the loss along matrices with rotation blocks, "
-             "relative to the family optimum, with the certified minima (squares) and saddle (triangle), their Monte "
-             f"Carlo losses (±{k_se} SE) and the trained tied models' largest rotation (dotted); the experiment's checks: "
-             f"{sum(r['verdict'] == PASS for r in checks)} of {len(checks)} PASS.")]
+             "leave it through a rotation block, c; against the tied family optimum: " + where + "); (b) the "
+             "antisymmetric Hessian eigenvalue at the tied family point, "
+             f"exact per n (marker and line style: n) and by Monte Carlo at n = 20 (±{k_se} SE); (c) the loss along "
+             "matrices with rotation blocks, relative to the family optimum, with the certified minima (squares) and "
+             f"saddle (triangle), their Monte Carlo losses (±{k_se} SE; a bar not seen is smaller than its cross) and the trained tied models' largest rotation "
+             f"(dotted, dash-dotted); the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
+             f"{len(checks)} PASS.")]
 
 
 def tied_family_rows(exact):
@@ -400,40 +411,45 @@ def looped(ctx):
 def plot_dynamics(plt, save, rows, tables):
     flow, descent = tables["flow"], tables["descent"]
     k_se = fmt(K_SE)
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(10.5, 3.8), layout="constrained")
+    # (a) and (b) side by side, the residuals (c) below across the page: three panels in 7 in
+    fig, axes = plt.subplot_mosaic([["a", "b"], ["c", "c"]], figsize=(7.0, 7.0), layout="constrained")
+    ax1, ax2, ax3 = axes["a"], axes["b"], axes["c"]
     for (start, color), ls in zip((("inside", "C0"), ("outside", "C1")), ("-", "--")):
         pts = [f for f in flow if f["start"] == start and f["t"] > 0]
         ax1.plot([f["t"] for f in pts], [f["loss"] for f in pts], ls, color=color,
                  label=rf"$\sigma$ = {pts[0]['sigma']:.2f} ({start} the bound)")
-    ax1.set(xscale="log", yscale="log", xlabel="time $t$", ylabel="population loss (log scale)",
+    ax1.set(xscale="log", yscale="log", xlabel="time $t$ (log scale)", ylabel="population loss (log scale)",
             title="(a) exact gradient flow, two starts")
-    ax1.legend()
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    # the entries of Gamma named by their indices in brackets: a subscript would be drawn at 70 % (below 8 pt)
     entries = (("G00", "o", "-"), ("G01", "s", "--"), ("G11", "^", ":"))
     ts = [r["t"] for r in descent]
     for i, (key, marker, ls) in enumerate(entries):
-        ax2.plot(ts, [r[f"flow_{key}"] for r in descent], ls, color=f"C{i}", label=rf"flow $\Gamma_{{{key[1:]}}}$")
+        name = rf"$\Gamma$[{key[1]},{key[2]}]"
+        ax2.plot(ts, [r[f"flow_{key}"] for r in descent], ls, color=f"C{i}", label=f"{name}: flow (line)")
         ax2.errorbar(ts, [r[f"gd_{key}"] for r in descent], [K_SE * r[f"gd_{key}_se"] for r in descent], fmt=marker,
-                     color=f"C{i}", mfc="white", ms=5, label=rf"descent $\Gamma_{{{key[1:]}}}$")
+                     color=f"C{i}", mfc="white", ms=5, label=f"{name}: descent (±{k_se} SE)")
         # the residual panel: descent minus flow in units of its standard error, entries side by side
         dx = 0.06 * (i - 1)
         ax3.plot([t + dx for t in ts], [(r[f"gd_{key}"] - r[f"flow_{key}"]) / r[f"gd_{key}_se"] for r in descent],
-                 marker, color=f"C{i}", mfc="white", label=rf"$\Gamma_{{{key[1:]}}}$")
+                 marker, color=f"C{i}", mfc="white", label=name)
     ax2.set(xlabel=r"$t = k\eta$", ylabel=r"entries of $\Gamma(t)$",
-            title=f"(b) descent (mean of {descent[0]['R']} batches, ±{k_se} SE) vs flow")
-    ax2.legend(ncol=2, fontsize=8)
+            title=f"(b) descent (mean of {descent[0]['R']} batches) vs flow")
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
     ax3.axhspan(-K_SE, K_SE, color="0.9", label=f"±{k_se} SE (the claims' tolerance)")
     ax3.axhline(0.0, color="k", lw=0.8)
     ax3.set(xlabel=r"$t = k\eta$", ylabel="(descent - flow) / SE", ylim=(-1.6 * K_SE, 1.6 * K_SE),
-            title="(c) residuals in standard errors")
-    ax3.legend(ncol=2, fontsize=8, loc="lower left")
-    fig.suptitle(rf"One linear-attention layer, $d$ = 2, $n$ = 10, $\Sigma$ eigenvalues (1, 1/2), noiseless; descent: "
-                 rf"step $\eta$ = {descent[0]['eta']:g} from $\sigma$ = 0.3, batches of {descent[0]['B']} prompts")
+            title=f"(c) descent minus flow in standard errors (the ±{k_se} SE bars of b are smaller than their markers)")
+    ax3.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    fig.suptitle(rf"One linear-attention layer, $d$ = 2, $n$ = 10, $\Sigma$ eigenvalues (1, 1/2), noiseless;" "\n"
+                 rf"descent: step $\eta$ = {descent[0]['eta']:g} from $\sigma$ = 0.3, batches of {descent[0]['B']} prompts")
     checks = [r for r in rows if r["check"]]
     return [(save(fig, ""), "One layer's exact gradient flow from a start inside and one outside Zhang, Frei and Bartlett's "
              "initial-scale bound (a: the loss plateaus, then drops to Gamma*'s), and gradient descent on independent "
-             f"batches against the flow (b: the batches' mean with ±{k_se} standard errors; c: the difference in standard "
-             f"errors, inside the grey ±{k_se} band where the descent claims pass); d = 2, n = 10, noiseless labels; "
-             f"the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of {len(checks)} PASS.")]
+             f"batches against the flow (b: the batches' mean with ±{k_se} standard errors, bars smaller than the markers; "
+             f"c: the difference in standard errors, inside the grey ±{k_se} band where the descent claims pass); d = 2, "
+             f"n = 10, noiseless labels; the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
+             f"{len(checks)} PASS.")]
 
 
 def flow_rows(f):
@@ -511,8 +527,9 @@ def dynamics(ctx):
 def plot_task_diversity(plt, save, rows, tables):
     pools = tables["pools"]
     k_se = fmt(K_SE)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharey=True, layout="constrained")
-    series = (("L1", "one layer (exact)", "o", "-", "C0", 1 / 1.12), ("L3", "three layers (trained)", "s", "--", "C3", 1.0),
+    fig, axes = plt.subplots(1, 2, figsize=(7.0, 4.8), sharey=True, layout="constrained")
+    series = (("L1", "one-layer optimum for the pool (exact)", "o", "-", "C0", 1 / 1.12),
+              ("L3", "trained three-layer model", "s", "--", "C3", 1.0),
               ("dmmse", "dMMSE", "^", ":", "C1", 1.12), ("ridge", r"ridge (Bayes for $w \sim N(0, I)$)", "D", "-.", "C2", 1.25))
     for ax, test in zip(axes, ("pool", "fresh")):
         for name, label, marker, ls, color, shift in series:
@@ -527,20 +544,20 @@ def plot_task_diversity(plt, save, rows, tables):
                and r.get(f"L3_{test}") is not None]
         if bad:
             ax.plot([r["K"] for r in bad], [r[f"L3_{test}"] for r in bad], "s", color="C3", mec="k", ms=8, zorder=5,
-                    label="three layers: not converged (filled, $|\\nabla| > 10^{-6}$)")
+                    label="three-layer model not converged\n(filled; gradient norm > 1e-6)")
         ax.set(xscale="log", yscale="log", xlabel="$K$ (tasks in the pool, log scale)",
                title=f"({'ab'[test == 'fresh']}) tested on {'the pool' if test == 'pool' else 'fresh tasks'}")
-    axes[0].set_ylabel(r"test loss $E(\hat y - y)^2$ (log scale)")
+    axes[0].set_ylabel(r"test loss, mean squared error (log scale)")
     handles, labels = axes[1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8)
+    fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8)
     first = pools[0]
     setting = (f"$d$ = {first['d']}, $n$ = {first['n']}, label noise variance {first['noise_var']:g}, " if "d" in first else "")
-    fig.suptitle(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$; {setting}$x \\sim N(0, I)$; "
-                 f"bars ±{k_se} SE (points side by side in $K$)")
+    fig.suptitle(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$, $x \\sim N(0, I)$;\n{setting}"
+                 f"bars ±{k_se} SE\n(a bar not seen is smaller than its marker; points side by side in $K$)")
     return [(save(fig, ""), "Task diversity (after Raventos et al. 2023" + (
              f"; d = {first['d']}, n = {first['n']}, label noise variance {first['noise_var']:g}" if "d" in first else "")
-             + "): the one-layer optimum for the pool (exact), a trained three-layer sparse model, dMMSE over the pool and "
-             "ridge, tested on the pool (a) and on fresh tasks (b), against the pool size K; Monte Carlo points with "
+             + "): the one-layer optimum for the pool (exact), the trained three-layer sparse model, dMMSE over the pool and "
+             "ridge (Bayes for w ~ N(0, I)), tested on the pool (a) and on fresh tasks (b), against the pool size K; Monte Carlo points with "
              f"±{k_se} standard errors (where a bar is not seen it is smaller than the marker), the series drawn side by "
              "side in K so no point hides another; a filled square: a three-layer model that did not converge.")]
 
@@ -635,11 +652,12 @@ def plot_shift(plt, save, rows, tables):
     k_se = fmt(K_SE)
     length = [r for r in shifts if r["kind"] == "length"]
     other = [r for r in shifts if r["kind"] != "length"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10.5, 4.8), layout="constrained", width_ratios=(1, 1.1))
-    series = (("layer_exact", "trained layer (exact)", "o", "-", "C0", 1.0),
+    # (a) above (b): five shifts with two-line names need the page's width
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7.0, 8.0), layout="constrained")
+    series = (("layer_exact", "trained model (exact)", "o", "-", "C0", 1.0),
               ("best_layer", "best layer for the test law (exact)", "s", "--", "C1", 1.0),
-              ("ridge_tuned", "ridge, $\\lambda$ tuned on the test law", "^", "none", "C3", 1.0),
-              ("bayes", "Bayes (posterior mean)", "o", ":", "C2", 1.0))
+              ("ridge_tuned", "tuned ridge ($\\lambda$ tuned on the test law)", "^", "none", "C3", 1.0),
+              ("bayes", "ridge (Bayes for the test law)", "o", ":", "C2", 1.0))
     ns = [r["n"] for r in length]
     # open circles around filled markers: the trained layer equals the best layer at n = 20, and tuned ridge
     # equals Bayes everywhere here (its grid holds the Bayes lambda); neither hides the other
@@ -648,30 +666,32 @@ def plot_shift(plt, save, rows, tables):
         ax1.plot(ns, [r[key] for r in length], marker, ls=ls, color=color, ms=size.get(key, 5),
                  mfc="none" if key in size else color, mew=1.5, label=label)
     ax1.errorbar([n * 1.12 for n in ns], [r["layer_mc"] for r in length], [K_SE * r["layer_mc_se"] for r in length], fmt="x", color="k",
-                 ms=6, label=f"trained layer (Monte Carlo, ±{k_se} SE)")
-    ax1.set(xscale="log", yscale="log", xlabel="test prompt length $n$ (log scale; Monte Carlo drawn just right)",
-            ylabel=r"test loss $E(\hat y - y)^2$ (log scale)", title="(a) length shift (trained at $n$ = 20)")
+                 ms=6, label=f"trained model (Monte Carlo, ±{k_se} SE; drawn just right)")
+    ax1.set(xscale="log", yscale="log", xlabel="test prompt length $n$ (log scale)",
+            ylabel=r"test loss, mean squared error (log scale)", title="(a) length shift (trained at $n$ = 20)")
     x = np.arange(len(other))
     for j, (key, label, marker, ls, color, _) in enumerate(series):
         ax2.plot(x - 0.2 + 0.1 * j, [r[key] for r in other], marker, ls="none", color=color, ms=size.get(key, 5),
                  mfc="none" if key in size else color, mew=1.5)
     ax2.errorbar(x + 0.2, [r["layer_mc"] for r in other], [K_SE * r["layer_mc_se"] for r in other], fmt="x",
                  color="k", ms=6)
-    names = {"Sigma = [A] §4.3": "$\\Sigma$ = Ahn et al.'s", "Sigma = 2 I": "$\\Sigma$ = 2$I$",
-             "Sigma_w = I / 4": "$\\Sigma_w$ = $I$/4", "Sigma_w = 4 I": "$\\Sigma_w$ = 4$I$",
-             "Sigma_query = 2 I": "$\\Sigma_{query}$ = 2$I$"}
+    # covariances named in words: a subscript (Sigma_w) would be drawn at 70 %, below 8 pt
+    names = {"Sigma = [A] §4.3": "$x$: Ahn et al.'s $\\Sigma$", "Sigma = 2 I": "$x$ covariance 2$I$",
+             "Sigma_w = I / 4": "$w$ covariance $I$/4", "Sigma_w = 4 I": "$w$ covariance 4$I$",
+             "Sigma_query = 2 I": "query covariance 2$I$"}
     ax2.set_xticks(x, [f"{names.get(r['shift'], r['shift'])}\n({r['kind']})" for r in other])
-    ax2.set(yscale="log", xlim=(-0.5, len(other) - 0.5), ylabel=r"test loss $E(\hat y - y)^2$ (log scale)",
+    ax2.set(yscale="log", xlim=(-0.5, len(other) - 0.5), ylabel=r"test loss, mean squared error (log scale)",
             title="(b) covariate, task and query shifts at $n$ = 20 (Monte Carlo drawn right)")
     handles, labels = ax1.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8)
-    fig.suptitle("One linear-attention layer trained at $n$ = 20 on $x \\sim N(0, I)$, $w \\sim N(0, I)$, label noise "
+    fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8)
+    fig.suptitle("One linear-attention layer trained at $n$ = 20 on $x \\sim N(0, I)$, $w \\sim N(0, I)$,\nlabel noise "
                  "variance 0.25, $d$ = 5, tested under shift")
     return [(save(fig, ""), "One layer trained at n = 20 (d = 5, x and w ~ N(0, I), label noise variance 0.25) tested under "
              "the experiment's four kinds of shift: (a) other prompt lengths, (b) covariates (Sigma), tasks (Sigma_w) "
-             "and the query's law; its exact loss (with the Monte Carlo loss through the transformer, crosses, ±"
-             f"{k_se} SE), the best layer for each test law, ridge with lambda tuned on it, and the Bayes predictor "
-             "(large open circles: it coincides with tuned ridge here, the grid holding the Bayes lambda).")]
+             "and the query's law; the trained model's exact loss (with the Monte Carlo loss through the transformer, "
+             f"crosses, ±{k_se} SE), the best layer for each test law, tuned ridge (lambda tuned on the test law) and "
+             "ridge (Bayes), the Bayes predictor for the test law (large open circles: it coincides with tuned ridge "
+             "here, the grid holding the Bayes lambda).")]
 
 
 def shift_rows(shifts, L_star, n_train, fit):

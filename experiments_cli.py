@@ -99,6 +99,8 @@ def markdown_table(rows):
 # saved size; the Okabe-Ito colour-blind-safe palette (C0 blue, C1 orange, C2 green, C3 vermillion, ...)
 FIGURE_DPI = 150
 MIN_FONT_PT = 8.0
+MATH_SCRIPT_SCALE = 0.7            # mathtext's size for a sub- or superscript (its SHRINK_FACTOR)
+MAX_FIGURE_WIDTH_IN = 7.0          # a journal's two-column width
 FIGURE_FORMATS = ("png", "pdf")
 OKABE_ITO = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 FIGURE_STYLE = {"font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8,
@@ -106,17 +108,75 @@ FIGURE_STYLE = {"font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "legen
                 "errorbar.capsize": 3, "legend.framealpha": 0.9}
 
 
+def script_depth(text):
+    """How deep sub- and superscripts nest in the math ($...$) of `text`: 0 none, 1 for $A_l$ or
+    $\\Sigma^{-1}$, 2 for $x_{a_b}$. Mathtext draws each level at MATH_SCRIPT_SCALE of the one around it."""
+    deepest = 0
+    for part in text.split("$")[1::2]:
+        level, opened, pending, i = 0, [], False, 0
+        while i < len(part):
+            ch = part[i]
+            if ch in "_^":
+                pending = True
+            elif ch == "{":
+                opened.append(pending)
+                level, pending = level + pending, False
+            elif ch == "}":
+                level -= opened.pop() if opened else 0
+            elif not ch.isspace():            # an atom: a character or a command (\\Sigma), scripted if pending
+                if ch == "\\":
+                    while i + 1 < len(part) and part[i + 1].isalpha():
+                        i += 1
+                deepest, pending = max(deepest, level + pending), False
+            i += 1
+    return deepest
+
+
+def text_size(t):
+    """The smallest size (points) a text object draws at: its font size, scaled down for its math scripts."""
+    return t.get_fontsize() * MATH_SCRIPT_SCALE ** script_depth(t.get_text())
+
+
 def small_text(fig, least=MIN_FONT_PT):
-    """The texts of `fig` (titles, labels, tick labels, legends, annotations) set below `least` points."""
+    """The texts of `fig` (titles, labels, tick labels, legends, annotations, math scripts included) that
+    draw below `least` points."""
     return [t for t in fig.findobj(lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text"))
-            if t.get_visible() and t.get_text() and t.get_fontsize() < least - 1e-9]
+            if t.get_visible() and t.get_text() and text_size(t) < least - 1e-9]
+
+
+def log_tick_label(x):
+    """A log axis' tick label without a superscript (0.01, 1e-5: mathtext would draw the exponent of
+    10 to the -5 at 70 %, below the tick labels' 8 pt)."""
+    return f"{x:g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.0e}".replace("e-0", "e-").replace("e+0", "e")
 
 
 def figure_bytes(fig, fmt):
-    """One figure as `fmt` ("png" at FIGURE_DPI, or "pdf" without its creation date) bytes; a text set
-    below MIN_FONT_PT is raised to it first (the checklist's floor holds whatever a plot function set)."""
-    for t in small_text(fig):
-        t.set_fontsize(MIN_FONT_PT)
+    """One figure as `fmt` ("png" at FIGURE_DPI, or "pdf" without its creation date) bytes. First the
+    log axes get log_tick_label's tick labels and any text drawn below MIN_FONT_PT (a math script
+    counted at its own size) is raised to it (the checklist's floor holds whatever a plot function set);
+    tick labels exist only once drawn, so the figure is drawn until none is raised."""
+    from matplotlib.ticker import LogFormatter
+
+    class PlainLogFormatter(LogFormatter):
+        def _num_to_string(self, x, vmin, vmax):
+            return log_tick_label(x)
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() == "log":
+                axis.set_major_formatter(PlainLogFormatter())
+                axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+    for _ in range(3):                        # raising a size can make new tick labels: check again
+        fig.canvas.draw()
+        small = small_text(fig)
+        if not small:
+            break
+        for t in small:
+            t.set_fontsize(MIN_FONT_PT / MATH_SCRIPT_SCALE ** script_depth(t.get_text()))
+        for ax in fig.axes:                   # new tick labels take the axis' size, not the raised label's
+            for axis, name in ((ax.xaxis, "x"), (ax.yaxis, "y")):
+                labels = [t for t in axis.get_ticklabels(which="both") if t in small]
+                if labels:
+                    ax.tick_params(axis=name, which="both", labelsize=max(t.get_fontsize() for t in labels))
     f = io.BytesIO()
     metadata = {"CreationDate": None} if fmt == "pdf" else {"Software": None} if fmt == "png" else None
     fig.savefig(f, format=fmt, dpi=FIGURE_DPI, metadata=metadata)

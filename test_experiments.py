@@ -66,10 +66,17 @@ def quick_run(out, names):
         # each figure a 150-dpi PNG with its vector copy beside it, both recorded with their SHA-256
         pngs = [f for f in config["experiments"][name]["files"] if f.endswith(".png")]
         for png in pngs:
+            # at most a journal page's two columns wide, but for the figures that say why they need more
+            width = int.from_bytes((out / png).read_bytes()[16:20], "big")       # the PNG header's IHDR width
+            assert width <= runner.MAX_FIGURE_WIDTH_IN * runner.FIGURE_DPI or png in WIDE_FIGURES, (png, width)
             pdf = png[:-len("png")] + "pdf"
             assert pdf in config["experiments"][name]["files"] and (out / pdf).read_bytes().startswith(b"%PDF"), pdf
             assert config["files"][pdf] == sha256_of(out / pdf) and b"CreationDate" not in (out / pdf).read_bytes()
     return config
+
+
+# the figures wider than MAX_FIGURE_WIDTH_IN, each with its reason (heat_grid's comment)
+WIDE_FIGURES = {"three-layer-blocks_heatmaps.png": "five 5 x 5 matrices a row, each value legible at 8 pt"}
 
 
 def test_quick_run_of_the_cheaper_experiments_writes_its_files_and_passes(tmp_path):
@@ -230,13 +237,17 @@ def test_gd_predict_one_step_is_the_closed_form():
     assert_allclose(ex.gd_predict(Z, 0.7, 1, Pre, drop_last=True), dropped, rtol=EXACT)
 
 
-def test_quadratic_excess_bound_mean_is_trace():
+def test_quadratic_excess_law_is_the_weighted_chi_squares():
+    # delta^T M delta with delta ~ N(0, C): mean tr(MC), variance 2 tr((MC)^2) (Gaussian quadratic
+    # forms), written here from the traces, not the eigenvalues the code uses; 1e-12: rounding
     rng = np.random.default_rng(2)
     M = rng.standard_normal((4, 4))
     M = M @ M.T
     C = np.diag(rng.uniform(0.1, 1.0, 4))
     loss = lambda x: float(x.ravel() @ M @ x.ravel())
-    assert ex.quadratic_excess_bound(loss, np.zeros((2, 2)), C, sds=0) == pytest.approx(np.trace(M @ C), rel=1e-12)
+    mean, sd = ex.quadratic_excess_law(loss, np.zeros((2, 2)), C)
+    assert mean == pytest.approx(np.trace(M @ C), rel=1e-12)
+    assert sd == pytest.approx(math.sqrt(2 * np.trace(M @ C @ M @ C)), rel=1e-12)
 
 
 def test_scalar_fit_and_permutation_distance():
@@ -1116,6 +1127,28 @@ def test_figures_keep_text_at_least_8_pt_and_save_a_png_and_a_pdf():
     assert runner.figure_bytes(fig, "pdf") == pdf
     plt.close(fig)
     assert runner.output_of("depth", "depth.pdf") and runner.output_of("depth", "depth_x.pdf")
+
+
+@pytest.mark.parametrize("text, depth", [("plain_text^2", 0), (r"$\hat a$ = 0.3", 0), ("$A_l$", 1),
+                                         (r"$\Sigma^{-1}$-PGD", 1), (r"$a^*_L I$", 1), ("$x_{a_b}$", 2),
+                                         (r"$\Sigma_{w}$ and $x$", 1), ("$a$, $b$ and $B$", 0)])
+def test_script_depth_counts_nested_math_scripts(text, depth):
+    assert runner.script_depth(text) == depth
+
+
+def test_figures_keep_math_scripts_and_log_tick_labels_at_least_8_pt():
+    # mathtext draws a sub- or superscript at 70 %: a 9 pt "$A_1$" has a 6.3 pt script, raised until the
+    # script is 8 pt; a log axis' tick labels carry no superscript (10 to the -2 is written 0.01)
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig, ax = plt.subplots()
+    ax.semilogy([1, 2], [1e-5, 1e2])
+    label = ax.set_xlabel("$A_1$", fontsize=9)
+    assert label in runner.small_text(fig)
+    runner.figure_bytes(fig, "png")
+    assert runner.small_text(fig) == [] and runner.text_size(label) >= runner.MIN_FONT_PT
+    ticks = [t.get_text().replace("\u2212", "-") for t in ax.get_yticklabels() if t.get_text()]   # its minus sign
+    assert ticks and not any("$" in t for t in ticks) and "0.01" in ticks and "1e-5" in ticks
+    plt.close(fig)
 
 
 def test_output_names_and_the_record_checks(tmp_path):

@@ -1,7 +1,7 @@
 """The records under docs/ and the tools that keep the documents' numbers true (tools/records.py,
 tools/docs_figures.py): each record checked by its content against the current code, the documents
 rendered from the records, and each tool's promises and exit statuses (their docstrings), on good input
-and on hostile input (issue 47: tools never execute what a data file says)."""
+and on hostile input (tools never execute what a data file says)."""
 import ast
 import csv
 import glob
@@ -320,11 +320,11 @@ def test_a_number_unlike_the_records_is_found_then_rewritten(docs, capsys):
 
 def test_a_template_reads_only_what_it_is_given():
     assert records.render_block("{len(x)} of {max(x):.1f}", {"x": "[1, 2]"}) == "2 of 2.0"
-    for template in ("{().__class__}", "{__import__('os')}", "{(lambda: 1)()}", "{open('x')}"):
+    for template in ("{().__class__}", "{Rows().__class__}", "{__import__('os')}", "{(lambda: 1)()}", "{open('x')}"):
         with pytest.raises(records.Problem):
             records.render_block(template, {})
     # no attribute leads out of the values a template is given: a generator's frame reaches the module's
-    # globals (os) without one underscore (round 6 ran a shell command this way), a method's format
+    # globals (os) without one underscore (a shell command once ran this way), a method's format
     # string reads attributes, and Rows of anything but rows reads nothing
     frame = "[g.gi_frame.f_back.f_globals for g in [(y for y in [1])]]"
     for template in ("{" + frame + "}", "{[g for g in [(y for y in [1])]][0].gi_code}", "{'{0.real}'.format(1)}",
@@ -376,6 +376,15 @@ def test_replace_file_writes_whole_and_refuses_links(tmp_path):
 # tools/records.py: staleness by git, and refresh's fixed table
 # ---------------------------------------------------------------------------------------------
 
+def git_in(path, monkeypatch):
+    """git run in `path` as a repository of its own: under a caller's GIT_DIR (a hook's, `git rebase -x`'s)
+    `git init` and the commits would act on the caller's repository instead."""
+    for var in [v for v in os.environ if v.startswith("GIT_")]:
+        monkeypatch.delenv(var)
+    return lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=path, check=True,
+                                     capture_output=True)
+
+
 @pytest.fixture
 def repo(tmp_path, monkeypatch):
     """A git repository with m.py, n.py and docs/out.png committed, as tools/records.py's ROOT."""
@@ -383,8 +392,7 @@ def repo(tmp_path, monkeypatch):
     (tmp_path / "m.py").write_text("x = 1\n")
     (tmp_path / "n.py").write_text("y = 1\n")
     (tmp_path / "docs" / "out.png").write_bytes(b"png")
-    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True,
-                                    capture_output=True)
+    git = git_in(tmp_path, monkeypatch)
     git("init", "-q")
     git("add", "-A")
     git("commit", "-q", "-m", "one")

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import docs_figures  # noqa: E402  (tools/ on the path)
 import records  # noqa: E402
-from test_records import docs, edit_csv, full_run, make, repo, run, spoil  # noqa: E402,F401  (the fixtures and helpers)
+from test_records import docs, edit_csv, full_run, git_in, make, repo, run, spoil  # noqa: E402,F401  (the fixtures and helpers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,10 +239,9 @@ def test_the_figures_record_says_how_long_the_run_took(full_run, capsys):
 # icl_files: the hardened writer's record of what it wrote, and source_state
 # ---------------------------------------------------------------------------------------------
 
-def test_source_state_counts_a_file_not_yet_committed_as_dirty(tmp_path):
+def test_source_state_counts_a_file_not_yet_committed_as_dirty(tmp_path, monkeypatch):
     # source_state: "dirty: whether any of `files` ... differs from that commit (edited, or not committed)"
-    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True,
-                                    capture_output=True)
+    git = git_in(tmp_path, monkeypatch)
     (tmp_path / "a.py").write_text("a = 1\n")
     git("init", "-q")
     git("add", "a.py")

@@ -296,7 +296,14 @@ def table_blas_threads(rounds=2):
     return "The reference and BLAS threads", head, rows, note
 
 
-def machine():
+def load():
+    """The machine's 1-minute load average (None where the system does not say)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def machine(loads=(None, None)):
+    """The processor, the cores, BLAS's threads, and the load averages `loads` (at the start and the
+    end; none given: not shown): a load above the number of cores means other work shared the machine."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -305,6 +312,9 @@ def machine():
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lines = [f"machine: {cpu}, {cores} cores available to the process"]
+    if None not in loads:
+        lines.append("1-minute load average at the start and the end: {:.1f}, {:.1f} ({} cores: a load above "
+                     "that means other work shared the machine)".format(*loads, cores))
     try:
         from threadpoolctl import threadpool_info
         for info in threadpool_info():
@@ -330,7 +340,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, RECORD), help="the record to write (JSON)")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
-    start, tables = time.perf_counter(), []
+    start, tables, load_at_start = time.perf_counter(), [], load()
     for title, head, rows, note in (table_loss_and_grad(args.repeats), table_formulations(args.repeats),
                                     table_workers(args.repeats), table_training(), table_blas_threads()):
         rows = [[str(x) for x in row] for row in rows]
@@ -339,7 +349,7 @@ def main(argv=None):
     fast.shutdown()
     record = dict(provenance=records.provenance(["tools/benchmarks.py", "--repeats", str(args.repeats)], SOURCES,
                                                 time.perf_counter() - start, **peer_versions()),
-                  machine=machine(), tables=tables)
+                  machine=machine((load_at_start, load())), tables=tables)
     status = records.save(args.out, record)
     if status == 0 and os.path.abspath(args.out) == os.path.join(ROOT, RECORD):
         return records.render()

@@ -74,7 +74,7 @@ def figure(record):
     runs = record["runs"]
     style = dict(experiments_cli.FIGURE_STYLE, **{"axes.prop_cycle": matplotlib.cycler(color=experiments_cli.OKABE_ITO)})
     with matplotlib.rc_context(style):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8), layout="constrained")
+        fig, (left, right) = plt.subplots(2, 1, figsize=(7.0, 8.4), layout="constrained")   # (a) above (b): 7 in wide
         # rows of the left panel: each basin reached, lowest loss first, then the runs that did not converge
         keys = sorted({basin_key(r["basin_loss"]) for r in runs if r["converged"]}, key=float)
         labels = [f"f = {k}" + (" (global)" if k == record["global_key"] else "") for k in keys] + ["not converged"]
@@ -94,11 +94,11 @@ def figure(record):
         for i, (f, a, b) in enumerate(basins):
             right.scatter([a[1]], [b[1]], marker="x", color="k", s=90, linewidths=2,
                           label="the basins' population minima" if i == 0 else None)
-        right.margins(0.15)
+        right.margins(0.25)             # room for the points' labels inside the frame
         lo, hi = right.get_xlim()
         for f, a, b in basins:          # a label on the side of its point away from the nearer frame
             inside = a[1] < (lo + hi) / 2
-            right.annotate(f"f = {f:.4e}", (a[1], b[1]), textcoords="offset points", xytext=(8 if inside else -8, 8),
+            right.annotate(f"f = {f:.4e}", (a[1], b[1]), textcoords="offset points", xytext=(10 if inside else -10, 10),
                            ha="left" if inside else "right", fontsize=8)
         left.set_yticks(range(len(labels)), labels)
         left.set_ylim(-0.6, len(labels) - 0.4)
@@ -106,12 +106,14 @@ def figure(record):
                  title="(a) basin reached from each start")
         left.set_xticks(range(0, record["starts"], max(1, record["starts"] // 10)))
         left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-        right.set(xlabel=r"fitted $a_1$ ($A_1 \approx a_1 \Sigma^{-1}$)", ylabel=r"fitted $b_1$ ($B_1 \approx b_1 I$)",
-                  title="(b) layer 1's fitted scalars")
+        # no math scripts in the labels: mathtext draws them at 70 %, below 8 pt
+        right.set(xlabel=r"layer 1: fitted $a$ ($A \approx a$ times the inverse of $\Sigma$)",
+                  ylabel=r"layer 1: fitted $b$ ($B \approx b I$)", title="(b) layer 1's fitted scalars")
         right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
         fig.suptitle(rf"Blocks model at Ahn et al.'s size ($B$ = {record['B']}, $n$ = {record['n']}, $d$ = {record['d']}, "
-                     rf"$L$ = {record['L']}, noiseless): {record['starts']} random starts, each trained by Gauss-Newton "
-                     "and by L-BFGS")
+                     rf"$L$ = {record['L']}, noiseless): {record['starts']} random starts," "\n"
+                     "each trained by Gauss-Newton and by L-BFGS on one batch and rotation of $\\Sigma$ drawn from "
+                     f"seed {record['seed']}\n(not the three-layer-blocks experiment's batches: its fitted scalars differ)")
         out = {FIGURE: experiments_cli.figure_bytes(fig, "png"), FIGURE_PDF: experiments_cli.figure_bytes(fig, "pdf")}
         plt.close(fig)
     return out

@@ -3,13 +3,11 @@
     python3 tools/docs_figures.py             # a full run now, in a temporary folder (8-15 min; matplotlib)
     python3 tools/docs_figures.py --from DIR  # a full run made earlier here (DIR: its --out)
 
-A run is copied only when its record (config.json) says it is complete, full size (not --quick), seed 0,
-of every experiment, made from a commit with no uncommitted change to the experiments' code
-(experiments.SOURCES: dirty false), that code unchanged since, and each file to copy has the SHA-256 the
-record lists. The files copied are those of the run the documents name (`shown`): each figure they link
-to (its PNG and the PDF beside it) and each table a generated block reads. They go into docs/ (never
-through a symbolic link), then docs/figures.json: the provenance (tools/records.py; the run's commit, the
-files with their hashes) and each experiment's wall-clock and CPU seconds. `python3 tools/records.py render` then writes the numbers.
+A run is copied only when its record (config.json) says it is complete, full size, seed 0, of every
+experiment, from a commit with no uncommitted change to the experiments' code (experiments.SOURCES) and
+that code unchanged since, and each file has the SHA-256 the record lists. What is copied is what the
+documents show (`shown`), never through a symbolic link; docs/figures.json then records the provenance
+(docs/RECORDS.md) and each experiment's wall-clock and CPU seconds; `tools/records.py render` then writes the numbers.
 
 Exit statuses: 0 copied; 2 bad arguments, a run that may not be copied (the message says why; nothing is
 written) or docs/ refused; else a full run's own status when it did not complete (one with a failed claim,
@@ -26,8 +24,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path[:0] = [os.path.join(ROOT, "tools"), ROOT]
 
 import benchmarks  # noqa: E402  (tools/benchmarks.py: the machine's description)
 import experiments  # noqa: E402

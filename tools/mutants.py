@@ -636,7 +636,7 @@ MUTANTS = [
      "a training batch's labels taken unchecked"),
     ('data-scale-not-power-of-two', 'icl_ref.py', '_data_scale', 'return 2.0 ** math.floor(',
      'return 1.5 * 2.0 ** math.floor(', 'the data divided by a scale that is not a power of two (inexact)'),
-    # the records' tools (issues 47, 49, 54): what `render --check`, `check` and `refresh` report and return,
+    # the records' tools: what `render --check`, `check` and `refresh` report and return,
     # where staleness looks, which runs docs_figures copies, and the writer of the project's documents
     ('records-check-differences-pass', 'tools/records.py', 'render', 'status = status or 1',
      'status = status or 0', 'render --check finds a differing block and exits 0'),
@@ -656,9 +656,9 @@ MUTANTS = [
      'a record made from uncommitted code counted current'),
     ('records-diff-every-file', 'tools/records.py', 'changed_since', 'git("diff", "--name-only", commit, "--", *files)',
      'git("diff", "--name-only", commit)', 'a record stale for a change to a file it does not depend on'),
-    ('records-commit-unchecked', 'tools/records.py', 'checked_provenance', 'COMMIT.fullmatch(str(p["commit"]))', 'True',
+    ('records-commit-unchecked', 'tools/records.py', 'stale', 'COMMIT.fullmatch(str(p["commit"]))', 'True',
      "a record's commit handed to git unchecked (it may be a git option)"),
-    ('records-paths-unchecked', 'tools/records.py', 'checked_provenance',
+    ('records-paths-unchecked', 'tools/records.py', 'stale',
      'isinstance(f, str) and PATH.fullmatch(f) for f in v', 'isinstance(f, str) for f in v',
      'a record naming files outside the project (../, /etc/passwd) trusted'),
     ('records-block-twice-accepted', 'tools/records.py', 'render_all', 'if names.count(name) != 1:', 'if False:',
@@ -741,9 +741,8 @@ MUTANTS = [
      'W0 = a * np.eye(d) + eps * (G - G.T) / np.linalg.norm(G - G.T)', "an antisymmetric tilt, fixed by the rotations e^{tK}"),
     ('looped-tilt-dropped', 'icl_looped.py', 'tied_descent_from_family', 'W0 = a * np.eye(d) + eps * G / np.linalg.norm(G)',
      'W0 = a * np.eye(d)', 'the descent starts at the family point itself'),
-    # r5-: round 5 of the audit by slips (issue 54), written from the promises (README, docstrings, MATH.md,
-    # docs/RECORDS.md) by an auditor who had not read the tests; test_slips_round5.py holds the tests written
-    # for those the rest of the suite let pass
+    # r5-: slips written from the promises (README, docstrings, MATH.md, docs/RECORDS.md) by an auditor who
+    # had not read the tests; test_slips_round5.py holds the tests written for those the rest of the suite let pass
     # r5: tools/records.py's exit statuses, refresh's default, staleness, the rows a block quotes
     ('r5-records-difference-masks-problem', 'tools/records.py', 'render', 'status = status or 1',
      'status = 1', 'render --check: a block that differs after one that cannot be rendered turns exit 2 into 1'),
@@ -759,7 +758,7 @@ MUTANTS = [
      'if p["dirty"]:', 'a record whose dirty flag is unknown (null) counted current'),
     ('r5-records-repeated-id-accepted', 'tools/records.py', 'rows', 'if not ids or None in ids or len(set(ids)) != len(ids):',
      'if not ids or None in ids:', 'a table that repeats an id is read (a block quotes whichever row comes first)'),
-    ('r5-records-outputs-outside-docs', 'tools/records.py', 'checked_provenance', 'f.startswith("docs/") and isinstance(h, str)',
+    ('r5-records-outputs-outside-docs', 'tools/records.py', 'stale', 'f.startswith("docs/") and isinstance(h, str)',
      'isinstance(h, str)', 'a provenance listing outputs outside docs/ accepted'),
     ('r5-records-unknown-name-runs-others', 'tools/records.py', 'refresh', '    if unknown:\n        print(',
      '    if unknown and len(unknown) == len(names):\n        print(', 'refresh NAME with a typo among good names runs the good ones'),
@@ -867,7 +866,7 @@ MUTANTS = [
      'pool[rng.integers(max(pool.shape[0] - 1, 1), size=batch)]', "the pool's last task never drawn"),
     ('r5-pool-moment-over-d', 'icl_ref.py', '_task_moment', 'W = (tasks / m).T @ (tasks / m) / tasks.shape[0]',
      'W = (tasks / m).T @ (tasks / m) / tasks.shape[1]', "the pool's second moment divided by d, not by K"),
-    # round 6 of hostile input (issue 47): slips of the fixes, each killed by the test written for its defect
+    # r6-: slips of the fixes against hostile input, each killed by the test written for its defect
     ('r6-template-any-attribute', 'tools/records.py', 'attribute',
      'raise Problem(f"a template may not read {name} of a {type(value).__name__}")', 'return getattr(value, name)',
      "a template reads any attribute (a generator's frame reaches the module's globals: a shell command ran)"),

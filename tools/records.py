@@ -4,18 +4,9 @@
     python3 tools/records.py refresh [NAME ...]    # rerun the tools of the named records (default: the stale ones)
     python3 tools/records.py render [--check]      # write the documents' generated blocks (--check: write nothing)
 
-A record is a JSON file under docs/ that a tool of TOOLS wrote (the full run's tables, docs/*.csv, come
-with the figures' record). Its "provenance" (`provenance`; docs/RECORDS.md) names the command that made
-it, the commit it was made from, whether the files it depends on had uncommitted changes (dirty), those
-files, its date, run time and versions, and the files it wrote besides with their SHA-256. It is stale
-when one of those files changed since its commit (git diff: a comment counts; the content tests decide
-whether it still holds), when it was made dirty, or when a file it wrote is missing or edited. `refresh`
-runs only the commands of TOOLS, never one read from a record, and refuses a record that names another.
-
-A generated block is the text between `<!-- begin NAME -->` and `<!-- end NAME -->`. BLOCKS gives each a
-template, a sentence or table with fields in braces read from rows found by id (`row("noise/isotropic-var2")`,
-`rows("looped_exact/sparse-*")`) and from records (`record("blocks_landscape")`); one renderer writes them
-all (`render_block`), evaluating only expressions of the names in NAMES.
+docs/RECORDS.md says what each record holds, what its provenance names, when it is stale, and how a
+block's template reads rows by id and records (one renderer, `render_block`, evaluating only the names in
+NAMES). `refresh` runs only the commands of TOOLS, never one read from a record, and refuses one naming another.
 
 Exit statuses:
     0   check: every record current, every block as rendered; render: written; render --check: nothing to
@@ -66,10 +57,8 @@ class Problem(Exception):
 
 
 def provenance(command, depends, seconds, outputs=(), state=None, **versions):
-    """The provenance a tool stores in its record: `command` ([script, *args] from the root), the commit
-    and dirty flag (icl_files.source_state of `depends`, or `state`), `depends`, the date, `seconds`,
-    the versions (Python, numpy, scipy and any given) and the SHA-256 of each of `outputs` (files the
-    tool wrote besides the record, paths from the root)."""
+    """The provenance a tool stores in its record (docs/RECORDS.md): the commit and dirty flag are
+    icl_files.source_state's of `depends` unless `state` gives them; `outputs` are paths from the root."""
     import numpy
     import scipy
     return dict(command=list(command), **(state or icl_files.source_state(depends, ROOT)), depends=list(depends),
@@ -79,8 +68,7 @@ def provenance(command, depends, seconds, outputs=(), state=None, **versions):
 
 
 def write(path, data):
-    """Write a document, figure or record (a dict, as JSON) of the project (a path from the root), never
-    through a symbolic link."""
+    """Write a document, figure or record (a dict, as JSON) of the project, never through a symbolic link."""
     data = json.dumps(data, indent=1) + "\n" if isinstance(data, dict) else data
     icl_files.replace_file(os.path.join(ROOT, path), data.encode("utf-8") if isinstance(data, str) else data)
 
@@ -121,10 +109,28 @@ def load(name):
     return value
 
 
-def checked_provenance(name, record):
-    """The record's provenance with every field of the form `provenance` writes; Problem otherwise."""
-    p = record.get("provenance")
-    path = TOOLS[name][0]
+def git(*args):
+    """git's output in the project, or None where git or the checkout is missing or git fails."""
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def changed_since(commit, files):
+    """The files of `files` that differ now from `commit` (a list), or a sentence saying why it cannot tell."""
+    if commit is None or not COMMIT.fullmatch(str(commit)):
+        return f"no commit recorded ({commit!r}; made outside a git checkout?): cannot tell"
+    if git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        return f"its commit {commit[:12]} is not in this repository (or git is missing): cannot tell"
+    out = git("diff", "--name-only", commit, "--", *files)
+    return "git diff failed: cannot tell" if out is None else out.split()
+
+
+def stale(name):
+    """Why the record `name` is stale ([] when it is current); Problem when it cannot be read or its
+    provenance lacks a field of the form `provenance` writes."""
+    p, path = load(name).get("provenance"), TOOLS[name][0]
     if not isinstance(p, dict):
         raise Problem(f"{path} has no provenance")
     paths = lambda v: isinstance(v, list) and all(isinstance(f, str) and PATH.fullmatch(f) for f in v)
@@ -137,31 +143,6 @@ def checked_provenance(name, record):
             f.startswith("docs/") and isinstance(h, str) for f, h in outputs.items()))) if not ok]
     if problems:
         raise Problem(f"{path}: provenance field(s) {', '.join(problems)} missing or malformed")
-    return p
-
-
-def git(*args):
-    """git's output in the project, or None where git or the checkout is missing or git fails."""
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def changed_since(commit, files):
-    """The files of `files` that differ now from `commit` (a list), or a sentence saying why that
-    cannot be told."""
-    if commit is None or not COMMIT.fullmatch(str(commit)):
-        return f"no commit recorded ({commit!r}; made outside a git checkout?): cannot tell"
-    if git("cat-file", "-e", f"{commit}^{{commit}}") is None:
-        return f"its commit {commit[:12]} is not in this repository (or git is missing): cannot tell"
-    out = git("diff", "--name-only", commit, "--", *files)
-    return "git diff failed: cannot tell" if out is None else out.split()
-
-
-def stale(name):
-    """Why the record `name` is stale ([] when it is current); Problem when it cannot be read."""
-    p = checked_provenance(name, load(name))
     reasons = []
     changed = changed_since(p["commit"], p["depends"])
     if isinstance(changed, str):
@@ -200,35 +181,28 @@ class Rows(list):
 
 
 def cell(text):
-    """A CSV cell as a value: empty None, True/False, a JSON list, a number, else the text."""
-    if text in ("", "True", "False"):
-        return {"": None, "True": True, "False": False}[text]
-    for parse in (float, json.loads):
+    """A CSV cell as a value: empty None, True/False, a number, a JSON list, else the text."""
+    for parse in ({"": None, "True": True, "False": False}.__getitem__, float, json.loads):
         try:
             return parse(text)
-        except ValueError:
+        except (KeyError, ValueError):
             pass
     return text
-
-
-_tables = {}
 
 
 def rows(pattern):
     """The rows of the full run's table docs/STEM.csv whose id matches `pattern` ("STEM/..." with * ? [..]
     wildcards), in the table's order; Problem when none does or the table has no unique ids."""
     stem = pattern.split("/")[0]
-    if stem not in _tables:                     # read once per render
-        try:
-            with open(os.path.join(ROOT, "docs", f"{stem}.csv"), encoding="utf-8", newline="") as f:
-                table = [Fields((k, cell(v)) for k, v in r.items()) for r in csv.DictReader(f)]
-        except (OSError, ValueError, csv.Error) as e:
-            raise Problem(f"docs/{stem}.csv cannot be read: {e}") from None
-        ids = [r.get("id") for r in table]
-        if not ids or None in ids or len(set(ids)) != len(ids):
-            raise Problem(f"docs/{stem}.csv is empty, has no id column or repeats an id")
-        _tables[stem] = table
-    found = Rows(r for r in _tables[stem] if fnmatch.fnmatchcase(r["id"], pattern))
+    try:
+        with open(os.path.join(ROOT, "docs", f"{stem}.csv"), encoding="utf-8", newline="") as f:
+            table = [Fields((k, cell(v)) for k, v in r.items()) for r in csv.DictReader(f)]
+    except (OSError, ValueError, csv.Error) as e:
+        raise Problem(f"docs/{stem}.csv cannot be read: {e}") from None
+    ids = [r.get("id") for r in table]
+    if not ids or None in ids or len(set(ids)) != len(ids):
+        raise Problem(f"docs/{stem}.csv is empty, has no id column or repeats an id")
+    found = Rows(r for r in table if fnmatch.fnmatchcase(r["id"], pattern))
     if not found:
         raise Problem(f"docs/{stem}.csv has no row {pattern}")
     return found
@@ -236,14 +210,6 @@ def rows(pattern):
 
 def row(id):
     return rows(id.replace("[", "[[]"))[0]
-
-
-def bench(title):
-    """The table `title` of docs/benchmarks.json, one dict per row."""
-    for t in load("benchmarks").tables:
-        if t.title == title:
-            return [dict(zip(t.head, r)) for r in t.rows]
-    raise Problem(f"docs/benchmarks.json has no table {title!r}")
 
 
 def one(found, field):
@@ -285,7 +251,7 @@ def flat(x):
 
 # what a template may read and call, and nothing else (evaluate)
 NAMES = dict(
-    row=row, rows=rows, Rows=Rows, record=load, bench=bench, one=one,
+    row=row, rows=rows, Rows=Rows, record=load, one=one,
     expect=expect, table=table, sci=sci, short=lambda x: sci(x, 1), one_digit_up=one_digit_up, flat=flat,
     up=lambda x, digits=1: math.ceil(x * 10 ** digits - 1e-9) / 10 ** digits,     # a bound, rounded up
     pow10_up=lambda x: f"1e{math.ceil(math.log10(x))}", tex10=lambda e: f"$10^{{{e}}}$",
@@ -293,19 +259,16 @@ NAMES = dict(
     spread=lambda v, digits: "-".join(dict.fromkeys([f"{min(v):.{digits}f}", f"{max(v):.{digits}f}"])),
     join=lambda values, spec="": ", ".join(format(v, spec) for v in values),
     words=lambda k: {0: "none", 1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}.get(k, str(k)),
-    exp=math.exp, log10=math.log10, ceil=math.ceil, fsum=math.fsum,
-    BEYOND=("looped", "dynamics", "task-diversity", "shift"),             # the experiments beyond the paper
     **{f.__name__: f for f in (min, max, len, sum, sorted, abs, round, int, float, str, any, all, set, list, dict,
-                               zip, enumerate, range, chr)})
+                               zip, enumerate, chr, math.exp, math.log10, math.ceil, math.fsum)})
 NODES = (ast.Expression, ast.JoinedStr, ast.FormattedValue, ast.Constant, ast.Name, ast.Load, ast.Store, ast.Attribute,
          ast.Subscript, ast.Slice, ast.Call, ast.keyword, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp,
          ast.List, ast.Tuple, ast.Set, ast.Dict, ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.comprehension,
          ast.operator, ast.unaryop, ast.boolop, ast.cmpop, ast.expr_context)
 
 
-# the methods a template may call on a plain value (a string, list, dict or set): none reaches an
-# object's internals (no format, whose fields read attributes; a generator's or function's attributes
-# lead to frames and globals, so an attribute is read only through `attribute`)
+# the methods a template may call on a plain value: none reaches an object's internals (no format, whose
+# fields read attributes; a generator's or function's attributes lead to frames and globals)
 METHODS = frozenset({"count", "fromkeys", "get", "index", "items", "join", "keys", "split", "startswith", "values"})
 
 
@@ -360,7 +323,6 @@ LET = re.compile(r"let ([A-Za-z]\w*) = (.*)")
 def render_all(texts):
     """Render every block of `texts` ({document: text}). Returns (the new texts, [(document, block,
     current text, rendered text or None, problem or None)])."""
-    _tables.clear()
     results = []
 
     def rendered(doc, m):
@@ -434,8 +396,7 @@ def check():
 
 def refresh(names):
     """Run the TOOLS commands of the records `names` (default: the stale ones and those that cannot be
-    read), then render; refused, running nothing, for an unknown name or a record whose provenance
-    names another command than its tool's."""
+    read), then render; refused, running nothing, for an unknown name or a record naming another command."""
     unknown = [n for n in names if n not in TOOLS]
     if unknown:
         print(f"unknown record(s) {', '.join(unknown)}; the records: {', '.join(TOOLS)}", file=sys.stderr)
@@ -457,9 +418,8 @@ def refresh(names):
                   file=sys.stderr)
             return 2
     for name in names:
-        command = [sys.executable, *TOOLS[name][1]]
         print(f"refresh {name}: python3 {' '.join(TOOLS[name][1])}", flush=True)
-        status = subprocess.run(command, cwd=ROOT).returncode
+        status = subprocess.run([sys.executable, *TOOLS[name][1]], cwd=ROOT).returncode
         if status != 0:
             print(f"refresh {name}: its tool exited {status}; nothing rendered", file=sys.stderr)
             return status
