@@ -268,8 +268,10 @@ EXIT_STATUSES = {
 
 
 def output_of(name, filename):
-    """Whether `filename` is a name experiment `name` writes: name.csv, name.png, name.pdf or name_*."""
-    return filename in (f"{name}.csv", f"{name}.png", f"{name}.pdf") or filename.startswith(f"{name}_")
+    """Whether `filename` is a name experiment `name` may write: its rows name.csv, an extra table
+    name_TABLE.csv, a figure name.png or name_SUFFIX.png with its PDF; no other name is its."""
+    stem, dot, ext = filename.rpartition(".")
+    return dot == "." and ext in ("csv", *FIGURE_FORMATS) and (stem == name or stem.startswith(f"{name}_"))
 
 
 def trusted_record(record):

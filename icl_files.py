@@ -163,7 +163,7 @@ def unseal(data):
     a seal that does not match the bytes (changed since they were written)."""
     try:
         value = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):     # nested deeper than Python's stack: no record
         return None
     seal = value.pop(SEAL, None) if isinstance(value, dict) else None
     if not (isinstance(seal, str) and len(seal) == 64 and set(seal) <= set("0123456789abcdef")):
@@ -493,6 +493,9 @@ class Folder:
             odd = [f"{n} is {_kind(entries[n])}" if not stat.S_ISREG(entries[n].st_mode) else
                    f"{n} is not a record this version of {self.tool} wrote, unchanged"
                    for n in (self.record, *self.vouchers) if n in entries]
+            if self.temp in entries:                       # hidden: named, or the user would not find it
+                odd.append(f"{self.show(self.temp)!r} is the temporary record of a run of {self.tool} stopped before "
+                           "it wrote a record: remove it")
             raise Refused(f"{self.path!r} holds files but no record written by {self.tool}"
                           f"{' (' + '; '.join(odd) + ')' if odd else ''} ({' or '.join((*self.vouchers, self.record))} in the format this version "
                           f"of {self.tool} writes, with each file's SHA-256): not touching them; name a new directory")
@@ -527,13 +530,13 @@ class Folder:
             return "; ".join(f"{self.show(n)!r} {why[n]}" for n in names)
         mine = [n for n in why if n in (self.record, self.temp) or writes(n)]
         if mine:
-            it = "it" if len(mine) == 1 else "them"
-            raise Refused(f"{self.path!r}: {listed(mine)}: not replacing {it}; move {it} away (or remove {it}, "
-                          "if you do not need it), or name a new directory")
+            it, names = ("it", "a name") if len(mine) == 1 else ("them", "names")
+            raise Refused(f"{self.path!r}: {listed(mine)}: {names} this run may write, so not replacing {it}; move "
+                          f"{it} away (or remove {it}, if you do not need {it}), or name a new directory")
         if why and not keep_others:
-            hint = ": pass --keep-others to leave them there," if keep_others is not None else ": not touching them;"
-            raise Refused(f"{self.path!r} holds files that are not provably {self.tool}'s ({listed(sorted(why))})"
-                          f"{hint} or name a new directory")
+            hint = "pass --keep-others to leave them there, or" if keep_others is not None else "not touching them;"
+            raise Refused(f"{self.path!r} holds files that are not provably {self.tool}'s ({listed(sorted(why))}): "
+                          f"{hint} name a new directory")
 
     # ---- the lock ----
 
@@ -579,7 +582,7 @@ class Folder:
         """The pid and host a lock file names, or None when it names none (cut short, or not ours)."""
         try:
             owner = json.loads(self._read(self.lock, st, 4096) or b"null")
-        except (OSError, ValueError, Refused):
+        except (OSError, ValueError, RecursionError, Refused):
             return None
         ok = isinstance(owner, dict) and isinstance(owner.get("pid"), int) and isinstance(owner.get("host"), str)
         return owner if ok else None

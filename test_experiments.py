@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -671,6 +672,46 @@ def test_a_users_file_named_like_an_output_is_never_replaced(tmp_path, cli):
     assert "stub-a_mine.csv" not in json.loads((out / "config.json").read_text())["files"]
 
 
+def test_keep_others_leaves_a_file_the_run_cannot_write_even_if_named_like_its_outputs(tmp_path, cli):
+    # --keep-others leaves files that no run wrote; an experiment writes only its CSVs and figures (PNG,
+    # PDF), so a note named after it is not in its way: left, and not in the record
+    out = tmp_path / "p"
+    assert cli("stub-a", "--out", out)[0] == 0
+    (out / "stub-a_notes.txt").write_text("mine")
+    assert cli("stub-a", "--out", out, "--overwrite", "--keep-others")[0] == 0
+    assert (out / "stub-a_notes.txt").read_text() == "mine"
+    assert "stub-a_notes.txt" not in json.loads((out / "config.json").read_text())["files"]
+    assert not runner.output_of("stub-a", "stub-a_notes.txt") and runner.output_of("stub-a", "stub-a_table.csv")
+
+
+def test_a_config_json_nested_too_deep_to_read_is_refused_not_a_crash(tmp_path, cli):
+    # exit 2 is a refused --out (the message says why); exit 1 would say a checked claim failed. A
+    # config.json nested deeper than Python's recursion limit is no record of experiments.py
+    out = tmp_path / "p"
+    out.mkdir()
+    (out / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    before = snapshot(tmp_path)
+    status, err = cli("stub-a", "--out", out, "--overwrite")
+    assert status == 2 and "config.json is not a record this version of experiments.py wrote" in err
+    assert "Traceback" not in err and snapshot(tmp_path) == before
+
+
+def test_a_run_killed_as_it_wrote_its_first_record_is_named_for_removal(tmp_path, cli):
+    # README: after a run was killed, --overwrite "names the ones you must remove": a run killed as it
+    # wrote its first record leaves its hidden temporary record (empty) and its lock; the former is
+    # named (no record proves it the run's), and once removed the folder is the run's again
+    out = tmp_path / "p"
+    out.mkdir()
+    (out / ".config.json.tmp").write_bytes(b"")
+    (out / runner.LOCK).write_text(json.dumps(dict(pid=os.getpid(), host=socket.gethostname())))   # flock decides
+    before = snapshot(tmp_path)
+    status, err = cli("stub-a", "--out", out, "--overwrite")
+    assert status == 2 and f"{str(out / '.config.json.tmp')!r} is the temporary record" in err
+    assert snapshot(tmp_path) == before
+    (out / ".config.json.tmp").unlink()
+    assert cli("stub-a", "--out", out, "--overwrite")[0] == 0
+
+
 @pytest.mark.parametrize("link", ["stub-a.csv", "stub-a_table.csv", "config.json", "summary.md", ".experiments.lock"])
 def test_no_output_is_written_through_a_symbolic_link(tmp_path, cli, link):
     # an earlier run's file replaced by a link to a file outside --out: refused, the outside file untouched
@@ -1111,10 +1152,11 @@ def test_figures_keep_math_scripts_and_log_tick_labels_at_least_8_pt():
 
 
 def test_output_names_and_the_record_checks(tmp_path):
-    # an experiment owns name.csv, name.png and name_*, nothing else that starts with its name; a
-    # record is trusted only with the marker, the tool, this version and a file list of the named
-    # experiments' own outputs in the folder itself, read without following a link
-    assert runner.output_of("noise", "noise_table.csv") and not runner.output_of("noise", "noise-floor.txt")
+    # an experiment owns name.csv, name.png (name.pdf) and name_*.csv/png/pdf, nothing else that starts
+    # with its name; a record is trusted only with the marker, the tool, this version and a file list of
+    # the named experiments' own outputs in the folder itself, read without following a link
+    assert runner.output_of("noise", "noise_table.csv") and not runner.output_of("noise", "noise-floor.csv")
+    assert not runner.output_of("noise", "noise-floor.txt") and not runner.output_of("noise", "noise_notes.txt")
     good = dict(format=runner.FORMAT, tool=runner.TOOL, format_version=runner.FORMAT_VERSION, files={}, writing={},
                 experiments={"noise": {"files": ["noise.csv", "noise_x.csv"]}})
     variants = {"good": good, "no marker": dict(good, format="other"), "old version": dict(good, format_version=2),

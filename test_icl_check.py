@@ -838,6 +838,8 @@ def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_
                                  "relu.npz' is a symbolic link"),
         "the manifest a link": (lambda: ((out / "manifest.json").unlink(),
                                          (out / "manifest.json").symlink_to(elsewhere)), "manifest.json is a symbolic link"),
+        "a manifest nested deeper than Python's recursion limit": (
+            lambda: (out / "manifest.json").write_text("[" * 200_000 + "]" * 200_000), "no record written by"),
     }
     for what, (change, words) in changes.items():
         shutil.rmtree(out)
@@ -1010,6 +1012,22 @@ def test_vectors_after_sigkill_overwrite_takes_back_what_it_proves_and_names_the
     proc = vectors_cli(out, "--overwrite")      # every other file proven by its hash: taken back
     assert proc.returncode == 0, proc.stderr
     assert snapshot(out) == snapshot(fresh)
+
+
+def test_vectors_killed_as_they_wrote_their_first_record_name_the_hidden_file_left(tmp_path):
+    # a run killed as it wrote its first record leaves only its hidden temporary record (empty) and its
+    # lock; no record proves the former the run's, so --overwrite names it (exit 2), and once it is
+    # removed the folder is the writer's again
+    out = tmp_path / "v"
+    out.mkdir()
+    temp = out / f".{ic.VECTORS_RECORD}.tmp"
+    temp.write_bytes(b"")
+    before = snapshot(tmp_path)
+    proc = vectors_cli(out, "--overwrite")
+    assert proc.returncode == 2 and f"{str(temp)!r} is the temporary record" in proc.stderr, proc.stderr
+    assert snapshot(tmp_path) == before
+    temp.unlink()
+    assert vectors_cli(out, "--overwrite").returncode == 0
 
 
 def test_vectors_a_write_error_is_a_message_and_status_2_and_the_next_run_recovers(tmp_path):

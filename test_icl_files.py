@@ -139,7 +139,8 @@ def test_earlier_files_the_new_set_no_longer_has_are_removed(tmp_path, means):
     assert contents(out) == fake_files()
 
 
-@pytest.mark.parametrize("change", ["changed", "foreign", "link", "their manifest", "edited manifest", "not json"])
+@pytest.mark.parametrize("change", ["changed", "foreign", "link", "their manifest", "edited manifest", "not json",
+                                    "nested json"])
 def test_a_file_not_provably_ours_is_refused_by_name_and_nothing_is_touched(tmp_path, means, change):
     out, elsewhere = tmp_path / "v", tmp_path / "elsewhere.txt"
     elsewhere.write_bytes(b"the user's own file")
@@ -156,15 +157,17 @@ def test_a_file_not_provably_ours_is_refused_by_name_and_nothing_is_touched(tmp_
     elif change == "edited manifest":               # ours, with a note the user added: now theirs
         manifest = json.loads((out / "manifest.json").read_bytes())
         (out / "manifest.json").write_text(json.dumps(dict(manifest, note="checked against my kernel")))
-    else:
+    elif change == "not json":
         (out / "manifest.json").write_text("{not json")
+    else:                                           # deeper than Python's recursion limit: no record, not a crash
+        (out / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
     before = snapshot(tmp_path)
     with pytest.raises(icl_files.Refused) as refused:
         write_set(out, fake_files(version=2), overwrite=True)
-    named = {"changed": "case2.npz' is not the file fake vectors wrote", "foreign": "notes.md' was not written",
+    named = {"changed": "case2.npz' is not the file fake vectors wrote", "foreign": "notes.md' was not written by any run of fake vectors): not touching them; name a new directory",
              "link": "case2.npz' is a symbolic link", "their manifest": "no record written by fake vectors",
              "edited manifest": "manifest.json is not a record this version of fake vectors wrote",
-             "not json": "no record written by fake vectors"}[change]
+             "not json": "no record written by fake vectors", "nested json": "no record written by fake vectors"}[change]
     assert named in str(refused.value)
     assert snapshot(tmp_path) == before
 
@@ -285,7 +288,7 @@ def test_a_folder_another_run_holds_is_refused(tmp_path, means):
 
 
 @pytest.mark.parametrize("planted", ["a file of the user's", "a hard link to a file elsewhere",
-                                     "a hard link to an empty file elsewhere"])
+                                     "a hard link to an empty file elsewhere", "JSON nested too deep to read"])
 def test_a_users_file_under_the_lock_name_is_neither_written_nor_removed(tmp_path, means, planted):
     # the lock's name is not counted as a file of the folder's (a run's lock comes and goes), so a file
     # of that name that is no lock - the user's notes, or a second name of a file outside - must be
@@ -296,6 +299,8 @@ def test_a_users_file_under_the_lock_name_is_neither_written_nor_removed(tmp_pat
     mine.write_text("" if "empty" in planted else "notes")      # empty: only its other name tells
     if planted == "a file of the user's":
         (out / LOCK).write_text("notes")
+    elif "nested" in planted:                       # 4096 bytes, the most a lock's pid and host is read to
+        (out / LOCK).write_text("[" * 2048 + "]" * 2048)
     else:
         os.link(mine, out / LOCK)
     before = snapshot(tmp_path)
@@ -381,6 +386,41 @@ def test_after_a_sigkill_the_next_run_proves_its_files_and_names_the_one_cut_sho
             assert (out / "case2.npz").read_bytes() == fake_files(version=2, big=1 << 16)["case2.npz"]
     write_set(out, fake_files(version=3), overwrite=True)
     assert contents(out) == fake_files(version=3)
+
+
+FIRST_RECORD_KILLED = """
+import signal, icl_files, test_icl_files as t
+real, calls = icl_files._write_fd, []
+def dying(fd, data):                 # SIGKILL as the first record is written (the lock's pid is the 1st write)
+    calls.append(fd)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(fd, data)
+icl_files._write_fd = dying
+t.write_set(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_a_run_killed_as_it_wrote_its_first_record_names_the_hidden_file_it_left(tmp_path, hide):
+    # module, promise 5: after a SIGKILL the next run names the files it cannot prove for the user to
+    # remove; the empty temporary record is hidden (a dot file), and no record vouches for it, so
+    # promise 1 keeps it: it is named, and once it is removed nothing else stands in the way (the
+    # dead run's lock is taken over)
+    out = tmp_path / "v"
+    script = (HIDE if hide else f"import os, sys\nsys.path.insert(0, {HERE!r})\n") + FIRST_RECORD_KILLED
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    temp = out / f".{RECORD}.tmp"
+    assert sorted(os.listdir(out)) == sorted([LOCK, temp.name]) and temp.read_bytes() == b""
+    before = snapshot(tmp_path)
+    with pytest.raises(icl_files.Refused) as refused:
+        write_set(out, overwrite=True)
+    assert f"{str(temp)!r} is the temporary record of a run of fake vectors" in str(refused.value)
+    assert snapshot(tmp_path) == before
+    temp.unlink()                                   # what the message asks the user to do
+    write_set(out, overwrite=True)
+    assert contents(out) == fake_files()
 
 
 def test_the_record_holds_each_hash_before_its_file_is_written(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -326,16 +327,52 @@ def test_a_template_reads_only_what_it_is_given():
     # globals (os) without one underscore (a shell command once ran this way), a method's format
     # string reads attributes, and Rows of anything but rows reads nothing
     frame = "[g.gi_frame.f_back.f_globals for g in [(y for y in [1])]]"
+    # one's field too names no attribute with an underscore (a class's bases, a function's globals)
     for template in ("{" + frame + "}", "{[g for g in [(y for y in [1])]][0].gi_code}", "{'{0.real}'.format(1)}",
-                     "{Rows([(y for y in [1])]).gi_frame}"):
+                     "{Rows([(y for y in [1])]).gi_frame}", "{one(Rows, '__bases__')}", "{one(one, '__globals__')}"):
         with pytest.raises(records.Problem):
             records.render_block(template, {})
     # what the documents' templates do read: fields, and a few methods of plain values
     assert records.render_block("{'a b'.split()} {[1, 1].count(1)} {dict.fromkeys('ab')}", {}) == "['a', 'b'] 2 {'a': None, 'b': None}"
 
 
+def test_a_template_that_would_not_end_is_refused_before_it_runs():
+    # 9**9**9 (370 million digits) would hold render and check for hours, and a shift as large fills
+    # memory: no power or shift is evaluated (in a process of its own, so that a hang fails the test)
+    code = ("import sys; sys.path.insert(0, 'tools'); import records\n"
+            "for t in ('{9**9**9}', '{1 << 99999999999}'):\n"
+            "    try:\n        print(records.render_block(t, {}))\n"
+            "    except records.Problem as e:\n        print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split("\n")[:2] == ["a template may not use Pow ", "a template may not use LShift "], proc.stderr
+
+
+def test_a_template_too_large_to_hold_is_a_message_and_status_2(docs, capsys):
+    findings = docs / "docs/FINDINGS.md"
+    findings.write_text(findings.read_text() + "\n<!-- begin huge\n{'x' * 99999999999999999}\n-->\n<!-- end huge -->\n")
+    status, out = run(capsys, "render", "--check")
+    assert status == 2 and "FINDINGS.md block huge: cannot render from the records: MemoryError" in out
+
+
+@pytest.mark.parametrize("plant", ["a FIFO", "a link to /dev/zero"])
+@pytest.mark.parametrize("command", [["render", "--check"], ["check"]])
+def test_a_record_that_is_no_regular_file_is_a_message_and_status_2(docs, plant, command):
+    # a FIFO would block the read forever and /dev/zero never end: the file is seen before it is read
+    # (in a process of its own, memory capped, so that a hang or an endless read fails the test)
+    record = docs / "docs/benchmarks.json"
+    record.unlink()
+    os.mkfifo(record) if "FIFO" in plant else record.symlink_to("/dev/zero")
+    code = (f"import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({2 << 30}, {2 << 30}))\n"
+            "sys.path.insert(0, 'tools'); import records; records.ROOT = sys.argv[1]; sys.exit(records.main(sys.argv[2:]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(docs), *command], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "docs/benchmarks.json is not a regular file" in proc.stdout + proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("path, content, said", [
     ("docs/benchmarks.json", "{not json", "benchmarks.json cannot be read"),
+    ("docs/benchmarks.json", "[" * 200_000 + "]" * 200_000, "benchmarks.json cannot be read"),
     ("docs/figures.json", '{"provenance": null, "timing": null}', "cannot render from the records"),
     ("docs/blocks_landscape.json", "[1, 2]", "blocks_landscape.json is not a JSON object"),
     ("docs/shift.csv", "\x00\xff binary", "docs/shift.csv cannot be read"),
@@ -357,6 +394,7 @@ def test_render_never_writes_through_a_symbolic_link(docs, capsys, tmp_path_fact
     before = outside.read_text()
     status, out = run(capsys, "render")
     assert status == 2 and "symbolic link" in out and document.is_symlink() and outside.read_text() == before
+    assert "rewritten" not in out                   # nothing was
 
 
 def test_replace_file_writes_whole_and_refuses_links(tmp_path):
@@ -512,13 +550,40 @@ def full_run(docs, tmp_path, monkeypatch):
     (dict(status="interrupted"), "not complete"), (dict(quick=True), "--quick"), (dict(seed=1), "seed"),
     (dict(completed=["noise"]), "missing an experiment"), (dict(dirty=True), "uncommitted"),
     (dict(dirty=None), "uncommitted"), (dict(commit="b" * 40), "changed since"),
-    (dict(files={}), "not as its record lists")])
+    (dict(files={}), "not as its record lists"), (dict(files=5), "not a record of experiments.py"),
+    (dict(completed=5), "not a record of experiments.py"), (dict(experiments={}), "not a record of experiments.py")])
 def test_docs_figures_copies_only_a_complete_full_run_of_the_current_committed_code(full_run, capsys, change, said):
     out, run = full_run
     (out / "config.json").write_text(json.dumps(dict(run, **change)))
     before = {p: p.read_bytes() for p in (out.parent / "docs").iterdir()}
     assert docs_figures.main(["--from", str(out)]) == 2
     assert said in capsys.readouterr().err and {p: p.read_bytes() for p in (out.parent / "docs").iterdir()} == before
+
+
+@pytest.mark.parametrize("plant", ["config.json nested too deep", "a FIFO named like a figure",
+                                   "config.json a link to /dev/zero"])
+def test_docs_figures_refuses_a_folder_it_cannot_read_without_a_traceback_or_waiting(full_run, capsys, plant):
+    # its docstring: a run that may not be copied exits 2 with a message saying why, writing nothing;
+    # a FIFO is seen before it is opened (opened to read, it would wait for a writer forever)
+    out, run = full_run
+    target = out / ("shift.png" if "FIFO" in plant else "config.json")
+    target.unlink()
+    if "nested" in plant:
+        target.write_text("[" * 200_000 + "]" * 200_000)
+    elif "FIFO" in plant:
+        os.mkfifo(target)
+    else:
+        target.symlink_to("/dev/zero")
+    before = {p: p.read_bytes() for p in (out.parent / "docs").iterdir()}
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(status=docs_figures.main(["--from", str(out)])), daemon=True)
+    worker.start()
+    worker.join(60)                                 # a refusal takes well under a second; a FIFO read never returns
+    if worker.is_alive():
+        os.close(os.open(target, os.O_WRONLY | os.O_NONBLOCK))        # a writer's open and close releases it
+        pytest.fail("blocked reading the folder")
+    assert box["status"] == 2 and "not a full run's folder" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (out.parent / "docs").iterdir()} == before
 
 
 def test_docs_figures_copies_a_good_run_and_records_what_it_wrote(full_run, capsys):

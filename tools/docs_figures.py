@@ -17,8 +17,8 @@ import argparse
 import json
 import math
 import os
-import pathlib
 import re
+import stat
 import subprocess
 import sys
 import tempfile
@@ -54,13 +54,39 @@ def why_not(run, files):
             icl_files.sha256(data) != run.get("files", {}).get(name) for name, data in files.items()))) if bad]
 
 
+def regular_bytes(path):
+    """The bytes of the regular file `path`; OSError when it is anything else (a link, a FIFO, a device,
+    a folder), seen (lstat) before it is opened: opening a FIFO to read would wait for a writer."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(f"{path} is {icl_files._kind(st)}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not icl_files._same(st, os.fstat(fd)):
+            raise OSError(f"{path} was replaced while being opened")
+        return f.read()
+
+
+def malformed(run):
+    """Whether the record `run` (parsed JSON) lacks the fields of experiments.py's record this copy
+    reads, in their types: files {name: SHA-256}, completed [names], per completed experiment its seconds."""
+    if not (isinstance(run, dict) and icl_files._hashes(run.get("files")) is not None
+            and isinstance(run.get("completed"), list) and isinstance(run.get("experiments"), dict)):
+        return True
+    times = [run["experiments"].get(n) if isinstance(n, str) else None for n in run["completed"]]
+    return not all(isinstance(t, dict) and all(type(t.get(k)) in (int, float) for k in ("seconds", "cpu_seconds"))
+                   for t in times)
+
+
 def copy_from(out):
     """Copy the run in the folder `out` into docs/ and write docs/figures.json; the exit status."""
     try:
-        run = json.loads(pathlib.Path(out, "config.json").read_text(encoding="utf-8"))
-        files = {name: pathlib.Path(out, name).read_bytes() for name in shown(run.get("files", {}))}
+        run = json.loads(regular_bytes(os.path.join(out, "config.json")))
+        if malformed(run):
+            raise ValueError("config.json is not a record of experiments.py")
+        files = {name: regular_bytes(os.path.join(out, name)) for name in shown(run["files"])}
         problems = why_not(run, files)
-    except (OSError, ValueError, AttributeError) as e:
+    except (OSError, ValueError, RecursionError) as e:        # RecursionError: JSON nested too deep to read
         problems = [f"not a full run's folder: {e}"]
     if problems:
         print(f"{out}: the run is {'; '.join(problems)}: not copying it", file=sys.stderr)

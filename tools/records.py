@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import re
+import stat
 import subprocess
 import sys
 import textwrap
@@ -86,6 +87,9 @@ def save(path, record):
 
 
 def read(path):
+    st = os.stat(os.path.join(ROOT, path))          # before opening: a FIFO would block, /dev/zero never end
+    if not stat.S_ISREG(st.st_mode) or st.st_size > icl_files.MAX_RECORD_BYTES:
+        raise OSError(f"{path} is not a regular file of at most {icl_files.MAX_RECORD_BYTES} bytes")
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         return f.read()
 
@@ -102,7 +106,7 @@ def load(name):
     path = TOOLS[name][0]
     try:
         value = json.loads(read(path), object_hook=Fields)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise Problem(f"{path} cannot be read: {e}") from None
     if not isinstance(value, dict):
         raise Problem(f"{path} is not a JSON object")
@@ -214,7 +218,7 @@ def row(id):
 
 def one(found, field):
     """The one value `field` takes over the rows `found`; Problem when they disagree."""
-    values = getattr(found, field)
+    values = attribute(found, field)
     if len(set(map(repr, values))) != 1:
         raise Problem(f"the rows disagree on {field}: {values}")
     return values[0]
@@ -275,7 +279,7 @@ METHODS = frozenset({"count", "fromkeys", "get", "index", "items", "join", "keys
 def attribute(value, name):
     """`value.name` in a template: a field of a row or record (Fields, Rows), or one of METHODS of a
     plain value; anything else is refused."""
-    if isinstance(value, (Fields, Rows)):
+    if isinstance(value, (Fields, Rows)) and not name.startswith("_"):
         return getattr(value, name)
     if name in METHODS and (isinstance(value, (str, list, tuple, dict, set)) or value in (dict, str)):
         return getattr(value, name)
@@ -298,7 +302,7 @@ def evaluate(expression, names):
     what `names` holds (NAMES and METHODS of values), with no underscore, lambda or assignment."""
     tree = ast.parse(expression, mode="eval")
     bad = [n for n in ast.walk(tree) if not isinstance(n, NODES) or isinstance(n, ast.Name) and n.id.startswith("_")
-           or isinstance(n, ast.Attribute) and n.attr.startswith("_")]
+           or isinstance(n, ast.Attribute) and n.attr.startswith("_") or isinstance(n, (ast.Pow, ast.LShift))]  # 9**9**9 never ends
     if bad:
         raise Problem(f"a template may not use {type(bad[0]).__name__} {getattr(bad[0], 'id', getattr(bad[0], 'attr', ''))}")
     tree = ast.fix_missing_locations(Attributes().visit(tree))
@@ -337,7 +341,7 @@ def render_all(texts):
                                dict(LET.fullmatch(l).groups() for l in lines if LET.fullmatch(l)))
         except Problem as e:
             new, problem = None, str(e)
-        except (ArithmeticError, AttributeError, LookupError, TypeError, ValueError) as e:     # records that contradict
+        except (ArithmeticError, AttributeError, LookupError, MemoryError, TypeError, ValueError) as e:   # or 'x' * 10**15
             new, problem = None, f"cannot render from the records: {e!r}"
         else:
             problem = None
@@ -365,18 +369,17 @@ def render(check=False):
         if problem:
             print(f"{doc} block {name}: {problem}", file=sys.stderr)
             status = 2
-        elif current != rendered:
-            print(f"{doc} block {name}: {'differs from the records' if check else 'rewritten'}")
-            if check:
-                print(f"  now:      {current!r}\n  rendered: {rendered!r}")
-                status = status or 1
+        elif current != rendered and check:
+            print(f"{doc} block {name}: differs from the records\n  now:      {current!r}\n  rendered: {rendered!r}")
+            status = status or 1
     for doc in [] if check else [d for d in DOCS if new[d] != texts[d]]:
         try:
             write(doc, new[doc])
         except (icl_files.Refused, icl_files.WriteFailed) as e:
             print(f"{doc} not written: {e}", file=sys.stderr)
             return 2
-        print(f"wrote {doc}")
+        print("".join(f"{doc} block {r[1]}: rewritten\n" for r in results if r[0] == doc and r[2] != r[3] and not r[4])
+              + f"wrote {doc}")
     return status
 
 
