@@ -1,6 +1,5 @@
-"""The project stands alone: citations into MATH.md resolve, MATH.md names only what exists, every
-public function cites the section that derives it, and no tracked file points outside the repository.
-(README's examples: test_readme.py; the records under docs/ and the numbers quoted from them: test_records.py.)"""
+"""The project stands alone: citations into MATH.md resolve, MATH.md names only what exists, every public
+function cites its section, no tracked file points outside the repository (records: test_records.py)."""
 import ast
 import glob
 import inspect

@@ -4,10 +4,9 @@
     python3 tools/docs_figures.py --from DIR  # a full run made earlier here (DIR: its --out)
 
 A run is copied only when its record (config.json) says it is complete, full size, seed 0, of every
-experiment, from a commit with no uncommitted change to the experiments' code (experiments.SOURCES) and
-that code unchanged since, and each file has the SHA-256 the record lists. What is copied is what the
-documents show (`shown`), never through a symbolic link; docs/figures.json then records the provenance
-(docs/RECORDS.md) and each experiment's wall-clock and CPU seconds; `tools/records.py render` then writes the numbers.
+experiment, of the experiments' code (experiments.SOURCES) committed and unchanged since, each file with the
+SHA-256 the record lists. What the documents show (`shown`) is copied, never through a symbolic link, and
+docs/figures.json records the provenance (docs/RECORDS.md) and each experiment's wall-clock and CPU seconds.
 
 Exit statuses: 0 copied; 2 bad arguments, a run that may not be copied (the message says why; nothing is
 written) or docs/ refused; else a full run's own status when it did not complete (one with a failed claim,
@@ -34,8 +33,7 @@ import records  # noqa: E402  (tools/records.py: the provenance)
 
 
 def shown(files):
-    """The files of a run (names) that the documents link to (figures, each PNG with its vector copy, the
-    PDF beside it, when the run wrote one) or whose rows a block reads (tables)."""
+    """The run's files (names) the documents show: figures they link to, each PNG with its PDF, and tables a block reads."""
     text = "".join(records.read(doc) for doc in records.DOCS)
     pngs = set(re.findall(r"([\w-]+\.png)\)", text))
     named = pngs | {p[:-len("png")] + "pdf" for p in pngs} | {f"{t}.csv" for t in re.findall(r"rows?\('([\w-]+)/", text)}
@@ -55,8 +53,7 @@ def why_not(run, files):
 
 
 def regular_bytes(path):
-    """The bytes of the regular file `path`; OSError when it is anything else (a link, a FIFO, a device,
-    a folder), seen (lstat) before it is opened: opening a FIFO to read would wait for a writer."""
+    """The bytes of the regular file `path`, seen (lstat) before it is opened (a FIFO would block); else OSError."""
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         raise OSError(f"{path} is {icl_files._kind(st)}, not a regular file")
@@ -67,31 +64,21 @@ def regular_bytes(path):
         return f.read()
 
 
-def malformed(run):
-    """Whether the record `run` (parsed JSON) lacks the fields of experiments.py's record this copy
-    reads, in their types: files {name: SHA-256}, completed [names], per completed experiment its seconds."""
-    if not (isinstance(run, dict) and icl_files._hashes(run.get("files")) is not None
-            and isinstance(run.get("completed"), list) and isinstance(run.get("experiments"), dict)):
-        return True
-    times = [run["experiments"].get(n) if isinstance(n, str) else None for n in run["completed"]]
-    return not all(isinstance(t, dict) and all(type(t.get(k)) in (int, float) for k in ("seconds", "cpu_seconds"))
-                   for t in times)
-
-
 def copy_from(out):
     """Copy the run in the folder `out` into docs/ and write docs/figures.json; the exit status."""
     try:
         run = json.loads(regular_bytes(os.path.join(out, "config.json")))
-        if malformed(run):
-            raise ValueError("config.json is not a record of experiments.py")
-        files = {name: regular_bytes(os.path.join(out, name)) for name in shown(run["files"])}
-        problems = why_not(run, files)
+        try:                           # the fields read here, of their types, or it is no record of experiments.py
+            times = {n: {k: float(run["experiments"][n][k]) for k in ("seconds", "cpu_seconds")} for n in run["completed"]}
+            files = {name: regular_bytes(os.path.join(out, name)) for name in shown(run["files"])}
+            problems = why_not(run, files)
+        except (LookupError, TypeError, AttributeError) as e:
+            raise ValueError(f"config.json is not a record of experiments.py ({e!r})") from None
     except (OSError, ValueError, RecursionError) as e:        # RecursionError: JSON nested too deep to read
         problems = [f"not a full run's folder: {e}"]
     if problems:
         print(f"{out}: the run is {'; '.join(problems)}: not copying it", file=sys.stderr)
         return 2
-    times = {name: run["experiments"][name] for name in run["completed"]}
     try:
         for name, data in files.items():
             records.write(f"docs/{name}", data)
@@ -99,8 +86,7 @@ def copy_from(out):
             provenance=records.provenance(records.TOOLS["figures"][1], list(experiments.SOURCES),
                                           math.fsum(t["seconds"] for t in times.values()), [f"docs/{n}" for n in files],
                                           state=dict(commit=run["commit"], dirty=False)),
-            timing=dict(machine=benchmarks.machine()[0],           # --from takes a run made here
-                        experiments={n: dict(seconds=t["seconds"], cpu_seconds=t["cpu_seconds"]) for n, t in times.items()})))
+            timing=dict(machine=benchmarks.machine()[0], experiments=times)))     # --from takes a run made here
     except (icl_files.Refused, icl_files.WriteFailed) as e:
         print(f"docs/ refused: {e}", file=sys.stderr)
         return 2

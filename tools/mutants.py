@@ -959,7 +959,7 @@ MUTANTS = [
      'dot == "." and ext in ("csv", *FIGURE_FORMATS) and (stem == name or stem.startswith(f"{name}_"))',
      'filename in (f"{name}.csv", f"{name}.png", f"{name}.pdf") or filename.startswith(f"{name}_")',
      "--keep-others refuses a note named after an experiment (name_notes.txt), which the run never writes"),
-    ('h7-figures-record-shape-unchecked', 'tools/docs_figures.py', 'copy_from', 'if malformed(run):', 'if False:',
+    ('h7-figures-record-shape-unchecked', 'tools/docs_figures.py', 'copy_from', 'except (LookupError, TypeError, AttributeError) as e:', 'except () as e:',
      'a config.json with {"files": 5} a TypeError traceback'),
     ('h7-figures-nesting-crashes', 'tools/docs_figures.py', 'copy_from', 'except (OSError, ValueError, RecursionError) as e:',
      'except (OSError, ValueError) as e:', "a config.json nested too deep a RecursionError traceback"),

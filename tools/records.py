@@ -8,15 +8,13 @@ docs/RECORDS.md says what each record holds, what its provenance names, when it 
 block's template reads rows by id and records (one renderer, `render_block`, evaluating only the names in
 NAMES). `refresh` runs only the commands of TOOLS, never one read from a record, and refuses one naming another.
 
-Exit statuses:
-    0   check: every record current, every block as rendered; render: written; render --check: nothing to
-        change; refresh: the tools ran and the blocks were written
-    1   check: a record is stale or a block differs; render --check: a block differs
-    2   a record, table or document cannot be read, or a block cannot be rendered (a row id or field
-        missing, the rows a block quotes disagree, a block twice or without a template: each named), a
-        document refused (a symbolic link), bad arguments, or refresh refused (an unknown record, or one
-        whose provenance names another command than its tool's in TOOLS: nothing is run)
-    N   refresh: the exit status of a tool that failed (nothing rendered)
+Exit statuses: 0 check: every record current, every block as rendered; render: written (--check: nothing
+to change); refresh: the tools ran and the blocks were written. 1 check: a record stale or a block differs;
+render --check: a block differs. 2 a record, table or document unreadable, a block that cannot be rendered
+(a row id or field missing, its rows disagreeing, a block twice or without a template: each named), a
+document refused (a symbolic link), bad arguments, or refresh refused (an unknown record, or one whose
+provenance names another command than its tool's in TOOLS: nothing is run). N refresh: the exit status of
+a tool that failed (nothing rendered).
 """
 import argparse
 import ast
@@ -147,12 +145,9 @@ def stale(name):
             f.startswith("docs/") and isinstance(h, str) for f, h in outputs.items()))) if not ok]
     if problems:
         raise Problem(f"{path}: provenance field(s) {', '.join(problems)} missing or malformed")
-    reasons = []
     changed = changed_since(p["commit"], p["depends"])
-    if isinstance(changed, str):
-        reasons.append(changed)
-    elif changed:
-        reasons.append(f"changed since its commit {p['commit'][:12]}: {', '.join(changed)}")
+    reasons = ([changed] if isinstance(changed, str) else
+               [f"changed since its commit {p['commit'][:12]}: {', '.join(changed)}"] * bool(changed))
     if p["dirty"] is not False:
         reasons.append("made from uncommitted changes to the files it depends on" if p["dirty"] else
                        "not known whether it was made from uncommitted changes")
@@ -404,12 +399,11 @@ def refresh(names):
     if unknown:
         print(f"unknown record(s) {', '.join(unknown)}; the records: {', '.join(TOOLS)}", file=sys.stderr)
         return 2
-    if not names:
-        for name in TOOLS:
-            try:
-                names += [name] if stale(name) else []
-            except Problem:
-                names.append(name)
+    for name in [] if names else TOOLS:
+        try:
+            names += [name] if stale(name) else []
+        except Problem:
+            names.append(name)
     for name in names:
         try:
             named = load(name).get("provenance", {}).get("command")
@@ -417,8 +411,7 @@ def refresh(names):
             continue                                     # unreadable: nothing in it is run anyway
         if named is not None and named != TOOLS[name][1]:
             print(f"refused: {TOOLS[name][0]}'s provenance names the command {named!r}, not its tool's "
-                  f"{TOOLS[name][1]!r}; records.py runs only its own table (TOOLS): nothing was run",
-                  file=sys.stderr)
+                  f"{TOOLS[name][1]!r}; records.py runs only its own table (TOOLS): nothing was run", file=sys.stderr)
             return 2
     for name in names:
         print(f"refresh {name}: python3 {' '.join(TOOLS[name][1])}", flush=True)
