@@ -532,12 +532,12 @@ def plot_three_layer_sparse(plt, save, rows, tables):
         groups = {}
         for l, x in enumerate(ds):
             groups.setdefault(f"{x:.2f}", []).append(l)
-        return [f"layers {' and '.join(map(str, g))} end as one curve to {target} ({v})"
+        return [f"layers {', '.join(map(str, g[:-1]))} and {g[-1]} end as one curve to {target} ({v})"
                 for v, g in groups.items() if len(g) > 1]
     met = together(to_inv, "Sigma^-1") + together(to_id, "I")
     made.append((save(fig, ""), f"Fig. 1: (a) the batch loss per L-BFGS iteration beside the exact family optimum's population "
                  f"loss f* (a batch's loss can end below it; batch loss: the mean squared error on the training batch of "
-                 f"{fits[0]['B']} prompts); (b) seed {seeds[0]}'s A_l end at relative distance (min_c |A - cT|_F / |A|_F) "
+                 f"{fits[0]['B']} prompts); (b) seed {seeds[0]}'s A_l end at relative distance (the least |A - cT| / |A| over c, Frobenius norm) "
                  + ", ".join(f"{x:.2f}" for x in to_inv) + " (layers 0, 1, 2) from multiples of Sigma^-1 (blue, open markers) and "
                  + ", ".join(f"{x:.2f}" for x in to_id) + " from multiples of I (vermillion, filled; line style and marker: "
                  "the layer)" + "".join(f"; {m}" for m in met)
@@ -1081,7 +1081,7 @@ def plot_icl_curve(plt, save, rows, tables):
     fig.suptitle(rf"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless, trained on {curve[0]['B']} prompts," "\n"
                  rf"tested on {curve[0]['test_batch']}; $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated; {plural(len(ns), 'length')}")
     checks = [r for r in rows if r["check"]]
-    made.append((save(fig, ""), "Fig. 6: the trained model's (three sparse layers) test loss against the prompt length n (open "
+    made.append((save(fig, ""), "Fig. 6: the test loss of the trained model (three sparse layers) against the prompt length n (open "
                  f"circles, ±{fmt(K_SE)} standard errors) beside the exact family optimum (black pluses) and the "
                  "baselines GD-3, PGD-3 (Sigma^-1-preconditioned; best constant step on tuning prompts)"
                  + (f", {' and '.join(NAMES[k] for k in zero)}: these are exactly 0 on noiseless labels once n >= d and "

@@ -41,9 +41,10 @@ def plot_looped(plt, save, rows, tables):
     first = [r[k] for r in exact if r["L"] == L0 for k in ("loss_untied", "loss_tied")]
     spread = max(first) / min(first) - 1
     if spread < 1e-3:                     # a thousandth: far below a marker's height on this log axis
-        # above and right of the point: clear of the star drawn just right and of the curves falling from it
-        ax1.annotate(f"$L$ = {L0}: all four optima at one point", (L0, first[0]), xytext=(20, 2),
-                     textcoords="offset points", va="bottom", fontsize=8)
+        # right of the point, its top level with it: clear of the star drawn just right, of the curves
+        # falling from the point below it and of the panel's title above
+        ax1.annotate(f"$L$ = {L0}: all four optima at one point", (L0, first[0]), xytext=(20, 0),
+                     textcoords="offset points", va="top", fontsize=8)
     done = [t for t in trained if t.get("exact_loss") is not None and np.isfinite(t["exact_loss"])]
     if done:
         ax1.plot([t["L"] + 0.1 for t in done], [t["exact_loss"] for t in done], "*", color="k", ms=9, ls="none",
@@ -117,7 +118,7 @@ def plot_looped(plt, save, rows, tables):
     return [(save(fig, ""), "Looped models (d = 5, n = 20): (a) the exact tied and untied family optima per depth, with the "
              "trained tied sparse models' exact losses (stars: a trained model need not sit on the tied family, it can "
              "leave it through a rotation block, c; against the tied family optimum: " + where + ")"
-             + (f"; at L = {L0} the four optima are one point (relative spread {spread:.0e})" if spread < 1e-3 else "")
+             + (f"; at L = {L0} the four optima are one point (relative spread {spread:.1g})" if spread < 1e-3 else "")
              + "; (b) the antisymmetric Hessian eigenvalue at the tied family point, "
              f"exact per n (marker and line style: n) and by Monte Carlo at n = 20 only, L = {mc_at} (±{k_se} SE; "
              f"{bars_said(bars_b, 'cross')}); (c) the loss along "
