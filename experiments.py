@@ -297,6 +297,8 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
     fig, axes = plt.subplots(len(grid), cols, figsize=(2.0 * cols + 0.9, 2.2 * len(grid) + 0.9),
                              squeeze=False, layout="constrained")
     v = max(float(np.max(np.abs(M))) for r in grid for M in r) or 1.0
+    # titles at the house 9 pt where every line fits a 2 in panel (about 24 characters at 9 pt), else 8
+    title_pt = 9 if max(len(line) for r in titles for t in r for line in t.split("\n")) <= 24 else 8
     norm = SymLogNorm(linthresh=0.1, linscale=0.5, vmin=-v, vmax=v, base=10)
     for r, (row_, row_titles) in enumerate(zip(grid, titles)):
         for c, ax in enumerate(axes[r]):
@@ -309,7 +311,7 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
                 text = f"{x:.2f}"
                 ax.text(j, i, "0.00" if text == "-0.00" else text, ha="center", va="center", fontsize=8,
                         color="white" if abs(norm(x) - 0.5) > 0.3 else "black")
-            ax.set_title(title, fontsize=8)
+            ax.set_title(title, fontsize=title_pt)
             ax.set(xticks=[], yticks=[])
         if row_labels:
             axes[r][0].set_ylabel(row_labels[r], fontsize=8)
@@ -485,50 +487,72 @@ def plot_three_layer_sparse(plt, save, rows, tables):
     fits = [r for r in rows if r["id"].endswith(f"/seed{r.get('seed')}-fit")]
     ok = {r["seed"]: bool(r["converged"]) for r in fits}
     seeds = sorted(ok)
-    fig, ax = plt.subplots(1, 2, figsize=(7.0, 4.4), layout="constrained")
+    fig, ax = plt.subplots(1, 2, figsize=(7.0, 5.2), layout="constrained")     # (b)'s legend below it
     for s, (style, marker) in zip(seeds, (("-", None), ("--", "o"), (":", "s"), ("-.", "^"))):
         cs = [c for c in curve if c["seed"] == s]
         ax[0].semilogy([c["iteration"] for c in cs], [c["loss"] for c in cs], style, marker=marker, mfc="white",
                        markevery=max(1, len(cs) // 6), color="C0" if ok[s] else "0.4",
                        label=f"seed {s}" + ("" if ok[s] else " (not converged)"))
     f_star = fits[0]["f_star"]
+    # the lower limit on a power of 10: a labelled tick below the curves' floor (a batch's loss can end below f*)
+    ax[0].set_ylim(bottom=10 ** math.floor(math.log10(min([c["loss"] for c in curve] + [f_star]))))
     ax[0].axhline(f_star, color="k", lw=0.8, label=f"exact family optimum's\npopulation loss f* = {f_star:.4f}")
-    ax[0].set(xlabel="L-BFGS iteration", ylabel="batch loss (log scale)",
+    ax[0].set(xlabel="L-BFGS iteration", ylabel="batch loss: mean squared error\non the training batch (log scale)",
               title=f"(a) batch loss, {plural(len(seeds), 'seed')}")
     cs = [c for c in curve if c["seed"] == seeds[0]]
     step = max(1, len(cs) // 8)               # 8 markers a curve, evenly in iterations, staggered by layer
     every = [(min(l * step // 3, len(cs) - 1), step) for l in range(len(a_star))]
-    styles = ("-", "--", ":")
-    for l, style in zip(range(len(a_star)), styles):
-        ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_Sigma_inv"] for c in cs], "C0" + style, marker="o",
-                   mfc="white", ms=4, markevery=every[l])
-        ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_I"] for c in cs], "C3" + style, marker="x",
+    # the layer by line style and marker (curves that meet stay told apart by their staggered markers), the
+    # target by colour: open markers to Sigma^-1's multiples, filled to I's
+    styles, markers = ("-", "--", ":"), ("o", "s", "^")
+    for l, style, marker in zip(range(len(a_star)), styles, markers):
+        ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_Sigma_inv"] for c in cs], "C0" + style, marker=marker,
+                   mfc="white", ms=5, markevery=every[l])
+        ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_I"] for c in cs], "C3" + style, marker=marker,
                    ms=5, markevery=every[l])
-    # one legend entry per layer (line style) and per target (colour and marker): five entries, not six
-    handles = ([plt.Line2D([], [], color="0.3", ls=style, label=f"layer {l}") for l, style in zip(range(len(a_star)), styles)]
-               + [plt.Line2D([], [], color="C0", marker="o", mfc="white", ls="", label=r"to multiples of $\Sigma$ inverse"),
-                  plt.Line2D([], [], color="C3", marker="x", ls="", label="to multiples of $I$")])
-    ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance (0: a multiple)", ylim=(0, 1.35),
+    # one legend entry per layer (line style, marker) and per target (colour, fill): five entries, not six
+    handles = ([plt.Line2D([], [], color="0.3", ls=style, marker=marker, mfc="white", label=f"layer {l}")
+                for l, style, marker in zip(range(len(a_star)), styles, markers)]
+               + [plt.Line2D([], [], color="C0", ls="-", label=r"to multiples of $\Sigma$ inverse (open)"),
+                  plt.Line2D([], [], color="C3", ls="-", label="to multiples of $I$ (filled)")])
+    # the distance in words: the scripts of min_c |A - cT|_F would be drawn at 70 %, below 8 pt
+    ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance to multiples of $T$: the least\n"
+              "|A − cT| / |A| over c, Frobenius norm (0: a multiple)", ylim=(0, 1.05),
               title=f"(b) seed {seeds[0]}: each layer's $A$" + ("" if ok[seeds[0]] else " (not converged)"))
     ax[0].legend(fontsize=8)
-    ax[1].legend(handles=handles, fontsize=8, ncol=2, loc="upper center")    # above the curves (ylim to 1.35)
+    ax[1].legend(handles=handles, fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))  # below: hides no curve
     fig.suptitle(f"Ahn et al. 2023, Fig. 1: three sparse layers, $d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']}\n"
                  r"prompts, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1), rotated")
     last = cs[-1]
     to_inv = [last[f"dist_A{l}_Sigma_inv"] for l in range(len(a_star))]
     to_id = [last[f"dist_A{l}_I"] for l in range(len(a_star))]
+
+    def together(ds, target):
+        """The layers whose final distances agree to the two decimals printed: their curves end as one."""
+        groups = {}
+        for l, x in enumerate(ds):
+            groups.setdefault(f"{x:.2f}", []).append(l)
+        return [f"layers {', '.join(map(str, g[:-1]))} and {g[-1]} end as one curve to {target} ({v})"
+                for v, g in groups.items() if len(g) > 1]
+    met = together(to_inv, "Sigma^-1") + together(to_id, "I")
     made.append((save(fig, ""), f"Fig. 1: (a) the batch loss per L-BFGS iteration beside the exact family optimum's population "
-                 f"loss f* (a batch's loss can end below it); (b) seed {seeds[0]}'s A_l end at relative distance "
-                 f"{fmt(to_inv, 2)} from multiples of Sigma^-1 (blue, circles) and {fmt(to_id, 2)} from multiples of I "
-                 "(vermillion, crosses; line style: the layer)" + ("" if all(ok.values()) else "; grey: a seed that did not converge") + "."))
+                 f"loss f* (a batch's loss can end below it; batch loss: the mean squared error on the training batch of "
+                 f"{fits[0]['B']} prompts); (b) seed {seeds[0]}'s A_l end at relative distance (the least |A - cT| / |A| over c, Frobenius norm) "
+                 + ", ".join(f"{x:.2f}" for x in to_inv) + " (layers 0, 1, 2) from multiples of Sigma^-1 (blue, open markers) and "
+                 + ", ".join(f"{x:.2f}" for x in to_id) + " from multiples of I (vermillion, filled; line style and marker: "
+                 "the layer)" + "".join(f"; {m}" for m in met)
+                 + ("" if all(ok.values()) else "; grey: a seed that did not converge")
+                 + ". What to see: whether every A_l ends near a multiple of Sigma^-1 (blue near 0) and far from one of I."))
     mats = heat_matrices(tables["heatmaps"], seed=seeds[0])
     fitted = {f["layer"]: f["a_hat"] for f in tables["fitted"] if f["seed"] == seeds[0]}
     verdict = fits[0]["verdict"]
     made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted {fitted[l]:.2f}" for l in range(len(mats))]],
                            f"Ahn et al. 2023, Fig. 2: each layer's whitened $A$ after training\n(seed {seeds[0]}, "
-                           f"$d$ = 5, $n$ = 20, batch $B$ = {fits[0]['B']})\nexact family optimum: "
+                           f"$d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']},\n"
+                           r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated)" "\nexact family optimum: "
                            + ", ".join(f"{a:.2f}" for a in a_star) + " times $I$, in some layer order", save, "_heatmaps"),
-                 f"Fig. 2: each whitened Sigma^1/2 A_l Sigma^1/2 of seed {seeds[0]} (one colour scale, logarithmic beyond ±0.1), "
+                 f"Fig. 2: each whitened Sigma^1/2 A_l Sigma^1/2 of seed {seeds[0]} (d = 5, n = 20, noiseless labels, Sigma "
+                 "eigenvalues (1, 1, 1/4, 1/16, 1) rotated; one colour scale, logarithmic beyond ±0.1), "
                  f"titled with its fitted multiple of I; against the exact family optimum (the experiment's first row): {verdict}"
                  + (f" within {k_se} SE." if verdict in (PASS, FAIL) else f" ({fits[0]['why']}).")))
     return made
@@ -895,6 +919,31 @@ K_SE_BAND = "±{k} SE: the claims' tolerance"
 OFFSET = {"transformer": 0.0, "optimum": 0.0, "GD": -0.12, "PGD": 0.12, "OLS": -0.24, "ridge": 0.24}
 
 
+def bars_inside_markers(fig, ax, xs, ys, errs, ms):
+    """For each point of `ax` at (xs, ys) with error bars of half-length errs (data units), whether the bar
+    ends inside its marker (ms points across) as the figure is laid out: what a caption may say of the
+    bars is measured on the drawn figure, never assumed. A bar reaching 0 on a log axis is outside."""
+    fig.canvas.draw()                    # the constrained layout sizes the axes before any distance is measured
+    radius = ms / 2 * fig.dpi / 72       # points to pixels
+    inside = []
+    for x, y, e in zip(xs, ys, errs):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            px = ax.transData.transform([(x, y), (x, y - e), (x, y + e)])[:, 1]
+        inside.append(bool(np.all(np.isfinite(px)) and max(abs(px[1] - px[0]), abs(px[2] - px[0])) <= radius))
+    return inside
+
+
+def bars_said(inside, marker="marker"):
+    """What a caption says of error bars whose `inside` (bars_inside_markers) is measured: every bar, some
+    or none smaller than its marker."""
+    markers = marker + ("es" if marker.endswith(("s", "x", "ch", "sh")) else "s")
+    if all(inside):
+        return f"every bar is smaller than its {marker}"
+    if any(inside):
+        return f"{sum(inside)} of {len(inside)} bars are smaller than their {markers}, the others are seen"
+    return "every bar is seen beyond its " + marker
+
+
 def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"], scale=1.0):
     """Draw a curve's trained model (test loss, open circles with ±K_SE SE bars; "not converged"
     marked) and the exact family optimum (black pluses, drawn over it) against the field `x` on `ax`, and
@@ -908,12 +957,12 @@ def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"]
     res = [(c["transformer"] - c["family_optimum"]) / c["transformer_se"] for c in curve]
     res_ax.axhspan(-K_SE, K_SE, color="0.9", label=K_SE_BAND.format(k=fmt(K_SE)))
     res_ax.axhline(0.0, color="k", lw=0.8)
-    res_ax.plot(xs, res, "o", color="C0", mfc="white", ms=7, label="model - optimum")
+    res_ax.plot(xs, res, "o", color="C0", mfc="white", ms=7, label="trained model − optimum")
     if bad:       # a filled marker of the same shape: the open circle it replaces stays visible around it
         for a, ys in ((ax, [c["transformer"] for c in bad]), (res_ax, [r for r, c in zip(res, curve) if not c["converged"]])):
             a.plot([c[x] for c in bad], ys, "o", color="C3", ms=4, label="not converged (filled)")
     top = max([abs(r) for r in res] + [K_SE]) * 1.3
-    res_ax.set(ylim=(-top, top), ylabel="(model - optimum) / SE", xticks=xs)
+    res_ax.set(ylim=(-top, top), ylabel="(trained model − optimum) / SE", xticks=xs)
     res_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))     # below the axes: hides no point
     return bad
 
@@ -930,10 +979,10 @@ def plot_depth(plt, save, rows, tables):
     Ls = [r["L"] for r in rs]
     fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(7.0, 4.6), layout="constrained", width_ratios=(3, 2))
     bad = transformer_against_optimum(ax, res_ax, rs, "L")
-    ax.plot([L + OFFSET["GD"] for L in Ls], [r["GD_loss"] for r in rs], "s:", color="C1", mfc="white",
-            label=NAMES["GD"] + ", best constant step")
-    ax.plot([L + OFFSET["PGD"] for L in Ls], [r["PGD_loss"] for r in rs], "^-.", color="C2",
-            label=NAMES["PGD"] + ", best constant step")
+    # GD-L and PGD-L are Monte Carlo losses on the test batch: drawn with their ±K_SE SE bars
+    for key, style, color, mfc in (("GD", "s:", "C1", "white"), ("PGD", "^-.", "C2", "C2")):
+        ax.errorbar([L + OFFSET[key] for L in Ls], [r[key + "_loss"] for r in rs], [K_SE * r[key + "_loss_se"] for r in rs],
+                    fmt=style, color=color, mfc=mfc, label=f"{NAMES[key]}, best constant step (±{fmt(K_SE)} SE)")
     # noiseless labels, n > d: OLS and ridge interpolate exactly; what is drawn is the largest rounding
     # value over every L, so the legend says only what the table holds
     exact = [k for k in ("OLS", "ridge") if all(r[k + "_loss"] <= 1e-6 * r["transformer"] for r in rs)]
@@ -943,19 +992,23 @@ def plot_depth(plt, save, rows, tables):
         top = max(r[k + "_loss"] for r in rs)
         ax.plot([], [], " ", label=f"{NAMES[k]}: at most {top:.0e} at every $L$ (exact), off the axis")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
-    res_ax.set(xlabel="layers $L$", title="(b) model - optimum in SE")
-    fig.suptitle("Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless,\n"
-                 r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
+    res_ax.set(xlabel="layers $L$", title="(b) trained model − optimum in SE")
+    fig.suptitle(f"Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless, trained on {rs[0]['B']} prompts,\n"
+                 rf"tested on {rs[0]['test_batch']}; $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
     checks = [r for r in rows if r["check"]]
     made.append((save(fig, ""), "Fig. 7: the trained model's test loss against the number of layers L (open circles, "
                  f"±{fmt(K_SE)} standard errors of the test batch) beside the exact family optimum (black pluses) and L steps "
                  "of gradient descent (GD-L, squares, drawn left) and Sigma^-1-preconditioned gradient descent (PGD-L, "
-                 "triangles, drawn right) with the best constant step; (b) the trained model minus the optimum in standard "
+                 f"triangles, drawn right) with the best constant step (Monte Carlo, ±{fmt(K_SE)} SE: a PGD-L below the "
+                 f"optimum by less than its bar is the test batch's noise); trained on {rs[0]['B']} prompts, tested on "
+                 f"{rs[0]['test_batch']}; (b) the trained model minus the optimum in standard "
                  f"errors inside the ±{fmt(K_SE)} SE band"
                  + (f"; {' and '.join(NAMES[k] for k in exact)} interpolate noiseless labels exactly (loss at most "
                     f"{max(r[k + '_loss'] for k in exact for r in rs):.0e} at every L), off the log axis" if exact else "")
                  + f"; the experiment's checks of the optimum: {sum(r['verdict'] == PASS for r in checks)} of "
-                 f"{len(checks)} PASS" + (f"; not converged at L = {', '.join(str(r['L']) for r in bad)}." if bad else ".")))
+                 f"{len(checks)} PASS" + (f"; not converged at L = {', '.join(str(r['L']) for r in bad)}" if bad else "")
+                 + ". What to see: whether the trained model sits on the optimum at every L (b: inside the band), "
+                 "and how far GD-L and PGD-L stay above it."))
     return made
 
 
@@ -977,8 +1030,10 @@ def depth(ctx):
         drop = mean_se((gd_predict(Zv, a_drop, L, Si, drop_last=True) - yv) ** 2)
         log(f"  L={L}: transformer {mean:.4f}, family optimum {f_star:.4f}")
         rows += checks
-        curve.append(dict(L=L, transformer=mean, transformer_se=se, family_optimum=f_star, converged=converged(res),
-                          **{f"{k}_loss": v[0] for k, v in base.items()}, PGD_n_minus_1_loss=drop[0]))
+        curve.append(dict(L=L, B=B, test_batch=len(yv), transformer=mean, transformer_se=se, family_optimum=f_star,
+                          converged=converged(res), **{f"{k}_loss": v[0] for k, v in base.items()},
+                          **{f"{k}_loss_se": base[k][1] for k in ("GD", "PGD", "OLS", "ridge")},
+                          PGD_n_minus_1_loss=drop[0]))
         rows.append(row(f"L{L}-baselines", f"L={L}: PGD-{L} with the exact best constant step (population), beside the baselines with all "
                         "n examples (best constant step on tuning prompts; the authors' baselines dropped one)",
                         **info(theory=base["PGD exact"][0], measured=base["PGD"][0]), L=L,
@@ -994,7 +1049,10 @@ def plot_icl_curve(plt, save, rows, tables):
     fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(7.0, 4.8), layout="constrained", width_ratios=(3, 2))
     bad = transformer_against_optimum(ax, res_ax, curve, "n")
     zero = baselines_at_zero(curve, ("OLS", "ridge"))
-    step = (max(ns) - min(ns)) / 40          # the offsets in units of n: a fortieth of the axis
+    from matplotlib.transforms import offset_copy
+    # the baselines beside each n by a fixed distance in points, not in units of n: the trained model's circle
+    # (7 pt across) and a baseline's marker (6 pt) 8 pt apart do not overlap whatever the axis' span
+    apart = {"GD": -8, "PGD": 8, "OLS": -16, "ridge": 16}
     for key, style, color in (("GD", "s:", "C1"), ("PGD", "^-.", "C2"), ("OLS", "D--", "C4"), ("ridge", "v:", "C5")):
         # noiseless labels: OLS and ridge are exactly 0 once n >= d, computed as rounding amplified by
         # the solve's condition number (seen: 3e-9 at n = d); below 1e-6 of the trained model's loss it
@@ -1003,25 +1061,39 @@ def plot_icl_curve(plt, save, rows, tables):
         shown = [n for n, v in zip(ns, values) if not np.isnan(v)]
         if shown:
             where = "" if len(shown) == len(ns) else (
-                f": drawn at $n$ = {', '.join(str(n) for n in shown)}; 0 (exact) for $n \\geq$ "
-                f"{min(n for n, v in zip(ns, values) if np.isnan(v))}")
-            ax.plot([n + OFFSET[key] / 0.12 * step for n in ns], values, style, color=color,
-                    mfc="white" if key in ("GD", "OLS") else color,
-                    label=(NAMES[key].replace("$L$", "3") if key in ("GD", "PGD") else NAMES[key]) + where)
+                f": drawn at $n$ = {', '.join(str(n) for n in shown)}; 0 (exact) for "
+                f"$n \\geq {min(n for n, v in zip(ns, values) if np.isnan(v))}$")
+            ax.errorbar(ns, values, [K_SE * c[key + "_se"] for c in curve], fmt=style, color=color, ms=6,
+                        mfc="white" if key in ("GD", "OLS") else color,
+                        transform=offset_copy(ax.transData, fig=fig, x=apart[key], units="points"),
+                        label=(NAMES[key].replace("$L$", "3") if key in ("GD", "PGD") else NAMES[key])
+                        + f" (±{fmt(K_SE)} SE)" + where)
     ax.set(xlabel="in-context examples $n$", ylabel=r"test loss, mean squared error (log scale)", yscale="log",
            xticks=ns, title="(a) test loss against prompt length")
+    # room inside the frame for the outermost offsets and their markers' half width (16 + 4 points a side)
+    fig.canvas.draw()
+    room = max(abs(v) for v in apart.values()) + 4
+    width = ax.get_window_extent().width * 72 / fig.dpi
+    pad = (max(ns) - min(ns)) * room / (width - 2 * room)
+    ax.set_xlim(min(ns) - pad, max(ns) + pad)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
-    res_ax.set(xlabel="in-context examples $n$", title="(b) model - optimum in SE")
-    fig.suptitle(r"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless," "\n"
-                 rf"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated; {plural(len(ns), 'length')}")
-    made.append((save(fig, ""), "Fig. 6: the trained three-layer model's test loss against the prompt length n (open "
+    res_ax.set(xlabel="in-context examples $n$", title="(b) trained model − optimum in SE")
+    fig.suptitle(rf"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless, trained on {curve[0]['B']} prompts," "\n"
+                 rf"tested on {curve[0]['test_batch']}; $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated; {plural(len(ns), 'length')}")
+    checks = [r for r in rows if r["check"]]
+    made.append((save(fig, ""), "Fig. 6: the test loss of the trained model (three sparse layers) against the prompt length n (open "
                  f"circles, ±{fmt(K_SE)} standard errors) beside the exact family optimum (black pluses) and the "
-                 "baselines GD-3, PGD-3 (Sigma^-1-preconditioned; best constant step)"
+                 "baselines GD-3, PGD-3 (Sigma^-1-preconditioned; best constant step on tuning prompts)"
                  + (f", {' and '.join(NAMES[k] for k in zero)}: these are exactly 0 on noiseless labels once n >= d and "
                     "drawn only below" if zero else "")
-                 + "; the baselines are drawn beside each n, not over one another"
+                 + f"; the baselines are Monte Carlo losses on the test batch (±{fmt(K_SE)} SE), drawn "
+                 f"{abs(apart['GD'])} and {abs(apart['OLS'])} points either side of each n (GD-3 and OLS left, PGD-3 and "
+                 f"ridge right); trained on {curve[0]['B']} prompts, tested on {curve[0]['test_batch']}"
                  + f"; (b) the trained model minus the optimum in standard errors inside the ±{fmt(K_SE)} SE band"
-                 + (f"; not converged at n = {', '.join(str(c['n']) for c in bad)}." if bad else ".")))
+                 + f"; the experiment's checks of the optimum: {sum(r['verdict'] == PASS for r in checks)} of {len(checks)} PASS"
+                 + (f"; not converged at n = {', '.join(str(c['n']) for c in bad)}" if bad else "")
+                 + ". What to see: whether the trained model sits on the optimum at every n (b: inside the band), "
+                 "and where the baselines lie against it."))
     return made
 
 
@@ -1042,8 +1114,9 @@ def icl_curve(ctx):
         checks, (mean, se) = optimum_checks(f"n{n}", f"n={n}", res, Z, y, Zv, yv, a_star, f_star, Si, n=n)
         base = baselines(Zt, yt, Zv, yv, L, Si, n, d)
         log(f"  n={n}: transformer {mean:.4f}, family optimum {f_star:.4f}")
-        curve.append(dict(n=n, transformer=mean, transformer_se=se, family_optimum=f_star, converged=converged(res),
-                          **{f"{k}": v[0] for k, v in base.items()}))
+        curve.append(dict(n=n, B=B, test_batch=len(yv), transformer=mean, transformer_se=se, family_optimum=f_star,
+                          converged=converged(res), **{f"{k}": v[0] for k, v in base.items()},
+                          **{f"{k}_se": base[k][1] for k in ("GD", "PGD", "OLS", "ridge")}))
         rows += checks
     # a single layer trained at n = 20, tested at other lengths: exact formula vs Monte Carlo
     n_train = 20
@@ -1323,15 +1396,18 @@ def plot_single_layer_landscape(plt, save, rows, tables):
     ax.set(xticks=np.arange(len(labels)), xticklabels=[setting_label(s).replace(" = ", "=") for s in labels],
            ylim=(0, 1.12),
            yticks=np.linspace(0, 1, 6), ylabel="fraction of random starts",
-           xlabel="setting (base: $d$ = 3, $n$ = 10, $\\kappa$ = 4, init scale 0.3;\nthe others change one of these)",
-           title=f"One full $(P, Q)$ layer, noiseless: where training from {table[0]['starts']} random starts\n"
-                 "per setting ends (GN: Gauss-Newton, left bar; LB: L-BFGS, right bar)")
+           xlabel="setting (base: $d$ = 3, $n$ = 10, $\\kappa$ = 4, init scale 0.3"
+                  + (";\nthe others change one of these)" if len(labels) > 1 else ")"),
+           title=f"One full $(P, Q)$ layer, noiseless, a batch of {table[0]['B']} prompts: where training from\n"
+                 f"{table[0]['starts']} random starts per setting ends (GN: Gauss-Newton, left bar; LB: L-BFGS, right bar)")
     fig.legend(fontsize=8, loc="outside lower center", ncol=2)   # below the axes: hides no bar
     made.append((save(fig, ""), "One full (P, Q) layer, noiseless, Sigma with eigenvalues spread geometrically from 1 to "
                  "kappa and rotated: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
                  "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), stopped at a "
                  "higher local minimum (hatched //) or did not converge (white, dotted for Gauss-Newton, crossed for "
-                 "L-BFGS)."))
+                 "L-BFGS); each setting's batch of " + str(table[0]["B"]) + " prompts. What to see: "
+                 + "; ".join(f"{t['setting']}, {t['trainer']}: {t['optimum']} of {t['starts']} reached the optimum"
+                             for t in table) + "."))
     return made
 
 
@@ -1359,7 +1435,7 @@ def single_layer_landscape(ctx):
         for name, rs in runs.items():
             labels = [basin_label(r["loss"], best) if converged(r) else "not converged" for r in rs]
             counts = {b: labels.count(b) for b in sorted(set(labels), key=lambda b: (b != "optimum", b))}
-            table.append(dict(setting=label, trainer=name, starts=starts, optimum=counts.get("optimum", 0),
+            table.append(dict(setting=label, trainer=name, B=B, starts=starts, optimum=counts.get("optimum", 0),
                               higher=sum(v for k, v in counts.items() if k not in ("optimum", "not converged")),
                               not_converged=counts.get("not converged", 0), **s))
             rows.append(row(f"{slug(label)}-{slug(name)}", f"{label}: {name}, {starts} starts (init {s['init']:g}): how many reached the batch optimum "
@@ -1582,7 +1658,8 @@ def plot_softmax_two_head(plt, save, rows, tables):
     said = "; ".join(f"{act}: the claim {r['holds']}" if r["verdict"] == INFO else f"{act}: no verdict ({r['why']})"
                      for act, r in claims.items())
     made.append((save(fig, ""), f"Softmax heads (d = 5, n = 10, isotropic, noiseless): each start's test loss with ±{k_se} standard "
-                 f"errors (stars: the rebuttal's own construction; open, vermillion: not converged) against the trained linear layer (dashed). {said}."))
+                 f"errors (stars: the rebuttal's own construction; open, vermillion: not converged) against the trained linear layer (dashed). {said}. "
+                 "What to see: how close the best two-head start comes to the dashed line."))
     return made
 
 

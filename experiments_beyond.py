@@ -18,7 +18,7 @@ import numpy as np
 import icl_estimators as est
 import icl_looped as lp
 import icl_ref as ir
-from experiments import (K_SE, PASS, best_of, converged, decide, experiment, family_optimum, fmt, info, judge,
+from experiments import (K_SE, PASS, bars_inside_markers, bars_said, best_of, converged, decide, experiment, family_optimum, fmt, info, judge,
                          keyed, mean_se, paper_data, row)
 
 
@@ -36,10 +36,25 @@ def plot_looped(plt, save, rows, tables):
                  label=f"{family}: untied optimum")
         ax1.plot([r["L"] for r in rs], [r["loss_tied"] for r in rs], "s--", color=color, mfc=mfc or color,
                  label=f"{family}: tied optimum")
+    # at the smallest L the four optima can be one point (tying changes nothing at L = 1): said where it holds
+    L0 = min(r["L"] for r in exact)
+    first = [r[k] for r in exact if r["L"] == L0 for k in ("loss_untied", "loss_tied")]
+    spread = max(first) / min(first) - 1
+    if spread < 1e-3:                     # a thousandth: far below a marker's height on this log axis
+        # right of the point, its top level with it: clear of the star drawn just right, of the curves
+        # falling from the point below it and of the panel's title above
+        ax1.annotate(f"$L$ = {L0}: all four optima at one point", (L0, first[0]), xytext=(20, 0),
+                     textcoords="offset points", va="top", fontsize=8)
     done = [t for t in trained if t.get("exact_loss") is not None and np.isfinite(t["exact_loss"])]
     if done:
         ax1.plot([t["L"] + 0.1 for t in done], [t["exact_loss"] for t in done], "*", color="k", ms=9, ls="none",
                  label="trained tied sparse model\n(exact loss, no error bar; just right)")
+    # a trained model deeper than the exact table: its tied family optimum (from its own row) drawn beside it
+    tabled = {r["L"] for r in exact if r["family"] == "sparse"}
+    beyond = [t for t in done if t["L"] not in tabled and t.get("family_loss")]
+    if beyond:
+        ax1.plot([t["L"] for t in beyond], [t["family_loss"] for t in beyond], "s", color="C0", mfc="C0", ls="none",
+                 label=f"sparse: tied optimum at $L$ = {', '.join(str(t['L']) for t in beyond)}")
     ax1.set(xlabel="layers $L$", ylabel="population loss (exact; log scale)", yscale="log",
             xticks=sorted({r["L"] for r in exact} | {t["L"] for t in done}), title="(a) family optima, trained models")
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
@@ -51,7 +66,7 @@ def plot_looped(plt, save, rows, tables):
                  ls=("-", ":", "--", "-.")[i % 4], color=f"C{i}", ms=5, mfc="white", label=f"exact, $n$ = {n}")
     ax2.errorbar([r["L"] + 0.12 for r in hess], [r["mc_antisymmetric"] for r in hess],
                  [K_SE * r["mc_antisymmetric_se"] for r in hess], fmt="kx", ms=7, elinewidth=1.5,
-                 label=f"Monte Carlo, $n$ = 20 (±{k_se} SE;\ndrawn just right)")
+                 label=f"Monte Carlo, $n$ = 20 only (±{k_se} SE;\ndrawn just right)")
     ax2.axhline(0.0, color="k", lw=0.8)
     ax2.set_yscale("symlog", linthresh=1e-2)
     ax2.set(xlabel="layers $L$", ylabel="antisymmetric Hessian eigenvalue\nat the tied family point (symlog)",
@@ -69,38 +84,51 @@ def plot_looped(plt, save, rows, tables):
         if ps:
             ax3.plot([p["beta"] for p in ps], [p["relative_to_family"] for p in ps], marker, color="k", ms=7, label=label)
     mc = [p for p in points if p.get("mc_loss") is not None and np.isfinite(p["mc_loss"])]
+    mc_kinds = sorted({"saddle" if p["kind"] == "saddle" else "minimum" for p in mc})
     if mc:
-        ax3.errorbar([p["beta"] + 0.012 for p in mc], [p["mc_loss"] / p["family_loss"] - 1 for p in mc],
+        ax3.errorbar([p["beta"] - 0.012 for p in mc], [p["mc_loss"] / p["family_loss"] - 1 for p in mc],
                      [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], fmt="x", color="0.4", ms=6,
-                     label=f"its Monte Carlo loss (±{k_se} SE; just right)")
+                     label=f"{' and '.join(mc_kinds)}: Monte Carlo loss (±{k_se} SE; just left)")
     for t in trained:
         if t["L"] in (3, 4):
             ax3.axvline(t["antisym_sv"][0], color="C0" if t["L"] == 3 else "C3", ls=":" if t["L"] == 3 else "-.",
                         lw=1.5, label=f"trained tied model, $L$ = {t['L']}: its largest rotation")
     ax3.axhline(0.0, color="k", lw=0.8)
     ax3.set_yscale("symlog", linthresh=1e-3)
-    ax3.set(xlabel=r"rotation block size $\beta$ (whitened)", ylabel="loss / family optimum - 1 (symlog)",
+    ax3.set(xlabel=r"rotation block size $\beta$ (whitened)", ylabel="loss / family optimum − 1 (symlog)",
             yticks=[-0.1, -0.01, -0.001, 0, 0.001, 0.01, 0.1], ylim=(-0.3, 0.3),
             title=r"(c) the loss minimised over the rest at each $\beta$")
     ax3.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
     ax3.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.suptitle("Looped (tied) models: one sparse layer applied $L$ times, $d$ = 5, $n$ = 20 unless said,\n"
                  r"noiseless, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
+    # what the caption says of the Monte Carlo bars is measured on b and c as drawn
+    bars_b = bars_inside_markers(fig, ax2, [r["L"] + 0.12 for r in hess], [r["mc_antisymmetric"] for r in hess],
+                                 [K_SE * r["mc_antisymmetric_se"] for r in hess], 7)
+    bars_c = bars_inside_markers(fig, ax3, [p["beta"] - 0.012 for p in mc], [p["mc_loss"] / p["family_loss"] - 1 for p in mc],
+                                 [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], 6)
     checks = [r for r in rows if r["check"]]
     # each trained model's place against the tied family optimum, with the basin its exact descent ends in
     # (a model above the falling curve is in another minimum's basin, not unconverged)
     where = "; ".join(f"L = {t['L']}: {100 * (t['exact_loss'] / t['family_loss'] - 1):+.1f}%"
                       + (f" ({t['basin']} basin)" if t.get("basin") else "")
+                      + ("" if t["L"] in tabled else ", its tied optimum the filled square beside it")
                       for t in done if t.get("family_loss"))
+    mc_at = ", ".join(str(r["L"]) for r in hess)
     return [(save(fig, ""), "Looped models (d = 5, n = 20): (a) the exact tied and untied family optima per depth, with the "
              "trained tied sparse models' exact losses (stars: a trained model need not sit on the tied family, it can "
-             "leave it through a rotation block, c; against the tied family optimum: " + where + "); (b) the "
-             "antisymmetric Hessian eigenvalue at the tied family point, "
-             f"exact per n (marker and line style: n) and by Monte Carlo at n = 20 (±{k_se} SE); (c) the loss along "
+             "leave it through a rotation block, c; against the tied family optimum: " + where + ")"
+             + (f"; at L = {L0} the four optima are one point (relative spread {spread:.1g})" if spread < 1e-3 else "")
+             + "; (b) the antisymmetric Hessian eigenvalue at the tied family point, "
+             f"exact per n (marker and line style: n) and by Monte Carlo at n = 20 only, L = {mc_at} (±{k_se} SE; "
+             f"{bars_said(bars_b, 'cross')}); (c) the loss along "
              "matrices with rotation blocks, relative to the family optimum, with the certified minima (squares) and "
-             f"saddle (triangle), their Monte Carlo losses (±{k_se} SE; a bar not seen is smaller than its cross) and the trained tied models' largest rotation "
+             "saddle (triangle), "
+             + (f"the Monte Carlo loss of the {' and '.join(mc_kinds)} (±{k_se} SE; {bars_said(bars_c, 'cross')}) "
+                if mc else "") + "and the trained tied models' largest rotation "
              f"(dotted, dash-dotted); the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
-             f"{len(checks)} PASS.")]
+             f"{len(checks)} PASS. What to see: whether (b)'s eigenvalue falls below 0 (the family point a saddle) "
+             "and (c)'s minima lie below 0 (the tied family beaten through a rotation).")]
 
 
 def tied_family_rows(exact):
@@ -414,21 +442,23 @@ def plot_dynamics(plt, save, rows, tables):
     # (a) and (b) side by side, the residuals (c) below across the page: three panels in 7 in
     fig, axes = plt.subplot_mosaic([["a", "b"], ["c", "c"]], figsize=(7.0, 7.0), layout="constrained")
     ax1, ax2, ax3 = axes["a"], axes["b"], axes["c"]
+    bound = next(r["sigma_bound"] for r in rows if r.get("sigma_bound") is not None)
     for (start, color), ls in zip((("inside", "C0"), ("outside", "C1")), ("-", "--")):
         pts = [f for f in flow if f["start"] == start and f["t"] > 0]
         ax1.plot([f["t"] for f in pts], [f["loss"] for f in pts], ls, color=color,
-                 label=rf"$\sigma$ = {pts[0]['sigma']:.2f} ({start} the bound)")
+                 label=rf"$\sigma$ = {pts[0]['sigma']:.2f} ({start} the bound {bound:.2f})")
     ax1.set(xscale="log", yscale="log", xlabel="time $t$ (log scale)", ylabel="population loss (log scale)",
             title="(a) exact gradient flow, two starts")
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     # the entries of Gamma named by their indices in brackets: a subscript would be drawn at 70 % (below 8 pt)
     entries = (("G00", "o", "-"), ("G01", "s", "--"), ("G11", "^", ":"))
     ts = [r["t"] for r in descent]
+    ms = 5
     for i, (key, marker, ls) in enumerate(entries):
         name = rf"$\Gamma$[{key[1]},{key[2]}]"
         ax2.plot(ts, [r[f"flow_{key}"] for r in descent], ls, color=f"C{i}", label=f"{name}: flow (line)")
         ax2.errorbar(ts, [r[f"gd_{key}"] for r in descent], [K_SE * r[f"gd_{key}_se"] for r in descent], fmt=marker,
-                     color=f"C{i}", mfc="white", ms=5, label=f"{name}: descent (±{k_se} SE)")
+                     color=f"C{i}", mfc="white", ms=ms, label=f"{name}: descent (±{k_se} SE)")
         # the residual panel: descent minus flow in units of its standard error, entries side by side
         dx = 0.06 * (i - 1)
         ax3.plot([t + dx for t in ts], [(r[f"gd_{key}"] - r[f"flow_{key}"]) / r[f"gd_{key}_se"] for r in descent],
@@ -438,18 +468,24 @@ def plot_dynamics(plt, save, rows, tables):
     ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
     ax3.axhspan(-K_SE, K_SE, color="0.9", label=f"±{k_se} SE (the claims' tolerance)")
     ax3.axhline(0.0, color="k", lw=0.8)
-    ax3.set(xlabel=r"$t = k\eta$", ylabel="(descent - flow) / SE", ylim=(-1.6 * K_SE, 1.6 * K_SE),
-            title=f"(c) descent minus flow in standard errors (the ±{k_se} SE bars of b are smaller than their markers)")
+    ax3.set(xlabel=r"$t = k\eta$", ylabel="(descent − flow) / SE", ylim=(-1.6 * K_SE, 1.6 * K_SE),
+            title="(c) descent minus flow in standard errors")
     ax3.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.suptitle(rf"One linear-attention layer, $d$ = 2, $n$ = 10, $\Sigma$ eigenvalues (1, 1/2), noiseless;" "\n"
                  rf"descent: step $\eta$ = {descent[0]['eta']:g} from $\sigma$ = 0.3, batches of {descent[0]['B']} prompts")
+    # what the caption says of b's bars is measured on b as drawn
+    inside = bars_inside_markers(fig, ax2, [t for _ in entries for t in ts],
+                                 [r[f"gd_{key}"] for key, _, _ in entries for r in descent],
+                                 [K_SE * r[f"gd_{key}_se"] for key, _, _ in entries for r in descent], ms)
     checks = [r for r in rows if r["check"]]
     return [(save(fig, ""), "One layer's exact gradient flow from a start inside and one outside Zhang, Frei and Bartlett's "
-             "initial-scale bound (a: the loss plateaus, then drops to Gamma*'s), and gradient descent on independent "
-             f"batches against the flow (b: the batches' mean with ±{k_se} standard errors, bars smaller than the markers; "
+             f"initial-scale bound sigma = {bound:.2f} (a: the loss plateaus, then drops to Gamma*'s), and gradient descent on "
+             f"{descent[0]['R']} independent batches of {descent[0]['B']} prompts against the flow (b: the batches' mean with "
+             f"±{k_se} standard errors; {bars_said(inside)}; "
              f"c: the difference in standard errors, inside the grey ±{k_se} band where the descent claims pass); d = 2, "
              f"n = 10, noiseless labels; the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
-             f"{len(checks)} PASS.")]
+             f"{len(checks)} PASS. What to see: whether both starts reach the same loss, the one inside the bound "
+             "after a plateau, and whether the descent's points lie on the flow's lines.")]
 
 
 def flow_rows(f):
@@ -529,7 +565,7 @@ def plot_task_diversity(plt, save, rows, tables):
     k_se = fmt(K_SE)
     fig, axes = plt.subplots(1, 2, figsize=(7.0, 4.8), sharey=True, layout="constrained")
     series = (("L1", "one-layer optimum for the pool (exact)", "o", "-", "C0", 1 / 1.12),
-              ("L3", "trained three-layer model", "s", "--", "C3", 1.0),
+              ("L3", "trained model (three sparse layers)", "s", "--", "C3", 1.0),
               ("dmmse", "dMMSE", "^", ":", "C1", 1.12), ("ridge", r"ridge (Bayes for $w \sim N(0, I)$)", "D", "-.", "C2", 1.25))
     for ax, test in zip(axes, ("pool", "fresh")):
         for name, label, marker, ls, color, shift in series:
@@ -552,14 +588,25 @@ def plot_task_diversity(plt, save, rows, tables):
     fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8)
     first = pools[0]
     setting = (f"$d$ = {first['d']}, $n$ = {first['n']}, label noise variance {first['noise_var']:g}, " if "d" in first else "")
-    fig.suptitle(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$, $x \\sim N(0, I)$;\n{setting}"
-                 f"bars ±{k_se} SE\n(a bar not seen is smaller than its marker; points side by side in $K$)")
+    batches = (f"trained on {first['train_batch']} prompts, tested on {first['test_batch']} "
+               f"(dMMSE on {first['dmmse_batch']})\n" if "train_batch" in first else "")
+    # what the title says of the bars is measured on the figure as drawn: first laid out with the title's
+    # final number of lines, then the measured words written in
+    title = fig.suptitle(f"Task diversity\n{setting}\n{batches}bars")
+    inside = [i for ax, test in zip(axes, ("pool", "fresh")) for name, *_ , shift in series[1:]
+              for i in bars_inside_markers(fig, ax, [r["K"] * shift for r in pools if r.get(f"{name}_{test}") is not None],
+                                           [r[f"{name}_{test}"] for r in pools if r.get(f"{name}_{test}") is not None],
+                                           [K_SE * r[f"{name}_{test}_se"] for r in pools if r.get(f"{name}_{test}") is not None], 5)]
+    title.set_text(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$, $x \\sim N(0, I)$;\n{setting}"
+                   f"bars ±{k_se} SE\n{batches}({bars_said(inside)}; points side by side in $K$)")
     return [(save(fig, ""), "Task diversity (after Raventos et al. 2023" + (
              f"; d = {first['d']}, n = {first['n']}, label noise variance {first['noise_var']:g}" if "d" in first else "")
-             + "): the one-layer optimum for the pool (exact), the trained three-layer sparse model, dMMSE over the pool and "
+             + "): the one-layer optimum for the pool (exact), the trained model (three sparse layers), dMMSE over the pool and "
              "ridge (Bayes for w ~ N(0, I)), tested on the pool (a) and on fresh tasks (b), against the pool size K; Monte Carlo points with "
-             f"±{k_se} standard errors (where a bar is not seen it is smaller than the marker), the series drawn side by "
-             "side in K so no point hides another; a filled square: a three-layer model that did not converge.")]
+             f"±{k_se} standard errors ({bars_said(inside)}), the series drawn side by "
+             "side in K so no point hides another; a filled square: a three-layer model that did not converge. What to see: "
+             "whether dMMSE lies below ridge on small pools (a), and how far the models linear in the labels stay "
+             "above ridge on fresh tasks (b).")]
 
 
 def pool_rows(pools, L1_prior, L3_prior, fit):
@@ -623,7 +670,8 @@ def task_diversity(ctx):
         tasks = all_tasks[:K]
         # one layer at infinitely many training prompts from the pool: gamma_star of the pool's moment, exact
         G = ir.gamma_star(I, n, noise_var=noise_var, tasks=tasks)
-        r = dict(K=K, d=d, n=n, noise_var=noise_var,             # the setting, for the figure's title
+        r = dict(K=K, d=d, n=n, noise_var=noise_var, train_batch=train_batch, test_batch=test_batch,
+                 dmmse_batch=dmmse_batch,                      # the setting, for the figure's title
                  L1_pool=est.shifted_single_layer_loss(G, I, n, noise_var=noise_var, tasks=tasks),
                  L1_fresh=est.shifted_single_layer_loss(G, I, n, noise_var=noise_var))
         models = dict(dmmse=lambda Z: est.dmmse_predict(Z, tasks, noise_var),
@@ -657,22 +705,25 @@ def plot_shift(plt, save, rows, tables):
     series = (("layer_exact", "trained model (exact)", "o", "-", "C0", 1.0),
               ("best_layer", "best layer for the test law (exact)", "s", "--", "C1", 1.0),
               ("ridge_tuned", "tuned ridge ($\\lambda$ tuned on the test law)", "^", "none", "C3", 1.0),
-              ("bayes", "ridge (Bayes for the test law)", "o", ":", "C2", 1.0))
+              ("bayes", "ridge (Bayes for the test law)", "h", ":", "C2", 1.0))
     ns = [r["n"] for r in length]
-    # open circles around filled markers: the trained layer equals the best layer at n = 20, and tuned ridge
-    # equals Bayes everywhere here (its grid holds the Bayes lambda); neither hides the other
+    # open markers around filled ones: the trained layer (circle) equals the best layer at n = 20, and tuned
+    # ridge equals Bayes (hexagon) everywhere here (its grid holds the Bayes lambda); neither hides the other
     size = {"layer_exact": 9, "bayes": 12}
+    monte_carlo = ("ridge_tuned", "bayes")        # Monte Carlo losses on the test batch: drawn with their bars
     for key, label, marker, ls, color, _ in series:
-        ax1.plot(ns, [r[key] for r in length], marker, ls=ls, color=color, ms=size.get(key, 5),
-                 mfc="none" if key in size else color, mew=1.5, label=label)
+        ax1.errorbar(ns, [r[key] for r in length], [K_SE * r[key + "_se"] for r in length] if key in monte_carlo else None,
+                     fmt=marker, ls=ls, color=color, ms=size.get(key, 5), mfc="none" if key in size else color, mew=1.5,
+                     label=label + (f" (±{k_se} SE)" if key in monte_carlo else ""))
     ax1.errorbar([n * 1.12 for n in ns], [r["layer_mc"] for r in length], [K_SE * r["layer_mc_se"] for r in length], fmt="x", color="k",
                  ms=6, label=f"trained model (Monte Carlo, ±{k_se} SE; drawn just right)")
     ax1.set(xscale="log", yscale="log", xlabel="test prompt length $n$ (log scale)",
             ylabel=r"test loss, mean squared error (log scale)", title="(a) length shift (trained at $n$ = 20)")
     x = np.arange(len(other))
     for j, (key, label, marker, ls, color, _) in enumerate(series):
-        ax2.plot(x - 0.2 + 0.1 * j, [r[key] for r in other], marker, ls="none", color=color, ms=size.get(key, 5),
-                 mfc="none" if key in size else color, mew=1.5)
+        ax2.errorbar(x - 0.2 + 0.1 * j, [r[key] for r in other],
+                     [K_SE * r[key + "_se"] for r in other] if key in monte_carlo else None, fmt=marker, ls="none",
+                     color=color, ms=size.get(key, 5), mfc="none" if key in size else color, mew=1.5)
     ax2.errorbar(x + 0.2, [r["layer_mc"] for r in other], [K_SE * r["layer_mc_se"] for r in other], fmt="x",
                  color="k", ms=6)
     # covariances named in words: a subscript (Sigma_w) would be drawn at 70 %, below 8 pt
@@ -684,14 +735,25 @@ def plot_shift(plt, save, rows, tables):
             title="(b) covariate, task and query shifts at $n$ = 20 (Monte Carlo drawn right)")
     handles, labels = ax1.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8)
-    fig.suptitle("One linear-attention layer trained at $n$ = 20 on $x \\sim N(0, I)$, $w \\sim N(0, I)$,\nlabel noise "
-                 "variance 0.25, $d$ = 5, tested under shift")
+    first = shifts[0]
+    fig.suptitle(f"One linear-attention layer trained at $n$ = 20 on {first['train_batch']} prompts, $x \\sim N(0, I)$, "
+                 f"$w \\sim N(0, I)$,\nlabel noise variance 0.25, $d$ = 5, tested under shift on {first['test_batch']} prompts")
+    # what the caption says of the bars is measured on the figure as drawn (Bayes' open circle is the larger)
+    inside = (bars_inside_markers(fig, ax1, ns * 2, [r[k] for k in monte_carlo for r in length],
+                                  [K_SE * r[k + "_se"] for k in monte_carlo for r in length], size["bayes"])
+              + bars_inside_markers(fig, ax2, list(x) * 2, [r[k] for k in monte_carlo for r in other],
+                                    [K_SE * r[k + "_se"] for k in monte_carlo for r in other], size["bayes"]))
+    at_train = next(r for r in length if r["n"] == 20)
+    gap = at_train["layer_exact"] / at_train["best_layer"] - 1
     return [(save(fig, ""), "One layer trained at n = 20 (d = 5, x and w ~ N(0, I), label noise variance 0.25) tested under "
              "the experiment's four kinds of shift: (a) other prompt lengths, (b) covariates (Sigma), tasks (Sigma_w) "
              "and the query's law; the trained model's exact loss (with the Monte Carlo loss through the transformer, "
              f"crosses, ±{k_se} SE), the best layer for each test law, tuned ridge (lambda tuned on the test law) and "
-             "ridge (Bayes), the Bayes predictor for the test law (large open circles: it coincides with tuned ridge "
-             "here, the grid holding the Bayes lambda).")]
+             "ridge (Bayes), the Bayes predictor for the test law (large open hexagons: it coincides with tuned ridge "
+             f"here, the grid holding the Bayes lambda); both ridges are Monte Carlo losses on the test batch with ±{k_se} "
+             f"standard errors ({bars_said(inside, 'open hexagon')}); at n = 20, the training length, the trained model is "
+             f"{100 * gap:.2g}% above the best layer. What to see: what each shift costs the trained layer (circles) "
+             "against the best layer for the test law (squares) and against ridge.")]
 
 
 def shift_rows(shifts, L_star, n_train, fit):
@@ -749,7 +811,7 @@ def shift(ctx):
         layer_err = (ir.predict(fit["P"], fit["Q"], Zs) - ys) ** 2
         ridge_err = min(((est.ridge_predict(Zs, lam) - ys) ** 2 for lam in lambdas), key=np.mean)
         bayes_err = (est.bayes_predict(Zs, Sigma_w, noise) - ys) ** 2
-        r = dict(kind=kind, shift=label, n=n,
+        r = dict(kind=kind, shift=label, n=n, train_batch=len(y), test_batch=test_batch,
                  layer_exact=est.shifted_single_layer_loss(G, Sigma, n, Sigma_w, noise, Sigma_query=Sigma_q),
                  best_layer=est.shifted_single_layer_loss(ir.gamma_star(Sigma, n, Sigma_w, noise), Sigma, n, Sigma_w,
                                                          noise, Sigma_query=Sigma_q),

@@ -1129,6 +1129,22 @@ def test_figures_keep_text_at_least_8_pt_and_save_a_png_and_a_pdf():
     assert runner.output_of("depth", "depth.pdf") and runner.output_of("depth", "depth_x.pdf")
 
 
+def test_bars_inside_markers_is_measured_on_the_drawn_axes():
+    # on a 0..10 axis about 3.9 in tall a 6 pt marker is ~0.2 units high: a bar of ±0.01 ends inside it,
+    # one of ±2 far outside; on a log axis a bar reaching 0 or below ends nowhere, so it is never inside
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig, (ax, log_ax) = plt.subplots(1, 2)
+    ax.set_ylim(0, 10)
+    assert ex.bars_inside_markers(fig, ax, [1, 2], [5, 5], [0.01, 2], 6) == [True, False]
+    log_ax.set_yscale("log")
+    log_ax.set_ylim(0.1, 10)
+    assert ex.bars_inside_markers(fig, log_ax, [1, 2], [1, 1], [1e-4, 1.5], 6) == [True, False]
+    plt.close(fig)
+    assert ex.bars_said([True, True]) == "every bar is smaller than its marker"
+    assert ex.bars_said([True, False, False], "cross").startswith("1 of 3 bars are smaller than their crosses")
+    assert ex.bars_said([False]) == "every bar is seen beyond its marker"
+
+
 @pytest.mark.parametrize("text, depth", [("plain_text^2", 0), (r"$\hat a$ = 0.3", 0), ("$A_l$", 1),
                                          (r"$\Sigma^{-1}$-PGD", 1), (r"$a^*_L I$", 1), ("$x_{a_b}$", 2),
                                          (r"$\Sigma_{w}$ and $x$", 1), ("$a$, $b$ and $B$", 0)])

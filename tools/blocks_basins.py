@@ -77,15 +77,17 @@ def figure(record):
         fig, (left, right) = plt.subplots(2, 1, figsize=(7.0, 8.4), layout="constrained")   # (a) above (b): 7 in wide
         # rows of the left panel: each basin reached, lowest loss first, then the runs that did not converge
         keys = sorted({basin_key(r["basin_loss"]) for r in runs if r["converged"]}, key=float)
-        labels = [f"f = {k}" + (" (global)" if k == record["global_key"] else "") for k in keys] + ["not converged"]
+        # a "not converged" row only when some run did not converge
+        labels = ([f"f = {k}" + (" (global)" if k == record["global_key"] else "") for k in keys]
+                  + (["not converged"] if not all(r["converged"] for r in runs) else []))
         # Gauss-Newton: large open circles; L-BFGS: small filled squares, drawn inside them (both
         # optimisers often reach the same point: neither hides the other)
-        for name, marker, dy, size, face in (("Gauss-Newton", "o", -0.12, 70, "none"), ("L-BFGS", "s", 0.12, 22, None)):
+        for name, marker, size, face in (("Gauss-Newton", "o", 70, "none"), ("L-BFGS", "s", 22, None)):
             color = "C0" if name == "Gauss-Newton" else "C1"
             mine = [r for r in runs if r["optimiser"] == name]
             rows = [keys.index(basin_key(r["basin_loss"])) if r["converged"] else len(keys) for r in mine]
             kw = dict(marker=marker, s=size, edgecolors=color, facecolors=face or color, linewidths=1.5)
-            left.scatter([r["start"] for r in mine], [k + dy for k in rows], **kw,
+            left.scatter([r["start"] for r in mine], rows, **kw,
                          label=f"{name}: {sum(r['converged'] for r in mine)} of {len(mine)} converged")
             conv = [r for r in mine if r["converged"]]
             right.scatter([r["a"][1] for r in conv], [r["b"][1] for r in conv], **kw, label=f"{name} (converged runs)")
@@ -98,7 +100,12 @@ def figure(record):
         lo, hi = right.get_xlim()
         for f, a, b in basins:          # a label on the side of its point away from the nearer frame
             inside = a[1] < (lo + hi) / 2
-            right.annotate(f"f = {f:.4e}", (a[1], b[1]), textcoords="offset points", xytext=(10 if inside else -10, 10),
+            # the runs of one basin fall on one point of their own: the minimum's label counts them (f as
+            # panel a writes it)
+            many = {name: sum(r["converged"] and basin_key(r["basin_loss"]) == basin_key(f) and r["optimiser"] == name
+                              for r in runs) for name in OPTIMISERS}
+            right.annotate(f"f = {basin_key(f)}\nruns in its basin: " + ", ".join(f"{name} {k}" for name, k in many.items() if k),
+                           (a[1], b[1]), textcoords="offset points", xytext=(10 if inside else -10, 10),
                            ha="left" if inside else "right", fontsize=8)
         left.set_yticks(range(len(labels)), labels)
         left.set_ylim(-0.6, len(labels) - 0.4)
