@@ -683,8 +683,6 @@ MUTANTS = [
      'pass', 'a block without an end marker is never checked'),
     ('records-disagreeing-rows-accepted', 'tools/records.py', 'one', 'if len(set(map(repr, values))) != 1:',
      'if not values:', 'the rows a block quotes once may disagree'),
-    ('records-template-dunder', 'tools/records.py', 'evaluate', 'or isinstance(n, ast.Attribute) and n.attr.startswith("_")',
-     '', 'a template reaches into objects by their dunder attributes'),
     ('records-row-by-position', 'tools/records.py', 'rows', 'if fnmatch.fnmatchcase(r["id"], pattern)', '',
      'a pattern matches every row of its table (a row found by its place, not its id)'),
     ('records-corrupt-table-raises', 'tools/records.py', 'rows', 'except (OSError, ValueError, csv.Error) as e:',
@@ -1029,6 +1027,9 @@ MUTANTS = [
 
 # (name, file, function, old, new, why it cannot change any result)
 EQUIVALENT = [
+    ('records-template-dunder', 'tools/records.py', 'evaluate', 'or isinstance(n, ast.Attribute) and n.attr.startswith("_")',
+     '', "attribute(), through which every x.name of a template is read, refuses a name with an underscore as well: "
+     "this check only refuses it before anything is evaluated (test_a_template_reads_only_what_it_is_given)"),
     ("gamma-star-transposed", "icl_ref.py", 'gamma_star', 'G = np.linalg.solve(K, Sigma / c @ W) * scale', 'G = np.linalg.solve(K, Sigma / c @ W).T * scale',
      "Gamma* = Sigma^-1/2 f(C) Sigma^-1/2 with f(C) a function of the symmetric C is symmetric for every Sigma, "
      "Sigma_w (MATH.md §8; test_theorem1_gamma_star_against_the_whitened_eigen_form checks it)"),
