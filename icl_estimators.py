@@ -228,7 +228,10 @@ def monte_carlo_risk(predict, rng, batch, n, Sigma, Sigma_w=None, noise_var=0.0,
                              f"{np.max(np.abs(y_hat)):.3g}): the risk is not a float64 number")
         errors.append(error)
     errors = np.concatenate(errors)
-    return float(np.mean(errors)), float(np.std(errors, ddof=1) / math.sqrt(batch))
+    top = float(np.max(errors))        # scaled by it, the squared deviations neither under- nor overflow
+    if top == 0:
+        return 0.0, 0.0
+    return float(np.mean(errors / top)) * top, float(np.std(errors / top, ddof=1) / math.sqrt(batch)) * top
 
 
 @_numpy_rules

@@ -294,7 +294,7 @@ def tied_family_hessian_eigenvalues(L, n, d, a=None, exact=False):
         symmetric = 2 * (off_diagonal(g_plus) + 2 * diagonal(g_plus) * (1 - Fraction(1, d))) / (d * (d + 1) // 2 - 1)
         antisymmetric = 4 * off_diagonal(g_minus) / (d * (d - 1))
         out = (identity, symmetric, antisymmetric)
-    return out if exact else _floats(out, a)
+    return out if _flag("exact", exact) else _floats(out, a)
 
 
 @_numpy_rules
@@ -322,7 +322,7 @@ def antisymmetric_curvature_parts(L, n, d, a=None, exact=False):
     scale = Fraction(2, d * (d - 1))
     stretch = scale * off_diagonal(_bmul({(2, 0): Fraction(1)}, _bmul(h, h)))
     twist = -scale * off_diagonal(_bmul({(1, 1): Fraction(1)}, _badd(h_odd, _bmul(h, h), scale=(L, -1))))
-    return (stretch, twist) if exact else _floats((stretch, twist), a)
+    return (stretch, twist) if _flag("exact", exact) else _floats((stretch, twist), a)
 
 
 @_numpy_rules
@@ -571,7 +571,11 @@ def tied_loss_and_grad(W, L, n, d):
     """(f(W), grad f(W)) in float64 from tied_loss_polynomial (MATH.md §14): the gradient of each word's trace
     is a sum over its letters of products of the rest. W: (d, d). Returns (float, (d, d))."""
     L, n, d = _sizes(L, n, d, MAX_LOOPS)
-    f, g = _evaluator(L, n, d).loss_and_grad(_square("W", W, d))
+    with np.errstate(over="ignore", invalid="ignore"):          # an overflow is named below
+        f, g = _evaluator(L, n, d).loss_and_grad(_square("W", W, d))
+    if not (np.isfinite(f) and np.all(np.isfinite(g))):
+        raise ValueError(f"f or its gradient is not finite: float64 overflowed at max |W| {np.max(np.abs(W)):.3g}; "
+                         "use tied_population_loss(..., exact=True) or a smaller W")
     return float(f), np.asarray(g, dtype=np.float64)
 
 
@@ -588,7 +592,10 @@ def tied_hessian(W, L, n, d):
     for k in range(d * d):
         E = np.zeros(d * d, dtype=complex)
         E[k] = 1j * COMPLEX_STEP
-        H[:, k] = ev.loss_and_grad(W + E.reshape(d, d))[1].imag.ravel() / COMPLEX_STEP
+        with np.errstate(over="ignore", invalid="ignore"):      # an overflow is named below
+            H[:, k] = ev.loss_and_grad(W + E.reshape(d, d))[1].imag.ravel() / COMPLEX_STEP
+    if not np.all(np.isfinite(H)):
+        raise ValueError(f"the Hessian is not finite: float64 overflowed at max |W| {np.max(np.abs(W)):.3g}")
     return (H + H.T) / 2
 
 
@@ -904,8 +911,12 @@ def per_sample_loss(W, S, L):
     """||(I - W^T S)^L||_F^2 for each S (MATH.md §14): the loss averaged over w* and the query given S, whose
     mean over S is f(W). W: (d, d); S: (B, d, d). Returns (B,)."""
     W = _square("W", W, S.shape[-1])
-    ML = _powers(W, S, _int("L", L, 1))[-1]
-    return np.sum(ML * ML, axis=(-2, -1))
+    with np.errstate(over="ignore", invalid="ignore"):          # an overflow is named below
+        ML = _powers(W, S, _int("L", L, 1))[-1]
+        loss = np.sum(ML * ML, axis=(-2, -1))
+    if not np.all(np.isfinite(loss)):
+        raise ValueError(f"the per-sample loss overflows float64 at max |W| {np.max(np.abs(W)):.3g}: use a smaller W")
+    return loss
 
 
 @_numpy_rules
@@ -953,8 +964,15 @@ def per_sample_hessian_products(W, S, L, U):
 
 
 def _mean_se(x):
+    """(mean, standard error) of samples x, scale-free: the squared deviations of samples near 1e-200
+    underflow to 0 (a standard error of 0) and those near 1e160 overflow; scaled by max |x| they do
+    neither. A ValueError when the samples themselves are not finite."""
     x = np.asarray(x, dtype=np.float64)
-    return float(np.mean(x)), float(np.std(x, ddof=1) / math.sqrt(x.shape[0]))
+    top = np.max(np.abs(x)) if np.all(np.isfinite(x)) else math.nan
+    if not math.isfinite(top):
+        raise ValueError("the Monte Carlo samples overflow float64: use a smaller W")
+    u = x / top if top > 0 else x
+    return float(np.mean(u)) * top if top > 0 else 0.0, float(np.std(u, ddof=1) / math.sqrt(x.shape[0])) * top
 
 
 @_numpy_rules

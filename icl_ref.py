@@ -520,7 +520,10 @@ def in_context_loss(P, Q, Z, y):
     """f = mean_b (Z_L[b, d, n] + y_b)^2 = mean_b (y_hat_b - y_b)^2 (no factor 1/2), MATH.md §3.
     P, Q: (L, H, D, D); Z: (B, D, n+1); y: (B,) true query labels. Returns a float."""
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
-    return float(np.mean((predict(P, Q, Z) - y) ** 2))
+    with np.errstate(over="ignore"):                      # the square of a finite prediction may overflow:
+        loss = float(np.mean((predict(P, Q, Z) - y) ** 2))
+    _finite(dict(loss=loss), P=P, Q=Q, Z=Z)             # named here
+    return loss
 
 
 def _loss_and_grad_gram(P, Q, S0, q0, y, n):
@@ -866,8 +869,7 @@ def structure_to_PQ(structure, coords, L=None):
 
 def _check_structure_of(structure, P, Q, tied=False):
     """A ValueError unless P, Q have the form of `structure` (one head, the fixed entries of (8) or
-    (11); with tied, every layer equal): the Jacobian's columns in that structure's coordinates
-    assume it."""
+    (11); with tied, every layer equal), which the Jacobian's columns in its coordinates assume."""
     if _flag("tied", tied) and not (np.all(P == P[:1]) and np.all(Q == Q[:1])):
         raise ValueError("P, Q must have every layer equal for tied=True (one (P, Q) applied L times)")
     if structure == "full":
@@ -884,9 +886,8 @@ def _check_structure_of(structure, P, Q, tied=False):
 
 
 def _jacobian_rows(structure, JP, JQ, tied=False):
-    """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's
-    coordinates (tied: one layer's): the chain rules of structure_grad applied to every row at once
-    (MATH.md §5, §14)."""
+    """Per-prompt gradients JP, JQ (B, L, H, D, D) as Jacobian rows (B, p) in the structure's coordinates
+    (tied: one layer's): structure_grad's chain rules applied to every row at once (MATH.md §5, §14)."""
     B = JP.shape[0]
     return np.concatenate([g.reshape(B, -1) for g in _structure_grad(structure, JP, JQ, tied).values()], axis=1)
 
@@ -1730,12 +1731,11 @@ def optimal_family_scalars(L, n, d, blocks=False, noise_var=0.0, starts=24, rng=
     """Best member of the family of Theorem 3 (A_l = a_l Sigma^-1) or, with blocks, of Theorem 4
     (also B_l = b_l I), by multi-start L-BFGS-B on the exact population loss (MATH.md §10).
 
-    The loss is evaluated with the exact Gauss rule of wishart_quadrature; the reported loss is
-    family_population_loss at the optimum (exact rationals). Starts: a_l ~ U(0, 2), b_l ~ U(0, 1.5)
-    from rng (default seed 0). Returns (a (L,), b (L,) or None, loss); b[L-1] is NaN since B_{L-1}
-    does not enter ([A] footnote 4); the sparse family's a is sorted (Lemma 4: the loss is symmetric).
-    n <= MAX_FAMILY_N (1e14): beyond, float64 cannot resolve the loss the descent minimises (ValueError).
-    """
+    The loss is the exact Gauss rule of wishart_quadrature's; the loss reported, family_population_loss at
+    the optimum (exact rationals). Starts a_l ~ U(0, 2), b_l ~ U(0, 1.5) from rng (default seed 0).
+    Returns (a (L,), b (L,) or None, loss); b[L-1] is NaN since B_{L-1} does not enter ([A] footnote 4);
+    the sparse family's a is sorted (Lemma 4: the loss is symmetric). n <= MAX_FAMILY_N (1e14): beyond,
+    float64 cannot resolve the loss the descent minimises (ValueError)."""
     best, (L, n, d, noise_var) = _family_search(L, n, d, blocks, noise_var, starts, rng)
     return _family_result(best, L, n, d, blocks, noise_var, sort=not blocks)
 

@@ -397,3 +397,14 @@ def test_ols_risk_is_right_at_any_scale_or_says_it_cannot_be():
     assert est.ols_population_risk(1, np.eye(4), noise_var=1e308) == pytest.approx(1e308 / 2 * 3, rel=1e-15)
     with pytest.raises(ValueError, match="the risk overflows float64"):
         est.ols_population_risk(4, np.eye(2), noise_var=1.7e308)
+
+
+def test_monte_carlo_risk_and_its_standard_error_are_scale_free():
+    # x -> c x scales every error (y_hat - y)^2 by c exactly for a zero predictor (c a power of 10 is
+    # not exact: 1e-12 relative covers its rounding); the squared deviations of errors near 1e-200
+    # underflowed (a standard error of 0.0) and those near 1e153 overflowed (inf)
+    predict = lambda Z: np.zeros(len(Z))
+    base = est.monte_carlo_risk(predict, np.random.default_rng(0), 100, 5, np.eye(2))
+    for c in (1e-200, 1e-160, 1e153):
+        risk, se = est.monte_carlo_risk(predict, np.random.default_rng(0), 100, 5, c * np.eye(2))
+        assert risk == pytest.approx(c * base[0], rel=1e-12) and se == pytest.approx(c * base[1], rel=1e-12)

@@ -633,6 +633,15 @@ def test_inputs_are_checked():
         lp.tied_family_hessian_eigenvalues(3, N, D, a=1e300)
     with pytest.raises(ValueError, match="overflow float64"):
         lp.antisymmetric_curvature_parts(3, N, D, a=1e300)
+    with pytest.raises(TypeError, match="exact"):
+        lp.tied_family_hessian_eigenvalues(2, N, D, exact="no")
+    with pytest.raises(TypeError, match="exact"):
+        lp.antisymmetric_curvature_parts(2, N, D, exact=1)
+    # f grows like |W|^(2L): at 1e150 I it and its gradient were NaN and the Hessian all NaN, with warnings
+    with pytest.raises(ValueError, match="not finite: float64 overflowed"):
+        lp.tied_loss_and_grad(1e150 * np.eye(D), 2, N, D)
+    with pytest.raises(ValueError, match="not finite: float64 overflowed"):
+        lp.tied_hessian(1e150 * np.eye(D), 2, N, D)
     with pytest.raises(TypeError, match="Generator"):
         lp.tied_descent_from_family(2, N, D, 0)
     with pytest.raises(ValueError, match="eps must be > 0"):
@@ -925,3 +934,18 @@ def test_every_function_works_under_a_strict_caller_and_leaves_its_settings():
     assert_strict_caller_gets_the_same(lp, calls, draws=())
     with pytest.raises(ValueError, match="blocks must be between 1 and 0 for d = 2"):
         lp.tied_block_saddle(3, 20, 2, 1, 0.4)                # one block fills d = 2: nothing outside it
+
+
+def test_mc_loss_and_its_standard_error_are_scale_free():
+    # at L = 1 a sample's loss is |I - W^T S|_F^2, about 1e160 at W = 1e80 I: the squared deviations of
+    # such samples overflowed (a standard error of inf); at W = 1e200 I the samples themselves overflow,
+    # a ValueError naming it, not (inf, nan) with warnings
+    S = lp.sample_whitened_covariances(np.random.default_rng(4), 200, N, D)
+    direct = np.array([np.sum((np.eye(D) - 1e80 * s) ** 2) for s in S])
+    m, se, _ = lp.mc_loss(1e80 * np.eye(D), S, 1)
+    # 1e-12: rounding of the scaled sums; the reference is the same samples' mean and sd taken on x / 1e160
+    u = direct / 1e160
+    assert m == pytest.approx(np.mean(u) * 1e160, rel=1e-12)
+    assert se == pytest.approx(np.std(u, ddof=1) / np.sqrt(len(u)) * 1e160, rel=1e-12) and np.isfinite(se) and se > 0
+    with pytest.raises(ValueError, match="overflow"):
+        lp.mc_loss(1e200 * np.eye(D), S, 1)

@@ -2121,6 +2121,8 @@ BAD_CALLS = [
     # alpha = 1e600 is no float64: it was inf with a RuntimeWarning
     ("fitted overflow", lambda: ir.fitted_scalar(1e300 * np.ones((2, 2)), 1e-300 * np.eye(2)), ValueError, "overflows"),
     ("overflow loss", lambda: ir.loss_and_grad(_P + 1e30, _Q + 1e30, _Zs, _ys), ValueError, "overflow"),
+    # a finite prediction whose squared error overflows: in_context_loss was inf with a RuntimeWarning
+    ("overflow in-context loss", lambda: ir.in_context_loss(_P, _Q, _Zs * 1e100, _ys * 1e200), ValueError, "overflow"),
     ("overflow forward", lambda: ir.forward(_P + 1, _Q + 1, _Zs[:, :4] * 1e100), ValueError, "overflow"),
     ("overflow predict", lambda: ir.predict(_P + 1, _Q + 1, _Zs[:, :4] * 1e100), ValueError, "overflow"),
     ("overflow sampling", lambda: ir.sample_prompts(_rng, 2, 3, 1.7e308 * np.eye(3), 1.7e308 * np.eye(3)),

@@ -613,3 +613,21 @@ def test_no_function_body_is_written_twice_in_the_experiments_the_tools_and_the_
                     if len(body) > 1 or len(key) > 300:                  # not a one-line wrapper
                         assert key not in bodies, f"{path}:{node.name} repeats {bodies[key]}"
                         bodies[key] = f"{path}:{node.name}"
+
+
+@pytest.mark.parametrize("plant", ["fifo", "endless"])
+def test_a_table_that_is_no_regular_file_is_a_message_and_status_2_not_a_wait(docs, capsys, plant):
+    # a FIFO or a link to /dev/zero under a table's name: opened to read, one waits for a writer forever and
+    # the other never ends; seen (stat) before it is opened, each is a table that cannot be read (status 2)
+    table = docs / "docs" / "optimizers.csv"
+    table.unlink()
+    os.mkfifo(table) if plant == "fifo" else table.symlink_to("/dev/zero")
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(status=records.main(["render", "--check"])), daemon=True)
+    worker.start()
+    worker.join(60)                                 # a refusal takes well under a second
+    if worker.is_alive():
+        if plant == "fifo":
+            os.close(os.open(table, os.O_WRONLY | os.O_NONBLOCK))    # a writer's open and close releases it
+        pytest.fail("blocked or endless reading a table")
+    assert box["status"] == 2 and "optimizers.csv cannot be read" in capsys.readouterr().err

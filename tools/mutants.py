@@ -146,8 +146,8 @@ MUTANTS = [
      'return np.r_[R_aug[:p, p], 0.0], R_aug[:, :p]', "the reduced system loses the part of r outside J's range (wrong costs)"),
     ('gn-reduced-R-transposed', 'icl_ref.py', '_reduced_least_squares', 'return R_aug[:, p], R_aug[:, :p]',
      'return R_aug[:, p], np.vstack([R_aug[:p, :p].T, R_aug[p:, :p]])', 'R^T handed to the solver'),
-    ('loss-half', 'icl_ref.py', 'in_context_loss', 'return float(np.mean((predict(P, Q, Z) - y) ** 2))',
-     'return float(0.5 * np.mean((predict(P, Q, Z) - y) ** 2))', 'loss with a factor 1/2'),
+    ('loss-half', 'icl_ref.py', 'in_context_loss', 'loss = float(np.mean((predict(P, Q, Z) - y) ** 2))',
+     'loss = float(0.5 * np.mean((predict(P, Q, Z) - y) ** 2))', 'loss with a factor 1/2'),
     ('gn-fixed-full-P-columns', 'icl_ref.py', '_fixed_coordinates', 'masks["P"][-1, :, :-1, :] = True',
      'masks["P"][-1, :, :, :-1] = True', 'the x-columns of the last P held fixed instead of its x-rows'),
     ('lbfgs-success-unjudged', 'icl_ref.py', 'train_lbfgs', 'success = not outcome["interrupted"] and grad_max <= options["gtol"]',
@@ -828,10 +828,10 @@ MUTANTS = [
      'noise_var * (d / (n - d))', "least squares' noise term with n - d for n - d - 1"),
     ('r5-ols-underdetermined-noise', 'icl_estimators.py', 'ols_population_risk', 'noise_var * (n / (d - n - 1))',
      'noise_var * (n / (d - n))', "the interpolant's noise term with d - n for d - n - 1"),
-    ('r5-mc-se-ddof0', 'icl_estimators.py', 'monte_carlo_risk', 'np.std(errors, ddof=1)',
-     'np.std(errors)', 'the Monte Carlo standard error with ddof 0'),
-    ('r5-mc-se-chunk', 'icl_estimators.py', 'monte_carlo_risk', 'np.std(errors, ddof=1) / math.sqrt(batch)',
-     'np.std(errors, ddof=1) / math.sqrt(min(batch, 4096))', "the standard error divided by the chunk's size, not the batch's"),
+    ('r5-mc-se-ddof0', 'icl_estimators.py', 'monte_carlo_risk', 'np.std(errors / top, ddof=1)',
+     'np.std(errors / top)', 'the Monte Carlo standard error with ddof 0'),
+    ('r5-mc-se-chunk', 'icl_estimators.py', 'monte_carlo_risk', 'np.std(errors / top, ddof=1) / math.sqrt(batch)',
+     'np.std(errors / top, ddof=1) / math.sqrt(min(batch, 4096))', "the standard error divided by the chunk's size, not the batch's"),
     ('r5-shifted-query-law-swapped', 'icl_estimators.py', 'shifted_single_layer_loss', '_single_layer_loss(Gamma, Sigma, moment, S_q, n,',
      '_single_layer_loss(Gamma, S_q, moment, Sigma, n,', "the context's and the query's covariances swapped"),
     ('r5-dmmse-no-shift', 'icl_estimators.py', 'dmmse_predict', '        gap -= np.min(gap, axis=1, keepdims=True)\n',
@@ -839,8 +839,8 @@ MUTANTS = [
     ('r5-ols-refusal-range', 'icl_estimators.py', 'ols_population_risk', 'if noise_var > 0 and d - 1 <= n <= d + 1:',
      'if noise_var > 0 and d <= n <= d + 1:', 'n = d - 1 with noise not refused (its risk is infinite)'),
     # r5: icl_looped (slips only): the Monte Carlo standard errors, the flow's bound, the tied optimum
-    ('r5-looped-mean-se-ddof0', 'icl_looped.py', '_mean_se', 'np.std(x, ddof=1)',
-     'np.std(x)', 'the Monte Carlo standard errors with ddof 0'),
+    ('r5-looped-mean-se-ddof0', 'icl_looped.py', '_mean_se', 'np.std(u, ddof=1)',
+     'np.std(u)', 'the Monte Carlo standard errors with ddof 0'),
     ('r5-looped-control-var-ddof0', 'icl_looped.py', 'mc_loss', 'np.var(x, ddof=1)',
      'np.var(x)', "the control variate's coefficient cov (ddof 1) / var (ddof 0)"),
     ('r5-looped-grad-se-ddof0', 'icl_looped.py', 'mc_certificate', 'gse = np.sqrt(np.maximum(g_sq / B - gm * gm, 0) * B / (B - 1) / B)',
@@ -1023,6 +1023,24 @@ MUTANTS = [
      "dP, dQ judged by the forward pass's tolerance"),
     ('r7-vectors-oserror-status', 'icl_check.py', '_main', 'print(f"{v.prog}: error: {e}", file=sys.stderr)\n        return 2',
      'print(f"{v.prog}: error: {e}", file=sys.stderr)\n        return 1', 'a write the system refuses exits 1, not 2'),
+]
+
+# standard errors and losses at scales far from 1, and the tables' reads (records.rows)
+MUTANTS += [
+    ('h8-mc-risk-se-unscaled', 'icl_estimators.py', 'monte_carlo_risk',
+     'float(np.std(errors / top, ddof=1) / math.sqrt(batch)) * top', 'float(np.std(errors, ddof=1) / math.sqrt(batch))',
+     "the standard error's squared deviations formed at the errors' scale: 0.0 near 1e-200, inf near 1e153"),
+    ('h8-mean-se-unscaled', 'icl_looped.py', '_mean_se', 'float(np.std(u, ddof=1) / math.sqrt(x.shape[0])) * top',
+     'float(np.std(x, ddof=1) / math.sqrt(x.shape[0]))', "mc_loss's standard error inf for samples near 1e160"),
+    ('h8-in-context-loss-unchecked', 'icl_ref.py', 'in_context_loss', '_finite(dict(loss=loss), P=P, Q=Q, Z=Z)', 'pass',
+     'in_context_loss returns inf where loss_and_grad names the overflow'),
+    ('h8-tied-grad-unchecked', 'icl_looped.py', 'tied_loss_and_grad', 'if not (np.isfinite(f) and np.all(np.isfinite(g))):',
+     'if False:', 'the tied loss and gradient NaN at 1e150 I, returned'),
+    ('h8-exact-flag-truthy', 'icl_looped.py', 'tied_family_hessian_eigenvalues', 'if _flag("exact", exact) else', 'if exact else',
+     'exact="no" taken as True'),
+    ('h8-table-read-unchecked', 'tools/records.py', 'rows', 'lines = read(f"docs/{stem}.csv").splitlines(keepends=True)',
+     'lines = open(os.path.join(ROOT, "docs", f"{stem}.csv"), encoding="utf-8").read().splitlines(keepends=True)',
+     'a FIFO under a table\'s name blocks render and check forever'),
 ]
 
 # (name, file, function, old, new, why it cannot change any result)
