@@ -635,6 +635,14 @@ def summary_text(args, names, out, results, done, ending, plot_note, start):
     return "\n".join(summary) + "\n"
 
 
+def warn(text):
+    """text on stderr; a stderr that cannot take it (full, closed) loses the text, never the exit status."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def finish(args, names, out, results, done, ending, plot_note, start, log):
     """Write summary.md and the record's final status; returns the run's ending (None: it ran to
     the end), which becomes a write error when these writes fail."""
@@ -650,14 +658,13 @@ def finish(args, names, out, results, done, ending, plot_note, start, log):
     try:
         out.save(ending.status if ending else "complete", tally=counts, **(ending.fields() if ending else {}))
     except (icl_files.WriteFailed, icl_files.Refused) as e:
-        print(f"{TOOL}: error: {e}; the record {out.show(RECORD)!r} could not be updated (it says "
-              f"{out.status!r})", file=sys.stderr)
+        warn(f"{TOOL}: error: {e}; the record {out.show(RECORD)!r} could not be updated (it says {out.status!r})")
         ending = ending if ending and ending.status == "write error" else Ending.of(e, [])
     if ending and ending.status == "write error":
-        print(f"{TOOL}: error: {ending.error}", file=sys.stderr)
+        warn(f"{TOOL}: error: {ending.error}")
     failed = failed_claims(results)
     if failed:
-        print("FAILED claims:\n  " + "\n  ".join(failed), file=sys.stderr)
+        warn("FAILED claims:\n  " + "\n  ".join(failed))
     status = ending.exit_status if ending else EXIT_FAILED if failed else EXIT_OK
     log(f"{tally_line(counts)}; {'STOPPED, ' if ending else ''}{len(done)} of {len(names)} experiments "
         f"in {time.perf_counter() - start:.0f} s; exit status {status}; summary in {out.show(SUMMARY)}")

@@ -1135,7 +1135,10 @@ def _main(argv=None):
     except (TypeError, ValueError) as e:               # icl_files.Refused: --out as it is cannot be used
         v.error(str(e))
     except OSError as e:                               # icl_files.WriteFailed: disk full, ulimit -f, permission
-        print(f"{v.prog}: error: {e}", file=sys.stderr)
+        try:
+            print(f"{v.prog}: error: {e}", file=sys.stderr)
+        except OSError:                                # stderr full as well: the status still says it
+            pass
         return 2
     try:
         print(f"wrote {len(manifest['cases'])} cases and manifest.json to {args.out}", flush=True)

@@ -349,7 +349,8 @@ def test_a_kept_experiment_whose_file_is_now_the_users_is_recorded_incomplete(tm
 
 def test_stdout_on_a_full_disk_is_a_write_error_not_a_crash(tmp_path, monkeypatch):
     # `> /dev/full` or a log on a full disk: the run stops where it is safe, exit 74 and a record that
-    # says "write error" (round 6: a traceback, exit 1 - "a claim failed" - and a record stuck at running)
+    # says "write error" (it was a traceback, exit 1 - "a claim failed" - and a record stuck at running);
+    # with stderr full too (`> /dev/full 2>&1`) the status is still 74, not 1
     import errno
 
     class FullDisk:
@@ -360,9 +361,11 @@ def test_stdout_on_a_full_disk_is_a_write_error_not_a_crash(tmp_path, monkeypatc
             pass
     monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", "x", ex.INFO)], {}), "t"))
     monkeypatch.setattr(sys, "stdout", FullDisk())
-    assert runner.main(["count", "--out", str(tmp_path)]) == runner.EXIT_WRITE_ERROR
-    config = json.loads((tmp_path / "config.json").read_text())
+    assert runner.main(["count", "--out", str(tmp_path / "a")]) == runner.EXIT_WRITE_ERROR
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
     assert config["status"] == "write error" and "stdout" in config["error"]
+    monkeypatch.setattr(sys, "stderr", FullDisk())
+    assert runner.main(["count", "--out", str(tmp_path / "b")]) == runner.EXIT_WRITE_ERROR
 
 
 def test_overwrite_never_deletes_files_of_a_directory_that_held_no_run(tmp_path, monkeypatch):

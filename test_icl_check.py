@@ -1135,3 +1135,23 @@ def test_the_numpy_example_runs_in_its_own_process():
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "10 passed" in proc.stdout and "skipped" not in proc.stdout and "xfail" not in proc.stdout
+
+
+def test_vectors_a_write_error_with_stderr_full_too_is_still_status_2(tmp_path, monkeypatch):
+    # README: a write the system refuses exits with status 2; with stderr full as well (`> /dev/full 2>&1`)
+    # the message is lost but not the status (it was an OSError out of the error's own print: status 1)
+    import errno
+    import icl_files
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+    def refused(out, overwrite=False):
+        raise icl_files.WriteFailed(str(out), OSError(errno.EFBIG, "File too large"))
+    monkeypatch.setattr(ic, "write_reference_vectors", refused)
+    monkeypatch.setattr(sys, "stderr", FullDisk())
+    assert ic._main(["vectors", "--out", str(tmp_path / "v")]) == 2

@@ -854,8 +854,8 @@ MUTANTS = [
      'inputs = {k: np.asarray(v, dtype=dt) for k, v in', 'fn receives the cached reference inputs, not copies'),
     ('r5-check-booleans-accepted', 'icl_check.py', '_malformed', 'if a.dtype.kind not in "fiu":',
      'if a.dtype.kind not in "fiub":', 'booleans taken as numbers'),
-    ('r5-check-write-error-status', 'icl_check.py', '_main', '        print(f"{v.prog}: error: {e}", file=sys.stderr)\n        return 2',
-     '        print(f"{v.prog}: error: {e}", file=sys.stderr)\n        return 1', 'a refused write exits 1, not 2'),
+    ('r5-check-write-error-status', 'icl_check.py', '_main', '            pass\n        return 2',
+     '            pass\n        return 1', 'a refused write exits 1, not 2'),
     ('r5-check-all-skipped-passes', 'icl_check.py', 'check_implementation', 'if not any(c["status"] == "passed" for c in report["cases"].values()):',
      'if not report["cases"]:', 'a check where fn skipped every case passes'),
     # r5: icl_ref's options at their corners: tied=, label noise beside Sigma_w, task pools, strict rules
@@ -1021,8 +1021,8 @@ MUTANTS = [
      'the training length counted among the other lengths a shift costs at'),
     ('r7-d-gradient-tolerance', 'icl_check.py', 'check_implementation', 'q.startswith(("d", "grad_"))', 'q.startswith("grad_")',
      "dP, dQ judged by the forward pass's tolerance"),
-    ('r7-vectors-oserror-status', 'icl_check.py', '_main', 'print(f"{v.prog}: error: {e}", file=sys.stderr)\n        return 2',
-     'print(f"{v.prog}: error: {e}", file=sys.stderr)\n        return 1', 'a write the system refuses exits 1, not 2'),
+    ('r7-vectors-oserror-status', 'icl_check.py', '_main', 'pass\n        return 2',
+     'pass\n        return 1', 'a write the system refuses exits 1, not 2'),
 ]
 
 # standard errors and losses at scales far from 1, and the tables' reads (records.rows)
@@ -1038,6 +1038,10 @@ MUTANTS += [
      'if False:', 'the tied loss and gradient NaN at 1e150 I, returned'),
     ('h8-exact-flag-truthy', 'icl_looped.py', 'tied_family_hessian_eigenvalues', 'if _flag("exact", exact) else', 'if exact else',
      'exact="no" taken as True'),
+    ('h8-stderr-full-status', 'experiments_cli.py', 'warn', 'except OSError:', 'except ValueError:',
+     'stdout and stderr both full: exit 1 ("a claim failed") instead of 74'),
+    ('h8-vectors-stderr-full-status', 'icl_check.py', '_main', 'file=sys.stderr)\n        except OSError:',
+     'file=sys.stderr)\n        except ValueError:', 'the vectors writer exits 1 when stderr cannot take its error'),
     ('h8-table-read-unchecked', 'tools/records.py', 'rows', 'lines = read(f"docs/{stem}.csv").splitlines(keepends=True)',
      'lines = open(os.path.join(ROOT, "docs", f"{stem}.csv"), encoding="utf-8").read().splitlines(keepends=True)',
      'a FIFO under a table\'s name blocks render and check forever'),
