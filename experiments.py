@@ -671,7 +671,7 @@ def blocks_influence(ctx, res, Z, y, Si, L):
 
 def blocks_batch_rows(key, label, fitted, fitted_influence, family, a_star, b_star, f_star, loss_at_star, runs,
                       **extras):
-    """Theorem 4's trained scalars explained (issue 51): two rows for one trained blocks model.
+    """Theorem 4's trained scalars explained: two rows for one trained blocks model.
 
     `-batch-family` (checked): the fitted scalars (a_hat, b_hat[:-1]) equal the batch-optimal family
     scalars (`family`, batch_family_optimum) within K_SE standard errors of their difference. Both are
@@ -823,7 +823,7 @@ def three_layer_blocks(ctx):
                 # of the Gauss-Newton model, with no other null direction in this structure
                 _, J = fast.residuals_and_jacobian(res["P"], res["Q"], Z, y, structure="blocks", threads=ctx.threads)
                 eig = np.linalg.eigvalsh(2 * J[:, :-d * d].T @ J[:, :-d * d] / B)
-                # the fitted scalars against the batch's own family optimum (issue 51: they sat 12-18% above a*)
+                # the fitted scalars against the batch's own family optimum (they sit 12-18% above the population's a*)
                 family = batch_family_optimum(ctx, Z, y, Si, L, np.r_[a_hat, b_hat[:-1]])
                 star_model = ir.block_params(np.asarray(a_star)[:, None, None] * Si,
                                              np.r_[b_star[:-1], 0.0][:, None, None] * np.eye(d))

@@ -334,7 +334,7 @@ def test_overwrite_removes_only_an_earlier_runs_files_and_duplicates_run_once(tm
 def test_a_kept_experiment_whose_file_is_now_the_users_is_recorded_incomplete(tmp_path, monkeypatch):
     # --keep-others leaves a file that is not provably the run's where it is; the experiment that wrote
     # a file of that name earlier is then not complete, and the record and summary.md must say so
-    # (round 6: the record said "complete", listing the user's file, and summary.md said "Kept")
+    # (it was: the record said "complete", listing the user's file, and summary.md said "Kept")
     for name in ("first", "second"):
         monkeypatch.setitem(ex.EXPERIMENTS, name, (lambda ctx: ([ex.row("x", "x", ex.INFO)], {}), "t"))
     assert runner.main(["first", "second", "--out", str(tmp_path)]) == 0
@@ -873,7 +873,7 @@ def test_blocked_claims_and_decided_properties():
 
 
 def test_blocks_fitted_scalars_against_the_batch_family_optimum_fail_when_moved_5_se():
-    # Theorem 4's rows (issue 51): a trained blocks model's fitted scalars against the batch's own family
+    # Theorem 4's rows: a trained blocks model's fitted scalars against the batch's own family
     # optimum, within K_SE SE of their difference; moved 5 SE (training stopped elsewhere) the row fails
     ctx = ex.Context(rng=np.random.default_rng(0), quick=True, log=lambda *a: None)
     rng = np.random.default_rng(3)
@@ -1475,7 +1475,7 @@ def test_shift_rows_at_their_thresholds():
 
 # ---------------------------------------------------------------------------------------------
 # Every way a run ends is recorded, with the exit status README gives it; --overwrite replaces a
-# file only when its bytes are what a run recorded writing (issue 47)
+# file only when its bytes are what a run recorded writing
 # ---------------------------------------------------------------------------------------------
 
 def test_a_record_copied_next_to_your_own_file_does_not_make_it_ours(tmp_path, cli):

@@ -918,7 +918,7 @@ def vectors_cli(out, *flags, **kwargs):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_vectors_written_whole_when_stdout_cannot_take_the_last_line(tmp_path):
     # `| true` or `> /dev/full`: the vectors are written before the line that says so; no traceback,
-    # status 0 (round 6: a BrokenPipe/OSError traceback and status 1 after writing all 13 files)
+    # status 0 (it was a BrokenPipe/OSError traceback and status 1 after writing all 13 files)
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     with open("/dev/full", "w") as full:
         proc = subprocess.run([sys.executable, "-m", "icl_check", "vectors", "--out", str(tmp_path / "v")], stdout=full,

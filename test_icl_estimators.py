@@ -335,7 +335,7 @@ def test_estimators_work_under_a_strict_caller_at_any_scale():
 
 
 def test_ridge_and_bayes_are_right_at_any_scale_of_the_prior():
-    # hostile round 7, H7: Sigma_w = 1e308 I overflowed s^2 with only a RuntimeWarning and returned a wrong
+    # Sigma_w = 1e308 I overflowed s^2 with only a RuntimeWarning and returned a wrong
     # prediction. The ridge at (c_w W, lam) is the ridge at (W, lam / c_w) exactly in the mathematics;
     # computed so, the two sides run the same float operations up to the penalty's rounding: 1e-12
     Z, _ = ir.sample_prompts(np.random.default_rng(3), 3, 6, np.eye(3))
@@ -385,7 +385,7 @@ def test_ridge_is_right_when_the_context_query_labels_and_penalty_differ_in_scal
 
 
 def test_ols_risk_is_right_at_any_scale_or_says_it_cannot_be():
-    # hostile round 7, M4: c s (d - n) overflowed to inf at 1e200 I (both) and underflowed to 0.0 at 1e-200,
+    # c s (d - n) overflowed to inf at 1e200 I (both) and underflowed to 0.0 at 1e-200,
     # silently; now refused by name. Inside the range it is the closed form, exact to one rounding (1e-15)
     for c in (1e200, 1e-200):
         with pytest.raises(ValueError, match="normal range"):

@@ -190,7 +190,7 @@ def test_a_file_that_appears_while_the_set_is_written_is_left_alone(tmp_path, me
 
 
 # ---------------------------------------------------------------------------------------------
-# Links, FIFOs: never followed, never opened (defects 5 and 6 of issue 47)
+# Links, FIFOs: never followed, never opened
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spelling", ["", "/", "//", "/.", "/./", "/./."])
@@ -292,7 +292,7 @@ def test_a_folder_another_run_holds_is_refused(tmp_path, means):
 def test_a_users_file_under_the_lock_name_is_neither_written_nor_removed(tmp_path, means, planted):
     # the lock's name is not counted as a file of the folder's (a run's lock comes and goes), so a file
     # of that name that is no lock - the user's notes, or a second name of a file outside - must be
-    # refused, not truncated to hold a pid and then removed (round 6: both happened, exit 0)
+    # refused, not truncated to hold a pid and then removed (both happened, exit 0)
     out = tmp_path / "v"
     out.mkdir()
     mine = tmp_path / "precious.txt"
@@ -463,7 +463,7 @@ def test_a_run_killed_as_it_renamed_its_record_is_read_from_the_record_itself(tm
 
 def test_a_record_that_cannot_be_saved_keeps_saying_what_the_file_says(tmp_path, monkeypatch):
     # Folder.status is what the record on disk says: a save that fails leaves it, so a message quoting
-    # it is true (round 6: "it says 'write error'" of a record that said "running")
+    # it is true (it said "it says 'write error'" of a record that said "running")
     out = tmp_path / "v"
     with folder(out) as f:
         f.open(overwrite=False, keep_others=None, writes=lambda name: True)

@@ -535,7 +535,7 @@ def test_descent_from_a_random_tilt_of_the_family_point(L):
 
 
 def test_certificate_needs_a_critical_point_relative_to_the_loss():
-    # hostile round 7, H2: the reduced Hessian's sign alone certified points far from critical. At
+    # the reduced Hessian's sign alone certified points far from critical. At
     # 1e20 I, L-BFGS-B does not move (f ~ 2.6e78, |grad| ~ 3.7e59, decrement ~ 0.7 f); at 1e100 I, f overflows
     m = lp.tied_local_minimum(1e20 * np.eye(2), 2, 5, 2)
     assert not m["is_minimum"] and m["newton_decrement"] > 1e-6 * m["loss"]
@@ -563,7 +563,7 @@ def test_certificate_needs_a_critical_point_relative_to_the_loss():
 
 
 def test_tied_loss_overflow_is_refused_by_name():
-    # hostile round 7, M2: f(1e200 I) came out NaN (inf - inf among the polynomial's terms), silently
+    # f(1e200 I) came out NaN (inf - inf among the polynomial's terms), silently
     with pytest.raises(ValueError, match="overflowed at"):
         lp.tied_population_loss(1e200 * np.eye(2), 2, 5, 2)
     f = lp.tied_population_loss(0.5 * np.eye(2), 2, 5, 2)
@@ -777,7 +777,7 @@ def test_the_flows_cost_stops_growing_once_it_has_converged():
 
 
 def test_one_layer_loss_and_flow_are_right_at_any_scale_of_sigma_or_say_they_cannot_be():
-    # hostile round 7, H3: the loss's O(1) terms, products of entries of c S, underflowed at
+    # the loss's O(1) terms, products of entries of c S, underflowed at
     # c = 1e-170 (-1.06e-170 for +1.22e-170) and overflowed to NaN at 1e160. Now icl_ref's sum of
     # squares: L(Gamma*(c S); c S) = c L(Gamma*(S); S) in the mathematics, to 1e-12 (O(100) roundings);
     # the gradient dU ~ c^2 leaves float64's normal range beyond c ~ 1e+-154 and is refused by name

@@ -1179,7 +1179,7 @@ def _exact_single_layer_loss(Gamma, Sigma, n, M, Sigma_q, noise):
 
 
 def test_the_single_layer_losses_are_right_at_large_n():
-    # hostile round 7, H4: the expanded loss's O(1) terms cancel to O(1/n) at Gamma*, so float64 lost
+    # the expanded loss's O(1) terms cancel to O(1/n) at Gamma*, so float64 lost
     # n eps relative (9e-5 at n = 1e12, 11% at 1e15, 0.0 for 2.2e-16 at n = 2^53). Written as a sum of
     # squares (MATH.md §8) each term is right to a few eps: 1e-13 relative bounds O(100) roundings of
     # d = 3 products (abs=0: pytest.approx's default abs 1e-12 would pass anything this small),
@@ -1242,7 +1242,7 @@ def test_gamma_star_is_right_when_the_noise_dwarfs_the_signal():
 
 
 def test_the_family_descents_refuse_n_beyond_what_float64_resolves():
-    # hostile round 7, H5: at n = 2^53 optimal_family_scalars returned a = (0.83, ...) with loss 1e-32
+    # at n = 2^53 optimal_family_scalars returned a = (0.83, ...) with loss 1e-32
     # where a = 1 gives 7.5e-46, and family_local_minimum stopped at 4.9e-28: the loss ~n^-L is formed
     # from O(1) terms to ~n eps relative. Now refused by name beyond the bounds where they were measured right
     with pytest.raises(ValueError, match="n must be <= 1e\\+14 for the family descent"):

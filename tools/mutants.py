@@ -755,7 +755,7 @@ MUTANTS = [
     ('looped-tilt-dropped', 'icl_looped.py', 'tied_descent_from_family', 'W0 = a * np.eye(d) + eps * G / np.linalg.norm(G)',
      'W0 = a * np.eye(d)', 'the descent starts at the family point itself'),
     # r5-: slips written from the promises (README, docstrings, MATH.md, docs/RECORDS.md) by an auditor who
-    # had not read the tests; test_slips_round5.py holds the tests written for those the rest of the suite let pass
+    # had not read the tests; test_promises.py holds the tests written for those the rest of the suite let pass
     # r5: tools/records.py's exit statuses, refresh's default, staleness, the rows a block quotes
     ('r5-records-difference-masks-problem', 'tools/records.py', 'render', 'status = status or 1',
      'status = 1', 'render --check: a block that differs after one that cannot be rendered turns exit 2 into 1'),
@@ -944,7 +944,7 @@ MUTANTS = [
      'alpha = inf returned as a number (with a RuntimeWarning at most)'),
     ('looped-curvature-overflow-bare', 'icl_looped.py', '_floats', 'except OverflowError:', 'except ArithmeticError as e:\n        raise e\n    except ValueError:',
      "a bare OverflowError from Fraction to float instead of the documented ValueError naming the step"),
-    # hostile input, round 7: the folders' records, the refusals' words, docs_figures' reading of a run
+    # hostile input: the folders' records, the refusals' words, docs_figures' reading of a run
     ('h7-record-nesting-crashes', 'icl_files.py', 'unseal', 'except (ValueError, UnicodeDecodeError, RecursionError):',
      'except (ValueError, UnicodeDecodeError):', "a record nested too deep to read a RecursionError traceback (exit 1), not a refusal"),
     ('h7-lock-nesting-crashes', 'icl_files.py', 'Folder._lock_owner', 'except (OSError, ValueError, RecursionError, Refused):',

@@ -1,9 +1,9 @@
-"""Round 5 of the audit by slips (issue 54): tests written from the promises (the tools' docstrings and
+"""Tests written from the promises (the tools' docstrings and
 --help, docs/RECORDS.md, README.md, the modules' docstrings, MATH.md) for the single-line slips of
 tools/mutants.py's `r5-` block that the rest of the default suite let pass. Each test names the promise
 it holds the code to; none reads the line it guards. Every tolerance says why it is what it is.
 
-    python3 tools/mutants.py -k r5-          # the round's slips, each against the whole default suite
+    python3 tools/mutants.py -k r5-          # these slips, each against the whole default suite
 """
 import csv
 import json
