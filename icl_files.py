@@ -854,7 +854,7 @@ def replace_file(path, data):
     a reader sees the old file or the new one, and a link put there meanwhile is replaced, never
     followed. WriteFailed when the operating system refuses the write."""
     folder = os.path.dirname(os.path.abspath(path))
-    mode = 0o644
+    mode = None                       # a new file: 0o666 less the umask, as any file a program creates
     for where in (folder, path):
         try:
             st = os.lstat(where)
@@ -866,14 +866,17 @@ def replace_file(path, data):
             raise Refused(f"{where!r} is a symbolic link: not writing through it (remove it, or write elsewhere)")
         if where == path and not stat.S_ISREG(st.st_mode):
             raise Refused(f"{path!r} is {_kind(st)}, not a regular file: not replacing it")
-        mode = stat.S_IMODE(st.st_mode)
+        if where == path:             # the file replaced keeps its permission bits (not its folder's)
+            mode = stat.S_IMODE(st.st_mode)
     temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as e:
         raise WriteFailed(path, e) from None
     try:
         try:
+            if mode is not None:
+                os.fchmod(fd, mode)
             _write_fd(fd, data)
         finally:
             os.close(fd)

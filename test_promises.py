@@ -328,6 +328,21 @@ def test_replacing_a_tracked_file_keeps_its_permissions(tmp_path):
     assert path.read_bytes() == b"new" and (os.stat(path).st_mode & 0o777) == 0o750
 
 
+def test_a_new_file_gets_the_umask_s_mode_not_its_folder_s(tmp_path):
+    # a document replace_file creates is an ordinary new file (0o666 less the umask), whatever the
+    # permission bits of the folder it lands in (a 0o755 folder once made new documents executable)
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    os.chmod(folder, 0o755)
+    old_umask = os.umask(0o022)
+    try:
+        icl_files.replace_file(str(folder / "new.md"), b"text")
+    finally:
+        os.umask(old_umask)
+    assert (folder / "new.md").read_bytes() == b"text"
+    assert (os.stat(folder / "new.md").st_mode & 0o777) == 0o644
+
+
 # ---------------------------------------------------------------------------------------------
 # icl_estimators: least squares' risk below d, and monte_carlo_risk's standard error recomputed
 # ---------------------------------------------------------------------------------------------

@@ -811,6 +811,8 @@ MUTANTS = [
      '            if isinstance(e, OSError):', 'a file whose write failed is left cut short'),
     ('r5-files-replace-mode-lost', 'icl_files.py', 'replace_file', '        mode = stat.S_IMODE(st.st_mode)\n',
      '', 'a replaced document loses its permissions (an executable script becomes 0644)'),
+    ('files-new-file-folder-mode', 'icl_files.py', 'replace_file', 'if where == path:  ', 'if True:  ',
+     "a new document created with its folder's permission bits (executable in a 0o755 folder)"),
     ('r5-files-bad-status-accepted', 'icl_files.py', 'Folder.save', 'if status is not None and status not in STATUSES:',
      'if False:', 'a record saved with a status no reader knows'),
     # r5: icl_estimators: the estimators, least squares' risk, monte_carlo_risk's standard error
