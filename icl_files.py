@@ -497,8 +497,9 @@ class Folder:
                 odd.append(f"{self.show(self.temp)!r} is the temporary record of a run of {self.tool} stopped before "
                            "it wrote a record: remove it")
             raise Refused(f"{self.path!r} holds files but no record written by {self.tool}"
-                          f"{' (' + '; '.join(odd) + ')' if odd else ''} ({' or '.join((*self.vouchers, self.record))} in the format this version "
-                          f"of {self.tool} writes, with each file's SHA-256): not touching them; name a new directory")
+                          f"{': ' + '; '.join(odd) if odd else ''}. A record is "
+                          f"{' or '.join((*self.vouchers, self.record))} in the format this version of {self.tool} "
+                          "writes, with each file's SHA-256. Not touching the files; name a new directory")
         digests, why = {}, {}
         for name in sorted(set(entries) - records):
             st = entries[name]
