@@ -19,7 +19,7 @@ import icl_estimators as est
 import icl_looped as lp
 import icl_ref as ir
 from experiments import (K_SE, PASS, bars_inside_markers, bars_said, best_of, converged, decide, experiment, family_optimum, fmt, info, judge,
-                         keyed, mean_se, paper_data, row)
+                         keyed, log_ticks, mean_se, paper_data, row, signed_ticks)
 
 
 def plot_looped(plt, save, rows, tables):
@@ -30,12 +30,16 @@ def plot_looped(plt, save, rows, tables):
     fig, axes = plt.subplot_mosaic([["a", "b"], ["c", "c"]], figsize=(7.0, 9.0), layout="constrained",
                                    height_ratios=(1, 1))
     ax1, ax2, ax3 = axes["a"], axes["b"], axes["c"]
+    done = [t for t in trained if t.get("exact_loss") is not None and np.isfinite(t["exact_loss"])]
+    L_axis = max([r["L"] for r in exact] + [t["L"] for t in done])
     for family, color, mfc in (("sparse", "C0", None), ("blocks", "C1", "white")):
         rs = [r for r in exact if r["family"] == family]
+        # a series that stops before the axis ends says where (the exact optima are tabled to that depth)
+        upto = "" if max(r["L"] for r in rs) == L_axis else f" ($L \\leq {max(r['L'] for r in rs)}$)"
         ax1.plot([r["L"] for r in rs], [r["loss_untied"] for r in rs], "o-", color=color, mfc=mfc or color,
-                 label=f"{family}: untied optimum")
+                 label=f"{family}: untied optimum{upto}")
         ax1.plot([r["L"] for r in rs], [r["loss_tied"] for r in rs], "s--", color=color, mfc=mfc or color,
-                 label=f"{family}: tied optimum")
+                 label=f"{family}: tied optimum{upto}")
     # at the smallest L the four optima can be one point (tying changes nothing at L = 1): said where it holds
     L0 = min(r["L"] for r in exact)
     first = [r[k] for r in exact if r["L"] == L0 for k in ("loss_untied", "loss_tied")]
@@ -45,7 +49,6 @@ def plot_looped(plt, save, rows, tables):
         # falling from the point below it and of the panel's title above
         ax1.annotate(f"$L$ = {L0}: all four optima at one point", (L0, first[0]), xytext=(20, 0),
                      textcoords="offset points", va="top", fontsize=8)
-    done = [t for t in trained if t.get("exact_loss") is not None and np.isfinite(t["exact_loss"])]
     if done:
         ax1.plot([t["L"] + 0.1 for t in done], [t["exact_loss"] for t in done], "*", color="k", ms=9, ls="none",
                  label="trained tied sparse model\n(exact loss, no error bar; just right)")
@@ -72,7 +75,7 @@ def plot_looped(plt, save, rows, tables):
     ax2.set(xlabel="layers $L$", ylabel="antisymmetric Hessian eigenvalue\nat the tied family point (symlog)",
             xticks=sorted({r["L"] for r in char}),
             yticks=[-0.1, -0.01, 0, 0.01, 0.1, 1], ylim=(None, 6.0), title="(b) below 0: a saddle")
-    ax2.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
+    ax2.yaxis.set_major_formatter(signed_ticks(plt))
     ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     for (L, blocks), color, ls in (((3, 1), "C0", "-"), ((4, 2), "C3", "--")):
         rs = [r for r in prof if r["L"] == L]
@@ -98,7 +101,7 @@ def plot_looped(plt, save, rows, tables):
     ax3.set(xlabel=r"rotation block size $\beta$ (whitened)", ylabel="loss / family optimum − 1 (symlog)",
             yticks=[-0.1, -0.01, -0.001, 0, 0.001, 0.01, 0.1], ylim=(-0.3, 0.3),
             title=r"(c) the loss minimised over the rest at each $\beta$")
-    ax3.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
+    ax3.yaxis.set_major_formatter(signed_ticks(plt))
     ax3.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.suptitle("Looped (tied) models: one sparse layer applied $L$ times, $d$ = 5, $n$ = 20 unless said,\n"
                  r"noiseless, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
@@ -115,7 +118,8 @@ def plot_looped(plt, save, rows, tables):
                       + ("" if t["L"] in tabled else ", its tied optimum the filled square beside it")
                       for t in done if t.get("family_loss"))
     mc_at = ", ".join(str(r["L"]) for r in hess)
-    return [(save(fig, ""), "Looped models (d = 5, n = 20): (a) the exact tied and untied family optima per depth, with the "
+    return [(save(fig, ""), "Looped models (d = 5, n = 20; a loss is the population loss E(y_hat - y)^2 over fresh prompts): "
+             "(a) the exact tied and untied family optima per depth, with the "
              "trained tied sparse models' exact losses (stars: a trained model need not sit on the tied family, it can "
              "leave it through a rotation block, c; against the tied family optimum: " + where + ")"
              + (f"; at L = {L0} the four optima are one point (relative spread {spread:.1g})" if spread < 1e-3 else "")
@@ -126,7 +130,8 @@ def plot_looped(plt, save, rows, tables):
              "saddle (triangle), "
              + (f"the Monte Carlo loss of the {' and '.join(mc_kinds)} (±{k_se} SE; {bars_said(bars_c, 'cross')}) "
                 if mc else "") + "and the trained tied models' largest rotation "
-             f"(dotted, dash-dotted); the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
+             "(dotted, dash-dotted; a trained model lies in its minimum's basin, not at the minimum: a finite batch, "
+             f"so its line need not pass through the square); the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
              f"{len(checks)} PASS. What to see: whether (b)'s eigenvalue falls below 0 (the family point a saddle) "
              "and (c)'s minima lie below 0 (the tied family beaten through a rotation).")]
 
@@ -479,7 +484,7 @@ def plot_dynamics(plt, save, rows, tables):
                                  [K_SE * r[f"gd_{key}_se"] for key, _, _ in entries for r in descent], ms)
     checks = [r for r in rows if r["check"]]
     return [(save(fig, ""), "One layer's exact gradient flow from a start inside and one outside Zhang, Frei and Bartlett's "
-             f"initial-scale bound sigma = {bound:.2f} (a: the loss plateaus, then drops to Gamma*'s), and gradient descent on "
+             f"initial-scale bound sigma = {bound:.2f} (a: the population loss E(y_hat - y)^2 over fresh prompts plateaus, then drops to Gamma*'s), and gradient descent on "
              f"{descent[0]['R']} independent batches of {descent[0]['B']} prompts against the flow (b: the batches' mean with "
              f"±{k_se} standard errors; {bars_said(inside)}; "
              f"c: the difference in standard errors, inside the grey ±{k_se} band where the descent claims pass); d = 2, "
@@ -584,6 +589,9 @@ def plot_task_diversity(plt, save, rows, tables):
         ax.set(xscale="log", yscale="log", xlabel="$K$ (tasks in the pool, log scale)",
                title=f"({'ab'[test == 'fresh']}) tested on {'the pool' if test == 'pool' else 'fresh tasks'}")
     axes[0].set_ylabel(r"test loss, mean squared error (log scale)")
+    drawn = [r[f"{name}_{test}"] for r in pools for name, *_ in series for test in ("pool", "fresh")
+             if r.get(f"{name}_{test}") is not None and r[f"{name}_{test}"] > 0]
+    log_ticks(plt, axes[0].yaxis, min(drawn) / 1.2, max(drawn) * 1.2)     # shared y: both panels
     handles, labels = axes[1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8)
     first = pools[0]
@@ -708,7 +716,7 @@ def plot_shift(plt, save, rows, tables):
               ("bayes", "ridge (Bayes for the test law)", "h", ":", "C2", 1.0))
     ns = [r["n"] for r in length]
     # open markers around filled ones: the trained layer (circle) equals the best layer at n = 20, and tuned
-    # ridge equals Bayes (hexagon) everywhere here (its grid holds the Bayes lambda); neither hides the other
+    # ridge equals Bayes (hexagon) where its grid's pick is the Bayes lambda; neither hides the other
     size = {"layer_exact": 9, "bayes": 12}
     monte_carlo = ("ridge_tuned", "bayes")        # Monte Carlo losses on the test batch: drawn with their bars
     for key, label, marker, ls, color, _ in series:
@@ -719,6 +727,10 @@ def plot_shift(plt, save, rows, tables):
                  ms=6, label=f"trained model (Monte Carlo, ±{k_se} SE; drawn just right)")
     ax1.set(xscale="log", yscale="log", xlabel="test prompt length $n$ (log scale)",
             ylabel=r"test loss, mean squared error (log scale)", title="(a) length shift (trained at $n$ = 20)")
+    ax1.xaxis.set_ticks(ns, [str(n) for n in ns])              # every tested length labelled, no other
+    ax1.xaxis.set_minor_formatter(plt.NullFormatter())
+    drawn = [r[key] for r in length for key, *_ in series] + [r["layer_mc"] for r in length]
+    log_ticks(plt, ax1.yaxis, min(drawn) / 1.3, max(drawn) * 1.3)
     x = np.arange(len(other))
     for j, (key, label, marker, ls, color, _) in enumerate(series):
         ax2.errorbar(x - 0.2 + 0.1 * j, [r[key] for r in other],
@@ -733,6 +745,8 @@ def plot_shift(plt, save, rows, tables):
     ax2.set_xticks(x, [f"{names.get(r['shift'], r['shift'])}\n({r['kind']})" for r in other])
     ax2.set(yscale="log", xlim=(-0.5, len(other) - 0.5), ylabel=r"test loss, mean squared error (log scale)",
             title="(b) covariate, task and query shifts at $n$ = 20 (Monte Carlo drawn right)")
+    drawn = [r[key] for r in other for key, *_ in series] + [r["layer_mc"] for r in other]
+    log_ticks(plt, ax2.yaxis, min(drawn) / 1.3, max(drawn) * 1.3)
     handles, labels = ax1.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8)
     first = shifts[0]
@@ -745,12 +759,18 @@ def plot_shift(plt, save, rows, tables):
                                     [K_SE * r[k + "_se"] for k in monte_carlo for r in other], size["bayes"]))
     at_train = next(r for r in length if r["n"] == 20)
     gap = at_train["layer_exact"] / at_train["best_layer"] - 1
+    # where tuned ridge picked the Bayes lambda the two losses are one number; elsewhere their paired
+    # difference, in its standard errors
+    apart = [r for r in shifts if r["bayes_minus_ridge"] != 0]
+    same_said = (f"the same loss as tuned ridge at {len(shifts) - len(apart)} of {len(shifts)} test laws, where tuned ridge "
+                 "picked the Bayes lambda" + ("" if not apart else "; Bayes minus tuned ridge " + ", ".join(
+                     f"{fmt(r['bayes_minus_ridge'], 2)} ({fmt(r['bayes_minus_ridge'] / r['bayes_minus_ridge_se'], 2)} SE) at "
+                     f"{r['shift']}" for r in apart)))
     return [(save(fig, ""), "One layer trained at n = 20 (d = 5, x and w ~ N(0, I), label noise variance 0.25) tested under "
              "the experiment's four kinds of shift: (a) other prompt lengths, (b) covariates (Sigma), tasks (Sigma_w) "
              "and the query's law; the trained model's exact loss (with the Monte Carlo loss through the transformer, "
              f"crosses, ±{k_se} SE), the best layer for each test law, tuned ridge (lambda tuned on the test law) and "
-             "ridge (Bayes), the Bayes predictor for the test law (large open hexagons: it coincides with tuned ridge "
-             f"here, the grid holding the Bayes lambda); both ridges are Monte Carlo losses on the test batch with ±{k_se} "
+             f"ridge (Bayes), the Bayes predictor for the test law (large open hexagons; {same_said}); both ridges are Monte Carlo losses on the test batch with ±{k_se} "
              f"standard errors ({bars_said(inside, 'open hexagon')}); at n = 20, the training length, the trained model is "
              f"{100 * gap:.2g}% above the best layer. What to see: what each shift costs the trained layer (circles) "
              "against the best layer for the test law (squares) and against ridge.")]

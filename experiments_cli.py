@@ -152,18 +152,22 @@ def log_tick_label(x):
 
 def figure_bytes(fig, fmt):
     """One figure as `fmt` ("png" at FIGURE_DPI, or "pdf" without its creation date) bytes. First the
-    log axes get log_tick_label's tick labels and any text drawn below MIN_FONT_PT (a math script
+    log axes get log_tick_label's tick labels (where a plot function set none of its own) and any text drawn below MIN_FONT_PT (a math script
     counted at its own size) is raised to it (the checklist's floor holds whatever a plot function set);
     tick labels exist only once drawn, so the figure is drawn until none is raised."""
-    from matplotlib.ticker import LogFormatter
+    from matplotlib.ticker import LogFormatter, LogFormatterSciNotation
 
     class PlainLogFormatter(LogFormatter):
         def _num_to_string(self, x, vmin, vmax):
             return log_tick_label(x)
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
-            if axis.get_scale() == "log":
+            if axis.get_scale() != "log":
+                continue
+            # matplotlib's own (10 to a power) are replaced; labels a plot function chose are kept
+            if type(axis.get_major_formatter()) is LogFormatterSciNotation:
                 axis.set_major_formatter(PlainLogFormatter())
+            if type(axis.get_minor_formatter()) is LogFormatterSciNotation:
                 axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
     for _ in range(3):                        # raising a size can make new tick labels: check again
         fig.canvas.draw()

@@ -17,6 +17,7 @@ the figures' SHA-256) and docs/blocks_basins.png with its PDF beside it; docs/FI
 Exit status: 0 written, 2 bad arguments or a file refused (a symbolic link), 130 stopped.
 """
 import argparse
+import fractions
 import io
 import json
 import os
@@ -117,10 +118,12 @@ def figure(record):
         right.set(xlabel=r"layer 1: fitted $a$ ($A \approx a$ times the inverse of $\Sigma$)",
                   ylabel=r"layer 1: fitted $b$ ($B \approx b I$)", title="(b) layer 1's fitted scalars")
         right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+        spectrum = "(" + ", ".join(str(fractions.Fraction(v).limit_denominator(1000)) for v in ir.PAPER_EIGENVALUES) + ")"
         fig.suptitle(rf"Blocks model at Ahn et al.'s size ($B$ = {record['B']}, $n$ = {record['n']}, $d$ = {record['d']}, "
-                     rf"$L$ = {record['L']}, noiseless): {record['starts']} random starts," "\n"
-                     "each trained by Gauss-Newton and by L-BFGS on one batch and rotation of $\\Sigma$ drawn from "
-                     f"seed {record['seed']}\n(not the three-layer-blocks experiment's batches: its fitted scalars differ)")
+                     rf"$L$ = {record['L']}, noiseless)," "\n"
+                     f"$\\Sigma$ eigenvalues {spectrum} rotated: {record['starts']} random starts, each trained by "
+                     f"Gauss-Newton\nand by L-BFGS on one batch and rotation drawn from seed {record['seed']} "
+                     "(not the three-layer-blocks\nexperiment's batches: its fitted scalars differ)")
         out = {FIGURE: experiments_cli.figure_bytes(fig, "png"), FIGURE_PDF: experiments_cli.figure_bytes(fig, "pdf")}
         plt.close(fig)
     return out
