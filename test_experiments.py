@@ -347,24 +347,16 @@ def test_a_kept_experiment_whose_file_is_now_the_users_is_recorded_incomplete(tm
     assert "INCOMPLETE: second.csv" in (tmp_path / "summary.md").read_text()
 
 
-def test_stdout_on_a_full_disk_is_a_write_error_not_a_crash(tmp_path, monkeypatch):
+def test_stdout_on_a_full_disk_is_a_write_error_not_a_crash(tmp_path, monkeypatch, full_disk):
     # `> /dev/full` or a log on a full disk: the run stops where it is safe, exit 74 and a record that
     # says "write error" (it was a traceback, exit 1 - "a claim failed" - and a record stuck at running);
     # with stderr full too (`> /dev/full 2>&1`) the status is still 74, not 1
-    import errno
-
-    class FullDisk:
-        def write(self, text):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def flush(self):
-            pass
     monkeypatch.setitem(ex.EXPERIMENTS, "count", (lambda ctx: ([ex.row("x", "x", ex.INFO)], {}), "t"))
-    monkeypatch.setattr(sys, "stdout", FullDisk())
+    monkeypatch.setattr(sys, "stdout", full_disk)
     assert runner.main(["count", "--out", str(tmp_path / "a")]) == runner.EXIT_WRITE_ERROR
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     assert config["status"] == "write error" and "stdout" in config["error"]
-    monkeypatch.setattr(sys, "stderr", FullDisk())
+    monkeypatch.setattr(sys, "stderr", full_disk)
     assert runner.main(["count", "--out", str(tmp_path / "b")]) == runner.EXIT_WRITE_ERROR
 
 

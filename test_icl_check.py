@@ -1137,21 +1137,14 @@ def test_the_numpy_example_runs_in_its_own_process():
     assert "10 passed" in proc.stdout and "skipped" not in proc.stdout and "xfail" not in proc.stdout
 
 
-def test_vectors_a_write_error_with_stderr_full_too_is_still_status_2(tmp_path, monkeypatch):
+def test_vectors_a_write_error_with_stderr_full_too_is_still_status_2(tmp_path, monkeypatch, full_disk):
     # README: a write the system refuses exits with status 2; with stderr full as well (`> /dev/full 2>&1`)
     # the message is lost but not the status (it was an OSError out of the error's own print: status 1)
     import errno
     import icl_files
 
-    class FullDisk:
-        def write(self, text):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def flush(self):
-            pass
-
     def refused(out, overwrite=False):
         raise icl_files.WriteFailed(str(out), OSError(errno.EFBIG, "File too large"))
     monkeypatch.setattr(ic, "write_reference_vectors", refused)
-    monkeypatch.setattr(sys, "stderr", FullDisk())
+    monkeypatch.setattr(sys, "stderr", full_disk)
     assert ic._main(["vectors", "--out", str(tmp_path / "v")]) == 2
