@@ -152,9 +152,10 @@ def log_tick_label(x):
 
 def figure_bytes(fig, fmt):
     """One figure as `fmt` ("png" at FIGURE_DPI, or "pdf" without its creation date) bytes. First the
-    log axes get log_tick_label's tick labels (where a plot function set none of its own) and any text drawn below MIN_FONT_PT (a math script
-    counted at its own size) is raised to it (the checklist's floor holds whatever a plot function set);
-    tick labels exist only once drawn, so the figure is drawn until none is raised."""
+    log axes get log_tick_label's tick labels (where a plot function set none of its own) and any text
+    drawn below MIN_FONT_PT (a math script counted at its own size) is raised to it (the checklist's
+    floor holds whatever a plot function set); tick labels exist only once drawn, so the figure is
+    drawn until none is raised."""
     from matplotlib.ticker import LogFormatter, LogFormatterSciNotation
 
     class PlainLogFormatter(LogFormatter):

@@ -1162,6 +1162,24 @@ def test_figures_keep_math_scripts_and_log_tick_labels_at_least_8_pt():
     plt.close(fig)
 
 
+def test_a_log_axis_is_labelled_at_1_2_5_and_figure_bytes_keeps_a_plot_s_own_labels():
+    # experiments.log_ticks: "1, 2 and 5 times the powers of ten in [low, high]" as "%g"; figure_bytes
+    # replaces only matplotlib's own log labels (a plot's chosen ones survive saving); signed_ticks and
+    # minus write the minus sign U+2212, not a hyphen
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig, ax = plt.subplots()
+    ax.semilogy([1, 2], [0.3, 9.0])
+    ax.set_xscale("log")
+    ex.log_ticks(plt, ax.yaxis, 0.21, 11.0)
+    runner.figure_bytes(fig, "png")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0.5", "1", "2", "5", "10"]
+    assert all(t.get_text() == "" for t in ax.get_yticklabels(minor=True))
+    own = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]       # matplotlib's: made plain
+    assert "1" in own and not any("$" in t for t in own)
+    plt.close(fig)
+    assert ex.minus("-0.01") == "\u22120.01" and ex.signed_ticks(plt)(-0.1, 0) == "\u22120.1"
+
+
 def test_output_names_and_the_record_checks(tmp_path):
     # an experiment owns name.csv, name.png (name.pdf) and name_*.csv/png/pdf, nothing else that starts
     # with its name; a record is trusted only with the marker, the tool, this version and a file list of
