@@ -752,7 +752,8 @@ def plot_three_layer_blocks(plt, save, rows, tables):
     skipped = sorted({(r["seed"], r["trainer"]) for r in rows if "trainer" in r} - set(basins))
     last = len(opt) - 1
     if grid:
-        made.append((heat_grid(plt, grid, titles, "Blocks model (Ahn et al. 2023, Figs. 3-5), $d$ = 5, $n$ = 20, $L$ = 3, noiseless: "
+        made.append((heat_grid(plt, grid, titles, "Blocks model (Ahn et al. 2023, Figs. 3-5), $d$ = 5, $n$ = 20, $L$ = 3, noiseless, "
+                               f"batches of {opt[0]['batch']} prompts: "
                                "the whitened $A$ and the $B$ of each layer,\neach converged run; each seed draws its own batch "
                                "and rotation of $\\Sigma$; titles: the fitted scalar, the exact family optimum of the run's "
                                f"batch\nand of the population (f* = {opt[0]['f_star']:.3e}); $B$ of layer {last} not drawn "
@@ -859,7 +860,8 @@ def three_layer_blocks(ctx):
                     "(paper text) beside it", **info(theory=f_star, measured=math.exp(-7.12)),
                     f_star_n10=f10, f_star_n20=f_star, notebook_log_loss=-7.12))
     return rows, {"heatmaps": keyed(heat, "seed", "trainer", "matrix", "layer", "row"),
-                  "optimum": keyed([dict(layer=l, a_star=a_star[l], b_star=b_star[l], f_star=f_star) for l in range(L)],
+                  "optimum": keyed([dict(layer=l, a_star=a_star[l], b_star=b_star[l], f_star=f_star, batch=B)
+                                    for l in range(L)],
                                    "layer")}
 
 
@@ -1675,13 +1677,19 @@ def plot_softmax_two_head(plt, save, rows, tables):
     handles += [plt.Line2D([], [], ls="--", color="k", label="trained linear layer")]
     axes[0].set_ylabel(f"test loss, mean squared error (±{k_se} SE)")
     fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer\n"
-                 r"($d$ = 5, $n$ = 10, $x, w \sim N(0, I)$, noiseless)")
+                 rf"($d$ = 5, $n$ = 10, $x, w \sim N(0, I)$, noiseless; trained on {starts[0]['train_batch']} prompts, "
+                 f"tested on {starts[0]['test_batch']})")
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=2)
     claims = {r["activation"]: r for r in rows if r["id"].endswith("-claim")}
-    said = "; ".join(f"{act}: the claim {r['holds']}" if r["verdict"] == INFO else f"{act}: no verdict ({r['why']})"
-                     for act, r in claims.items())
-    made.append((save(fig, ""), f"Softmax heads (d = 5, n = 10, isotropic, noiseless): each start's test loss with ±{k_se} standard "
-                 f"errors (stars: the rebuttal's own construction; open, vermillion: not converged) against the trained linear layer (dashed). {said}. "
+    named = {"softmax_all": "the authors' softmax (all n+1 keys)", "softmax": "the softmax over the n context keys"}
+    said = "; ".join(f"{named[act]}: the claim {r['holds']}" if r["verdict"] == INFO
+                     else f"{named[act]}: no verdict ({r['why']})" for act, r in claims.items())
+    failed = sum(not t["converged"] for t in starts)
+    made.append((save(fig, ""), f"Softmax heads (d = 5, n = 10, isotropic, noiseless; trained on {starts[0]['train_batch']} "
+                 f"prompts, tested on {starts[0]['test_batch']}): each start's test loss with ±{k_se} standard errors "
+                 "(stars: the rebuttal's own construction; "
+                 + (f"open, vermillion: the {plural(failed, 'start')} that did not converge" if failed else
+                    "every start converged") + f") against the trained linear layer (dashed). {said[:1].upper() + said[1:]}. "
                  "What to see: how close the best two-head start comes to the dashed line."))
     return made
 
@@ -1723,7 +1731,8 @@ def softmax_two_head(ctx):
             loss, se = mean_se((y_hat - yt) ** 2)
             rel = math.sqrt(np.mean((y_hat - y_lin) ** 2) / np.mean(y_lin ** 2))
             table.append(dict(activation=act, heads=H, start=kind, batch_loss=res["loss"], grad_norm=res["grad_norm"],
-                              converged=converged(res), test_loss=loss, test_se=se, rel_prediction_diff=rel))
+                              converged=converged(res), test_loss=loss, test_se=se, rel_prediction_diff=rel,
+                              train_batch=B, test_batch=B_test))
             log(f"  {act}, {H} head(s), {kind}: batch {res['loss']:.4f}, test {loss:.4f}, |grad| {res['grad_norm']:.1e}")
             return res, y_hat
         shape = (1, 1, d + 1, d + 1)
