@@ -903,7 +903,8 @@ def test_the_full_blocks_experiment_at_a_small_batch_writes_its_batch_family_row
     # on 2 cores): every converged run gets its batch-family row (checked) and its population row (INFO)
     data = ex.paper_data
     monkeypatch.setattr(ex, "paper_data", lambda rng, B, n, **kw: data(rng, 1500, n, **kw))
-    rows, _ = ex.three_layer_blocks(ex.Context(rng=np.random.default_rng(0), quick=False, log=lambda *a: None))
+    rows, tables = ex.three_layer_blocks(ex.Context(rng=np.random.default_rng(0), quick=False, log=lambda *a: None))
+    assert all(o["batch"] == 20000 for o in tables["optimum"])     # the experiment's B (the heat map's title)
     fits = [r for r in rows if r["id"].endswith("-fit") and r["converged"]]
     family = [r for r in rows if r["id"].endswith("-batch-family")]
     population = [r for r in rows if r["id"].endswith("-batch-vs-population")]
@@ -1745,3 +1746,80 @@ def test_a_quick_experiment_runs_where_fcntl_o_nofollow_o_directory_and_dir_fd_a
     (out / "noise.csv").write_text("mine")
     refused(run_hidden("--overwrite"), "noise.csv' is not the file experiments.py wrote")
     assert (out / "noise.csv").read_text() == "mine"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the figures' captions and legends count, from made-up tables (the plot functions alone)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def drawn():
+    """The plot functions' `plt` and a `save` that keeps each figure (closed after the test)."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    figures = []
+
+    def save(fig, suffix):
+        figures.append(fig)
+        return f"figure{suffix}.png"
+    yield plt, save, figures
+    for fig in figures:
+        plt.close(fig)
+
+
+def test_the_icl_curve_caption_counts_the_optimum_s_checks_only(drawn):
+    # "the experiment's checks of the optimum: k of m PASS" counts the -test and -batch rows, not the
+    # single layer's exact-loss rows the figure does not draw
+    plt, save, _ = drawn
+    curve = [dict(n=n, B=100, test_batch=200, transformer=1.0 / n, transformer_se=0.01 / n, family_optimum=0.99 / n,
+                  converged=True, **{k: 2.0 / n for k in ("GD", "PGD", "OLS", "ridge")},
+                  **{k + "_se": 0.01 / n for k in ("GD", "PGD", "OLS", "ridge")}) for n in (2, 5, 10)]
+    rows = [dict(id=f"icl-curve/n{n}-{kind}", check="holds", verdict=ex.PASS) for n in (2, 5, 10)
+            for kind in ("test", "batch")] + [dict(id="icl-curve/one-layer-at-n5", check="two-sided", verdict=ex.FAIL)]
+    (_, caption), = ex.plot_icl_curve(plt, save, rows, {"curve": curve})
+    assert "checks of the optimum: 6 of 6 PASS" in caption
+
+
+def test_the_softmax_caption_counts_the_starts_that_did_not_converge(drawn):
+    plt, save, _ = drawn
+    starts = [dict(activation=a, heads=h, start=s, converged=True, test_loss=2.0 + h, test_se=0.01, train_batch=40,
+                   test_batch=400) for a in ("softmax_all", "softmax") for h in (1, 2) for s in ("random 0", "random 1")]
+    rows = [dict(id="softmax-two-head/linear", measured=1.9)] + [
+        dict(id=f"softmax-two-head/{a}-claim", activation=a, verdict=ex.INFO, holds="in part") for a in ("softmax_all", "softmax")]
+    (_, caption), = ex.plot_softmax_two_head(plt, save, rows, {"starts": starts})
+    assert "every start converged" in caption and "trained on 40 prompts, tested on 400" in caption
+    starts[1]["converged"] = starts[6]["converged"] = False
+    (_, caption), = ex.plot_softmax_two_head(plt, save, rows, {"starts": starts})
+    assert "the 2 starts that did not converge" in caption and "every start converged" not in caption
+
+
+def test_the_shift_caption_counts_where_bayes_equals_tuned_ridge(drawn):
+    import experiments_beyond as beyond
+    plt, save, _ = drawn
+    shifts = [dict(kind="length", shift=f"n = {n}", n=n, layer_exact=1.0, best_layer=0.9, ridge_tuned=0.5,
+                   ridge_tuned_se=0.01, bayes=0.5, bayes_se=0.01, layer_mc=1.0, layer_mc_se=0.02, bayes_minus_ridge=0.0,
+                   bayes_minus_ridge_se=0.0, train_batch=100, test_batch=200) for n in (10, 20, 40)]
+    shifts.append(dict(shifts[0], kind="tasks", shift="Sigma_w = 4 I", n=20, bayes=0.49, bayes_minus_ridge=-0.01,
+                       bayes_minus_ridge_se=0.002))
+    (_, caption), = beyond.plot_shift(plt, save, [], {"shifts": shifts})
+    assert "the same loss as tuned ridge at 3 of 4 test laws" in caption and "(-5 SE) at Sigma_w = 4 I" in caption
+
+
+def test_the_looped_legend_says_where_a_family_s_optima_stop(drawn):
+    # the exact optima tabled to L = 3 (sparse) and L = 2 (blocks) on an axis running to the trained L = 4:
+    # each such series says its range, "(L <= k)"
+    import experiments_beyond as beyond
+    plt, save, figures = drawn
+    exact = [dict(family=f, L=L, loss_untied=1.0 / L, loss_tied=1.1 / L) for f, top in (("sparse", 3), ("blocks", 2))
+             for L in range(1, top + 1)]
+    trained = [dict(L=4, exact_loss=0.2, family_loss=0.21, antisym_sv=[0.3])]
+    tables = dict(exact=exact, hessian=[], character=[dict(n=20, L=L, antisymmetric=0.1) for L in (1, 2)],
+                  profiles=[], trained=trained, points=[])
+    beyond.plot_looped(plt, save, [], tables)
+    labels = [t.get_text() for t in figures[-1].axes[0].get_legend().get_texts()]
+    assert "sparse: tied optimum ($L \\leq 3$)" in labels and "blocks: untied optimum ($L \\leq 2$)" in labels
+    exact += [dict(family="sparse", L=4, loss_untied=0.25, loss_tied=0.3),
+              dict(family="blocks", L=3, loss_untied=0.3, loss_tied=0.4),
+              dict(family="blocks", L=4, loss_untied=0.2, loss_tied=0.3)]
+    beyond.plot_looped(plt, save, [], tables)
+    labels = [t.get_text() for t in figures[-1].axes[0].get_legend().get_texts()]
+    assert "sparse: tied optimum" in labels and not any("leq" in t for t in labels)
