@@ -898,6 +898,8 @@ def sample_whitened_covariances(rng, B, n, d):
 
 
 def _powers(W, S, L):
+    if not np.all(np.isfinite(S)):                            # else a NaN in S reads as an overflow later
+        raise ValueError("S must hold finite matrices (B, d, d); it has NaN or infinite entries")
     d = W.shape[0]
     M = np.eye(d) - np.swapaxes(W, -1, -2) @ S                # I - W^T S per sample (W may be complex)
     powers = [np.broadcast_to(np.eye(d, dtype=M.dtype), M.shape)]
@@ -988,7 +990,9 @@ def mc_loss(W, S, L, control=None):
         return m, se, 0.0
     W0, f0 = control
     x = per_sample_loss(W0, S, L) - f0
-    c = float(np.cov(y, x)[0, 1] / np.var(x, ddof=1))
+    var = np.var(x, ddof=1)
+    # a control constant over the samples (W0 = 0: every sample's loss is d) corrects nothing: c = 0
+    c = float(np.cov(y, x)[0, 1] / var) if var > 0 else 0.0
     m, se = _mean_se(y - c * x)
     return m, se, c
 

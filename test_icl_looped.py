@@ -949,3 +949,18 @@ def test_mc_loss_and_its_standard_error_are_scale_free():
     assert se == pytest.approx(np.std(u, ddof=1) / np.sqrt(len(u)) * 1e160, rel=1e-12) and np.isfinite(se) and se > 0
     with pytest.raises(ValueError, match="overflow"):
         lp.mc_loss(1e200 * np.eye(D), S, 1)
+
+
+def test_mc_loss_with_a_constant_control_is_the_plain_estimate_and_a_nan_sample_is_named():
+    # "control = (W0, f0): the control variate per_sample_loss(W0) - f0 ... c = cov / var": at W0 = 0 every
+    # sample's loss is |I|_F^2 = d, a variance of 0: the control corrects nothing (c = 0, the plain
+    # estimate), not a 0/0 with a warning; a NaN in S is named as such, not as an overflow
+    S = lp.sample_whitened_covariances(np.random.default_rng(5), 300, N, D)
+    W = 0.1 * np.eye(D)
+    assert lp.mc_loss(W, S, 2, control=(np.zeros((D, D)), float(D))) == lp.mc_loss(W, S, 2)
+    bad = S.copy()
+    bad[7, 0, 0] = np.nan
+    for call in (lambda: lp.mc_loss(W, bad, 2), lambda: lp.per_sample_loss(W, bad, 2),
+                 lambda: lp.per_sample_gradient(W, bad, 2)):
+        with pytest.raises(ValueError, match="S must hold finite"):
+            call()

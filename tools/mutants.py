@@ -1042,6 +1042,10 @@ MUTANTS = [
      "dP, dQ judged by the forward pass's tolerance"),
     ('r7-vectors-oserror-status', 'icl_check.py', '_main', 'pass\n        return 2',
      'pass\n        return 1', 'a write the system refuses exits 1, not 2'),
+    ('looped-constant-control-divides', 'icl_looped.py', 'mc_loss', 'if var > 0 else 0.0', 'if True else 0.0',
+     'a control variate constant over the samples: 0 / 0 (a NaN estimate) instead of the plain estimate'),
+    ('looped-nan-sample-unnamed', 'icl_looped.py', '_powers', 'if not np.all(np.isfinite(S)):', 'if False:',
+     'a NaN in S reported as an overflow of W'),
 ]
 
 # standard errors and losses at scales far from 1, and the tables' reads (records.rows)
