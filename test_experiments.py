@@ -1592,6 +1592,18 @@ def test_after_a_sigkill_overwrite_takes_back_what_it_proves_and_names_the_rest(
     assert json.loads((out / "config.json").read_text())["status"] == "complete"
 
 
+def test_an_experiment_a_killed_run_left_half_written_is_not_kept(tmp_path):
+    # kept_experiments: "the earlier run's complete experiments this run does not redo" stay; stub-b, whose
+    # files a killed run was writing (its status "writing"), is not one: rerunning stub-a alone neither
+    # lists it in the record nor leaves its files there as if they were results
+    out = tmp_path / "p"
+    assert stub_cli("stub-a", "stub-b", "--out", out, env=dict(STUB_KILL="after")).returncode == -9
+    assert stub_cli("stub-a", "--out", out, "--overwrite").returncode == 0
+    record = json.loads((out / "config.json").read_text())
+    assert record["status"] == "complete" and list(record["experiments"]) == ["stub-a"]
+    assert not any(f.startswith("stub-b") for f in record["files"]) and not (out / "stub-b.csv").exists()
+
+
 def test_a_fifo_named_config_json_is_refused_without_blocking(tmp_path):
     # reading the record opened it, and a FIFO blocks its reader until a writer comes: forever
     out = tmp_path / "p"
