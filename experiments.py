@@ -327,7 +327,7 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
             M, title = row_[c], row_titles[c]
             image = ax.imshow(M, cmap="RdBu_r", norm=norm)
             for (i, j), x in np.ndenumerate(M):
-                text = f"{x:.2f}"
+                text = f"{x:.2f}" if abs(x) < 9.995 else f"{x:.1f}"        # "10.59" would touch the cell's edge
                 # a hyphen, not the wider minus sign: "−0.03" at 8 pt would touch its neighbours in a 2 in panel
                 ax.text(j, i, "0.00" if text == "-0.00" else text, ha="center", va="center", fontsize=8,
                         color="white" if abs(norm(x) - 0.5) > 0.3 else "black")
@@ -573,7 +573,10 @@ def plot_three_layer_sparse(plt, save, rows, tables):
                            + ", ".join(f"{a:.2f}" for a in a_star) + " times $I$, in some layer order", save, "_heatmaps"),
                  f"Fig. 2: each whitened Sigma^1/2 A_l Sigma^1/2 of seed {seeds[0]} (d = 5, n = 20, noiseless labels, Sigma "
                  "eigenvalues (1, 1, 1/4, 1/16, 1) rotated; one colour scale, logarithmic beyond ±0.1), "
-                 f"titled with its fitted multiple of I; against the exact family optimum (the experiment's first row): {verdict}"
+                 "titled with its fitted scalar (the least-squares multiple of Sigma^-1 for the unwhitened A_l, "
+                 "<A_l, Sigma^-1> / |Sigma^-1|^2, which weighs Sigma's smallest eigenvalue's direction most, so it can "
+                 "differ from the drawn diagonal's mean by a few percent); against the exact family optimum (the "
+                 f"experiment's first row): {verdict}"
                  + (f" within {k_se} SE." if verdict in (PASS, FAIL) else f" ({fits[0]['why']}).")))
     return made
 
@@ -748,7 +751,7 @@ def plot_three_layer_blocks(plt, save, rows, tables):
                       + [title("B", l, scalars["b_hat"][l], scalars["b_batch"][l], o["b_star"]) for l, o in enumerate(opt[:-1])])
         r = basins[s, trainer]
         labels.append(f"seed {s} (its own batch), {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
-                      f"(f {r['basin_loss']:.3e})".replace(", ", "\n", 1))
+                      f"(f = {r['basin_loss']:.3e})".replace(", ", "\n", 1))
     skipped = sorted({(r["seed"], r["trainer"]) for r in rows if "trainer" in r} - set(basins))
     last = len(opt) - 1
     if grid:
@@ -1018,11 +1021,16 @@ def plot_depth(plt, save, rows, tables):
     fig.suptitle(f"Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless, trained on {rs[0]['B']} prompts,\n"
                  rf"tested on {rs[0]['test_batch']}; $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
     checks = [r for r in rows if r["check"]]
+    # what the caption says of the bars is measured on the figure as drawn (markers ~6-7 pt across)
+    inside = bars_inside_markers(fig, ax, Ls, [r["transformer"] for r in rs], [K_SE * r["transformer_se"] for r in rs], 7)
+    inside_gd = [i for key in ("GD", "PGD") for i in bars_inside_markers(
+        fig, ax, [L + OFFSET[key] for L in Ls], [r[key + "_loss"] for r in rs], [K_SE * r[key + "_loss_se"] for r in rs], 6)]
     made.append((save(fig, ""), "Fig. 7: the trained model's test loss against the number of layers L (open circles, "
-                 f"±{fmt(K_SE)} standard errors of the test batch) beside the exact family optimum (black pluses) and L steps "
+                 f"±{fmt(K_SE)} standard errors of the test batch; {bars_said(inside, 'circle')}) beside the exact family "
+                 "optimum (black pluses) and L steps "
                  "of gradient descent (GD-L, squares, drawn left) and Sigma^-1-preconditioned gradient descent (PGD-L, "
-                 f"triangles, drawn right) with the best constant step (Monte Carlo, ±{fmt(K_SE)} SE: a PGD-L below the "
-                 f"optimum by less than its bar is the test batch's noise); trained on {rs[0]['B']} prompts, tested on "
+                 f"triangles, drawn right) with the best constant step (Monte Carlo, ±{fmt(K_SE)} SE; {bars_said(inside_gd)}"
+                 f"); trained on {rs[0]['B']} prompts, tested on "
                  f"{rs[0]['test_batch']}; (b) the trained model minus the optimum in standard "
                  f"errors inside the ±{fmt(K_SE)} SE band"
                  + (f"; {' and '.join(NAMES[k] for k in exact)} interpolate noiseless labels exactly (loss at most "
@@ -1068,7 +1076,11 @@ def plot_icl_curve(plt, save, rows, tables):
     made = []
     curve = tables["curve"]
     ns = [c["n"] for c in curve]
-    fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(7.0, 4.8), layout="constrained", width_ratios=(3, 2))
+    # (a) across the page on a log n axis: five series beside each n need the room between n = 4 and 5;
+    # (b) and (a)'s legend below it
+    fig, axes = plt.subplot_mosaic([["a", "a"], ["b", "key"]], figsize=(7.0, 8.0), layout="constrained",
+                                   height_ratios=(3, 2))
+    ax, res_ax, key_ax = axes["a"], axes["b"], axes["key"]
     bad = transformer_against_optimum(ax, res_ax, curve, "n")
     zero = baselines_at_zero(curve, ("OLS", "ridge"))
     from matplotlib.transforms import offset_copy
@@ -1090,16 +1102,24 @@ def plot_icl_curve(plt, save, rows, tables):
                         transform=offset_copy(ax.transData, fig=fig, x=apart[key], units="points"),
                         label=(NAMES[key].replace("$L$", "3") if key in ("GD", "PGD") else NAMES[key])
                         + f" (±{fmt(K_SE)} SE)" + where)
-    ax.set(xlabel="in-context examples $n$", ylabel=r"test loss, mean squared error (log scale)", yscale="log",
-           xticks=ns, title="(a) test loss against prompt length")
-    # room inside the frame for the outermost offsets and their markers' half width (16 + 4 points a side)
+    ax.set(xlabel="in-context examples $n$ (log scale)", ylabel=r"test loss, mean squared error (log scale)",
+           yscale="log", xscale="log", title="(a) test loss against prompt length")
+    res_ax.set(xscale="log", xlabel="in-context examples $n$ (log scale)", title="(b) trained model − optimum in SE")
+    for a in (ax, res_ax):                               # every tested n labelled, no other
+        a.xaxis.set_ticks(ns, [str(n) for n in ns])
+        a.xaxis.set_minor_formatter(plt.NullFormatter())
+    # room inside the frame for the outermost offsets and their markers' half width (16 + 4 points a side),
+    # in decades of n; above the highest bar for its marker
     fig.canvas.draw()
     room = max(abs(v) for v in apart.values()) + 4
     width = ax.get_window_extent().width * 72 / fig.dpi
-    pad = (max(ns) - min(ns)) * room / (width - 2 * room)
-    ax.set_xlim(min(ns) - pad, max(ns) + pad)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
-    res_ax.set(xlabel="in-context examples $n$", title="(b) trained model − optimum in SE")
+    pad = math.log10(max(ns) / min(ns)) * room / (width - 2 * room)
+    for a in (ax, res_ax):
+        a.set_xlim(min(ns) / 10 ** pad, max(ns) * 10 ** pad)
+    tops = [c[k] + K_SE * c[k + "_se"] for c in curve for k in ("transformer", "GD", "PGD", "OLS", "ridge")]
+    ax.set_ylim(top=max(tops) * 1.4)
+    key_ax.set_axis_off()
+    key_ax.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="center")
     fig.suptitle(rf"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless, trained on {curve[0]['B']} prompts" "\n"
                  rf"at each $n$, tested on {curve[0]['test_batch']}; $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated; "
                  f"{plural(len(ns), 'length')}")
@@ -1652,7 +1672,7 @@ def plot_softmax_two_head(plt, save, rows, tables):
     made = []
     k_se = fmt(K_SE)
     starts = tables["starts"]
-    lin_loss = rows[0]["measured"]                   # the linear baseline's test loss
+    lin_loss, lin_se = rows[0]["measured"], rows[0]["se"]     # the linear baseline's test loss (Monte Carlo)
     marker = {"random": "o", "rebuttal's construction": "*", "best 1 head + a small head": "s"}
     fig, axes = plt.subplots(1, 2, figsize=(7.0, 4.4), sharey=True, layout="constrained")
     for ax, act in zip(axes, ("softmax_all", "softmax")):
@@ -1664,6 +1684,7 @@ def plot_softmax_two_head(plt, save, rows, tables):
                             fmt=marker[kind], color="C0" if t["converged"] else "C3", ms=8,
                             mfc="C0" if t["converged"] else "white", mew=1.5)
         ax.axhline(lin_loss, color="k", ls="--")
+        ax.axhspan(lin_loss - K_SE * lin_se, lin_loss + K_SE * lin_se, color="0.85", zorder=0)
         ax.set(xticks=[0, 1], xticklabels=["1 head", "2 heads"], xlim=(-0.6, 1.6),
                title={"softmax_all": "authors' softmax (all $n$+1 keys)",
                       "softmax": "softmax over the $n$ context keys"}[act])
@@ -1674,7 +1695,7 @@ def plot_softmax_two_head(plt, save, rows, tables):
     if not all(t["converged"] for t in starts):
         handles += [plt.Line2D([], [], ls="", marker="o", color="C0", label="converged (filled)"),
                     plt.Line2D([], [], ls="", marker="o", color="C3", mfc="white", mew=1.5, label="not converged (open)")]
-    handles += [plt.Line2D([], [], ls="--", color="k", label="trained linear layer")]
+    handles += [plt.Line2D([], [], ls="--", color="k", label=f"trained linear layer (band: ±{k_se} SE)")]
     axes[0].set_ylabel(f"test loss, mean squared error (±{k_se} SE)")
     fig.suptitle("The rebuttal's softmax heads: 1 vs 2 heads, every start, against the linear layer\n"
                  rf"($d$ = 5, $n$ = 10, $x, w \sim N(0, I)$, noiseless; trained on {starts[0]['train_batch']} prompts, "
@@ -1689,7 +1710,8 @@ def plot_softmax_two_head(plt, save, rows, tables):
                  f"prompts, tested on {starts[0]['test_batch']}): each start's test loss with ±{k_se} standard errors "
                  "(stars: the rebuttal's own construction; "
                  + (f"open, vermillion: the {plural(failed, 'start')} that did not converge" if failed else
-                    "every start converged") + f") against the trained linear layer (dashed). {said[:1].upper() + said[1:]}. "
+                    f"every start converged") + f") against the trained linear layer (dashed, its ±{k_se} SE the grey band). "
+                 f"{said[:1].upper() + said[1:]}. "
                  "What to see: how close the best two-head start comes to the dashed line."))
     return made
 

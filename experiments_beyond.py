@@ -576,8 +576,8 @@ def plot_task_diversity(plt, save, rows, tables):
         for name, label, marker, ls, color, shift in series:
             pts = [r for r in pools if r.get(f"{name}_{test}") is not None]
             Ks = [r["K"] * shift for r in pts]            # side by side on the log axis: no marker hides another's bar
-            if name == "L1":
-                ax.plot(Ks, [r[f"{name}_{test}"] for r in pts], marker + ls, color=color, ms=5, label=label)
+            if name == "L1":        # above the other series: a marked unconverged square cannot hide its dot
+                ax.plot(Ks, [r[f"{name}_{test}"] for r in pts], marker + ls, color=color, ms=5, label=label, zorder=6)
                 continue
             ax.errorbar(Ks, [r[f"{name}_{test}"] for r in pts], [K_SE * r[f"{name}_{test}_se"] for r in pts],
                         fmt=marker + ls, color=color, ms=5, mfc="white", elinewidth=1.5, label=label)

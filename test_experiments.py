@@ -1795,7 +1795,7 @@ def test_the_softmax_caption_counts_the_starts_that_did_not_converge(drawn):
     plt, save, _ = drawn
     starts = [dict(activation=a, heads=h, start=s, converged=True, test_loss=2.0 + h, test_se=0.01, train_batch=40,
                    test_batch=400) for a in ("softmax_all", "softmax") for h in (1, 2) for s in ("random 0", "random 1")]
-    rows = [dict(id="softmax-two-head/linear", measured=1.9)] + [
+    rows = [dict(id="softmax-two-head/linear", measured=1.9, se=0.01)] + [
         dict(id=f"softmax-two-head/{a}-claim", activation=a, verdict=ex.INFO, holds="in part") for a in ("softmax_all", "softmax")]
     (_, caption), = ex.plot_softmax_two_head(plt, save, rows, {"starts": starts})
     assert "every start converged" in caption and "trained on 40 prompts, tested on 400" in caption
