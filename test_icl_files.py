@@ -287,6 +287,22 @@ def test_a_folder_another_run_holds_is_refused(tmp_path, means):
     write_set(out, overwrite=True)
 
 
+def test_what_another_run_wrote_before_the_lock_was_taken_is_looked_at_again(tmp_path, monkeypatch):
+    # Folder.open: "Check, lock and check again": a file written into an empty folder between the first
+    # check and this run's lock (another run's, or the user's) is refused like any other, never replaced
+    out = tmp_path / "v"
+    out.mkdir()
+    acquire = icl_files.Folder._acquire
+
+    def acquire_after_another_write(self):
+        (out / "case1.npz").write_bytes(b"written meanwhile")
+        acquire(self)
+    monkeypatch.setattr(icl_files.Folder, "_acquire", acquire_after_another_write)
+    with pytest.raises(icl_files.Refused, match="not empty"):
+        write_set(out)
+    assert os.listdir(out) == ["case1.npz"] and (out / "case1.npz").read_bytes() == b"written meanwhile"
+
+
 @pytest.mark.parametrize("planted", ["a file of the user's", "a hard link to a file elsewhere",
                                      "a hard link to an empty file elsewhere", "JSON nested too deep to read"])
 def test_a_users_file_under_the_lock_name_is_neither_written_nor_removed(tmp_path, means, planted):
