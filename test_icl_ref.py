@@ -18,8 +18,10 @@ import os
 import subprocess
 import sys
 import types
+import warnings
 from fractions import Fraction
 from unittest import mock
+
 import numpy as np
 import pytest
 import scipy.optimize
@@ -2513,3 +2515,23 @@ def _same(a, b):
     if isinstance(a, np.ndarray) or isinstance(a, float):
         return np.array_equal(a, b, equal_nan=True)
     return a == b
+
+
+def test_a_strict_caller_gets_the_same_numbers_where_an_intermediate_overflows():
+    # _numpy_rules: a caller's np.seterr "raise" (or "call") is made "warn" inside the library, so a strict
+    # caller gets the same result and its handler is never called; the other strict tests provoke only
+    # underflow: here preconditioned_gd's residuals overflow (X of scale 1e200)
+    X, y, A = 1e200 * np.ones((10, 3)), np.ones(10), np.stack([np.eye(3)] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        expected = ir.preconditioned_gd(X, y, A)
+        for rule in ("raise", "call"):
+            calls = []
+            old, old_call = np.seterr(all=rule), np.seterrcall(lambda kind, flag: calls.append(kind))
+            try:
+                got = ir.preconditioned_gd(X, y, A)
+            finally:
+                np.seterr(**old)
+                np.seterrcall(old_call)
+            np.testing.assert_array_equal(got, expected)
+            assert calls == [], rule
