@@ -231,10 +231,12 @@ def signed_ticks(plt):
 
 
 def log_ticks(plt, axis, low, high):
-    """Label a log axis at 1, 2 and 5 times the powers of ten in [low, high] ("%g"), where matplotlib would
-    label its decades only (a range inside one or two decades would be read off no label)."""
+    """Label a log axis at 1, 2 and 5 times the powers of ten in [low, high] ("%g"), and at 3 times them
+    too when the range is within two decades, where matplotlib would label its decades only (a range inside
+    one or two decades would be read off no label, or off none below its middle)."""
+    steps = (1, 2, 3, 5) if high / low < 100 else (1, 2, 5)
     ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
-             for m in (1, 2, 5) if low <= m * 10.0 ** e <= high]
+             for m in steps if low <= m * 10.0 ** e <= high]
     axis.set_ticks(ticks, [f"{t:g}" for t in ticks])
     axis.set_minor_formatter(plt.NullFormatter())
 
@@ -304,20 +306,21 @@ def not_reached(said):
 
 
 def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
-    """Heat maps in rows (grid: a list of rows of matrices) with the values written in (2 decimals, 8 pt;
-    "-0.00" written 0.00). All panels share one symmetric colour scale, logarithmic beyond +-0.1 (so a
+    """Heat maps in rows (grid: a list of rows of matrices) with the values written in (2 decimals, 8 pt,
+    the minus sign; "-0.00" written 0.00). All panels share one symmetric colour scale, logarithmic beyond +-0.1 (so a
     multiple 0.3 of I and one of 9 both show, on the same scale) and one colour bar; values on dark cells
     are written in white. Constrained layout: no label overprints another."""
     from matplotlib.colors import SymLogNorm
     cols = max(len(r) for r in grid)
-    # a panel 2 in wide gives a cell of a 5 x 5 matrix room for "-0.00" at 8 pt; five panels a row
-    # (the blocks model's A_0..A_2, B_0, B_1) need 10.9 in, wider than a page's 7: a figure printed
-    # sideways on its own page, the price of values that can be read
-    fig, axes = plt.subplots(len(grid), cols, figsize=(2.0 * cols + 0.9, 2.2 * len(grid) + 0.9),
+    # a panel 7/3 in wide gives a cell of a 5 x 5 matrix room for "−0.03" at 8 pt (24.5 pt of 30) with a
+    # gap to its neighbours; the colour bar below the panels, so that three fill a page's 7 in; five
+    # panels a row (the blocks model's A_0..A_2, B_0, B_1) need 11.7 in: a figure printed sideways on its
+    # own page, the price of values that can be read
+    fig, axes = plt.subplots(len(grid), cols, figsize=(7.0 / 3 * cols, 2.45 * len(grid) + 1.4),
                              squeeze=False, layout="constrained")
     v = max(float(np.max(np.abs(M))) for r in grid for M in r) or 1.0
-    # titles at the house 9 pt where every line fits a 2 in panel (about 24 characters at 9 pt), else 8
-    title_pt = 9 if max(len(line) for r in titles for t in r for line in t.split("\n")) <= 24 else 8
+    # titles at the house 9 pt where every line fits a 7/3 in panel (about 28 characters at 9 pt), else 8
+    title_pt = 9 if max(len(line) for r in titles for t in r for line in t.split("\n")) <= 28 else 8
     norm = SymLogNorm(linthresh=0.1, linscale=0.5, vmin=-v, vmax=v, base=10)
     for r, (row_, row_titles) in enumerate(zip(grid, titles)):
         for c, ax in enumerate(axes[r]):
@@ -328,14 +331,13 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
             image = ax.imshow(M, cmap="RdBu_r", norm=norm)
             for (i, j), x in np.ndenumerate(M):
                 text = f"{x:.2f}" if abs(x) < 9.995 else f"{x:.1f}"        # "10.59" would touch the cell's edge
-                # a hyphen, not the wider minus sign: "−0.03" at 8 pt would touch its neighbours in a 2 in panel
-                ax.text(j, i, "0.00" if text == "-0.00" else text, ha="center", va="center", fontsize=8,
+                ax.text(j, i, minus("0.00" if text == "-0.00" else text), ha="center", va="center", fontsize=8,
                         color="white" if abs(norm(x) - 0.5) > 0.3 else "black")
             ax.set_title(title, fontsize=title_pt)
             ax.set(xticks=[], yticks=[])
         if row_labels:
             axes[r][0].set_ylabel(row_labels[r], fontsize=8)
-    bar = fig.colorbar(image, ax=axes, shrink=0.8, aspect=30,
+    bar = fig.colorbar(image, ax=axes, location="bottom", shrink=0.5, aspect=40,
                        ticks=[t for t in (-10, -1, -0.1, 0, 0.1, 1, 10) if abs(t) <= v], format=signed_ticks(plt))
     bar.set_label("entry (log beyond ±0.1)", fontsize=8)
     fig.suptitle(suptitle, fontsize=9)
@@ -508,10 +510,13 @@ def plot_three_layer_sparse(plt, save, rows, tables):
     ok = {r["seed"]: bool(r["converged"]) for r in fits}
     seeds = sorted(ok)
     fig, ax = plt.subplots(1, 2, figsize=(7.0, 5.2), layout="constrained")     # (b)'s legend below it
-    for s, (style, marker) in zip(seeds, (("-", None), ("--", "o"), (":", "s"), ("-.", "^"))):
+    # every seed with its marker: a curve that ends on the f* line stays seen there
+    # (six markers a curve, staggered by seed so that none sits on another's)
+    for i, (s, (style, marker)) in enumerate(zip(seeds, (("-", "D"), ("--", "o"), (":", "s"), ("-.", "^")))):
         cs = [c for c in curve if c["seed"] == s]
+        step = max(1, len(cs) // 6)
         ax[0].semilogy([c["iteration"] for c in cs], [c["loss"] for c in cs], style, marker=marker, mfc="white",
-                       markevery=max(1, len(cs) // 6), color="C0" if ok[s] else "0.4",
+                       markevery=(min(i * step // len(seeds), len(cs) - 1), step), color="C0" if ok[s] else "0.4",
                        label=f"seed {s}" + ("" if ok[s] else " (not converged)"))
     f_star = fits[0]["f_star"]
     # the lower limit on a power of 10: a labelled tick below the curves' floor (a batch's loss can end below f*)
@@ -564,16 +569,18 @@ def plot_three_layer_sparse(plt, save, rows, tables):
                  + ("" if all(ok.values()) else "; grey: a seed that did not converge")
                  + ". What to see: whether every A_l ends near a multiple of Sigma^-1 (blue near 0) and far from one of I."))
     mats = heat_matrices(tables["heatmaps"], seed=seeds[0])
-    fitted = {f["layer"]: f["a_hat"] for f in tables["fitted"] if f["seed"] == seeds[0]}
+    fitted = {f["layer"]: (f["a_hat"], f["se"]) for f in tables["fitted"] if f["seed"] == seeds[0]}
     verdict = fits[0]["verdict"]
-    made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted {fitted[l]:.2f}" for l in range(len(mats))]],
-                           f"Ahn et al. 2023, Fig. 2: each layer's whitened $A$ after training\n(seed {seeds[0]}, "
+    made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted {fitted[l][0]:.2f} ± {K_SE * fitted[l][1]:.2f}"
+                                          for l in range(len(mats))]],
+                           f"Ahn et al. 2023, Fig. 2: each layer's whitened $A$ after training, titled with its\n"
+                           f"fitted multiple of the inverse of $\\Sigma$ (±{k_se} sandwich SE; seed {seeds[0]}, "
                            f"$d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']},\n"
                            r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated)" "\nexact family optimum: "
                            + ", ".join(f"{a:.2f}" for a in a_star) + " times $I$, in some layer order", save, "_heatmaps"),
                  f"Fig. 2: each whitened Sigma^1/2 A_l Sigma^1/2 of seed {seeds[0]} (d = 5, n = 20, noiseless labels, Sigma "
                  "eigenvalues (1, 1, 1/4, 1/16, 1) rotated; one colour scale, logarithmic beyond ±0.1), "
-                 "titled with its fitted scalar (the least-squares multiple of Sigma^-1 for the unwhitened A_l, "
+                 f"titled with its fitted scalar ±{k_se} sandwich standard errors (the least-squares multiple of Sigma^-1 for the unwhitened A_l, "
                  "<A_l, Sigma^-1> / |Sigma^-1|^2, which weighs Sigma's smallest eigenvalue's direction most, so it can "
                  "differ from the drawn diagonal's mean by a few percent); against the exact family optimum (the "
                  f"experiment's first row): {verdict}"
@@ -733,12 +740,13 @@ def plot_three_layer_blocks(plt, save, rows, tables):
     batch = {(r["seed"], r["trainer"]): r for r in rows if r.get("a_batch") is not None and "trainer" in r}
     grid, titles, labels = [], [], []
 
-    def title(name, l, hat, at_batch, star):
-        """A panel's title: the fitted scalar, the batch's own family optimum (what training on this batch
-        can reach) and the population optimum; no math scripts (their 70 % would fall below 8 pt)."""
+    def title(name, l, hat, se, at_batch, star):
+        """A panel's title: the fitted scalar (± K_SE of its sandwich standard errors), the batch's own family
+        optimum (what training on this batch can reach) and the population optimum; no math scripts (their
+        70 % would fall below 8 pt)."""
         if hat is None:
             return f"${name}$ of layer {l}\npopulation optimum {star:.2f}"
-        return (f"${name}$ of layer {l}: fitted {hat:.3f}\n"
+        return (f"${name}$ of layer {l}: fitted {hat:.3f}" + (f" ± {K_SE * se:.3f}" if se is not None else "") + "\n"
                 + (f"batch optimum {at_batch:.3f}\n" if at_batch is not None else "") + f"population optimum {star:.2f}")
     for (s, trainer) in sorted(basins):
         A = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="A")
@@ -747,8 +755,11 @@ def plot_three_layer_blocks(plt, save, rows, tables):
         fit, own = fitted.get((s, trainer), {}), batch.get((s, trainer), {})
         scalars = {k: fit[k] if fit.get(k) is not None else [None] * len(opt) for k in ("a_hat", "b_hat")}
         scalars.update({k: own[k] if own.get(k) is not None else [None] * len(opt) for k in ("a_batch", "b_batch")})
-        titles.append([title("A", l, scalars["a_hat"][l], scalars["a_batch"][l], o["a_star"]) for l, o in enumerate(opt)]
-                      + [title("B", l, scalars["b_hat"][l], scalars["b_batch"][l], o["b_star"]) for l, o in enumerate(opt[:-1])])
+        # the batch row's standard errors: a_0..a_{L-1}, then b_0..b_{L-2}
+        se = own["se"] if own.get("se") is not None else [None] * (2 * len(opt) - 1)
+        titles.append([title("A", l, scalars["a_hat"][l], se[l], scalars["a_batch"][l], o["a_star"]) for l, o in enumerate(opt)]
+                      + [title("B", l, scalars["b_hat"][l], se[len(opt) + l], scalars["b_batch"][l], o["b_star"])
+                         for l, o in enumerate(opt[:-1])])
         r = basins[s, trainer]
         labels.append(f"seed {s} (its own batch), {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
                       f"(f = {r['basin_loss']:.3e})".replace(", ", "\n", 1))
@@ -758,12 +769,12 @@ def plot_three_layer_blocks(plt, save, rows, tables):
         made.append((heat_grid(plt, grid, titles, "Blocks model (Ahn et al. 2023, Figs. 3-5), $d$ = 5, $n$ = 20, $L$ = 3, noiseless, "
                                f"batches of {opt[0]['batch']} prompts: "
                                "the whitened $A$ and the $B$ of each layer,\neach converged run; each seed draws its own batch "
-                               "and rotation of $\\Sigma$; titles: the fitted scalar, the exact family optimum of the run's "
+                               f"and rotation of $\\Sigma$; titles: the fitted scalar (±{fmt(K_SE)} sandwich SE), the exact family optimum of the run's "
                                f"batch\nand of the population (f* = {opt[0]['f_star']:.3e}); $B$ of layer {last} not drawn "
                                "(it never enters the loss)",
                                save, "_heatmaps", row_labels=labels),
                      f"Figs. 3-5: the {plural(len(grid), 'converged run')} of this run: the whitened A_l and the B_l on one "
-                     "colour scale, each titled with its fitted scalar, the exact family optimum of the batch the run was "
+                     f"colour scale, each titled with its fitted scalar (±{fmt(K_SE)} sandwich standard errors), the exact family optimum of the batch the run was "
                      "trained on (what training can reach) and the population optimum; "
                      f"B_{last} is not drawn (it never enters the loss and keeps its random start); the row labels say "
                      "which population minimum's basin each run is in"
@@ -964,6 +975,8 @@ def bars_said(inside, marker="marker"):
     markers = marker + ("es" if marker.endswith(("s", "x", "ch", "sh")) else "s")
     if all(inside):
         return f"every bar is smaller than its {marker}"
+    if sum(inside) == 1:
+        return f"1 of {len(inside)} bars is smaller than its {marker}, the others are seen"
     if any(inside):
         return f"{sum(inside)} of {len(inside)} bars are smaller than their {markers}, the others are seen"
     return "every bar is seen beyond its " + marker
@@ -1111,7 +1124,7 @@ def plot_icl_curve(plt, save, rows, tables):
     # room inside the frame for the outermost offsets and their markers' half width (16 + 4 points a side),
     # in decades of n; above the highest bar for its marker
     fig.canvas.draw()
-    room = max(abs(v) for v in apart.values()) + 4
+    room = max(abs(v) for v in apart.values()) + 8     # a diamond of 6 pt reaches ~4.3 pt from its centre, plus a gap
     width = ax.get_window_extent().width * 72 / fig.dpi
     pad = math.log10(max(ns) / min(ns)) * room / (width - 2 * room)
     for a in (ax, res_ax):
@@ -1126,12 +1139,17 @@ def plot_icl_curve(plt, save, rows, tables):
     # the rows that compare the trained model with the optimum (the others check a single layer's exact
     # loss at other lengths, which the figure does not draw)
     checks = [r for r in rows if r["check"] and r["id"].endswith(("-test", "-batch"))]
+    # what the caption says of the bars is measured on the figure as drawn (circles 7 pt across, the rest 6)
+    inside = bars_inside_markers(fig, ax, ns, [c["transformer"] for c in curve], [K_SE * c["transformer_se"] for c in curve], 7)
+    inside_base = [i for key in ("GD", "PGD", "OLS", "ridge") for i, c in zip(bars_inside_markers(
+        fig, ax, ns, [c[key] for c in curve], [K_SE * c[key + "_se"] for c in curve], 6), curve)
+        if c[key] > 1e-6 * c["transformer"]]
     made.append((save(fig, ""), "Fig. 6: the test loss of the trained model (three sparse layers) against the prompt length n (open "
-                 f"circles, ±{fmt(K_SE)} standard errors) beside the exact family optimum (black pluses) and the "
+                 f"circles, ±{fmt(K_SE)} standard errors; {bars_said(inside, 'circle')}) beside the exact family optimum (black pluses) and the "
                  "baselines GD-3, PGD-3 (Sigma^-1-preconditioned; best constant step on tuning prompts)"
                  + (f", {' and '.join(NAMES[k] for k in zero)}: these are exactly 0 on noiseless labels once n >= d and "
-                    "drawn only below" if zero else "")
-                 + f"; the baselines are Monte Carlo losses on the test batch (±{fmt(K_SE)} SE), drawn "
+                    "drawn only where n < d" if zero else "")
+                 + f"; the baselines are Monte Carlo losses on the test batch (±{fmt(K_SE)} SE; {bars_said(inside_base)}), drawn "
                  f"{abs(apart['GD'])} and {abs(apart['OLS'])} points either side of each n (GD-3 and OLS left, PGD-3 and "
                  f"ridge right); trained on {curve[0]['B']} prompts, tested on {curve[0]['test_batch']}"
                  + f"; (b) the trained model minus the optimum in standard errors inside the ±{fmt(K_SE)} SE band"

@@ -22,6 +22,9 @@ from experiments import (K_SE, PASS, bars_inside_markers, bars_said, best_of, co
                          keyed, log_ticks, mean_se, paper_data, row, signed_ticks)
 
 
+STAGGER = 5.0     # points between the looped figure's (b) series in x: 6-point markers, each one partly seen
+
+
 def plot_looped(plt, save, rows, tables):
     exact, hess, char, prof = tables["exact"], tables["hessian"], tables["character"], tables["profiles"]
     trained, points = tables["trained"], tables["points"]
@@ -62,19 +65,33 @@ def plot_looped(plt, save, rows, tables):
             xticks=sorted({r["L"] for r in exact} | {t["L"] for t in done}), title="(a) family optima, trained models")
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     ns = sorted({r["n"] for r in char})
-    # marker and line style each tell one n from another (five markers, four styles: no two n alike)
+    from matplotlib.transforms import offset_copy
+    # marker and line style each tell one n from another (five markers, four styles: no two n alike); the
+    # series STAGGER points apart in x, since at L = 1 and 2 the larger n's values are close enough to share
+    # a marker's place; the Monte Carlo cross sits on its own n's marker, whose value it estimates
+    stagger = {n: STAGGER * (i - (len(ns) - 1) / 2) for i, n in enumerate(ns)}
     for i, n in enumerate(ns):
         rs = [r for r in char if r["n"] == n]
+        shifted = offset_copy(ax2.transData, fig=fig, x=stagger[n], units="points")
         ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^Dvp"[i % 6],
-                 ls=("-", ":", "--", "-.")[i % 4], color=f"C{i}", ms=5, mfc="white", label=f"exact, $n$ = {n}")
-    ax2.errorbar([r["L"] + 0.12 for r in hess], [r["mc_antisymmetric"] for r in hess],
-                 [K_SE * r["mc_antisymmetric_se"] for r in hess], fmt="kx", ms=7, elinewidth=1.5,
-                 label=f"Monte Carlo, $n$ = 20 only (±{k_se} SE;\ndrawn just right)")
+                 ls=("-", ":", "--", "-.")[i % 4], color=f"C{i}", ms=6, mfc="white", label=f"exact, $n$ = {n}",
+                 transform=shifted)
+        # the markers again above every line (their white faces hide the lines crossing them)
+        ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^Dvp"[i % 6], ls="none",
+                 color=f"C{i}", ms=6, mfc="white", zorder=3, transform=shifted)
+    mc_n = 20
+    ax2.errorbar([r["L"] for r in hess], [r["mc_antisymmetric"] for r in hess],
+                 [K_SE * r["mc_antisymmetric_se"] for r in hess], fmt="kx", ms=5, elinewidth=1.5, zorder=4,
+                 transform=offset_copy(ax2.transData, fig=fig, x=stagger.get(mc_n, 0.0), units="points"),
+                 label=f"Monte Carlo, $n$ = {mc_n} only (±{k_se} SE;\non its exact marker)")
     ax2.axhline(0.0, color="k", lw=0.8)
     ax2.set_yscale("symlog", linthresh=1e-2)
     ax2.set(xlabel="layers $L$", ylabel="antisymmetric Hessian eigenvalue\nat the tied family point (symlog)",
             xticks=sorted({r["L"] for r in char}),
-            yticks=[-0.1, -0.01, 0, 0.01, 0.1, 1], ylim=(None, 6.0), title="(b) below 0: a saddle")
+            yticks=[-0.1, -0.01, 0, 0.01, 0.1, 1], title="(b) below 0: a saddle",
+            # the limits set, not autoscaled: the staggered series' data limits would not include their offsets
+            xlim=(min(r["L"] for r in char) - 0.8, max(r["L"] for r in char) + 0.8),
+            ylim=(min(0.0, min(r["antisymmetric"] for r in char)) * 2 - 1e-2, 6.0))
     ax2.yaxis.set_major_formatter(signed_ticks(plt))
     ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     for (L, blocks), color, ls in (((3, 1), "C0", "-"), ((4, 2), "C3", "--")):
@@ -106,8 +123,8 @@ def plot_looped(plt, save, rows, tables):
     fig.suptitle("Looped (tied) models: one sparse layer applied $L$ times, $d$ = 5, $n$ = 20 unless said,\n"
                  r"noiseless, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
     # what the caption says of the Monte Carlo bars is measured on b and c as drawn
-    bars_b = bars_inside_markers(fig, ax2, [r["L"] + 0.12 for r in hess], [r["mc_antisymmetric"] for r in hess],
-                                 [K_SE * r["mc_antisymmetric_se"] for r in hess], 7)
+    bars_b = bars_inside_markers(fig, ax2, [r["L"] for r in hess], [r["mc_antisymmetric"] for r in hess],
+                                 [K_SE * r["mc_antisymmetric_se"] for r in hess], 5)
     bars_c = bars_inside_markers(fig, ax3, [p["beta"] - 0.012 for p in mc], [p["mc_loss"] / p["family_loss"] - 1 for p in mc],
                                  [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], 6)
     checks = [r for r in rows if r["check"]]
@@ -124,7 +141,7 @@ def plot_looped(plt, save, rows, tables):
              "leave it through a rotation block, c; against the tied family optimum: " + where + ")"
              + (f"; at L = {L0} the four optima are one point (relative spread {spread:.1g})" if spread < 1e-3 else "")
              + "; (b) the antisymmetric Hessian eigenvalue at the tied family point, "
-             f"exact per n (marker and line style: n) and by Monte Carlo at n = 20 only, L = {mc_at} (±{k_se} SE; "
+             f"exact per n (marker and line style: n; the n drawn {fmt(STAGGER)} points apart) and by Monte Carlo at n = 20 only (on its n's marker), L = {mc_at} (±{k_se} SE; "
              f"{bars_said(bars_b, 'cross')}); (c) the loss along "
              "matrices with rotation blocks, relative to the family optimum, with the certified minima (squares) and "
              "saddle (triangle), "
@@ -442,7 +459,7 @@ def looped(ctx):
 
 
 def plot_dynamics(plt, save, rows, tables):
-    flow, descent = tables["flow"], tables["descent"]
+    flow, descent, path = tables["flow"], tables["descent"], tables["path"]
     k_se = fmt(K_SE)
     # (a) and (b) side by side, the residuals (c) below across the page: three panels in 7 in
     fig, axes = plt.subplot_mosaic([["a", "b"], ["c", "c"]], figsize=(7.0, 7.0), layout="constrained")
@@ -461,7 +478,7 @@ def plot_dynamics(plt, save, rows, tables):
     ms = 5
     for i, (key, marker, ls) in enumerate(entries):
         name = rf"$\Gamma$[{key[1]},{key[2]}]"
-        ax2.plot(ts, [r[f"flow_{key}"] for r in descent], ls, color=f"C{i}", label=f"{name}: flow (line)")
+        ax2.plot([p["t"] for p in path], [p[f"flow_{key}"] for p in path], ls, color=f"C{i}", label=f"{name}: flow (line)")
         ax2.errorbar(ts, [r[f"gd_{key}"] for r in descent], [K_SE * r[f"gd_{key}_se"] for r in descent], fmt=marker,
                      color=f"C{i}", mfc="white", ms=ms, label=f"{name}: descent (±{k_se} SE)")
         # the residual panel: descent minus flow in units of its standard error, entries side by side
@@ -562,21 +579,26 @@ def dynamics(ctx):
             entries.update({f"flow_{key}": target[k, i, j], f"gd_{key}": mean[k, i, j], f"gd_{key}_se": se[k, i, j]})
         descent.append(entries)
         rows.append(descent_row(entries, mean[k], target[k], se[k]))
-    return rows, {"flow": keyed(flow, "start", "t"), "descent": keyed(descent, "t")}
+    # the flow from the descent's start at every tenth step: (b) draws it as a line through the descent's times
+    path = [dict(t=times[k], **{f"flow_{key}": target[k, i, j] for key, (i, j) in (("G00", (0, 0)), ("G01", (0, 1)), ("G11", (1, 1)))})
+            for k in range(0, steps + 1, 10)]
+    return rows, {"flow": keyed(flow, "start", "t"), "descent": keyed(descent, "t"), "path": keyed(path, "t")}
 
 
 def plot_task_diversity(plt, save, rows, tables):
     pools = tables["pools"]
     k_se = fmt(K_SE)
     fig, axes = plt.subplots(1, 2, figsize=(7.0, 4.8), sharey=True, layout="constrained")
-    series = (("L1", "one-layer optimum for the pool (exact)", "o", "-", "C0", 1 / 1.12),
+    # shifts in K: side by side on the log axis (~105 px a decade), the one-layer dot (5 pt) a marker's
+    # width clear of the trained model's square, filled where it did not converge
+    series = (("L1", "one-layer optimum for the pool (exact)", "o", "-", "C0", 1 / 1.3),
               ("L3", "trained model (three sparse layers)", "s", "--", "C3", 1.0),
               ("dmmse", "dMMSE", "^", ":", "C1", 1.12), ("ridge", r"ridge (Bayes for $w \sim N(0, I)$)", "D", "-.", "C2", 1.25))
     for ax, test in zip(axes, ("pool", "fresh")):
         for name, label, marker, ls, color, shift in series:
             pts = [r for r in pools if r.get(f"{name}_{test}") is not None]
             Ks = [r["K"] * shift for r in pts]            # side by side on the log axis: no marker hides another's bar
-            if name == "L1":        # above the other series: a marked unconverged square cannot hide its dot
+            if name == "L1":        # above the other series' bars
                 ax.plot(Ks, [r[f"{name}_{test}"] for r in pts], marker + ls, color=color, ms=5, label=label, zorder=6)
                 continue
             ax.errorbar(Ks, [r[f"{name}_{test}"] for r in pts], [K_SE * r[f"{name}_{test}_se"] for r in pts],
@@ -584,7 +606,7 @@ def plot_task_diversity(plt, save, rows, tables):
         bad = [r for r in pools if "L3_converged" in r and r["L3_converged"] is not None and not r["L3_converged"]
                and r.get(f"L3_{test}") is not None]
         if bad:
-            ax.plot([r["K"] for r in bad], [r[f"L3_{test}"] for r in bad], "s", color="C3", mec="k", ms=8, zorder=5,
+            ax.plot([r["K"] for r in bad], [r[f"L3_{test}"] for r in bad], "s", color="C3", mec="k", ms=6, zorder=7,
                     label="three-layer model not converged\n(filled; gradient norm > 1e-6)")
         ax.set(xscale="log", yscale="log", xlabel="$K$ (tasks in the pool, log scale)",
                title=f"({'ab'[test == 'fresh']}) tested on {'the pool' if test == 'pool' else 'fresh tasks'}")

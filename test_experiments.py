@@ -1137,7 +1137,8 @@ def test_bars_inside_markers_is_measured_on_the_drawn_axes():
     assert ex.bars_inside_markers(fig, log_ax, [1, 2], [1, 1], [1e-4, 1.5], 6) == [True, False]
     plt.close(fig)
     assert ex.bars_said([True, True]) == "every bar is smaller than its marker"
-    assert ex.bars_said([True, False, False], "cross").startswith("1 of 3 bars are smaller than their crosses")
+    assert ex.bars_said([True, False, False], "cross").startswith("1 of 3 bars is smaller than its cross,")
+    assert ex.bars_said([True, True, False], "cross").startswith("2 of 3 bars are smaller than their crosses")
     assert ex.bars_said([False]) == "every bar is seen beyond its marker"
 
 
@@ -1164,7 +1165,8 @@ def test_figures_keep_math_scripts_and_log_tick_labels_at_least_8_pt():
 
 
 def test_a_log_axis_is_labelled_at_1_2_5_and_figure_bytes_keeps_a_plot_s_own_labels():
-    # experiments.log_ticks: "1, 2 and 5 times the powers of ten in [low, high]" as "%g"; figure_bytes
+    # experiments.log_ticks: "1, 2 and 5 times the powers of ten in [low, high]" as "%g", 3 times them
+    # too within two decades; figure_bytes
     # replaces only matplotlib's own log labels (a plot's chosen ones survive saving); signed_ticks and
     # minus write the minus sign U+2212, not a hyphen
     plt = pytest.importorskip("matplotlib.pyplot")
@@ -1173,8 +1175,10 @@ def test_a_log_axis_is_labelled_at_1_2_5_and_figure_bytes_keeps_a_plot_s_own_lab
     ax.set_xscale("log")
     ex.log_ticks(plt, ax.yaxis, 0.21, 11.0)
     runner.figure_bytes(fig, "png")
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["0.5", "1", "2", "5", "10"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0.3", "0.5", "1", "2", "3", "5", "10"]
     assert all(t.get_text() == "" for t in ax.get_yticklabels(minor=True))
+    ex.log_ticks(plt, ax.yaxis, 0.09, 11.0)       # beyond two decades: no 3s
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0.1", "0.2", "0.5", "1", "2", "5", "10"]
     own = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]       # matplotlib's: made plain
     assert "1" in own and not any("$" in t for t in own)
     plt.close(fig)
@@ -1835,3 +1839,89 @@ def test_the_looped_legend_says_where_a_family_s_optima_stop(drawn):
     beyond.plot_looped(plt, save, [], tables)
     labels = [t.get_text() for t in figures[-1].axes[0].get_legend().get_texts()]
     assert "sparse: tied optimum" in labels and not any("leq" in t for t in labels)
+
+
+def marker_x(fig, line, i=0):
+    """The display x (pixels) of point i of a line, with the line's own transform (its offsets), as `fig`
+    is laid out (drawn once, so that every point is measured in one layout)."""
+    if not getattr(fig, "_measured", False):
+        fig.canvas.draw()
+        fig._measured = True
+    return line.get_transform().transform((line.get_xdata()[i], line.get_ydata()[i]))[0]
+
+
+def test_the_icl_curve_caption_counts_the_bars_hidden_in_markers_and_keeps_the_outer_markers_inside(drawn):
+    # "every bar is smaller than its circle" only where the drawn bars are; the baseline drawn 16 points
+    # left of the smallest n (a 6 pt diamond) stays inside the frame
+    plt, save, figures = drawn
+
+    def curve(rel_se):
+        return [dict(n=n, B=100, test_batch=200, transformer=1.0 / n, transformer_se=rel_se / n, family_optimum=1.0 / n,
+                     converged=True, **{k: 2.0 / n for k in ("GD", "PGD", "OLS", "ridge")},
+                     **{k + "_se": rel_se / n for k in ("GD", "PGD", "OLS", "ridge")}) for n in (2, 5, 10)]
+    (_, caption), = ex.plot_icl_curve(plt, save, [], {"curve": curve(1e-5)})
+    assert "±4 standard errors; every bar is smaller than its circle)" in caption
+    assert "(±4 SE; every bar is smaller than its marker)" in caption
+    ax = figures[-1].axes[0]
+    ols = next(c for c in ax.containers if c.get_label().startswith("OLS"))
+    left = marker_x(figures[-1], ols.lines[0]) - 3 * 2 ** 0.5 * figures[-1].dpi / 72     # a diamond's half diagonal
+    assert left > ax.get_window_extent().x0
+    (_, caption), = ex.plot_icl_curve(plt, save, [], {"curve": curve(0.1)})
+    assert "every bar is seen beyond its circle" in caption and "every bar is seen beyond its marker" in caption
+
+
+def test_the_looped_hessian_panel_draws_each_n_apart_and_the_monte_carlo_cross_on_its_n(drawn):
+    # at L = 1 the exact eigenvalues of several n can be one value: the series are drawn STAGGER points apart
+    import experiments_beyond as beyond
+    plt, save, figures = drawn
+    ns = (5, 10, 20, 40)         # n = 20 not the middle series: the cross's offset is its own n's
+    tables = dict(exact=[dict(family=f, L=L, loss_untied=1.0 / L, loss_tied=1.1 / L) for f in ("sparse", "blocks") for L in (1, 2)],
+                  hessian=[dict(L=L, mc_antisymmetric=2.0, mc_antisymmetric_se=0.01) for L in (1, 2)],
+                  character=[dict(n=n, L=L, antisymmetric=2.0) for n in ns for L in (1, 2)],
+                  profiles=[], trained=[dict(L=4, exact_loss=0.2, family_loss=0.21, antisym_sv=[0.3])], points=[])
+    beyond.plot_looped(plt, save, [], tables)
+    fig, ax = figures[-1], figures[-1].axes[1]
+    xs = {n: marker_x(fig, next(line for line in ax.lines if line.get_label() == f"exact, $n$ = {n}")) for n in ns}
+    gaps = np.diff([xs[n] for n in ns])
+    assert np.allclose(gaps, beyond.STAGGER * fig.dpi / 72) and beyond.STAGGER > 0
+    cross = next(c for c in ax.containers if c.get_label().startswith("Monte Carlo"))
+    assert marker_x(fig, cross.lines[0]) == pytest.approx(xs[20])
+
+
+def test_the_task_diversity_not_converged_square_hides_no_point(drawn):
+    # every model at one value at K = 1 and the three-layer model not converged there: its filled square
+    # is drawn above the others and a marker's width clear of the one-layer dot
+    import experiments_beyond as beyond
+    plt, save, figures = drawn
+    pools = [dict(K=K, L3_converged=K > 1, **{f"{m}_{t}": 1.0 for m in ("L1", "L3", "dmmse", "ridge") for t in ("pool", "fresh")},
+                  **{f"{m}_{t}_se": 0.01 for m in ("L3", "dmmse", "ridge") for t in ("pool", "fresh")})
+             for K in 4 ** np.arange(7)]                 # the full run's span of K, up to 4096
+    beyond.plot_task_diversity(plt, save, [], {"pools": pools})
+    fig = figures[-1]
+    for ax in fig.axes[:2]:
+        square = next(line for line in ax.lines if line.get_label().startswith("three-layer model not converged"))
+        dot = next(line for line in ax.lines if line.get_label().startswith("one-layer optimum"))
+        assert square.get_zorder() > max(line.get_zorder() for line in ax.lines if line is not square)
+        clear = (square.get_markersize() + dot.get_markersize()) / 2 * fig.dpi / 72
+        assert abs(marker_x(fig, square) - marker_x(fig, dot)) >= clear
+
+
+def test_a_heat_map_writes_its_values_with_the_minus_sign(drawn):
+    plt, save, figures = drawn
+    ex.heat_grid(plt, [[np.array([[0.39, -0.03], [-0.001, 10.56]])]], [["layer 0: fitted 0.39 ± 0.04"]], "title", save, "")
+    texts = [t.get_text() for t in figures[-1].axes[0].texts]
+    assert texts == ["0.39", "\u22120.03", "0.00", "10.6"]
+
+
+def test_the_dynamics_panel_draws_the_flow_through_its_path_not_only_the_descent_s_times(drawn):
+    import experiments_beyond as beyond
+    plt, save, figures = drawn
+    flow = [dict(start=s, sigma=sig, t=t, loss=1.0 / (1 + t)) for s, sig in (("inside", 0.05), ("outside", 3.0)) for t in (0.0, 0.1, 1.0)]
+    entries = ("G00", "G01", "G11")
+    descent = [dict(t=t, R=8, B=100, eta=0.01, **{f"flow_{k}": t for k in entries}, **{f"gd_{k}": t for k in entries},
+                    **{f"gd_{k}_se": 0.01 for k in entries}) for t in (1.0, 2.0)]
+    path = [dict(t=t, **{f"flow_{k}": t for k in entries}) for t in np.linspace(0.0, 2.0, 21)]
+    rows = [dict(id="dynamics/inside-end", check="two-sided", verdict=ex.PASS, sigma_bound=1.06)]
+    beyond.plot_dynamics(plt, save, rows, {"flow": flow, "descent": descent, "path": path})
+    lines = [line for line in figures[-1].axes[1].lines if line.get_label().endswith("flow (line)")]
+    assert len(lines) == 3 and all(len(line.get_xdata()) == len(path) for line in lines)
