@@ -316,7 +316,8 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
     # gap to its neighbours; the colour bar below the panels, so that three fill a page's 7 in; five
     # panels a row (the blocks model's A_0..A_2, B_0, B_1) need 11.7 in: a figure printed sideways on its
     # own page, the price of values that can be read
-    fig, axes = plt.subplots(len(grid), cols, figsize=(7.0 / 3 * cols, 2.45 * len(grid) + 1.4),
+    # the height: a row of panels with their titles, the colour bar, and the suptitle's lines at 9 pt
+    fig, axes = plt.subplots(len(grid), cols, figsize=(7.0 / 3 * cols, 2.45 * len(grid) + 0.75 + 0.2 * (suptitle.count("\n") + 1)),
                              squeeze=False, layout="constrained")
     v = max(float(np.max(np.abs(M))) for r in grid for M in r) or 1.0
     # titles at the house 9 pt where every line fits a 7/3 in panel (about 28 characters at 9 pt), else 8
@@ -571,18 +572,23 @@ def plot_three_layer_sparse(plt, save, rows, tables):
     mats = heat_matrices(tables["heatmaps"], seed=seeds[0])
     fitted = {f["layer"]: (f["a_hat"], f["se"]) for f in tables["fitted"] if f["seed"] == seeds[0]}
     verdict = fits[0]["verdict"]
-    made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted {fitted[l][0]:.2f} ± {K_SE * fitted[l][1]:.2f}"
-                                          for l in range(len(mats))]],
-                           f"Ahn et al. 2023, Fig. 2: each layer's whitened $A$ after training, titled with its\n"
-                           f"fitted multiple of the inverse of $\\Sigma$ (±{k_se} sandwich SE; seed {seeds[0]}, "
-                           f"$d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']},\n"
-                           r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated)" "\nexact family optimum: "
-                           + ", ".join(f"{a:.2f}" for a in a_star) + " times $I$, in some layer order", save, "_heatmaps"),
+    # the optimum is a multiset (Lemma 4: the layers' order is free): each layer's is the one of its rank,
+    # as the experiment's first row compares them
+    rank = np.argsort(np.argsort([fitted[l][0] for l in range(len(mats))]))
+    matched = [sorted(a_star)[rank[l]] for l in range(len(mats))]
+    made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted {fitted[l][0]:.2f} ± {K_SE * fitted[l][1]:.2f}\n"
+                                          f"optimum {matched[l]:.2f}" for l in range(len(mats))]],
+                           f"Ahn et al. 2023, Fig. 2: each layer's whitened $A$ after training (seed {seeds[0]}, $d$ = 5, "
+                           f"$n$ = 20, noiseless,\nbatch $B$ = {fits[0]['B']}, "
+                           r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated); titles: the fitted multiple of the" "\n"
+                           f"inverse of $\\Sigma$ (±{k_se} sandwich SE) and the exact family optimum's of the same rank "
+                           "(layers in any order)", save, "_heatmaps"),
                  f"Fig. 2: each whitened Sigma^1/2 A_l Sigma^1/2 of seed {seeds[0]} (d = 5, n = 20, noiseless labels, Sigma "
                  "eigenvalues (1, 1, 1/4, 1/16, 1) rotated; one colour scale, logarithmic beyond ±0.1), "
                  f"titled with its fitted scalar ±{k_se} sandwich standard errors (the least-squares multiple of Sigma^-1 for the unwhitened A_l, "
                  "<A_l, Sigma^-1> / |Sigma^-1|^2, which weighs Sigma's smallest eigenvalue's direction most, so it can "
-                 "differ from the drawn diagonal's mean by a few percent); against the exact family optimum (the "
+                 "differ from the drawn diagonal's mean by a few percent), and with the exact family optimum's multiple "
+                 "of the same rank (Lemma 4 fixes the multiples, not which layer takes which); against that optimum (the "
                  f"experiment's first row): {verdict}"
                  + (f" within {k_se} SE." if verdict in (PASS, FAIL) else f" ({fits[0]['why']}).")))
     return made
@@ -745,9 +751,9 @@ def plot_three_layer_blocks(plt, save, rows, tables):
         optimum (what training on this batch can reach) and the population optimum; no math scripts (their
         70 % would fall below 8 pt)."""
         if hat is None:
-            return f"${name}$ of layer {l}\npopulation optimum {star:.2f}"
+            return f"${name}$ of layer {l}\npopulation optimum {star:.3f}"
         return (f"${name}$ of layer {l}: fitted {hat:.3f}" + (f" ± {K_SE * se:.3f}" if se is not None else "") + "\n"
-                + (f"batch optimum {at_batch:.3f}\n" if at_batch is not None else "") + f"population optimum {star:.2f}")
+                + (f"batch optimum {at_batch:.3f}\n" if at_batch is not None else "") + f"population optimum {star:.3f}")
     for (s, trainer) in sorted(basins):
         A = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="A")
         Bm = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="B")[:len(opt) - 1]
@@ -1048,6 +1054,9 @@ def plot_depth(plt, save, rows, tables):
                  f"errors inside the ±{fmt(K_SE)} SE band"
                  + (f"; {' and '.join(NAMES[k] for k in exact)} interpolate noiseless labels exactly (loss at most "
                     f"{max(r[k + '_loss'] for k in exact for r in rs):.0e} at every L), off the log axis" if exact else "")
+                 + ("; at L = 1, PGD-1 with its best step is the family optimum itself (one preconditioned step is "
+                    "the one-layer sparse family), so its triangle sits level with the plus, up to its Monte Carlo error"
+                    if 1 in Ls else "")
                  + f"; the experiment's checks of the optimum: {sum(r['verdict'] == PASS for r in checks)} of "
                  f"{len(checks)} PASS" + (f"; not converged at L = {', '.join(str(r['L']) for r in bad)}" if bad else "")
                  + ". What to see: whether the trained model sits on the optimum at every L (b: inside the band), "
@@ -1468,7 +1477,10 @@ def plot_single_layer_landscape(plt, save, rows, tables):
                  "kappa and rotated: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
                  "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), stopped at a "
                  "higher local minimum (hatched //) or did not converge (white, dotted for Gauss-Newton, crossed for "
-                 "L-BFGS); each setting's batch of " + str(table[0]["B"]) + " prompts. What to see: "
+                 "L-BFGS); each setting's batch of " + str(table[0]["B"]) + " prompts; counts of "
+                 + f"{table[0]['starts']} starts on one machine (floating-point sums in another order can send a start "
+                 f"to another basin): a fraction's binomial standard error is up to {0.5 / math.sqrt(table[0]['starts']):.2f}, so "
+                 "a difference of a few starts between settings or optimisers is not decided. What to see: "
                  + "; ".join(f"{t['setting']}, {t['trainer']}: {t['optimum']} of {t['starts']} reached the optimum"
                              for t in table) + "."))
     return made
@@ -1720,8 +1732,23 @@ def plot_softmax_two_head(plt, save, rows, tables):
                  f"tested on {starts[0]['test_batch']})")
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=2)
     claims = {r["activation"]: r for r in rows if r["id"].endswith("-claim")}
+    # the paired difference decides "above the linear layer": unpaired bars of two models tested on the same
+    # prompts can overlap where their difference is many of its own standard errors
+    for ax, act in zip(axes, ("softmax_all", "softmax")):
+        r = claims.get(act)
+        if r is not None and r["verdict"] == INFO:
+            ax.text(0.97, 0.97, f"best 2 heads − linear layer:\n{r['measured']:.3f} ± {K_SE * r['se']:.3f} "
+                    f"(±{k_se} SE, paired)", transform=ax.transAxes, ha="right", va="top", fontsize=8)
     named = {"softmax_all": "the authors' softmax (all n+1 keys)", "softmax": "the softmax over the n context keys"}
-    said = "; ".join(f"{named[act]}: the claim {r['holds']}" if r["verdict"] == INFO
+
+    def part(r):
+        """Which parts of the rebuttal's claim the best two-head model meets, from its row."""
+        return (f"the claim {r['holds']}: the best two-head model's test loss is {r['measured']:.3f} above the linear "
+                f"layer's, {r['gap_in_se']:.0f} standard errors of the paired difference (the claim needs it within "
+                f"{fmt(r['k'])}); its heads are opposite in P (cosine {r['cos_P']:.2f}) "
+                + ("and" if r["Q_opposite"] else "but not") + f" in Q (cosine {r['cos_Q']:.2f}); its predictions differ "
+                f"from the linear layer's by {100 * r['rel_prediction_diff']:.0f}% (the claim: within 10%)")
+    said = "; ".join(f"{named[act]}: {part(r)}" if r["verdict"] == INFO
                      else f"{named[act]}: no verdict ({r['why']})" for act, r in claims.items())
     failed = sum(not t["converged"] for t in starts)
     made.append((save(fig, ""), f"Softmax heads (d = 5, n = 10, isotropic, noiseless; trained on {starts[0]['train_batch']} "
@@ -1730,7 +1757,8 @@ def plot_softmax_two_head(plt, save, rows, tables):
                  + (f"open, vermillion: the {plural(failed, 'start')} that did not converge" if failed else
                     f"every start converged") + f") against the trained linear layer (dashed, its ±{k_se} SE the grey band). "
                  f"{said[:1].upper() + said[1:]}. "
-                 "What to see: how close the best two-head start comes to the dashed line."))
+                 "What to see: how close the best two-head start comes to the dashed line, and the paired "
+                 "difference written in each panel, which decides whether it is above."))
     return made
 
 

@@ -35,7 +35,9 @@ def plot_looped(plt, save, rows, tables):
     ax1, ax2, ax3 = axes["a"], axes["b"], axes["c"]
     done = [t for t in trained if t.get("exact_loss") is not None and np.isfinite(t["exact_loss"])]
     L_axis = max([r["L"] for r in exact] + [t["L"] for t in done])
-    for family, color, mfc in (("sparse", "C0", None), ("blocks", "C1", "white")):
+    # the blocks family's markers open without a face: where the four optima are one point (L = 1) the
+    # sparse family's filled markers show through them
+    for family, color, mfc in (("sparse", "C0", None), ("blocks", "C1", "none")):
         rs = [r for r in exact if r["family"] == family]
         # a series that stops before the axis ends says where (the exact optima are tabled to that depth)
         upto = "" if max(r["L"] for r in rs) == L_axis else f" ($L \\leq {max(r['L'] for r in rs)}$)"
@@ -143,7 +145,9 @@ def plot_looped(plt, save, rows, tables):
              + "; (b) the antisymmetric Hessian eigenvalue at the tied family point, "
              f"exact per n (marker and line style: n; the n drawn {fmt(STAGGER)} points apart) and by Monte Carlo at n = 20 only (on its n's marker), L = {mc_at} (±{k_se} SE; "
              f"{bars_said(bars_b, 'cross')}); (c) the loss along "
-             "matrices with rotation blocks, relative to the family optimum, with the certified minima (squares) and "
+             "matrices with rotation blocks, relative to the family optimum: the whitened tied matrix "
+             "alpha0 (I - D) + alpha D + beta J, with one or two 2 x 2 rotation blocks [[0, beta], [-beta, 0]] in J (D their "
+             "coordinates), at each beta minimised over alpha0 and alpha (\"the rest\"), with the certified minima (squares) and "
              "saddle (triangle), "
              + (f"the Monte Carlo loss of the {' and '.join(mc_kinds)} (±{k_se} SE; {bars_said(bars_c, 'cross')}) "
                 if mc else "") + "and the trained tied models' largest rotation "
@@ -494,7 +498,7 @@ def plot_dynamics(plt, save, rows, tables):
             title="(c) descent minus flow in standard errors")
     ax3.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.suptitle(rf"One linear-attention layer, $d$ = 2, $n$ = 10, $\Sigma$ eigenvalues (1, 1/2), noiseless;" "\n"
-                 rf"descent: step $\eta$ = {descent[0]['eta']:g} from $\sigma$ = 0.3, batches of {descent[0]['B']} prompts")
+                 rf"descent: step $\eta$ = {descent[0]['eta']:g} from $\sigma$ = {descent[0]['sigma']:g}, batches of {descent[0]['B']} prompts")
     # what the caption says of b's bars is measured on b as drawn
     inside = bars_inside_markers(fig, ax2, [t for _ in entries for t in ts],
                                  [r[f"gd_{key}"] for key, _, _ in entries for r in descent],
@@ -502,7 +506,10 @@ def plot_dynamics(plt, save, rows, tables):
     checks = [r for r in rows if r["check"]]
     return [(save(fig, ""), "One layer's exact gradient flow from a start inside and one outside Zhang, Frei and Bartlett's "
              f"initial-scale bound sigma = {bound:.2f} (a: the population loss E(y_hat - y)^2 over fresh prompts plateaus, then drops to Gamma*'s), and gradient descent on "
-             f"{descent[0]['R']} independent batches of {descent[0]['B']} prompts against the flow (b: the batches' mean with "
+             f"{descent[0]['R']} independent batches of {descent[0]['B']} prompts against the flow, both from a third start "
+             f"sigma = {descent[0]['sigma']:g} (b: the entries of Gamma(t) = u(t) U(t), the layer's effective matrix, the "
+             "prediction being h^T Gamma x_query with h the context's mean of y_i x_i (MATH.md §14); Gamma[1,0] is not "
+             "drawn: the flow keeps Gamma symmetric, and the rows check all four entries of the descent; the batches' mean with "
              f"±{k_se} standard errors; {bars_said(inside)}; "
              f"c: the difference in standard errors, inside the grey ±{k_se} band where the descent claims pass); d = 2, "
              f"n = 10, noiseless labels; the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
@@ -574,7 +581,7 @@ def dynamics(ctx):
     mean, se = G.mean(axis=0), G.std(axis=0, ddof=1) / math.sqrt(R)
     descent = []
     for k in np.linspace(0, steps, 6).astype(int)[1:]:
-        entries = dict(t=times[k], R=R, B=B, eta=eta, step_error_in_se=float(np.max(np.abs(euler[k] - target[k]) / se[k])))
+        entries = dict(t=times[k], R=R, B=B, eta=eta, sigma=sigma, step_error_in_se=float(np.max(np.abs(euler[k] - target[k]) / se[k])))
         for key, (i, j) in (("G00", (0, 0)), ("G01", (0, 1)), ("G11", (1, 1))):
             entries.update({f"flow_{key}": target[k, i, j], f"gd_{key}": mean[k, i, j], f"gd_{key}_se": se[k, i, j]})
         descent.append(entries)

@@ -1796,13 +1796,22 @@ def test_the_icl_curve_caption_counts_the_optimum_s_checks_only(drawn):
 
 
 def test_the_softmax_caption_counts_the_starts_that_did_not_converge(drawn):
-    plt, save, _ = drawn
+    plt, save, figures = drawn
     starts = [dict(activation=a, heads=h, start=s, converged=True, test_loss=2.0 + h, test_se=0.01, train_batch=40,
                    test_batch=400) for a in ("softmax_all", "softmax") for h in (1, 2) for s in ("random 0", "random 1")]
     rows = [dict(id="softmax-two-head/linear", measured=1.9, se=0.01)] + [
-        dict(id=f"softmax-two-head/{a}-claim", activation=a, verdict=ex.INFO, holds="in part") for a in ("softmax_all", "softmax")]
+        dict(id=f"softmax-two-head/{a}-claim", activation=a, verdict=ex.INFO, holds="holds in part", measured=0.18,
+             se=0.01, k=4.0, gap_in_se=18.0, cos_P=-0.99, cos_Q=q, Q_opposite=q < -0.5, rel_prediction_diff=0.25)
+        for a, q in (("softmax_all", -0.03), ("softmax", -0.92))]
     (_, caption), = ex.plot_softmax_two_head(plt, save, rows, {"starts": starts})
     assert "every start converged" in caption and "trained on 40 prompts, tested on 400" in caption
+    # which part of the claim holds, per softmax, and the paired difference that decides "above"
+    assert "(all n+1 keys): the claim holds in part: the best two-head model's test loss is 0.180 above" in caption
+    assert caption.count("18 standard errors of the paired difference") == 2
+    assert "opposite in P (cosine -0.99) but not in Q (cosine -0.03)" in caption
+    assert "opposite in P (cosine -0.99) and in Q (cosine -0.92)" in caption
+    panels = [t.get_text() for ax in figures[-1].axes[:2] for t in ax.texts]
+    assert panels == ["best 2 heads − linear layer:\n0.180 ± 0.040 (±4 SE, paired)"] * 2
     starts[1]["converged"] = starts[6]["converged"] = False
     (_, caption), = ex.plot_softmax_two_head(plt, save, rows, {"starts": starts})
     assert "the 2 starts that did not converge" in caption and "every start converged" not in caption
@@ -1918,10 +1927,33 @@ def test_the_dynamics_panel_draws_the_flow_through_its_path_not_only_the_descent
     plt, save, figures = drawn
     flow = [dict(start=s, sigma=sig, t=t, loss=1.0 / (1 + t)) for s, sig in (("inside", 0.05), ("outside", 3.0)) for t in (0.0, 0.1, 1.0)]
     entries = ("G00", "G01", "G11")
-    descent = [dict(t=t, R=8, B=100, eta=0.01, **{f"flow_{k}": t for k in entries}, **{f"gd_{k}": t for k in entries},
+    descent = [dict(t=t, R=8, B=100, eta=0.01, sigma=0.3, **{f"flow_{k}": t for k in entries}, **{f"gd_{k}": t for k in entries},
                     **{f"gd_{k}_se": 0.01 for k in entries}) for t in (1.0, 2.0)]
     path = [dict(t=t, **{f"flow_{k}": t for k in entries}) for t in np.linspace(0.0, 2.0, 21)]
     rows = [dict(id="dynamics/inside-end", check="two-sided", verdict=ex.PASS, sigma_bound=1.06)]
     beyond.plot_dynamics(plt, save, rows, {"flow": flow, "descent": descent, "path": path})
     lines = [line for line in figures[-1].axes[1].lines if line.get_label().endswith("flow (line)")]
     assert len(lines) == 3 and all(len(line.get_xdata()) == len(path) for line in lines)
+
+
+def test_fig_1_marks_every_seed_and_fig_2_titles_each_layer_with_its_rank_s_optimum(drawn):
+    # Fig. 1 (a): every seed's curve has a marker (one that ends on the f* line stays seen), staggered;
+    # Fig. 2: each layer's title gives its fitted scalar ± 4 SE and the optimum of the same rank (Lemma 4
+    # fixes the multiset, not which layer takes which)
+    plt, save, figures = drawn
+    a_star, a_hat, se = [0.42, 0.69, 1.71], [0.69, 0.40, 1.69], [0.01, 0.02, 0.03]
+    curve = [dict(seed=s, iteration=i, loss=1.0 / (1 + i), **{f"dist_A{l}_Sigma_inv": 0.1 for l in range(3)},
+                  **{f"dist_A{l}_I": 0.8 for l in range(3)}) for s in (0, 1) for i in range(30)]
+    heat = [dict(seed=0, layer=l, row=r, **{f"c{j}": float(r == j) for j in range(2)}) for l in range(3) for r in range(2)]
+    rows = [dict(id=f"three-layer-sparse/seed{s}-fit", seed=s, converged=True, f_star=0.05, B=100, verdict=ex.PASS)
+            for s in (0, 1)]
+    tables = dict(curve=curve, optimum=[dict(a_star=a) for a in a_star], heatmaps=heat,
+                  fitted=[dict(seed=0, layer=l, a_hat=a_hat[l], se=se[l]) for l in range(3)])
+    ex.plot_three_layer_sparse(plt, save, rows, tables)
+    fig1, fig2 = figures[-2:]
+    seeds = [line for line in fig1.axes[0].lines if line.get_label().startswith("seed")]
+    assert len(seeds) == 2 and all(line.get_marker() not in (None, "None", "") for line in seeds)
+    assert seeds[0].get_markevery() != seeds[1].get_markevery()
+    titles = [ax.get_title() for ax in fig2.axes[:3]]
+    assert titles == ["layer 0: fitted 0.69 ± 0.04\noptimum 0.69", "layer 1: fitted 0.40 ± 0.08\noptimum 0.42",
+                      "layer 2: fitted 1.69 ± 0.12\noptimum 1.71"]
