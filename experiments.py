@@ -1032,6 +1032,8 @@ def plot_depth(plt, save, rows, tables):
     exact = [k for k in ("OLS", "ridge") if all(r[k + "_loss"] <= 1e-6 * r["transformer"] for r in rs)]
     ax.set(xlabel="layers $L$", ylabel=r"test loss, mean squared error (log scale)", yscale="log", xticks=Ls,
            title="(a) test loss against depth")
+    drawn = [r[k] for r in rs for k in ("transformer", "family_optimum", "GD_loss", "PGD_loss")]
+    log_ticks(plt, ax.yaxis, min(drawn) / 1.3, max(drawn) * 1.3)
     for k in exact:
         top = max(r[k + "_loss"] for r in rs)
         ax.plot([], [], " ", label=f"{NAMES[k]}: at most {top:.0e} at every $L$ (exact), off the axis")
@@ -1140,6 +1142,9 @@ def plot_icl_curve(plt, save, rows, tables):
         a.set_xlim(min(ns) / 10 ** pad, max(ns) * 10 ** pad)
     tops = [c[k] + K_SE * c[k + "_se"] for c in curve for k in ("transformer", "GD", "PGD", "OLS", "ridge")]
     ax.set_ylim(top=max(tops) * 1.4)
+    drawn = [c[k] for c in curve for k in ("transformer", "family_optimum", "GD", "PGD", "OLS", "ridge")
+             if c[k] > 1e-6 * c["transformer"]]
+    log_ticks(plt, ax.yaxis, min(drawn) / 1.3, max(tops) * 1.4)
     key_ax.set_axis_off()
     key_ax.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="center")
     fig.suptitle(rf"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless, trained on {curve[0]['B']} prompts" "\n"
@@ -1473,6 +1478,8 @@ def plot_single_layer_landscape(plt, save, rows, tables):
            title=f"One full $(P, Q)$ layer, noiseless, a batch of {table[0]['B']} prompts: where training from\n"
                  f"{table[0]['starts']} random starts per setting ends (GN: Gauss-Newton, left bar; LB: L-BFGS, right bar)")
     fig.legend(fontsize=8, loc="outside lower center", ncol=2)   # below the axes: hides no bar
+    # the settings where no converged start, of either optimiser, stopped at a higher minimum
+    clean = [s for s in labels if not any(t["higher"] for t in table if t["setting"] == s)]
     made.append((save(fig, ""), "One full (P, Q) layer, noiseless, Sigma with eigenvalues spread geometrically from 1 to "
                  "kappa and rotated: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
                  "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), stopped at a "
@@ -1480,9 +1487,10 @@ def plot_single_layer_landscape(plt, save, rows, tables):
                  "L-BFGS); each setting's batch of " + str(table[0]["B"]) + " prompts; counts of "
                  + f"{table[0]['starts']} starts on one machine (floating-point sums in another order can send a start "
                  f"to another basin): a fraction's binomial standard error is up to {0.5 / math.sqrt(table[0]['starts']):.2f}, so "
-                 "a difference of a few starts between settings or optimisers is not decided. What to see: "
-                 + "; ".join(f"{t['setting']}, {t['trainer']}: {t['optimum']} of {t['starts']} reached the optimum"
-                             for t in table) + "."))
+                 "a difference of a few starts between settings or optimisers is not decided. What to see: in which "
+                 "settings some converged starts stop at a higher minimum (hatched): "
+                 + (f"in all {len(labels)}" if not clean else f"in all but {', '.join(clean)}" if len(clean) < len(labels)
+                    else "in none") + "."))
     return made
 
 

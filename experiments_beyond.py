@@ -475,6 +475,8 @@ def plot_dynamics(plt, save, rows, tables):
                  label=rf"$\sigma$ = {pts[0]['sigma']:.2f} ({start} the bound {bound:.2f})")
     ax1.set(xscale="log", yscale="log", xlabel="time $t$ (log scale)", ylabel="population loss (log scale)",
             title="(a) exact gradient flow, two starts")
+    losses = [f["loss"] for f in flow if f["t"] > 0]
+    log_ticks(plt, ax1.yaxis, min(losses) / 1.2, max(losses) * 1.2)
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     # the entries of Gamma named by their indices in brackets: a subscript would be drawn at 70 % (below 8 pt)
     entries = (("G00", "o", "-"), ("G01", "s", "--"), ("G11", "^", ":"))
@@ -740,11 +742,11 @@ def plot_shift(plt, save, rows, tables):
     # (a) above (b): five shifts with two-line names need the page's width
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7.0, 8.0), layout="constrained")
     series = (("layer_exact", "trained model (exact)", "o", "-", "C0", 1.0),
-              ("best_layer", "best layer for the test law (exact)", "s", "--", "C1", 1.0),
+              ("best_layer", "one-layer optimum for the test law (exact)", "s", "--", "C1", 1.0),
               ("ridge_tuned", "tuned ridge ($\\lambda$ tuned on the test law)", "^", "none", "C3", 1.0),
               ("bayes", "ridge (Bayes for the test law)", "h", ":", "C2", 1.0))
     ns = [r["n"] for r in length]
-    # open markers around filled ones: the trained layer (circle) equals the best layer at n = 20, and tuned
+    # open markers around filled ones: the trained layer (circle) equals the one-layer optimum at n = 20, and tuned
     # ridge equals Bayes (hexagon) where its grid's pick is the Bayes lambda; neither hides the other
     size = {"layer_exact": 9, "bayes": 12}
     monte_carlo = ("ridge_tuned", "bayes")        # Monte Carlo losses on the test batch: drawn with their bars
@@ -781,11 +783,12 @@ def plot_shift(plt, save, rows, tables):
     first = shifts[0]
     fig.suptitle(f"One linear-attention layer trained at $n$ = 20 on {first['train_batch']} prompts, $x \\sim N(0, I)$, "
                  f"$w \\sim N(0, I)$,\nlabel noise variance 0.25, $d$ = 5, tested under shift on {first['test_batch']} prompts")
-    # what the caption says of the bars is measured on the figure as drawn (Bayes' open circle is the larger)
+    # what the caption says of the bars is measured on the figure as drawn: in (a) both ridges' bars at one n,
+    # the triangle inside the hexagon (the larger marker); in (b) side by side, each against its own marker
     inside = (bars_inside_markers(fig, ax1, ns * 2, [r[k] for k in monte_carlo for r in length],
                                   [K_SE * r[k + "_se"] for k in monte_carlo for r in length], size["bayes"])
-              + bars_inside_markers(fig, ax2, list(x) * 2, [r[k] for k in monte_carlo for r in other],
-                                    [K_SE * r[k + "_se"] for k in monte_carlo for r in other], size["bayes"]))
+              + [i for k in monte_carlo for i in bars_inside_markers(
+                  fig, ax2, list(x), [r[k] for r in other], [K_SE * r[k + "_se"] for r in other], size.get(k, 5))])
     at_train = next(r for r in length if r["n"] == 20)
     gap = at_train["layer_exact"] / at_train["best_layer"] - 1
     # where tuned ridge picked the Bayes lambda the two losses are one number; elsewhere their paired
@@ -798,11 +801,12 @@ def plot_shift(plt, save, rows, tables):
     return [(save(fig, ""), "One layer trained at n = 20 (d = 5, x and w ~ N(0, I), label noise variance 0.25) tested under "
              "the experiment's four kinds of shift: (a) other prompt lengths, (b) covariates (Sigma), tasks (Sigma_w) "
              "and the query's law; the trained model's exact loss (with the Monte Carlo loss through the transformer, "
-             f"crosses, ±{k_se} SE), the best layer for each test law, tuned ridge (lambda tuned on the test law) and "
+             f"crosses, ±{k_se} SE), the one-layer optimum for each test law, tuned ridge (lambda tuned on the test law) and "
              f"ridge (Bayes), the Bayes predictor for the test law (large open hexagons; {same_said}); both ridges are Monte Carlo losses on the test batch with ±{k_se} "
-             f"standard errors ({bars_said(inside, 'open hexagon')}); at n = 20, the training length, the trained model is "
-             f"{100 * gap:.2g}% above the best layer. What to see: what each shift costs the trained layer (circles) "
-             "against the best layer for the test law (squares) and against ridge.")]
+             f"standard errors ({bars_said(inside)}; in (a) tuned ridge's triangle sits inside the hexagon, in (b) beside it); "
+             f"at n = 20, the training length, the trained model is "
+             f"{100 * gap:.2g}% above the one-layer optimum. What to see: what each shift costs the trained layer (circles) "
+             "against the one-layer optimum for the test law (squares) and against ridge.")]
 
 
 def shift_rows(shifts, L_star, n_train, fit):
