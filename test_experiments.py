@@ -1957,3 +1957,14 @@ def test_fig_1_marks_every_seed_and_fig_2_titles_each_layer_with_its_rank_s_opti
     titles = [ax.get_title() for ax in fig2.axes[:3]]
     assert titles == ["layer 0: fitted 0.69 ± 0.04\noptimum 0.69", "layer 1: fitted 0.40 ± 0.08\noptimum 0.42",
                       "layer 2: fitted 1.69 ± 0.12\noptimum 1.71"]
+
+
+def test_the_looped_caption_places_each_trained_model_against_its_tied_optimum(drawn):
+    # "L = k: +x%": the trained model's exact loss over the tied family optimum's, minus 1
+    import experiments_beyond as beyond
+    plt, save, _ = drawn
+    tables = dict(exact=[dict(family=f, L=L, loss_untied=1.0 / L, loss_tied=1.1 / L) for f in ("sparse", "blocks") for L in (1, 2, 3)],
+                  hessian=[], character=[dict(n=20, L=L, antisymmetric=0.1) for L in (1, 2)], profiles=[], points=[],
+                  trained=[dict(L=3, exact_loss=0.4 * 1.1, family_loss=0.4, antisym_sv=[0.3], basin="second")])
+    (_, caption), = beyond.plot_looped(plt, save, [], tables)
+    assert "against the tied family optimum: L = 3: +10.0% (second basin))" in caption
