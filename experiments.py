@@ -220,6 +220,15 @@ def fmt(x, digits=4):
     return f"{x:.{digits}g}" if isinstance(x, (float, np.floating)) else str(x)
 
 
+def at_most(x):
+    """A bound on x > 0 in two significant figures, rounded up ("at most 1.1e-29" for 1.04e-29): the nearest
+    two-figure number, one unit of its last figure more where that is below x."""
+    bound = float(f"{x:.1e}")
+    if bound < x:
+        bound += 10.0 ** (math.floor(math.log10(x)) - 1)
+    return f"{bound:.1e}"
+
+
 def minus(text):
     """A number as print sets it: the minus sign (U+2212), not a hyphen."""
     return text.replace("-", "\N{MINUS SIGN}")
@@ -232,9 +241,9 @@ def signed_ticks(plt):
 
 def log_ticks(plt, axis, low, high):
     """Label a log axis at 1, 2 and 5 times the powers of ten in [low, high] ("%g"), and at 3 times them
-    too when the range is within two decades, where matplotlib would label its decades only (a range inside
+    too when the range is within three decades, where matplotlib would label its decades only (a range inside
     one or two decades would be read off no label, or off none below its middle)."""
-    steps = (1, 2, 3, 5) if high / low < 100 else (1, 2, 5)
+    steps = (1, 2, 3, 5) if high / low < 1000 else (1, 2, 5)
     ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
              for m in steps if low <= m * 10.0 ** e <= high]
     axis.set_ticks(ticks, [f"{t:g}" for t in ticks])
@@ -1032,11 +1041,10 @@ def plot_depth(plt, save, rows, tables):
     exact = [k for k in ("OLS", "ridge") if all(r[k + "_loss"] <= 1e-6 * r["transformer"] for r in rs)]
     ax.set(xlabel="layers $L$", ylabel=r"test loss, mean squared error (log scale)", yscale="log", xticks=Ls,
            title="(a) test loss against depth")
-    drawn = [r[k] for r in rs for k in ("transformer", "family_optimum", "GD_loss", "PGD_loss")]
-    log_ticks(plt, ax.yaxis, min(drawn) / 1.3, max(drawn) * 1.3)
+    log_ticks(plt, ax.yaxis, *ax.get_ylim())                # the drawn range, error bars included
     for k in exact:
         top = max(r[k + "_loss"] for r in rs)
-        ax.plot([], [], " ", label=f"{NAMES[k]}: at most {top:.0e} at every $L$ (exact), off the axis")
+        ax.plot([], [], " ", label=f"{NAMES[k]}: at most {at_most(top)} at every $L$ (exact), off the axis")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
     res_ax.set(xlabel="layers $L$", title="(b) trained model − optimum in SE")
     fig.suptitle(f"Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless, trained on {rs[0]['B']} prompts,\n"
@@ -1055,7 +1063,7 @@ def plot_depth(plt, save, rows, tables):
                  f"{rs[0]['test_batch']}; (b) the trained model minus the optimum in standard "
                  f"errors inside the ±{fmt(K_SE)} SE band"
                  + (f"; {' and '.join(NAMES[k] for k in exact)} interpolate noiseless labels exactly (loss at most "
-                    f"{max(r[k + '_loss'] for k in exact for r in rs):.0e} at every L), off the log axis" if exact else "")
+                    f"{at_most(max(r[k + '_loss'] for k in exact for r in rs))} at every L), off the log axis" if exact else "")
                  + ("; at L = 1, PGD-1 with its best step is the family optimum itself (one preconditioned step is "
                     "the one-layer sparse family), so its triangle sits level with the plus, up to its Monte Carlo error"
                     if 1 in Ls else "")
@@ -1142,9 +1150,7 @@ def plot_icl_curve(plt, save, rows, tables):
         a.set_xlim(min(ns) / 10 ** pad, max(ns) * 10 ** pad)
     tops = [c[k] + K_SE * c[k + "_se"] for c in curve for k in ("transformer", "GD", "PGD", "OLS", "ridge")]
     ax.set_ylim(top=max(tops) * 1.4)
-    drawn = [c[k] for c in curve for k in ("transformer", "family_optimum", "GD", "PGD", "OLS", "ridge")
-             if c[k] > 1e-6 * c["transformer"]]
-    log_ticks(plt, ax.yaxis, min(drawn) / 1.3, max(tops) * 1.4)
+    log_ticks(plt, ax.yaxis, *ax.get_ylim())                # the drawn range, error bars included
     key_ax.set_axis_off()
     key_ax.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="center")
     fig.suptitle(rf"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless, trained on {curve[0]['B']} prompts" "\n"
@@ -1489,8 +1495,8 @@ def plot_single_layer_landscape(plt, save, rows, tables):
                  f"to another basin): a fraction's binomial standard error is up to {0.5 / math.sqrt(table[0]['starts']):.2f}, so "
                  "a difference of a few starts between settings or optimisers is not decided. What to see: in which "
                  "settings some converged starts stop at a higher minimum (hatched): "
-                 + (f"in all {len(labels)}" if not clean else f"in all but {', '.join(clean)}" if len(clean) < len(labels)
-                    else "in none") + "."))
+                 + ("none" if len(clean) == len(labels) else f"{labels[0]}" if len(labels) == 1
+                    else f"all {len(labels)}" if not clean else f"all but {', '.join(clean)}") + "."))
     return made
 
 

@@ -22,7 +22,8 @@ from experiments import (K_SE, PASS, bars_inside_markers, bars_said, best_of, co
                          keyed, log_ticks, mean_se, paper_data, row, signed_ticks)
 
 
-STAGGER = 5.0     # points between the looped figure's (b) series in x: 6-point markers, each one partly seen
+STAGGER = 5.5     # points between the looped figure's (b) series in x: 5-point markers side by side, and a gap
+                  # to the next L's (an L is ~30 points of the panel)
 
 
 def plot_looped(plt, save, rows, tables):
@@ -66,6 +67,7 @@ def plot_looped(plt, save, rows, tables):
     ax1.set(xlabel="layers $L$", ylabel="population loss (exact; log scale)", yscale="log",
             xticks=sorted({r["L"] for r in exact} | {t["L"] for t in done}), title="(a) family optima, trained models")
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    log_ticks(plt, ax1.yaxis, *ax1.get_ylim())
     ns = sorted({r["n"] for r in char})
     from matplotlib.transforms import offset_copy
     # marker and line style each tell one n from another (five markers, four styles: no two n alike); the
@@ -76,11 +78,11 @@ def plot_looped(plt, save, rows, tables):
         rs = [r for r in char if r["n"] == n]
         shifted = offset_copy(ax2.transData, fig=fig, x=stagger[n], units="points")
         ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^Dvp"[i % 6],
-                 ls=("-", ":", "--", "-.")[i % 4], color=f"C{i}", ms=6, mfc="white", label=f"exact, $n$ = {n}",
+                 ls=("-", ":", "--", "-.")[i % 4], color=f"C{i}", ms=5, mfc="white", label=f"exact, $n$ = {n}",
                  transform=shifted)
         # the markers again above every line (their white faces hide the lines crossing them)
         ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^Dvp"[i % 6], ls="none",
-                 color=f"C{i}", ms=6, mfc="white", zorder=3, transform=shifted)
+                 color=f"C{i}", ms=5, mfc="white", zorder=3, transform=shifted)
     mc_n = 20
     ax2.errorbar([r["L"] for r in hess], [r["mc_antisymmetric"] for r in hess],
                  [K_SE * r["mc_antisymmetric_se"] for r in hess], fmt="kx", ms=5, elinewidth=1.5, zorder=4,

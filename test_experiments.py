@@ -1166,7 +1166,7 @@ def test_figures_keep_math_scripts_and_log_tick_labels_at_least_8_pt():
 
 def test_a_log_axis_is_labelled_at_1_2_5_and_figure_bytes_keeps_a_plot_s_own_labels():
     # experiments.log_ticks: "1, 2 and 5 times the powers of ten in [low, high]" as "%g", 3 times them
-    # too within two decades; figure_bytes
+    # too within three decades; figure_bytes
     # replaces only matplotlib's own log labels (a plot's chosen ones survive saving); signed_ticks and
     # minus write the minus sign U+2212, not a hyphen
     plt = pytest.importorskip("matplotlib.pyplot")
@@ -1177,8 +1177,8 @@ def test_a_log_axis_is_labelled_at_1_2_5_and_figure_bytes_keeps_a_plot_s_own_lab
     runner.figure_bytes(fig, "png")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["0.3", "0.5", "1", "2", "3", "5", "10"]
     assert all(t.get_text() == "" for t in ax.get_yticklabels(minor=True))
-    ex.log_ticks(plt, ax.yaxis, 0.09, 11.0)       # beyond two decades: no 3s
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["0.1", "0.2", "0.5", "1", "2", "5", "10"]
+    ex.log_ticks(plt, ax.yaxis, 0.009, 11.0)      # beyond three decades: no 3s
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0.01", "0.02", "0.05", "0.1", "0.2", "0.5", "1", "2", "5", "10"]
     own = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]       # matplotlib's: made plain
     assert "1" in own and not any("$" in t for t in own)
     plt.close(fig)
@@ -1968,3 +1968,24 @@ def test_the_looped_caption_places_each_trained_model_against_its_tied_optimum(d
                   trained=[dict(L=3, exact_loss=0.4 * 1.1, family_loss=0.4, antisym_sv=[0.3], basin="second")])
     (_, caption), = beyond.plot_looped(plt, save, [], tables)
     assert "against the tied family optimum: L = 3: +10.0% (second basin))" in caption
+
+
+def test_at_most_rounds_a_bound_up_in_two_figures():
+    # "OLS: at most 1.1e-29": never below the value it bounds (1.099e-29 read "at most 1e-29" before)
+    assert [ex.at_most(x) for x in (1.099e-29, 1.04e-29, 8e-30, 9.94e-30, 2.5)] == [
+        "1.1e-29", "1.1e-29", "8.0e-30", "1.0e-29", "2.5e+00"]
+    xs = np.random.default_rng(0).uniform(1, 10, 1000) * 10.0 ** np.random.default_rng(1).integers(-300, 300, 1000)
+    assert all(float(ex.at_most(x)) >= x for x in xs)
+
+
+def test_the_landscape_caption_says_where_starts_stop_higher(drawn):
+    # "what to see": the settings where some converged start stopped at a higher minimum, by name
+    plt, save, _ = drawn
+    table = [dict(setting=s, trainer=t, B=100, starts=4, optimum=4 - h, higher=h, not_converged=0)
+             for s, hs in (("base", (1, 0)), ("d=5", (0, 0)), ("n=5", (0, 2))) for t, h in zip(("Gauss-Newton", "L-BFGS"), hs)]
+    (_, caption), = ex.plot_single_layer_landscape(plt, save, [], {"basins": table})
+    assert caption.endswith("stop at a higher minimum (hatched): all but d=5.") and "up to 0.25" in caption
+    (_, caption), = ex.plot_single_layer_landscape(plt, save, [], {"basins": table[:2]})
+    assert caption.endswith("stop at a higher minimum (hatched): base.")
+    (_, caption), = ex.plot_single_layer_landscape(plt, save, [], {"basins": table[2:4]})
+    assert caption.endswith("stop at a higher minimum (hatched): none.")
