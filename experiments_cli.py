@@ -185,7 +185,17 @@ def figure_bytes(fig, fmt):
     f = io.BytesIO()
     metadata = {"CreationDate": None} if fmt == "pdf" else {"Software": None} if fmt == "png" else None
     fig.savefig(f, format=fmt, dpi=FIGURE_DPI, metadata=metadata)
-    return f.getvalue()
+    if fmt != "png":
+        return f.getvalue()
+    # an opaque figure's PNG without its alpha channel, deflated harder: the same pixels in about a tenth
+    # fewer bytes (the blocks heat map stays under the repository's 500 kB a file)
+    from PIL import Image                     # matplotlib's own dependency
+    image = Image.open(f)
+    if image.mode != "RGBA" or image.getextrema()[3] != (255, 255):
+        return f.getvalue()
+    out = io.BytesIO()
+    image.convert("RGB").save(out, format="png", optimize=True, dpi=(FIGURE_DPI, FIGURE_DPI))
+    return out.getvalue()
 
 
 def figures(name, rows, tables):

@@ -6,6 +6,7 @@ central differences at h = 1e-6 (truncation ~h^2, rounding ~eps/h, both far belo
 import ast
 import csv
 import errno
+import io
 import json
 import math
 import os
@@ -1990,3 +1991,20 @@ def test_the_landscape_caption_says_where_starts_stop_higher(drawn):
     assert caption.endswith("stop at a higher minimum (hatched): base.")
     (_, caption), = ex.plot_single_layer_landscape(plt, save, [], {"basins": table[2:4]})
     assert caption.endswith("stop at a higher minimum (hatched): none.")
+
+
+def test_a_figure_s_png_is_its_pixels_without_the_alpha_channel():
+    # figure_bytes: an opaque figure saved as RGB (fewer bytes), pixel for pixel what matplotlib drew,
+    # the same bytes every time, at FIGURE_DPI
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from PIL import Image
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4], "o-")
+    png = runner.figure_bytes(fig, "png")
+    drawn = io.BytesIO()
+    fig.savefig(drawn, format="png", dpi=runner.FIGURE_DPI)
+    plt.close(fig)
+    ours, theirs = Image.open(io.BytesIO(png)), Image.open(drawn)
+    assert ours.mode == "RGB" and theirs.mode == "RGBA"
+    assert np.array_equal(np.asarray(ours), np.asarray(theirs)[..., :3])
+    assert round(ours.info["dpi"][0]) == runner.FIGURE_DPI
