@@ -600,7 +600,8 @@ def plot_three_layer_sparse(plt, save, rows, tables):
                  f"differ from the drawn diagonal's mean: here by up to {100 * spread:.0f}%), and with the exact family optimum's multiple "
                  "of the same rank (Lemma 4 fixes the multiples, not which layer takes which); against that optimum (the "
                  f"experiment's first row): {verdict}"
-                 + (f" within {k_se} SE." if verdict in (PASS, FAIL) else f" ({fits[0]['why']}).")))
+                 + (f" within {k_se} SE" if verdict in (PASS, FAIL) else f" ({fits[0]['why']})")
+                 + ". What to see: each matrix a multiple of I, at the optimum's multiple of its rank."))
     return made
 
 
@@ -785,8 +786,9 @@ def plot_three_layer_blocks(plt, save, rows, tables):
         made.append((heat_grid(plt, grid, titles, "Blocks model (Ahn et al. 2023, Figs. 3-5), $d$ = 5, $n$ = 20, $L$ = 3, noiseless, "
                                f"batches of {opt[0]['batch']} prompts: "
                                "the whitened $A$ and the $B$ of each layer,\neach converged run; each seed draws its own batch "
-                               f"and rotation of $\\Sigma$; titles: the fitted scalar (±{fmt(K_SE)} sandwich SE), the exact family optimum of the run's "
-                               f"batch\nand of the population (f* = {opt[0]['f_star']:.3e}); $B$ of layer {last} not drawn "
+                               r"and rotation of $\Sigma$ (eigenvalues (1, 1, 1/4, 1/16, 1));" "\n"
+                               f"titles: the fitted scalar (±{fmt(K_SE)} sandwich SE), the exact family optimum of the run's "
+                               f"batch and of the population (f* = {opt[0]['f_star']:.3e});\n$B$ of layer {last} not drawn "
                                "(it never enters the loss)",
                                save, "_heatmaps", row_labels=labels),
                      f"Figs. 3-5: the {plural(len(grid), 'converged run')} of this run: the whitened A_l and the B_l on one "
@@ -794,8 +796,10 @@ def plot_three_layer_blocks(plt, save, rows, tables):
                      "trained on (what training can reach) and the population optimum; "
                      f"B_{last} is not drawn (it never enters the loss and keeps its random start); the row labels say "
                      "which population minimum's basin each run is in"
-                     + (f"; not drawn (not converged): {', '.join(f'seed {s} {t}' for s, t in skipped)}."
-                        if skipped else ".")))
+                     + (f"; not drawn (not converged): {', '.join(f'seed {s} {t}' for s, t in skipped)}"
+                        if skipped else "")
+                     + ". What to see: every matrix a multiple of I, each fitted scalar at its batch's optimum within "
+                     "the ±4 SE its title gives, and that optimum off the population's."))
     return made
 
 
@@ -1768,7 +1772,7 @@ def plot_softmax_two_head(plt, save, rows, tables):
     failed = sum(not t["converged"] for t in starts)
     made.append((save(fig, ""), f"Softmax heads (d = 5, n = 10, isotropic, noiseless; trained on {starts[0]['train_batch']} "
                  f"prompts, tested on {starts[0]['test_batch']}): each start's test loss with ±{k_se} standard errors "
-                 "(stars: the rebuttal's own construction; "
+                 "(stars: training started from the rebuttal's construction; "
                  + (f"open, vermillion: the {plural(failed, 'start')} that did not converge" if failed else
                     f"every start converged") + f") against the trained linear layer (dashed, its ±{k_se} SE the grey band). "
                  f"{said[:1].upper() + said[1:]}. "

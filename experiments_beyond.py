@@ -132,12 +132,17 @@ def plot_looped(plt, save, rows, tables):
                       + (f" ({t['basin']} basin)" if t.get("basin") else "")
                       + ("" if t["L"] in tabled else ", its tied optimum the filled square beside it")
                       for t in done if t.get("family_loss"))
+    # the trained models' batches (and starts: the best kept), and the Monte Carlo losses' test batch
+    trained_on = "; ".join(f"L = {t['L']}: {t['B']} prompts" + (f", the best of {t['starts']} starts" if t.get("starts", 1) > 1 else "")
+                           for t in done if t.get("B"))
+    mc_batch = sorted({p["B_mc"] for p in mc if p.get("B_mc")})
     mc_at = ", ".join(str(r["L"]) for r in hess)
     mc_off = max((abs(r["mc_antisymmetric"] - r["antisymmetric"]) / r["mc_antisymmetric_se"] for r in hess), default=None)
     return [(save(fig, ""), "Looped models (d = 5, n = 20; a loss is the population loss E(y_hat - y)^2 over fresh prompts): "
              "(a) the exact tied and untied family optima per depth, with the "
              "trained tied sparse models' exact losses (stars: a trained model need not sit on the tied family, it can "
-             "leave it through a rotation block, c; against the tied family optimum: " + where + ")"
+             "leave it through a rotation block, c; against the tied family optimum: " + where
+             + (f"; the training batches: {trained_on}" if trained_on else "") + ")"
              + (f"; at L = {L0} the four optima are one point (relative spread {spread:.1g})" if spread < 1e-3 else "")
              + "; (b) the antisymmetric Hessian eigenvalue at the tied family point, "
              f"exact per n (marker and line style: n; the n drawn {fmt(STAGGER)} points apart)"
@@ -148,8 +153,8 @@ def plot_looped(plt, save, rows, tables):
              "alpha0 (I - D) + alpha D + beta J, with one or two 2 x 2 rotation blocks [[0, beta], [-beta, 0]] in J (D their "
              "coordinates), at each beta minimised over alpha0 and alpha (\"the rest\"), with the certified minima (squares) and "
              "saddle (triangle), "
-             + (f"the Monte Carlo loss of the {' and '.join(mc_kinds)} (±{k_se} SE; {bars_said(bars_c, 'cross')}) "
-                if mc else "") + "and the trained tied models' largest rotation "
+             + (f"the Monte Carlo loss of the {' and '.join(mc_kinds)} (±{k_se} SE, on "
+                f"{' and '.join(str(b) for b in mc_batch) or 'fresh'} prompts; {bars_said(bars_c, 'cross')}) " if mc else "") + "and the trained tied models' largest rotation "
              "(dotted, dash-dotted; a trained model lies in its minimum's basin, not at the minimum: a finite batch, "
              f"so its line need not pass through the square); the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
              f"{len(checks)} PASS. What to see: whether (b)'s eigenvalue falls below 0 (the family point a saddle) "
