@@ -51,10 +51,9 @@ def plot_looped(plt, save, rows, tables):
     first = [r[k] for r in exact if r["L"] == L0 for k in ("loss_untied", "loss_tied")]
     spread = max(first) / min(first) - 1
     if spread < 1e-3:                     # a thousandth: far below a marker's height on this log axis
-        # right of the point, its top level with it: clear of the star drawn just right, of the curves
-        # falling from the point below it and of the panel's title above
-        ax1.annotate(f"$L$ = {L0}: all four optima at one point", (L0, first[0]), xytext=(20, 0),
-                     textcoords="offset points", va="top", fontsize=8)
+        # in the panel's top right corner, which the curves falling from L = 1 have left by L = 2
+        ax1.text(0.97, 0.97, f"$L$ = {L0}: all four optima\nat one point (top left)", transform=ax1.transAxes,
+                 ha="right", va="top", fontsize=8)
     if done:
         ax1.plot([t["L"] + 0.1 for t in done], [t["exact_loss"] for t in done], "*", color="k", ms=9, ls="none",
                  label="trained tied sparse model\n(exact loss, no error bar; just right)")

@@ -1964,12 +1964,20 @@ def test_fig_1_marks_every_seed_and_fig_2_titles_each_layer_with_its_rank_s_opti
 def test_the_looped_caption_places_each_trained_model_against_its_tied_optimum(drawn):
     # "L = k: +x%": the trained model's exact loss over the tied family optimum's, minus 1
     import experiments_beyond as beyond
-    plt, save, _ = drawn
-    tables = dict(exact=[dict(family=f, L=L, loss_untied=1.0 / L, loss_tied=1.1 / L) for f in ("sparse", "blocks") for L in (1, 2, 3)],
+    plt, save, figures = drawn
+    # at L = 1 the four optima are one point (tying changes nothing there)
+    tables = dict(exact=[dict(family=f, L=L, loss_untied=1.0 / L, loss_tied=(1.1 if L > 1 else 1.0) / L) for f in ("sparse", "blocks")
+                         for L in (1, 2, 3)],
                   hessian=[], character=[dict(n=20, L=L, antisymmetric=0.1) for L in (1, 2)], profiles=[], points=[],
                   trained=[dict(L=3, exact_loss=0.4 * 1.1, family_loss=0.4, antisym_sv=[0.3], basin="second")])
     (_, caption), = beyond.plot_looped(plt, save, [], tables)
-    assert "against the tied family optimum: L = 3: +10.0% (second basin))" in caption
+    assert "against the tied family optimum: L = 3: +10.0% (second basin)" in caption
+    # the note that the L = 1 optima are one point stays inside its panel
+    fig = figures[-1]
+    fig.canvas.draw()
+    note = next(t for t in fig.axes[0].texts if "all four optima" in t.get_text())
+    inner, frame = note.get_window_extent(), fig.axes[0].get_window_extent()
+    assert frame.x0 <= inner.x0 and inner.x1 <= frame.x1 and frame.y0 <= inner.y0 and inner.y1 <= frame.y1
 
 
 def test_at_most_rounds_a_bound_up_in_two_figures():

@@ -852,6 +852,8 @@ MUTANTS = [
      '("and" if r["P_opposite"] else "but not")', "the caption says the heads are opposite in Q where only P's are"),
     ('softmax-panel-gap-unscaled', 'experiments.py', 'plot_softmax_two_head', "± {K_SE * r['se']:.3f}", "± {r['se']:.3f}",
      "the panel's paired difference with ±1 SE where it says ±4"),
+    ('looped-note-left-aligned', 'experiments_beyond.py', 'plot_looped', 'transform=ax1.transAxes,\n                 ha="right"',
+     'transform=ax1.transAxes,\n                 ha="left"', "the note that the L = 1 optima are one point runs out of its panel"),
     ('png-keeps-alpha', 'experiments_cli.py', 'figure_bytes', 'image.convert("RGB").save(out,', 'image.save(out,',
      'a PNG keeps its alpha channel: a tenth more bytes (the blocks heat map over 500 kB)'),
     ('at-most-rounds-down', 'experiments.py', 'at_most', 'if bound < x:', 'if False:',
