@@ -588,3 +588,19 @@ def test_a_sealed_record_proves_its_bytes_and_nothing_else():
         icl_files.sealed_json({"a": "0" * 64})
     with pytest.raises(ValueError, match="must not carry"):
         icl_files.sealed_json(json.loads(data))
+
+
+# ---------------------------------------------------------------------------------------------
+# replace_file: a document written whole through a new file beside it, never through a link
+# ---------------------------------------------------------------------------------------------
+
+def test_replace_file_never_writes_through_a_link_planted_at_its_temporary_name(tmp_path):
+    # "The bytes go to a new file beside it, created exclusively (so never through a link)": a link
+    # planted at the temporary name is a refusal of the write, the file it points to untouched
+    document, victim = tmp_path / "a.md", tmp_path / "victim.txt"
+    document.write_bytes(b"old")
+    victim.write_bytes(b"the user's")
+    (tmp_path / f".a.md.{os.getpid()}.tmp").symlink_to(victim)
+    with pytest.raises(icl_files.WriteFailed):
+        icl_files.replace_file(str(document), b"new")
+    assert victim.read_bytes() == b"the user's" and document.read_bytes() == b"old" and not document.is_symlink()
