@@ -549,6 +549,7 @@ def full_run(docs, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("change, said", [
     (dict(status="interrupted"), "not complete"), (dict(quick=True), "--quick"), (dict(seed=1), "seed"),
+    (dict(quick=None), "--quick"),          # a record that does not say it is a full run is not taken for one
     (dict(completed=["noise"]), "missing an experiment"), (dict(dirty=True), "uncommitted"),
     (dict(dirty=None), "uncommitted"), (dict(commit="b" * 40), "changed since"),
     (dict(files={}), "not as its record lists"), (dict(files=5), "not a record of experiments.py"),
