@@ -2016,3 +2016,31 @@ def test_a_figure_s_png_is_its_pixels_without_the_alpha_channel():
     assert ours.mode == "RGB" and theirs.mode == "RGBA"
     assert np.array_equal(np.asarray(ours), np.asarray(theirs)[..., :3])
     assert round(ours.info["dpi"][0]) == runner.FIGURE_DPI
+
+
+def test_the_dynamics_descent_standard_errors_are_those_of_its_batches(monkeypatch):
+    # the descent's Gamma(t) over R independent batches: its mean and standard error (sample standard
+    # deviation with R - 1, over sqrt(R)) recomputed here from per-batch values the test itself fixes,
+    # through a gradient that is constant on each batch (batch r: dP_dd, dQ_01 and dQ_10 its own constants)
+    import experiments_beyond as beyond
+    ctx = ex.Context(rng=np.random.default_rng(0), quick=True, log=lambda *a: None)
+    batches = []
+
+    def constant_gradient(P, Q, S0, q0, y, n):
+        if not any(S0 is s for s in batches):
+            batches.append(S0)
+        r = next(i for i, s in enumerate(batches) if s is S0)
+        dP, dQ = np.zeros_like(P), np.zeros_like(Q)
+        dP[0, 0, -1, -1], dQ[0, 0, 0, 1], dQ[0, 0, 1, 0] = 0.1 * (r + 1), 0.05 * (r + 1) ** 2, 0.02 * (r + 1) ** 3
+        return 0.0, dP, dQ
+    monkeypatch.setattr(ctx, "loss_and_grad_gram", constant_gradient)
+    _, tables = beyond.dynamics(ctx)
+    R = len(batches)
+    for t in tables["descent"]:
+        k = round(t["t"] / t["eta"])
+        p = t["sigma"] - t["eta"] * k * 0.1 * np.arange(1, R + 1)                 # P_dd after k steps, per batch
+        q01 = -t["eta"] * k * 0.05 * np.arange(1, R + 1) ** 2                      # Q_01 after k steps
+        for key, values in (("G00", p * t["sigma"] / math.sqrt(2)), ("G01", -p * q01)):
+            assert t[f"gd_{key}"] == pytest.approx(np.mean(values), rel=1e-12)   # rounding of a few products
+            assert t[f"gd_{key}_se"] == pytest.approx(np.std(values, ddof=1) / math.sqrt(R), rel=1e-9)
+    assert R == tables["descent"][0]["R"]
