@@ -995,10 +995,11 @@ def bars_said(inside, marker="marker"):
     markers = marker + ("es" if marker.endswith(("s", "x", "ch", "sh")) else "s")
     if all(inside):
         return f"every bar is smaller than its {marker}"
+    rest = "the other is seen" if len(inside) - sum(inside) == 1 else "the others are seen"
     if sum(inside) == 1:
-        return f"1 of {len(inside)} bars is smaller than its {marker}, the others are seen"
+        return f"1 of {len(inside)} bars is smaller than its {marker}, {rest}"
     if any(inside):
-        return f"{sum(inside)} of {len(inside)} bars are smaller than their {markers}, the others are seen"
+        return f"{sum(inside)} of {len(inside)} bars are smaller than their {markers}, {rest}"
     return "every bar is seen beyond its " + marker
 
 

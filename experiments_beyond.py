@@ -22,8 +22,9 @@ from experiments import (K_SE, PASS, bars_inside_markers, bars_said, best_of, co
                          keyed, log_ticks, mean_se, paper_data, row, signed_ticks)
 
 
-STAGGER = 4.0     # points between the looped figure's (b) series in x: five 4.5-point markers side by side
-                  # span 20.5 points, within an L's ~24 points of the widened panel
+LOOPED_MS, LOOPED_MEW = 4.0, 0.8   # the looped figure's (b) markers: size and edge width, in points
+STAGGER = 4.8     # points between (b)'s series in x: a marker's full width (size plus edge), so that two
+                  # never overlap; five side by side span 24 points, within an L's ~25 points of the panel
 
 
 def plot_looped(plt, save, rows, tables):
@@ -78,11 +79,11 @@ def plot_looped(plt, save, rows, tables):
         rs = [r for r in char if r["n"] == n]
         shifted = offset_copy(ax2.transData, fig=fig, x=stagger[n], units="points")
         ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^Dvp"[i % 6],
-                 ls=("-", ":", "--", "-.")[i % 4], color=f"C{i}", ms=4.5, mfc="white", label=f"exact, $n$ = {n}",
+                 ls=("-", ":", "--", "-.")[i % 4], color=f"C{i}", ms=LOOPED_MS, mew=LOOPED_MEW, mfc="white", label=f"exact, $n$ = {n}",
                  transform=shifted)
         # the markers again above every line (their white faces hide the lines crossing them)
         ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^Dvp"[i % 6], ls="none",
-                 color=f"C{i}", ms=4.5, mfc="white", zorder=3, transform=shifted)
+                 color=f"C{i}", ms=LOOPED_MS, mew=LOOPED_MEW, mfc="white", zorder=3, transform=shifted)
     ax2.axhline(0.0, color="k", lw=0.8)
     ax2.set_yscale("symlog", linthresh=1e-2)
     ax2.set(xlabel="layers $L$", ylabel="antisymmetric Hessian eigenvalue\nat the tied family point (symlog)",

@@ -144,6 +144,30 @@ def small_text(fig, least=MIN_FONT_PT):
             if t.get_visible() and t.get_text() and text_size(t) < least - 1e-9]
 
 
+def text_outside(fig, slack=1.0):
+    """The visible texts of `fig` that reach beyond its edges by more than `slack` pixels (the saved image
+    would cut them)."""
+    renderer = fig.canvas.get_renderer()
+    edge = fig.bbox
+    # an axis keeps tick labels for ticks beyond its limits, which it does not draw
+    undrawn = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not lo - 1e-9 * (hi - lo) <= tick.get_loc() <= hi + 1e-9 * (hi - lo):
+                    undrawn.update((id(tick.label1), id(tick.label2)))
+    out = []
+    for t in fig.findobj(lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text")):
+        if not (t.get_visible() and t.get_text().strip()) or id(t) in undrawn:
+            continue
+        box = t.get_window_extent(renderer)
+        if (box.x0 < edge.x0 - slack or box.y0 < edge.y0 - slack or box.x1 > edge.x1 + slack
+                or box.y1 > edge.y1 + slack):
+            out.append(t)
+    return out
+
+
 def log_tick_label(x):
     """A log axis' tick label without a superscript (0.01, 1e-5: mathtext would draw the exponent of
     10 to the -5 at 70 %, below the tick labels' 8 pt)."""
@@ -155,7 +179,8 @@ def figure_bytes(fig, fmt):
     log axes get log_tick_label's tick labels (where a plot function set none of its own) and any text
     drawn below MIN_FONT_PT (a math script counted at its own size) is raised to it (the checklist's
     floor holds whatever a plot function set); tick labels exist only once drawn, so the figure is
-    drawn until none is raised."""
+    drawn until none is raised. A text that reaches beyond the figure's edge (text_outside) is a
+    ValueError: the image would cut it."""
     from matplotlib.ticker import LogFormatter, LogFormatterSciNotation
 
     class PlainLogFormatter(LogFormatter):
@@ -182,6 +207,9 @@ def figure_bytes(fig, fmt):
                 labels = [t for t in axis.get_ticklabels(which="both") if t in small]
                 if labels:
                     ax.tick_params(axis=name, which="both", labelsize=max(t.get_fontsize() for t in labels))
+    cut = text_outside(fig)
+    if cut:          # a text the saved image would cut: the plot function must make room (no image is written)
+        raise ValueError("text beyond the figure's edge: " + "; ".join(repr(t.get_text()[:60]) for t in cut))
     f = io.BytesIO()
     metadata = {"CreationDate": None} if fmt == "pdf" else {"Software": None} if fmt == "png" else None
     fig.savefig(f, format=fmt, dpi=FIGURE_DPI, metadata=metadata)

@@ -1138,8 +1138,10 @@ def test_bars_inside_markers_is_measured_on_the_drawn_axes():
     assert ex.bars_inside_markers(fig, log_ax, [1, 2], [1, 1], [1e-4, 1.5], 6) == [True, False]
     plt.close(fig)
     assert ex.bars_said([True, True]) == "every bar is smaller than its marker"
-    assert ex.bars_said([True, False, False], "cross").startswith("1 of 3 bars is smaller than its cross,")
-    assert ex.bars_said([True, True, False], "cross").startswith("2 of 3 bars are smaller than their crosses")
+    # the sentence agrees in number with what is left: one bar seen is "the other", two are "the others"
+    assert ex.bars_said([True, False, False], "cross") == "1 of 3 bars is smaller than its cross, the others are seen"
+    assert ex.bars_said([True, True, False], "cross") == "2 of 3 bars are smaller than their crosses, the other is seen"
+    assert ex.bars_said([False, True]) == "1 of 2 bars is smaller than its marker, the other is seen"
     assert ex.bars_said([False]) == "every bar is seen beyond its marker"
 
 
@@ -1884,17 +1886,24 @@ def test_the_looped_hessian_panel_draws_each_n_apart_and_says_where_the_monte_ca
     # at L = 1 the exact eigenvalues of several n can be one value: the series are drawn STAGGER points apart
     import experiments_beyond as beyond
     plt, save, figures = drawn
-    ns = (5, 10, 20, 40)
+    ns = (5, 10, 20, 40, 80)          # the full run's five n and eight L
     tables = dict(exact=[dict(family=f, L=L, loss_untied=1.0 / L, loss_tied=1.1 / L) for f in ("sparse", "blocks") for L in (1, 2)],
                   hessian=[dict(L=L, antisymmetric=2.0, mc_antisymmetric=2.0 + d, mc_antisymmetric_se=0.01)
                            for L, d in ((1, -0.03), (2, 0.01))],
-                  character=[dict(n=n, L=L, antisymmetric=2.0) for n in ns for L in (1, 2)],
+                  character=[dict(n=n, L=L, antisymmetric=2.0) for n in ns for L in range(1, 9)],
                   profiles=[], trained=[dict(L=4, exact_loss=0.2, family_loss=0.21, antisym_sv=[0.3])], points=[])
     (_, caption), = beyond.plot_looped(plt, save, [], tables)
     fig, ax = figures[-1], figures[-1].axes[1]
     xs = {n: marker_x(fig, next(line for line in ax.lines if line.get_label() == f"exact, $n$ = {n}")) for n in ns}
     gaps = np.diff([xs[n] for n in ns])
     assert np.allclose(gaps, beyond.STAGGER * fig.dpi / 72) and beyond.STAGGER > 0
+    # no two markers overlap: each is drawn (size plus edge width, in points) no wider than the gap, and an
+    # L's five markers end before the next L's begin
+    line = next(line for line in ax.lines if line.get_label() == f"exact, $n$ = {ns[0]}")
+    width = (line.get_markersize() + line.get_markeredgewidth()) * fig.dpi / 72
+    assert width <= gaps.min() + 1e-9          # pixels: the display transform's rounding, ~1e-13 here
+    per_L = np.diff(ax.transData.transform([(1, 1), (2, 1)])[:, 0])[0]
+    assert xs[ns[-1]] - xs[ns[0]] + width < per_L
     # the Monte Carlo estimates are not drawn over the exact markers: the caption says how far they are
     assert not ax.containers and "L = 1, 2, lie within 3.0 of their standard errors of the exact values" in caption
 
@@ -2016,6 +2025,25 @@ def test_a_figure_s_png_is_its_pixels_without_the_alpha_channel():
     assert ours.mode == "RGB" and theirs.mode == "RGBA"
     assert np.array_equal(np.asarray(ours), np.asarray(theirs)[..., :3])
     assert round(ours.info["dpi"][0]) == runner.FIGURE_DPI
+
+
+def test_a_figure_with_text_beyond_its_edge_is_refused_and_ticks_beyond_the_limits_are_not_text():
+    # a title wider than the figure would be cut in the saved image: figure_bytes refuses it, naming the
+    # text; an axis' tick labels for ticks outside its limits (kept by matplotlib, never drawn) do not count
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig, ax = plt.subplots(figsize=(3, 2), layout="constrained")      # the layout keeps the axes' labels in
+    ax.plot([0, 1], [0, 1])
+    ax.set_xticks([-5, 0, 1, 5])                  # -5 and 5 lie beyond the limits set next
+    ax.set_xlim(0, 1)
+    assert runner.figure_bytes(fig, "png")[:4] == b"\x89PNG"
+    fig.suptitle("a title " * 30)
+    with pytest.raises(ValueError, match="beyond the figure's edge: 'a title a title"):
+        runner.figure_bytes(fig, "png")
+    fig.suptitle("")
+    fig.text(0.9, 0.5, "a label by the frame")     # starts at 90 % of the width: ends beyond it
+    with pytest.raises(ValueError, match="a label by the frame"):
+        runner.figure_bytes(fig, "pdf")
+    plt.close(fig)
 
 
 def test_the_dynamics_descent_standard_errors_are_those_of_its_batches(monkeypatch):

@@ -10,9 +10,10 @@ Gauss-Newton (max_nfev 400) and L-BFGS (maxcor 300, maxiter 3000) from the same 
 when it converged (|grad| <= 1e-6, experiments.py's test); its fitted scalars a_l = fitted_scalar(A_l,
 Sigma^-1), b_l = fitted_scalar(B_l, I) start one descent of the exact family loss
 (family_local_minimum), whose end names the population minimum the run's basin belongs to (MATH.md
-§10 lists the certified ones). Writes docs/blocks_basins.json (every run, the counts, and the
-provenance of tools/records.py: this command, the commit of icl_ref.py, icl_fast.py and this file, and
-the figures' SHA-256) and docs/blocks_basins.png with its PDF beside it; docs/FINDINGS.md finding 9's table is rendered from it
+§10 lists the certified ones). For each basin reached, its first run's scalars are compared with the
+family's own minimum of the batch's loss, in standard errors of their difference (basin_checks).
+Writes docs/blocks_basins.json (every run, the counts, the basins' checks, and the provenance of
+tools/records.py: this command, the commit of the code in SOURCES, and the figures' SHA-256) and docs/blocks_basins.png with its PDF beside it; docs/FINDINGS.md finding 9's table is rendered from it
 (`python3 tools/records.py render`). Ctrl-C or SIGTERM stops after the current run and writes nothing.
 Exit status: 0 written, 2 bad arguments or a file refused (a symbolic link), 130 stopped.
 """
@@ -36,13 +37,60 @@ import icl_files  # noqa: E402
 import icl_ref as ir  # noqa: E402
 import records  # noqa: E402  (tools/records.py: the provenance)
 
-SOURCES = ["icl_ref.py", "icl_fast.py", "tools/blocks_basins.py"]          # the code the record comes from
+SOURCES = ["icl_ref.py", "icl_fast.py", "experiments.py", "tools/blocks_basins.py"]    # the code the record comes from
 RECORD = os.path.join("docs", "blocks_basins.json")
 FIGURE = os.path.join("docs", "blocks_basins.png")
 FIGURE_PDF = os.path.join("docs", "blocks_basins.pdf")            # its vector copy
 B, N, D, L = 20000, 20, 5, 3
 GRAD_TOL = 1e-6                 # experiments.GRAD_TOL: a converged run
 OPTIMISERS = ("Gauss-Newton", "L-BFGS")
+
+
+def draw_batch(seed):
+    """The rotation and batch of `seed` (Sigma, its inverse, Z, y) and the generator that then draws the
+    starts (draw_start): the same numbers every time, so that the record's batch can be drawn again."""
+    rng = np.random.default_rng(seed)
+    Sigma, _ = ir.rotated_covariance(rng, ir.PAPER_EIGENVALUES)
+    Si = np.linalg.inv(Sigma)
+    Z, y = ir.sample_prompts(rng, B, N, Sigma, Si)
+    return Sigma, Si, Z, y, rng
+
+
+def draw_start(rng):
+    """One random start (A_l, B_l iid N(0, 0.1^2) entries), as experiments.py's three-layer-blocks."""
+    return {"A": 0.1 * rng.standard_normal((L, D, D)), "B": 0.1 * rng.standard_normal((L, D, D))}
+
+
+def basin_checks(runs, seed):
+    """For each basin reached, where a run in it ends against the batch's own family minimum (the finding 9
+    check of the three-layer-blocks experiment, on this batch): the first converged run of the basin is
+    trained again from its start (its batch and start drawn again from `seed`; it must end within 1e-3 of
+    its recorded scalars, or this is a ValueError: the record is not this code's), the family's minimum
+    of the batch's loss is found from the basin's population minimum (experiments.batch_family_optimum),
+    and the standard error of their difference is the sandwich one of the joint influence (as
+    experiments.blocks_batch_rows). One dict per basin: key, optimiser, start, fitted and batch (2L-1:
+    a then b), batch_loss, batch_grad_norm, se (of the difference), diff_in_se."""
+    import experiments  # noqa: E402  (the family's batch minimum and the influence, as the experiment's)
+    ctx = experiments.Context(rng=np.random.default_rng(0))
+    _, Si, Z, y, rng = draw_batch(seed)
+    starts = [draw_start(rng) for _ in range(max(r["start"] for r in runs) + 1)]
+    out = []
+    for key in sorted({basin_key(r["basin_loss"]) for r in runs if r["converged"]}, key=float):
+        r = next(r for r in runs if r["converged"] and basin_key(r["basin_loss"]) == key)
+        res = train(r["optimiser"], Z, y, starts[r["start"]])
+        fitted = np.r_[[ir.fitted_scalar(A_l, Si) for A_l in res["coords"]["A"]],
+                       [ir.fitted_scalar(B_l, np.eye(D)) for B_l in res["coords"]["B"][:-1]]]
+        # runs from different starts in one basin agree to ~1e-4: a rerun of one start agrees far closer
+        if res["interrupted"] or not np.allclose(fitted, np.r_[r["a"], r["b"]], rtol=1e-3, atol=0):
+            raise ValueError(f"{r['optimiser']} from start {r['start']} of seed {seed} ends at {fitted}, not at the "
+                             f"recorded {np.r_[r['a'], r['b']]}: the record was not made by this code")
+        family = experiments.batch_family_optimum(ctx, Z, y, Si, L, np.r_[r["basin_a"], r["basin_b"]])
+        influence = experiments.blocks_influence(ctx, res, Z, y, Si, L)
+        se = np.std(influence - family["influence"], axis=0, ddof=1) / np.sqrt(len(y))
+        out.append(dict(key=key, optimiser=r["optimiser"], start=r["start"], fitted=list(fitted),
+                        batch=list(family["theta"]), batch_loss=family["loss"], batch_grad_norm=family["grad_norm"],
+                        se=list(se), diff_in_se=list((fitted - family["theta"]) / se)))
+    return out
 
 
 def basin_key(f):
@@ -71,6 +119,7 @@ def figure(record):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import experiments  # noqa: E402  (K_SE: the claims' multiple of the standard error)
     import experiments_cli  # noqa: E402  (the figures' style and saving)
     runs = record["runs"]
     style = dict(experiments_cli.FIGURE_STYLE, **{"axes.prop_cycle": matplotlib.cycler(color=experiments_cli.OKABE_ITO)})
@@ -97,6 +146,17 @@ def figure(record):
         for i, (f, a, b) in enumerate(basins):
             right.scatter([a[1]], [b[1]], marker="x", color="k", s=90, linewidths=2,
                           label="the basins' population minima" if i == 0 else None)
+        # per basin, one run's scalars with ±K_SE standard errors of their distance from the batch's own
+        # family minimum (basin_checks), and that minimum: the point training on this batch can reach
+        k_se = experiments.K_SE
+        for i, c in enumerate(record.get("basins", [])):
+            at = record["L"] + 1                        # (a_0 .. a_{L-1}, b_0 .. b_{L-2}): layer 1's b
+            right.errorbar([c["fitted"][1]], [c["fitted"][at]], xerr=[k_se * c["se"][1]], yerr=[k_se * c["se"][at]],
+                           fmt="none", ecolor="k", elinewidth=1, capsize=4, zorder=4,
+                           label=f"a run's scalars ±{k_se:g} SE of their distance from" "\n"
+                                 "the batch optimum (its basin's first run)" if i == 0 else None)
+            right.scatter([c["batch"][1]], [c["batch"][at]], marker="+", color="k", s=160, linewidths=1.2, zorder=5,
+                          label="the basins' batch optima (the family's\nown minima of this batch's loss)" if i == 0 else None)
         right.margins(0.25)             # room for the points' labels inside the frame
         lo, hi = right.get_xlim()
         for f, a, b in basins:          # a label on the side of its point away from the nearer frame
@@ -119,11 +179,12 @@ def figure(record):
                   ylabel=r"layer 1: fitted $b$ ($B \approx b I$)", title="(b) layer 1's fitted scalars")
         right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
         spectrum = "(" + ", ".join(str(fractions.Fraction(v).limit_denominator(1000)) for v in ir.PAPER_EIGENVALUES) + ")"
-        fig.suptitle(rf"Blocks model at Ahn et al.'s size ($B$ = {record['B']}, $n$ = {record['n']}, $d$ = {record['d']}, "
-                     rf"$L$ = {record['L']}, noiseless)," "\n"
-                     f"$\\Sigma$ eigenvalues {spectrum} rotated: {record['starts']} random starts, each trained by "
-                     f"Gauss-Newton\nand by L-BFGS on one batch and rotation drawn from seed {record['seed']} "
-                     "(not the three-layer-blocks\nexperiment's batches: its fitted scalars differ)")
+        # the batch size in words: B names the layers' matrices B_l in panel (b)
+        fig.suptitle(f"Blocks model at the size of Ahn et al. (2023): a batch of {record['B']} prompts,\n"
+                     rf"$n$ = {record['n']}, $d$ = {record['d']}, $L$ = {record['L']}, noiseless, "
+                     f"$\\Sigma$ eigenvalues {spectrum} rotated;\n{record['starts']} random starts, each trained by "
+                     f"Gauss-Newton and by L-BFGS on one batch\nand rotation drawn from seed {record['seed']} "
+                     "(not the three-layer-blocks experiment's batches:\nits fitted scalars differ)")
         out = {FIGURE: experiments_cli.figure_bytes(fig, "png"), FIGURE_PDF: experiments_cli.figure_bytes(fig, "pdf")}
         plt.close(fig)
     return out
@@ -131,8 +192,14 @@ def figure(record):
 
 def redraw():
     """Draw the figure again from the runs docs/blocks_basins.json keeps (no training) and record the new
-    figures' hashes in its provenance (which still names the commit the runs were made from)."""
+    figures' hashes in its provenance (which still names the commit the runs were made from). A record
+    made before basin_checks were recorded gets them (a few minutes: one run per basin trained again),
+    with their own provenance, `basins_provenance`."""
     record = records.load("blocks_basins")
+    if "basins" not in record:
+        t0 = time.time()
+        record["basins"] = basin_checks(record["runs"], record["seed"])
+        record["basins_provenance"] = records.provenance(["tools/blocks_basins.py", "--redraw"], SOURCES, time.time() - t0)
     try:
         for path, data in figure(record).items():
             records.write(path, data)
@@ -150,7 +217,8 @@ def main(argv=None):
     ap.add_argument("--starts", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--redraw", action="store_true",
-                    help="only draw the figure again from docs/blocks_basins.json's runs (seconds; no training)")
+                    help="only draw the figure again from docs/blocks_basins.json's runs (seconds; a record without "
+                         "the basins' checks gets them first: one run per basin trained again, minutes)")
     args = ap.parse_args(argv)
     if args.redraw:
         return redraw()
@@ -160,13 +228,10 @@ def main(argv=None):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.append(signum))
     a_star, b_star, f_star = ir.optimal_family_scalars(L, N, D, blocks=True)
-    rng = np.random.default_rng(args.seed)
-    Sigma, _ = ir.rotated_covariance(rng, ir.PAPER_EIGENVALUES)
-    Si = np.linalg.inv(Sigma)
-    Z, y = ir.sample_prompts(rng, B, N, Sigma, Si)
+    Sigma, Si, Z, y, rng = draw_batch(args.seed)
     runs, t0 = [], time.time()
     for s in range(args.starts):
-        init = {"A": 0.1 * rng.standard_normal((L, D, D)), "B": 0.1 * rng.standard_normal((L, D, D))}
+        init = draw_start(rng)
         for name in OPTIMISERS:
             res = train(name, Z, y, init)
             if stop or res["interrupted"]:
@@ -188,6 +253,7 @@ def main(argv=None):
     record = dict(starts=args.starts, seed=args.seed, B=B, n=N, d=D, L=L,
                   optimum=dict(a=list(a_star), b=list(b_star[:-1]), loss=f_star), counts=table, global_key=global_key,
                   runs=runs)
+    record["basins"] = basin_checks(runs, args.seed)
     try:
         for path, data in figure(record).items():
             records.write(path, data)
