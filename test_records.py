@@ -115,6 +115,22 @@ def test_blocks_basins_reached_certified_minima_and_count_as_recorded():
             assert min(abs(r.basin_loss - m.loss) / m.loss for m in landscape.minima) <= 1e-9, r.basin_loss
             assert r.grad_norm <= ex.GRAD_TOL
     assert counts == rec.counts and sum(sum(c.values()) for c in counts.values()) == 2 * rec.starts
+    # each basin's check (finding 9's figure): the basin's first converged run, trained again to its recorded
+    # scalars; a batch minimum that is a stationary point of the family's batch loss and lies in the basin
+    # (the exact family descent from it ends at the basin's population minimum); its distance in SE as said
+    keys = sorted({f"{r.basin_loss:.6e}" for r in rec.runs if r.converged}, key=float)
+    assert [c.key for c in rec.basins] == keys
+    for c in rec.basins:
+        first = next(r for r in rec.runs if r.converged and f"{r.basin_loss:.6e}" == c.key)
+        assert (c.optimiser, c.start) == (first.optimiser, first.start)
+        # a rerun of one start: 5e-6 apart at most (L-BFGS stops at |grad| ~2e-8, where the loss is flat and
+        # the summation order of the engine's threads moves the end); runs in other basins are > 1e-2 away
+        np.testing.assert_allclose(c.fitted, first.a + first.b, rtol=1e-4)
+        assert c.batch_grad_norm <= ex.GRAD_TOL
+        L = rec.L
+        _, _, f_loc = ir.family_local_minimum(c.batch[:L], rec.n, rec.d, b=c.batch[L:] + [0.0])
+        assert abs(f_loc - first.basin_loss) <= 1e-9 * first.basin_loss          # as the runs' descents above
+        np.testing.assert_allclose(c.diff_in_se, (np.array(c.fitted) - c.batch) / np.array(c.se), rtol=1e-12)
 
 
 def test_looped_landscape_is_the_current_curvature_and_its_points_are_still_certified():
