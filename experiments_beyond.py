@@ -23,11 +23,15 @@ from experiments import (K_SE, PASS, bars_inside_markers, bars_said, best_of, co
 
 
 LOOPED_MS, LOOPED_MEW = 4.0, 0.8   # the looped figure's (b) markers: size and edge width, in points
-STAGGER = 4.8     # points between (b)'s series in x: a marker's full width (size plus edge), so that two
-                  # never overlap; five side by side span 24 points, within an L's ~25 points of the panel
+STAGGER = 4.8     # points between (b)'s series in x: a marker's full width (size plus edge; the markers
+                  # "os^dvp" are at most their size wide), so that two never overlap; five side by side span 24
+                  # points, within an L's ~25 points of the panel
+STAR_SHIFT = 9.0  # points between (a)'s trained-model stars (9 points) and their L's optima (6 points):
+                  # half of each, with their 1-point edges, is 8.5
 
 
 def plot_looped(plt, save, rows, tables):
+    from matplotlib.transforms import offset_copy
     exact, hess, char, prof = tables["exact"], tables["hessian"], tables["character"], tables["profiles"]
     trained, points = tables["trained"], tables["points"]
     k_se = fmt(K_SE)
@@ -56,7 +60,9 @@ def plot_looped(plt, save, rows, tables):
         ax1.text(0.97, 0.97, f"$L$ = {L0}: all four optima\nat one point (top left)", transform=ax1.transAxes,
                  ha="right", va="top", fontsize=8)
     if done:
-        ax1.plot([t["L"] + 0.1 for t in done], [t["exact_loss"] for t in done], "*", color="k", ms=9, ls="none",
+        # the stars STAR_SHIFT points right of their L: clear of the optima's 6-point markers there
+        ax1.plot([t["L"] for t in done], [t["exact_loss"] for t in done], "*", color="k", ms=9, ls="none",
+                 transform=offset_copy(ax1.transData, fig=fig, x=STAR_SHIFT, units="points"),
                  label="trained tied sparse model\n(exact loss, no error bar; just right)")
     # a trained model deeper than the exact table: its tied family optimum (from its own row) drawn beside it
     tabled = {r["L"] for r in exact if r["family"] == "sparse"}
@@ -65,11 +71,12 @@ def plot_looped(plt, save, rows, tables):
         ax1.plot([t["L"] for t in beyond], [t["family_loss"] for t in beyond], "s", color="C0", mfc="C0", ls="none",
                  label=f"sparse: tied optimum at $L$ = {', '.join(str(t['L']) for t in beyond)}")
     ax1.set(xlabel="layers $L$", ylabel="population loss (exact; log scale)", yscale="log",
-            xticks=sorted({r["L"] for r in exact} | {t["L"] for t in done}), title="(a) family optima, trained models")
+            xticks=sorted({r["L"] for r in exact} | {t["L"] for t in done}), title="(a) family optima, trained models",
+            # set, not autoscaled: the stars' offset is not in their data limits (0.4: room for the last star)
+            xlim=(min(r["L"] for r in exact) - 0.3, L_axis + 0.4))
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     log_ticks(plt, ax1.yaxis, *ax1.get_ylim())
     ns = sorted({r["n"] for r in char})
-    from matplotlib.transforms import offset_copy
     # marker and line style each tell one n from another (five markers, four styles: no two n alike); the
     # series STAGGER points apart in x, since at L = 1 and 2 the larger n's values are close enough to share
     # a marker's place. The Monte Carlo estimates at n = 20 are not drawn (on their exact markers they would
@@ -78,15 +85,15 @@ def plot_looped(plt, save, rows, tables):
     for i, n in enumerate(ns):
         rs = [r for r in char if r["n"] == n]
         shifted = offset_copy(ax2.transData, fig=fig, x=stagger[n], units="points")
-        ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^Dvp"[i % 6],
+        ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^dvp"[i % 6],
                  ls=("-", ":", "--", "-.")[i % 4], color=f"C{i}", ms=LOOPED_MS, mew=LOOPED_MEW, mfc="white", label=f"exact, $n$ = {n}",
                  transform=shifted)
         # the markers again above every line (their white faces hide the lines crossing them)
-        ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^Dvp"[i % 6], ls="none",
+        ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^dvp"[i % 6], ls="none",
                  color=f"C{i}", ms=LOOPED_MS, mew=LOOPED_MEW, mfc="white", zorder=3, transform=shifted)
     ax2.axhline(0.0, color="k", lw=0.8)
     ax2.set_yscale("symlog", linthresh=1e-2)
-    ax2.set(xlabel="layers $L$", ylabel="antisymmetric Hessian eigenvalue\nat the tied family point (symlog)",
+    ax2.set(xlabel="layers $L$", ylabel="antisymmetric Hessian eigenvalue\nat the sparse tied optimum (symlog)",
             xticks=sorted({r["L"] for r in char}),
             yticks=[-0.1, -0.01, 0, 0.01, 0.1, 1], title="(b) below 0: a saddle",
             # the limits set, not autoscaled: the staggered series' data limits would not include their offsets
@@ -115,7 +122,7 @@ def plot_looped(plt, save, rows, tables):
                         lw=1.5, label=f"trained tied model, $L$ = {t['L']}: its largest rotation")
     ax3.axhline(0.0, color="k", lw=0.8)
     ax3.set_yscale("symlog", linthresh=1e-3)
-    ax3.set(xlabel=r"rotation block size $\beta$ (whitened)", ylabel="loss / family optimum − 1 (symlog)",
+    ax3.set(xlabel=r"rotation block size $\beta$ (whitened)", ylabel="loss / sparse tied optimum − 1 (symlog)",
             yticks=[-0.1, -0.01, -0.001, 0, 0.001, 0.01, 0.1], ylim=(-0.3, 0.3),
             title=r"(c) the loss minimised over the rest at each $\beta$")
     ax3.yaxis.set_major_formatter(signed_ticks(plt))
@@ -144,12 +151,12 @@ def plot_looped(plt, save, rows, tables):
              "leave it through a rotation block, c; against the tied family optimum: " + where
              + (f"; the training batches: {trained_on}" if trained_on else "") + ")"
              + (f"; at L = {L0} the four optima are one point (relative spread {spread:.1g})" if spread < 1e-3 else "")
-             + "; (b) the antisymmetric Hessian eigenvalue at the tied family point, "
+             + "; (b) the antisymmetric Hessian eigenvalue at the sparse tied optimum, "
              f"exact per n (marker and line style: n; the n drawn {fmt(STAGGER)} points apart)"
              + (f"; the Monte Carlo estimates at n = 20, L = {mc_at}, lie within {mc_off:.1f} of their standard errors "
                 "of the exact values (not drawn: they would hide the exact markers)" if mc_off is not None else "")
              + "; (c) the loss along "
-             "matrices with rotation blocks, relative to the family optimum: the whitened tied matrix "
+             "matrices with rotation blocks, relative to the sparse tied optimum: the whitened tied matrix "
              "alpha0 (I - D) + alpha D + beta J, with one or two 2 x 2 rotation blocks [[0, beta], [-beta, 0]] in J (D their "
              "coordinates), at each beta minimised over alpha0 and alpha (\"the rest\"), with the certified minima (squares) and "
              "saddle (triangle), "
@@ -157,7 +164,7 @@ def plot_looped(plt, save, rows, tables):
                 f"{' and '.join(str(b) for b in mc_batch) or 'fresh'} prompts; {bars_said(bars_c, 'cross')}) " if mc else "") + "and the trained tied models' largest rotation "
              "(dotted, dash-dotted; a trained model lies in its minimum's basin, not at the minimum: a finite batch, "
              f"so its line need not pass through the square); the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
-             f"{len(checks)} PASS. What to see: whether (b)'s eigenvalue falls below 0 (the family point a saddle) "
+             f"{len(checks)} PASS. What to see: whether (b)'s eigenvalue falls below 0 (the sparse tied optimum a saddle) "
              "and (c)'s minima lie below 0 (the tied family beaten through a rotation).")]
 
 

@@ -1851,6 +1851,15 @@ def test_the_looped_legend_says_where_a_family_s_optima_stop(drawn):
     beyond.plot_looped(plt, save, [], tables)
     labels = [t.get_text() for t in figures[-1].axes[0].get_legend().get_texts()]
     assert "sparse: tied optimum" in labels and not any("leq" in t for t in labels)
+    # the trained model's star (9 pt) beside, not over, its L's optima (6 pt markers; both with 1 pt edges):
+    # their centres at least half of each apart
+    fig, ax = figures[-1], figures[-1].axes[0]
+    star = next(line for line in ax.lines if line.get_marker() == "*")
+    tied = next(line for line in ax.lines if line.get_label() == "sparse: tied optimum")
+    apart = marker_x(fig, star) - marker_x(fig, tied, list(tied.get_xdata()).index(4))
+    half = lambda line: (line.get_markersize() + line.get_markeredgewidth()) / 2        # points, edge included
+    assert apart * 72 / fig.dpi >= half(star) + half(tied)
+    assert marker_x(fig, star) + half(star) * fig.dpi / 72 <= ax.get_window_extent().x1      # inside the frame
 
 
 def marker_x(fig, line, i=0):
@@ -1897,10 +1906,14 @@ def test_the_looped_hessian_panel_draws_each_n_apart_and_says_where_the_monte_ca
     xs = {n: marker_x(fig, next(line for line in ax.lines if line.get_label() == f"exact, $n$ = {n}")) for n in ns}
     gaps = np.diff([xs[n] for n in ns])
     assert np.allclose(gaps, beyond.STAGGER * fig.dpi / 72) and beyond.STAGGER > 0
-    # no two markers overlap: each is drawn (size plus edge width, in points) no wider than the gap, and an
-    # L's five markers end before the next L's begin
-    line = next(line for line in ax.lines if line.get_label() == f"exact, $n$ = {ns[0]}")
-    width = (line.get_markersize() + line.get_markeredgewidth()) * fig.dpi / 72
+    # no two markers overlap: each series' marker is drawn (its shape's width at its size, plus the edge, in
+    # points) no wider than the gap, and an L's five markers end before the next L's begin
+    def drawn_width(line):
+        marker = line._marker                    # the marker's unit path as drawn: a diamond "D" is 1.41 wide
+        unit = marker.get_path().transformed(marker.get_transform()).get_extents().width
+        return (unit * line.get_markersize() + line.get_markeredgewidth()) * fig.dpi / 72
+    widths = [drawn_width(next(line for line in ax.lines if line.get_label() == f"exact, $n$ = {n}")) for n in ns]
+    width = max(widths)
     assert width <= gaps.min() + 1e-9          # pixels: the display transform's rounding, ~1e-13 here
     per_L = np.diff(ax.transData.transform([(1, 1), (2, 1)])[:, 0])[0]
     assert xs[ns[-1]] - xs[ns[0]] + width < per_L

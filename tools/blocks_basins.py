@@ -115,7 +115,8 @@ def counts(runs, f_star):
 
 def figure(record):
     """The figure as {path: bytes}: a PNG (150 dpi) and a PDF beside it (no creation date), in the style of
-    experiments_cli's figures (Okabe-Ito colours, text >= 8 pt; docs/FIGURES.md)."""
+    experiments_cli's figures (Okabe-Ito colours, text >= 8 pt; docs/FIGURES.md). Sets record["drawn"]:
+    whether each basin check's b error bar is smaller than its run's marker, as drawn (for the caption)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -144,19 +145,22 @@ def figure(record):
         basins = sorted({basin_key(r["basin_loss"]): (r["basin_loss"], r["basin_a"], r["basin_b"][:2])
                          for r in runs if r["converged"]}.values())          # one per population minimum
         for i, (f, a, b) in enumerate(basins):
-            right.scatter([a[1]], [b[1]], marker="x", color="k", s=90, linewidths=2,
-                          label="the basins' population minima" if i == 0 else None)
+            right.scatter([a[1]], [b[1]], marker="x", color="k", s=70, linewidths=1.8,
+                          label="the basins' population minima\n(global: the exact family optimum)" if i == 0 else None)
         # per basin, one run's scalars with ±K_SE standard errors of their distance from the batch's own
         # family minimum (basin_checks), and that minimum: the point training on this batch can reach
         k_se = experiments.K_SE
-        for i, c in enumerate(record.get("basins", [])):
-            at = record["L"] + 1                        # (a_0 .. a_{L-1}, b_0 .. b_{L-2}): layer 1's b
+        at = record["L"] + 1                            # (a_0 .. a_{L-1}, b_0 .. b_{L-2}): layer 1's b
+        checks = record.get("basins", [])
+        for i, c in enumerate(checks):
+            # the bars under the runs' markers (which stay whole), the batch optima (open diamonds) above
             right.errorbar([c["fitted"][1]], [c["fitted"][at]], xerr=[k_se * c["se"][1]], yerr=[k_se * c["se"][at]],
-                           fmt="none", ecolor="k", elinewidth=1, capsize=4, zorder=4,
-                           label=f"a run's scalars ±{k_se:g} SE of their distance from" "\n"
-                                 "the batch optimum (its basin's first run)" if i == 0 else None)
-            right.scatter([c["batch"][1]], [c["batch"][at]], marker="+", color="k", s=160, linewidths=1.2, zorder=5,
-                          label="the basins' batch optima (the family's\nown minima of this batch's loss)" if i == 0 else None)
+                           fmt="none", ecolor="0.3", elinewidth=1, capsize=3, zorder=0.5,
+                           label=f"a run's scalars, ±{k_se:g} SE of their\n"
+                                 "distance from the batch optimum" if i == 0 else None)
+            right.scatter([c["batch"][1]], [c["batch"][at]], marker="D", s=40, facecolors="none", edgecolors="k",
+                          linewidths=1.2, zorder=5,
+                          label="the basins' batch optima (family\nminima of this batch's loss)" if i == 0 else None)
         right.margins(0.25)             # room for the points' labels inside the frame
         lo, hi = right.get_xlim()
         for f, a, b in basins:          # a label on the side of its point away from the nearer frame
@@ -176,7 +180,8 @@ def figure(record):
         left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
         # no math scripts in the labels: mathtext draws them at 70 %, below 8 pt
         right.set(xlabel=r"layer 1: fitted $a$ ($A \approx a$ times the inverse of $\Sigma$)",
-                  ylabel=r"layer 1: fitted $b$ ($B \approx b I$)", title="(b) layer 1's fitted scalars")
+                  ylabel=r"layer 1: fitted $b$ ($B \approx b I$)",
+                  title="(b) layer 1's fitted scalars (layers 0, 1, 2: the second layer)")
         right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
         spectrum = "(" + ", ".join(str(fractions.Fraction(v).limit_denominator(1000)) for v in ir.PAPER_EIGENVALUES) + ")"
         # the batch size in words: B names the layers' matrices B_l in panel (b)
@@ -186,6 +191,11 @@ def figure(record):
                      f"Gauss-Newton and by L-BFGS on one batch\nand rotation drawn from seed {record['seed']} "
                      "(not the three-layer-blocks experiment's batches:\nits fitted scalars differ)")
         out = {FIGURE: experiments_cli.figure_bytes(fig, "png"), FIGURE_PDF: experiments_cli.figure_bytes(fig, "pdf")}
+        # what the caption says of b's bars is measured on the figure as drawn (the run's marker: its
+        # scatter area's square root, in points)
+        size = {"Gauss-Newton": 70 ** 0.5, "L-BFGS": 22 ** 0.5}
+        record["drawn"] = dict(b_bars_inside=[experiments.bars_inside_markers(
+            fig, right, [c["fitted"][1]], [c["fitted"][at]], [k_se * c["se"][at]], size[c["optimiser"]])[0] for c in checks])
         plt.close(fig)
     return out
 
