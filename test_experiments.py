@@ -1965,7 +1965,9 @@ def test_fig_1_marks_every_seed_and_fig_2_titles_each_layer_with_its_rank_s_opti
     # Fig. 2: each layer's title gives its fitted scalar ± 4 SE and the optimum of the same rank (Lemma 4
     # fixes the multiset, not which layer takes which)
     plt, save, figures = drawn
-    a_star, a_hat, se = [0.42, 0.69, 1.71], [0.69, 0.40, 1.69], [0.01, 0.02, 0.03]
+    # the fitted scalars in a cyclic order (ranks 1, 2, 0), where a layer's rank is not the sorting
+    # permutation (for a swap of two they agree)
+    a_star, a_hat, se = [0.42, 0.69, 1.71], [0.69, 1.69, 0.40], [0.01, 0.02, 0.03]
     curve = [dict(seed=s, iteration=i, loss=1.0 / (1 + i), **{f"dist_A{l}_Sigma_inv": 0.1 for l in range(3)},
                   **{f"dist_A{l}_I": 0.8 for l in range(3)}) for s in (0, 1) for i in range(30)]
     heat = [dict(seed=0, layer=l, row=r, **{f"c{j}": float(r == j) for j in range(2)}) for l in range(3) for r in range(2)]
@@ -1979,8 +1981,30 @@ def test_fig_1_marks_every_seed_and_fig_2_titles_each_layer_with_its_rank_s_opti
     assert len(seeds) == 2 and all(line.get_marker() not in (None, "None", "") for line in seeds)
     assert seeds[0].get_markevery() != seeds[1].get_markevery()
     titles = [ax.get_title() for ax in fig2.axes[:3]]
-    assert titles == ["layer 0: fitted 0.69 ± 0.04\noptimum 0.69", "layer 1: fitted 0.40 ± 0.08\noptimum 0.42",
-                      "layer 2: fitted 1.69 ± 0.12\noptimum 1.71"]
+    assert titles == ["layer 0: fitted 0.69 ± 0.04\noptimum 0.69", "layer 1: fitted 1.69 ± 0.08\noptimum 1.71",
+                      "layer 2: fitted 0.40 ± 0.12\noptimum 0.42"]
+
+
+def test_the_blocks_heat_map_titles_each_scalar_with_its_own_standard_error(drawn):
+    # the batch row's standard errors come as (a_0, ..., a_{L-1}, b_0, ..., b_{L-2}): each A_l panel's
+    # title gives ±4 times a_l's, each B_l panel's ±4 times b_l's (all different here, so a shifted index shows)
+    plt, save, figures = drawn
+    L, d = 3, 2
+    a_hat, b_hat, se = [0.4, 2.5, 9.6], [0.9, 0.56], [0.001, 0.002, 0.003, 0.004, 0.005]
+    heat = [dict(seed=0, trainer="gauss-newton", matrix=m, layer=l, row=r, **{f"c{j}": float(r == j) for j in range(d)})
+            for m in ("A", "B") for l in range(L) for r in range(d)]
+    optimum = [dict(a_star=a, b_star=b, batch=1000, f_star=1e-3) for a, b in zip((0.34, 2.09, 8.57), (0.88, 0.58, 0.0))]
+    rows = [dict(id="three-layer-blocks/seed0-gauss-newton-basin", seed=0, trainer="gauss-newton", basin_loss=1e-3,
+                 global_basin=True),
+            dict(id="three-layer-blocks/seed0-gauss-newton-fit", seed=0, trainer="gauss-newton", a_hat=a_hat, b_hat=b_hat),
+            dict(id="three-layer-blocks/seed0-gauss-newton-batch-family", seed=0, trainer="gauss-newton",
+                 a_batch=[0.39, 2.44, 9.7], b_batch=[0.91, 0.56], se=se)]
+    ex.plot_three_layer_blocks(plt, save, rows, dict(heatmaps=heat, optimum=optimum))
+    titles = [ax.get_title() for ax in figures[-1].axes if ax.get_title()]
+    firsts = [t.split("\n")[0] for t in titles]
+    want = ([f"$A$ of layer {l}: fitted {a:.3f} ± {4 * e:.3f}" for l, (a, e) in enumerate(zip(a_hat, se))]
+            + [f"$B$ of layer {l}: fitted {b:.3f} ± {4 * e:.3f}" for l, (b, e) in enumerate(zip(b_hat, se[L:]))])
+    assert firsts == want
 
 
 def test_the_looped_caption_places_each_trained_model_against_its_tied_optimum(drawn):

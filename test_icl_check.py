@@ -674,6 +674,17 @@ def test_diagnose_names_each_known_slip_of_an_independent_implementation(slip):
     assert any(ic.DIAGNOSIS_VARIANTS["paper"][v][1] in report for v in expected)
 
 
+def test_diagnose_counts_a_case_that_differs_in_one_output_only():
+    # the headline "k of N cases differ" counts every case with any output that does not agree: here one
+    # case whose gradient dQ alone is off (twice icl_ref's), one that agrees in every output
+    bad, good = correct_outputs("paper", "small-full"), correct_outputs("paper", "two-layers-two-heads")
+    outputs = {"small-full": dict(bad, dQ=2 * bad["dQ"]), "two-layers-two-heads": good}
+    report, found = ic.diagnose(outputs)
+    assert found["small-full"]["dQ"] != "agrees" and set(found["two-layers-two-heads"].values()) == {"agrees"}
+    assert sum(v == "agrees" for v in found["small-full"].values()) == len(found["small-full"]) - 1
+    assert report.startswith("1 of 2 cases differ from icl_ref"), report
+
+
 def test_diagnose_in_the_von_oswald_layout():
     name = "two-layers-two-heads"
     inputs = ic._expected(name, "von_oswald")[0]

@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -206,6 +207,17 @@ def test_a_folder_named_by_a_symbolic_link_is_refused_however_it_is_spelled(tmp_
         with pytest.raises(icl_files.Refused, match="symbolic link"):
             write_set(str(named) + spelling)
     assert snapshot(tmp_path) == before and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "sub/x", "a\0b", RECORD, LOCK])
+def test_a_file_name_that_is_not_a_plain_name_of_the_folder_is_refused_before_anything_is_written(tmp_path, name):
+    # the names a run may write are plain names in the folder itself: not '..' or '.', no separator, no
+    # NUL, not the record's or the lock's; a ValueError naming it, and the folder and its parent untouched
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=re.escape(f"{name!r} is not a name a run may write")):
+        write_set(str(out), {**fake_files(), name: b"x"})
+    assert not out.exists() or not [f for f in os.listdir(out) if f.endswith((".npz", ".json")) and f != RECORD]
+    assert sorted(os.listdir(tmp_path)) in ([], ["out"])
 
 
 def test_a_folder_named_through_dot_dot_is_refused(tmp_path, means):
