@@ -153,7 +153,7 @@ def figure(record):
         at = record["L"] + 1                            # (a_0 .. a_{L-1}, b_0 .. b_{L-2}): layer 1's b
         checks = record.get("basins", [])
         for i, c in enumerate(checks):
-            # the bars under the runs' markers (which stay whole), the batch optima (open diamonds) above
+            # the error bars under the runs' markers (which stay whole), the batch optima (open diamonds) above
             right.errorbar([c["fitted"][1]], [c["fitted"][at]], xerr=[k_se * c["se"][1]], yerr=[k_se * c["se"][at]],
                            fmt="none", ecolor="0.3", elinewidth=1, capsize=3, zorder=0.5,
                            label=f"a run's scalars, ±{k_se:g} SE of their\n"
@@ -191,7 +191,7 @@ def figure(record):
                      f"Gauss-Newton and by L-BFGS on one batch\nand rotation drawn from seed {record['seed']} "
                      "(not the three-layer-blocks experiment's batches:\nits fitted scalars differ)")
         out = {FIGURE: experiments_cli.figure_bytes(fig, "png"), FIGURE_PDF: experiments_cli.figure_bytes(fig, "pdf")}
-        # what the caption says of b's bars is measured on the figure as drawn (the run's marker: its
+        # what the caption says of b's error bars is measured on the figure as drawn (the run's marker: its
         # scatter area's square root, in points)
         size = {"Gauss-Newton": 70 ** 0.5, "L-BFGS": 22 ** 0.5}
         record["drawn"] = dict(b_bars_inside=[experiments.bars_inside_markers(
