@@ -15,7 +15,8 @@ family's own minimum of the batch's loss, in standard errors of their difference
 Writes docs/blocks_basins.json (every run, the counts, the basins' checks, and the provenance of
 tools/records.py: this command, the commit of the code in SOURCES, and the figures' SHA-256) and docs/blocks_basins.png with its PDF beside it; docs/FINDINGS.md finding 9's table is rendered from it
 (`python3 tools/records.py render`). Ctrl-C or SIGTERM stops after the current run and writes nothing.
-Exit status: 0 written, 2 bad arguments or a file refused (a symbolic link), 130 stopped.
+Exit status: 0 written, 2 bad arguments, a file refused (a symbolic link) or a record this code does
+not reproduce (basin_checks), 130 stopped.
 """
 import argparse
 import fractions
@@ -69,7 +70,8 @@ def basin_checks(runs, seed):
     of the batch's loss is found from the basin's population minimum (experiments.batch_family_optimum),
     and the standard error of their difference is the sandwich one of the joint influence (as
     experiments.blocks_batch_rows). One dict per basin: key, optimiser, start, fitted and batch (2L-1:
-    a then b), batch_loss, batch_grad_norm, se (of the difference), diff_in_se."""
+    a then b), batch_loss, batch_grad_norm, se (of the difference), diff_in_se; None if a Ctrl-C or
+    SIGTERM stopped a run."""
     import experiments  # noqa: E402  (the family's batch minimum and the influence, as the experiment's)
     ctx = experiments.Context(rng=np.random.default_rng(0))
     _, Si, Z, y, rng = draw_batch(seed)
@@ -78,10 +80,12 @@ def basin_checks(runs, seed):
     for key in sorted({basin_key(r["basin_loss"]) for r in runs if r["converged"]}, key=float):
         r = next(r for r in runs if r["converged"] and basin_key(r["basin_loss"]) == key)
         res = train(r["optimiser"], Z, y, starts[r["start"]])
+        if res["interrupted"]:
+            return None
         fitted = np.r_[[ir.fitted_scalar(A_l, Si) for A_l in res["coords"]["A"]],
                        [ir.fitted_scalar(B_l, np.eye(D)) for B_l in res["coords"]["B"][:-1]]]
         # runs from different starts in one basin agree to ~1e-4: a rerun of one start agrees far closer
-        if res["interrupted"] or not np.allclose(fitted, np.r_[r["a"], r["b"]], rtol=1e-3, atol=0):
+        if not np.allclose(fitted, np.r_[r["a"], r["b"]], rtol=1e-3, atol=0):
             raise ValueError(f"{r['optimiser']} from start {r['start']} of seed {seed} ends at {fitted}, not at the "
                              f"recorded {np.r_[r['a'], r['b']]}: the record was not made by this code")
         family = experiments.batch_family_optimum(ctx, Z, y, Si, L, np.r_[r["basin_a"], r["basin_b"]])
@@ -208,7 +212,14 @@ def redraw():
     record = records.load("blocks_basins")
     if "basins" not in record:
         t0 = time.time()
-        record["basins"] = basin_checks(record["runs"], record["seed"])
+        try:
+            record["basins"] = basin_checks(record["runs"], record["seed"])
+        except ValueError as e:
+            print(f"not drawn: {e}", file=sys.stderr)
+            return 2
+        if record["basins"] is None:
+            print("stopped: nothing written", file=sys.stderr)
+            return 130
         record["basins_provenance"] = records.provenance(["tools/blocks_basins.py", "--redraw"], SOURCES, time.time() - t0)
     try:
         for path, data in figure(record).items():
@@ -264,6 +275,9 @@ def main(argv=None):
                   optimum=dict(a=list(a_star), b=list(b_star[:-1]), loss=f_star), counts=table, global_key=global_key,
                   runs=runs)
     record["basins"] = basin_checks(runs, args.seed)
+    if record["basins"] is None or stop:
+        print("stopped: nothing written", file=sys.stderr)
+        return 130
     try:
         for path, data in figure(record).items():
             records.write(path, data)
