@@ -1056,7 +1056,7 @@ def plot_depth(plt, save, rows, tables):
     fig.suptitle(f"Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless, trained on {rs[0]['B']} prompts,\n"
                  rf"tested on {rs[0]['test_batch']}; $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
     checks = [r for r in rows if r["check"]]
-    # what the caption says of the bars is measured on the figure as drawn (markers ~6-7 pt across)
+    # what the caption says of the error bars is measured on the figure as drawn (markers ~6-7 pt across)
     inside = bars_inside_markers(fig, ax, Ls, [r["transformer"] for r in rs], [K_SE * r["transformer_se"] for r in rs], 7)
     inside_gd = [i for key in ("GD", "PGD") for i in bars_inside_markers(
         fig, ax, [L + OFFSET[key] for L in Ls], [r[key + "_loss"] for r in rs], [K_SE * r[key + "_loss_se"] for r in rs], 6)]
