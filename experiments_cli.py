@@ -146,10 +146,11 @@ def small_text(fig, least=MIN_FONT_PT):
 
 def text_outside(fig, slack=1.0):
     """The visible texts of `fig` that reach beyond its edges by more than `slack` pixels (the saved image
-    would cut them)."""
+    would cut them; a pixel: a glyph's box includes antialiasing that is not ink)."""
     renderer = fig.canvas.get_renderer()
     edge = fig.bbox
-    # an axis keeps tick labels for ticks beyond its limits, which it does not draw
+    # an axis keeps tick labels for ticks beyond its limits, which it does not draw (a tick on a limit is
+    # drawn: 1e-9 of the range allows the rounding of the limit and the tick location)
     undrawn = set()
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
