@@ -165,7 +165,7 @@ def plot_looped(plt, save, rows, tables):
              "(dotted, dash-dotted; a trained model lies in its minimum's basin, not at the minimum: a finite batch, "
              f"so its line need not pass through the square); the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
              f"{len(checks)} PASS. What to see: whether (b)'s eigenvalue falls below 0 (the sparse tied optimum a saddle) "
-             "and (c)'s minima lie below 0 (the tied family beaten through a rotation).")]
+             "and where (c)'s certified minima lie below 0 (the tied family beaten through a rotation).")]
 
 
 def tied_family_rows(exact):
