@@ -606,6 +606,28 @@ def test_a_sealed_record_proves_its_bytes_and_nothing_else():
 # replace_file: a document written whole through a new file beside it, never through a link
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("kind", ["folder", "FIFO", "socket"])
+def test_replace_file_refuses_a_path_that_is_not_a_regular_file(tmp_path, kind):
+    # "refused (Refused, nothing touched) when ... `path` is there but not a regular file": each kind
+    # of non-file at the path is refused by name, and stays what it was
+    path = tmp_path / "a.md"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    else:
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))
+    before = os.lstat(path)
+    with pytest.raises(icl_files.Refused, match="not a regular file"):
+        icl_files.replace_file(str(path), b"new")
+    after = os.lstat(path)
+    assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)
+    assert sorted(os.listdir(tmp_path)) == ["a.md"]
+    if kind == "socket":
+        server.close()
+
+
 def test_replace_file_never_writes_through_a_link_planted_at_its_temporary_name(tmp_path):
     # "The bytes go to a new file beside it, created exclusively (so never through a link)": a link
     # planted at the temporary name is a refusal of the write, the file it points to untouched
