@@ -13,7 +13,7 @@ therefore accepts on the caller's behalf:
 - the lanes formulation (MATH.md §16) for the linear layer at small D: a chunk of b prompts held
   as (D, D, b), so each prompt's small products are vector operations across the prompts, and the
   layer's kernel acts on S's D(D+1)/2 distinct entries; at larger D, icl_ref's public layers
-  (layer_forward, readout_forward and their adjoints) on chunks of 2^17 / D^2 prompts, each chunk in
+  (layer_forward, readout_forward and their adjoints) on chunks of 2^16 / D^2 prompts, each chunk in
   one pass (icl_ref's own evaluations would cut them into its chunks of 2^18 / D^3, a few prompts
   each, and two workers would spend their time taking turns in the interpreter);
 - worker threads, one per core by default, kept between calls and bound one to a core (Linux) when
@@ -67,7 +67,7 @@ PARALLEL_MIN_WORK_JACOBIAN = 2 ** 19
 
 # The batch-first layers' chunks on the workers: max(1, BATCH_FIRST_CHUNK // D^2) prompts each
 # (_batch_first_bounds).
-BATCH_FIRST_CHUNK = 2 ** 17
+BATCH_FIRST_CHUNK = 2 ** 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,8 +475,8 @@ def lanes_jacobian_gram(P, Q, S0, q0, y, n, threads=1):
 
 def _batch_first_bounds(B, D):
     """The chunks in which the workers run icl_ref's batch-first layers: a multiple of 4 equal
-    chunks of at most max(1, 2^17 / D^2) prompts each (BATCH_FIRST_CHUNK; each chunk's (b, D, D)
-    stacks about 1 MB). That is at least the reference's own 2^18 / D^3 wherever they run
+    chunks of at most max(1, 2^16 / D^2) prompts each (BATCH_FIRST_CHUNK; each chunk's (b, D, D)
+    stacks about 512 KB). That is at least the reference's own 2^18 / D^3 wherever they run
     (D > LANES_MAX_D), so each of the layers' products, one Python call, covers many prompts and the
     interpreter time that the workers take in turn (the GIL) stays small beside the products; equal
     chunks keep 2 or 4 workers equally busy. They depend on B and D only, never on the worker count."""

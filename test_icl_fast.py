@@ -244,7 +244,8 @@ def test_batch_first_equals_REFERENCE_on_the_same_inputs(L, H, chunk, count, mon
 
 def test_batch_first_runs_icl_refs_layers_on_whole_chunks():
     # above LANES_MAX_D the engine hands each of its chunks to icl_ref's layers in one pass: every
-    # layer_forward sees a whole chunk (at D = 21, B = 2000: 8 chunks of 250 prompts, where the
+    # layer_forward sees a whole chunk (at D = 21, B = 2000: 16 chunks of 125 prompts, at most
+    # 2^16 / 21^2 = 148 each and a multiple of 4 of them, where the
     # reference's own chunks hold 2^18 / 21^3 = 28), not REFERENCE's re-chunked pieces
     P, Q, Z, y = problem(150, 2000, 20, L=3, scale=0.1)
     args = (P, Q, *gram_form(Z), y, Z.shape[2] - 1)
@@ -257,7 +258,7 @@ def test_batch_first_runs_icl_refs_layers_on_whole_chunks():
         sizes.clear()
         with mock.patch.object(ir, "layer_forward", spy):
             getattr(fast.engine(2), method)(*args)
-        assert sorted(sizes) == [250] * 16, (method, sizes)      # 8 chunks x 2 layers before the readout
+        assert sorted(sizes) == [125] * 32, (method, sizes)      # 16 chunks x 2 layers before the readout
 
 
 def test_batch_first_chunks_are_equal_a_multiple_of_four_and_at_least_the_references():
