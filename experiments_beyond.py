@@ -26,6 +26,8 @@ LOOPED_MS, LOOPED_MEW = 4.0, 0.8   # the looped figure's (b) markers: size and e
 STAGGER = 4.8     # points between (b)'s series in x: a marker's full width (size plus edge; the markers
                   # "os^dvp" are at most their size wide), so that two never overlap; five side by side span 24
                   # points, within an L's ~25 points of the panel
+LOOPED_STYLES = ("-", ":", "--", "-.", (0, (4, 1.5, 1, 1.5, 1, 1.5)))   # (b)'s line styles: the fifth dash-dot-dot
+LOOPED_LINTHRESH = 1e-4   # (b)'s symlog scale is linear within this of 0 (an eigenvalue there would sit on the zero line)
 STAR_SHIFT = 9.0  # points between (a)'s trained-model stars (9 points) and their L's optima (6 points):
                   # half of each, with their 1-point edges, is 8.5
 
@@ -37,7 +39,7 @@ def plot_looped(plt, save, rows, tables):
     k_se = fmt(K_SE)
     # (a) and (b) side by side, (c) below across the page: three panels in 7 in
     fig, axes = plt.subplot_mosaic([["a", "b"], ["c", "c"]], figsize=(7.0, 9.0), layout="constrained",
-                                   height_ratios=(1, 1), width_ratios=(1, 1.4))      # (b): eight L, five n each
+                                   height_ratios=(1, 1), width_ratios=(1, 1.5))      # (b): eight L, five n each
     ax1, ax2, ax3 = axes["a"], axes["b"], axes["c"]
     done = [t for t in trained if t.get("exact_loss") is not None and np.isfinite(t["exact_loss"])]
     L_axis = max([r["L"] for r in exact] + [t["L"] for t in done])
@@ -77,7 +79,7 @@ def plot_looped(plt, save, rows, tables):
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     log_ticks(plt, ax1.yaxis, *ax1.get_ylim())
     ns = sorted({r["n"] for r in char})
-    # marker and line style each tell one n from another (five markers, four styles: no two n alike); the
+    # marker and line style each tell one n from another (six markers, five styles: no two n alike); the
     # series STAGGER points apart in x, since at L = 1 and 2 the larger n's values are close enough to share
     # a marker's place. The Monte Carlo estimates at n = 20 are not drawn (on their exact markers they would
     # hide them): the caption gives their largest distance from the exact values, in their standard errors
@@ -86,19 +88,25 @@ def plot_looped(plt, save, rows, tables):
         rs = [r for r in char if r["n"] == n]
         shifted = offset_copy(ax2.transData, fig=fig, x=stagger[n], units="points")
         ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^dvp"[i % 6],
-                 ls=("-", ":", "--", "-.")[i % 4], color=f"C{i}", ms=LOOPED_MS, mew=LOOPED_MEW, mfc="white", label=f"exact, $n$ = {n}",
+                 ls=LOOPED_STYLES[i % len(LOOPED_STYLES)], color=f"C{i}", ms=LOOPED_MS, mew=LOOPED_MEW, mfc="white", label=f"exact, $n$ = {n}",
                  transform=shifted)
         # the markers again above every line (their white faces hide the lines crossing them)
         ax2.plot([r["L"] for r in rs], [r["antisymmetric"] for r in rs], "os^dvp"[i % 6], ls="none",
                  color=f"C{i}", ms=LOOPED_MS, mew=LOOPED_MEW, mfc="white", zorder=3, transform=shifted)
     ax2.axhline(0.0, color="k", lw=0.8)
-    ax2.set_yscale("symlog", linthresh=1e-2)
+    # linear only within LOOPED_LINTHRESH of 0, so that the smallest eigenvalues (a few 1e-4 at n = 80, L = 7
+    # and 8) sit in the log range, visibly on their side of 0
+    ax2.set_yscale("symlog", linthresh=LOOPED_LINTHRESH)
     ax2.set(xlabel="layers $L$", ylabel="antisymmetric Hessian eigenvalue\nat the sparse tied optimum (symlog)",
             xticks=sorted({r["L"] for r in char}),
-            yticks=[-0.1, -0.01, 0, 0.01, 0.1, 1], title="(b) below 0: a saddle",
+            yticks=[-0.1, -0.01, -0.001, 0, 0.001, 0.01, 0.1, 1], title="(b) below 0: a saddle",
             # the limits set, not autoscaled: the staggered series' data limits would not include their offsets
             xlim=(min(r["L"] for r in char) - 0.6, max(r["L"] for r in char) + 0.6),
             ylim=(min(0.0, min(r["antisymmetric"] for r in char)) * 2 - 1e-2, 6.0))
+    below = [r["antisymmetric"] for r in char if r["antisymmetric"] < 0]
+    if below and -max(below) < LOOPED_LINTHRESH:
+        raise ValueError(f"an eigenvalue below 0 ({max(below):.1e}) lies in (b)'s linear range (±{LOOPED_LINTHRESH:g}), "
+                         "where it would be drawn on the zero line: lower LOOPED_LINTHRESH")
     ax2.yaxis.set_major_formatter(signed_ticks(plt))
     ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     for (L, blocks), color, ls in (((3, 1), "C0", "-"), ((4, 2), "C3", "--")):
@@ -109,9 +117,13 @@ def plot_looped(plt, save, rows, tables):
     for kind, marker, label in (("minimum", "s", "certified minimum"), ("saddle", "^", "certified saddle")):
         ps = [p for p in points if (p["kind"] == "saddle") == (kind == "saddle")]
         if ps:
-            ax3.plot([p["beta"] for p in ps], [p["relative_to_family"] for p in ps], marker, color="k", ms=7, label=label)
+            # above the trained models' vertical lines (zorder 3), which may pass where a point lies
+            ax3.plot([p["beta"] for p in ps], [p["relative_to_family"] for p in ps], marker, color="k", ms=7, label=label,
+                     zorder=3)
     mc = [p for p in points if p.get("mc_loss") is not None and np.isfinite(p["mc_loss"])]
-    mc_kinds = sorted({"saddle" if p["kind"] == "saddle" else "minimum" for p in mc})
+    # each kind named in the number it has among the Monte Carlo points ("the minima" of two)
+    kinds = ["saddle" if p["kind"] == "saddle" else "minimum" for p in mc]
+    mc_kinds = [k if kinds.count(k) == 1 else {"saddle": "saddles", "minimum": "minima"}[k] for k in sorted(set(kinds))]
     if mc:
         ax3.errorbar([p["beta"] - 0.012 for p in mc], [p["mc_loss"] / p["family_loss"] - 1 for p in mc],
                      [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], fmt="x", color="0.4", ms=6,

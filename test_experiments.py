@@ -1921,6 +1921,43 @@ def test_the_looped_hessian_panel_draws_each_n_apart_and_says_where_the_monte_ca
     assert not ax.containers and "L = 1, 2, lie within 3.0 of their standard errors of the exact values" in caption
 
 
+def test_the_looped_hessian_panel_tells_every_n_apart_and_draws_a_small_negative_value_below_zero(drawn):
+    # five n, five line styles (marker and style each tell one n from another); an eigenvalue of a few
+    # 1e-4 below 0 (the full run's n = 80 at L = 8: -2.3e-4) drawn visibly below the zero line; the
+    # certified points of (c) above the trained models' vertical lines; "the minima" of two minima
+    import experiments_beyond as beyond
+    plt, save, figures = drawn
+    ns = (5, 10, 20, 40, 80)
+    value = lambda n, L: -2.3e-4 if (n, L) == (80, 8) else 0.1 * n
+    points = [dict(L=4, kind="lower", beta=0.35, relative_to_family=-0.05, mc_loss=0.95, mc_loss_se=0.001, family_loss=1.0,
+                   B_mc=1000),
+              dict(L=3, kind="second", beta=0.31, relative_to_family=0.02, mc_loss=1.02, mc_loss_se=0.001, family_loss=1.0,
+                   B_mc=1000)]
+    tables = dict(exact=[dict(family=f, L=L, loss_untied=1.0 / L, loss_tied=1.1 / L) for f in ("sparse", "blocks") for L in (1, 2)],
+                  hessian=[], character=[dict(n=n, L=L, antisymmetric=value(n, L)) for n in ns for L in range(1, 9)],
+                  profiles=[], points=points,
+                  trained=[dict(L=3, exact_loss=0.4, family_loss=0.39, antisym_sv=[0.35])])
+    (_, caption), = beyond.plot_looped(plt, save, [], tables)
+    fig, ax = figures[-1], figures[-1].axes[1]
+    series = [next(line for line in ax.lines if line.get_label() == f"exact, $n$ = {n}") for n in ns]
+    # a line's style as drawn: matplotlib names any dashed pattern "--", so the dash pattern itself
+    styles = [(line.get_linestyle(), tuple(line._unscaled_dash_pattern[1] or ())) for line in series]
+    assert len(set(styles)) == len(ns), styles
+    fig.canvas.draw()
+    zero = ax.transData.transform((1, 0))[1]
+    below = series[-1].get_transform().transform((8, -2.3e-4))[1]
+    assert zero - below >= 10                 # pixels: clear of the zero line and of a 4 pt marker's half (2.7 px)
+    ax3 = fig.axes[2]
+    square = next(line for line in ax3.lines if line.get_label() == "certified minimum")
+    vertical = next(line for line in ax3.lines if line.get_label().startswith("trained tied model"))
+    assert square.get_zorder() > vertical.get_zorder()
+    assert "the Monte Carlo loss of the minima (" in caption
+    # a value below 0 inside the linear range would sit on the zero line: refused
+    tables["character"][-1]["antisymmetric"] = -0.5 * beyond.LOOPED_LINTHRESH
+    with pytest.raises(ValueError, match="linear range"):
+        beyond.plot_looped(plt, save, [], tables)
+
+
 def test_the_task_diversity_not_converged_square_hides_no_point(drawn):
     # every model at one value at K = 1 and the three-layer model not converged there: its filled square
     # is drawn above the others and a marker's width clear of the one-layer dot
