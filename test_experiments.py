@@ -1798,6 +1798,23 @@ def test_the_icl_curve_caption_counts_the_optimum_s_checks_only(drawn):
     assert "checks of the optimum: 6 of 6 PASS" in caption
 
 
+def test_the_residual_band_is_the_one_sided_tolerance_of_the_test_rows(drawn):
+    # the -test rows are "at least" (the trained model may not beat the optimum by more than K_SE SE):
+    # panel (b)'s grey band starts at -K_SE and runs to the top of the panel, and says it is one-sided
+    plt, save, figures = drawn
+    curve = [dict(n=n, B=100, test_batch=200, transformer=1.0 / n, transformer_se=0.01 / n, family_optimum=0.99 / n,
+                  converged=True, **{k: 2.0 / n for k in ("GD", "PGD", "OLS", "ridge")},
+                  **{k + "_se": 0.01 / n for k in ("GD", "PGD", "OLS", "ridge")}) for n in (2, 5, 10)]
+    (_, caption), = ex.plot_icl_curve(plt, save, [], {"curve": curve})
+    res_ax = figures[-1].axes[1]
+    band, = [p for p in res_ax.patches if "tolerance" in p.get_label()]
+    # a Rectangle (matplotlib >= 3.9) or a Polygon (earlier): its y extent in data units
+    ys = [band.get_y(), band.get_y() + band.get_height()] if hasattr(band, "get_height") else band.get_xy()[:, 1]
+    # the top as y + height: one float64 rounding below the panel's top at most
+    assert min(ys) == -ex.K_SE and max(ys) >= res_ax.get_ylim()[1] * (1 - 1e-12)
+    assert "one-sided" in band.get_label() and "one-sided" in caption
+
+
 def test_the_softmax_caption_counts_the_starts_that_did_not_converge(drawn):
     plt, save, figures = drawn
     starts = [dict(activation=a, heads=h, start=s, converged=True, test_loss=2.0 + h, test_se=0.01, train_batch=40,
@@ -1976,6 +1993,27 @@ def test_the_task_diversity_not_converged_square_hides_no_point(drawn):
         assert abs(marker_x(fig, square) - marker_x(fig, dot)) >= clear
 
 
+def test_task_diversity_says_at_which_pool_sizes_the_model_was_trained(drawn):
+    # the full run trains the three-layer model at K = 1, 16, 256, 4096 of thirteen pool sizes: its dashed
+    # line joins those, and the legend and the caption say so
+    import experiments_beyond as beyond
+    plt, save, figures = drawn
+    trained = (1, 16)
+    pools = [dict(K=K, **{f"{m}_{t}": 1.0 for m in ("L1", "dmmse", "ridge") for t in ("pool", "fresh")},
+                  **{f"{m}_{t}_se": 0.01 for m in ("dmmse", "ridge") for t in ("pool", "fresh")},
+                  **({f"L3_{t}": 1.0 for t in ("pool", "fresh")} | {f"L3_{t}_se": 0.01 for t in ("pool", "fresh")}
+                     | {"L3_converged": True} if K in trained else {}))
+             for K in (1, 4, 16, 64)]
+    (_, caption), = beyond.plot_task_diversity(plt, save, [], {"pools": pools})
+    labels = [t.get_text() for t in figures[-1].legends[0].get_texts()]
+    assert "trained model (three sparse layers, trained at $K$ = 1, 16 only)" in labels
+    assert "the trained model (three sparse layers, trained at K = 1, 16 only)" in caption
+    for r in pools:
+        r.update({f"L3_{t}": 1.0 for t in ("pool", "fresh")}, **{f"L3_{t}_se": 0.01 for t in ("pool", "fresh")})
+    (_, caption), = beyond.plot_task_diversity(plt, save, [], {"pools": pools})
+    assert "the trained model (three sparse layers), dMMSE" in caption
+
+
 def test_a_heat_map_writes_its_values_with_the_minus_sign(drawn):
     plt, save, figures = drawn
     ex.heat_grid(plt, [[np.array([[0.39, -0.03], [-0.001, 10.56]])]], [["layer 0: fitted 0.39 ± 0.04"]], "title", save, "")
@@ -2020,6 +2058,34 @@ def test_fig_1_marks_every_seed_and_fig_2_titles_each_layer_with_its_rank_s_opti
     titles = [ax.get_title() for ax in fig2.axes[:3]]
     assert titles == ["layer 0: fitted 0.69 ± 0.04\noptimum 0.69", "layer 1: fitted 1.69 ± 0.08\noptimum 1.71",
                       "layer 2: fitted 0.40 ± 0.12\noptimum 0.42"]
+
+
+def test_fig_1_seeds_markers_never_share_an_iteration_when_their_runs_differ_in_length(drawn):
+    # the full run's seeds stop after 343, 402 and 372 iterations: with a marker step of its own per seed
+    # their markers met on the f* line; one step for all, offset by seed, keeps them apart all along
+    plt, save, figures = drawn
+    lengths = {0: 343, 1: 402, 2: 372}
+    curve = [dict(seed=s, iteration=i, loss=1.0 / (1 + i), **{f"dist_A{l}_Sigma_inv": 0.1 for l in range(3)},
+                  **{f"dist_A{l}_I": 0.8 for l in range(3)}) for s, m in lengths.items() for i in range(m)]
+    heat = [dict(seed=0, layer=l, row=r, **{f"c{j}": float(r == j) for j in range(2)}) for l in range(3) for r in range(2)]
+    rows = [dict(id=f"three-layer-sparse/seed{s}-fit", seed=s, converged=True, f_star=0.05, B=100, verdict=ex.PASS)
+            for s in lengths]
+    tables = dict(curve=curve, optimum=[dict(a_star=a) for a in (0.4, 0.7, 1.7)], heatmaps=heat,
+                  fitted=[dict(seed=0, layer=l, a_hat=a, se=0.01) for l, a in enumerate((0.4, 0.7, 1.7))])
+    ex.plot_three_layer_sparse(plt, save, rows, tables)
+    fig, ax = figures[-2], figures[-2].axes[0]
+    seeds = [line for line in ax.lines if line.get_label().startswith("seed")]
+    fig.canvas.draw()
+    marked = []                         # each seed's marked iterations, as display x (pixels)
+    for line in seeds:
+        start, step = line.get_markevery()
+        xs = np.asarray(line.get_xdata(), dtype=float)[start::step]
+        assert len(xs) >= 6
+        marked.append(ax.transData.transform(np.column_stack([xs, np.ones_like(xs)]))[:, 0])
+    # two seeds' markers (5-7 pt across) at least a marker's width apart in x, wherever the curves run
+    width = max(line.get_markersize() + line.get_markeredgewidth() for line in seeds) * fig.dpi / 72
+    gaps = [np.min(np.abs(a[:, None] - b[None, :])) for i, a in enumerate(marked) for b in marked[i + 1:]]
+    assert min(gaps) >= width, (gaps, width)
 
 
 def test_the_blocks_heat_map_titles_each_scalar_with_its_own_standard_error(drawn):

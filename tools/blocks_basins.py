@@ -189,7 +189,7 @@ def figure(record):
         right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
         spectrum = "(" + ", ".join(str(fractions.Fraction(v).limit_denominator(1000)) for v in ir.PAPER_EIGENVALUES) + ")"
         # the batch size in words: B names the layers' matrices B_l in panel (b)
-        fig.suptitle(f"Blocks model at the size of Ahn et al. (2023): a batch of {record['B']} prompts,\n"
+        fig.suptitle(f"Blocks model at the size of Ahn et al. 2023: a batch of {record['B']} prompts,\n"
                      rf"$n$ = {record['n']}, $d$ = {record['d']}, $L$ = {record['L']}, noiseless, "
                      f"$\\Sigma$ eigenvalues {spectrum} rotated;\n{record['starts']} random starts, each trained by "
                      f"Gauss-Newton and by L-BFGS on one batch\nand rotation drawn from seed {record['seed']} "
