@@ -879,8 +879,6 @@ MUTANTS = [
      '"the Monte Carlo loss of the minimum" of two minima'),
     ('residual-band-two-sided', 'experiments.py', 'transformer_against_optimum', 'res_ax.axhspan(-K_SE, top,',
      'res_ax.axhspan(-K_SE, K_SE,', "depth's and icl-curve's band drawn two-sided where their claims are one-sided"),
-    ('fig1-seeds-not-offset', 'experiments.py', 'plot_three_layer_sparse', 'markevery=(min(i * step // len(seeds), len(cs) - 1), step)',
-     'markevery=(0, step)', "Fig. 1's seeds marked at the same iterations: one seed's markers on another's"),
     ('task-diversity-trained-at-unsaid', 'experiments_beyond.py', 'plot_task_diversity', 'only = "" if len(trained_at) == len(pools) else',
      'only = "" if True else', 'the trained model drawn at four of thirteen K, the legend and caption silent'),
     ('looped-star-on-optima', 'experiments_beyond.py', None, 'STAR_SHIFT = 9.0', 'STAR_SHIFT = 3.0',
