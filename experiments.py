@@ -325,8 +325,13 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
     # gap to its neighbours; the colour bar below the panels, so that three fill a page's 7 in; five
     # panels a row (the blocks model's A_0..A_2, B_0, B_1) need 11.7 in: a figure printed sideways on its
     # own page, the price of values that can be read
-    # the height: a row of panels with their titles, the colour bar, and the suptitle's lines at 9 pt
-    fig, axes = plt.subplots(len(grid), cols, figsize=(7.0 / 3 * cols, 2.45 * len(grid) + 0.75 + 0.2 * (suptitle.count("\n") + 1)),
+    # the height: a row of panels with their titles, the colour bar, and the suptitle's lines at 9 pt. A
+    # matrix is drawn square, so a row's height, less its titles' lines (0.15 in each), sets the panels'
+    # width: 2.35 in leaves them their 7/3 in (with 2.45 in a row and three-line titles they were 1.9 in
+    # wide and "−0.05" met "−0.03" in the next cell)
+    title_lines = max(t.count("\n") + 1 for r in titles for t in r)
+    fig, axes = plt.subplots(len(grid), cols, figsize=(7.0 / 3 * cols, (2.35 + 0.15 * title_lines) * len(grid) + 0.75
+                                                       + 0.2 * (suptitle.count("\n") + 1)),
                              squeeze=False, layout="constrained")
     v = max(float(np.max(np.abs(M))) for r in grid for M in r) or 1.0
     # titles at the house 9 pt where every line fits a 7/3 in panel (about 28 characters at 9 pt), else 8
@@ -592,7 +597,7 @@ def plot_three_layer_sparse(plt, save, rows, tables):
                            f"Ahn et al. 2023, Fig. 2: each layer's whitened $A$ after training (seed {seeds[0]}, $d$ = 5, "
                            f"$n$ = 20, noiseless,\nbatch $B$ = {fits[0]['B']}, "
                            r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated); titles: the fitted multiple of the" "\n"
-                           f"inverse of $\\Sigma$ (±{k_se} sandwich SE) and the exact family optimum's of the same rank "
+                           f"inverse of $\\Sigma$ (±{k_se} sandwich SE) and the exact family optimum's multiple of the same rank "
                            "(layers in any order)", save, "_heatmaps"),
                  f"Fig. 2: each whitened Sigma^1/2 A_l Sigma^1/2 of seed {seeds[0]} (d = 5, n = 20, noiseless labels, Sigma "
                  "eigenvalues (1, 1, 1/4, 1/16, 1) rotated; one colour scale, logarithmic beyond ±0.1), "
@@ -1752,7 +1757,7 @@ def plot_softmax_two_head(plt, save, rows, tables):
                     plt.Line2D([], [], ls="", marker="o", color="C3", mfc="white", mew=1.5, label="not converged (open)")]
     handles += [plt.Line2D([], [], ls="--", color="k", label=f"trained linear layer (band: ±{k_se} SE)")]
     axes[0].set_ylabel(f"test loss, mean squared error (±{k_se} SE)")
-    fig.suptitle("Softmax heads of Ahn et al.'s rebuttal (NeurIPS 2023 review, OpenReview):\n"
+    fig.suptitle("Softmax heads of the rebuttal of Ahn et al. 2023 (NeurIPS review, OpenReview):\n"
                  "1 vs 2 heads, every start, against the linear layer\n"
                  rf"($d$ = 5, $n$ = 10, $x, w \sim N(0, I)$, noiseless; trained on {starts[0]['train_batch']} prompts, "
                  f"tested on {starts[0]['test_batch']})")

@@ -798,7 +798,7 @@ def plot_shift(plt, save, rows, tables):
     ax2.errorbar(x + 0.2, [r["layer_mc"] for r in other], [K_SE * r["layer_mc_se"] for r in other], fmt="x",
                  color="k", ms=6)
     # covariances named in words: a subscript (Sigma_w) would be drawn at 70 %, below 8 pt
-    names = {"Sigma = [A] §4.3": "$x$: Ahn et al.'s $\\Sigma$", "Sigma = 2 I": "$x$ covariance 2$I$",
+    names = {"Sigma = [A] §4.3": "$x$: Ahn et al. 2023's $\\Sigma$", "Sigma = 2 I": "$x$ covariance 2$I$",
              "Sigma_w = I / 4": "$w$ covariance $I$/4", "Sigma_w = 4 I": "$w$ covariance 4$I$",
              "Sigma_query = 2 I": "query covariance 2$I$"}
     ax2.set_xticks(x, [f"{names.get(r['shift'], r['shift'])}\n({r['kind']})" for r in other])

@@ -2014,6 +2014,29 @@ def test_task_diversity_says_at_which_pool_sizes_the_model_was_trained(drawn):
     assert "the trained model (three sparse layers), dMMSE" in caption
 
 
+def test_a_heat_map_s_widest_values_stay_inside_their_cells(drawn):
+    # the blocks heat map: three rows of five 5 x 5 panels, three-line titles and row labels; "−0.05" in
+    # every cell stays inside its cell with room to spare on each side (it met the next cell's value when the
+    # rows were too short for the square panels to take their width)
+    plt, save, figures = drawn
+    M = np.full((5, 5), -0.05)
+    titles = [["A of layer 0: fitted 0.393 ± 0.037\nbatch optimum 0.382\npopulation optimum 0.338"] * 5] * 3
+    ex.heat_grid(plt, [[M] * 5] * 3, titles, "title\nsecond line", save, "", row_labels=["seed 0\nGauss-Newton\nbasin"] * 3)
+    fig = figures[-1]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes[:15]:
+        box = ax.get_window_extent()
+        cell = box.width / 5
+        for t in ax.texts:
+            inner = t.get_window_extent(renderer)
+            j = round((inner.x0 + inner.x1) / 2 - box.x0 - cell / 2) / cell
+            left, right = box.x0 + round(j) * cell, box.x0 + (round(j) + 1) * cell
+            # points: two neighbouring values at least a digit apart (a digit is about 4.4 pt wide at 8 pt)
+            room = [(inner.x0 - left) * 72 / fig.dpi, (right - inner.x1) * 72 / fig.dpi]
+            assert min(room) >= 2.2, room
+
+
 def test_a_heat_map_writes_its_values_with_the_minus_sign(drawn):
     plt, save, figures = drawn
     ex.heat_grid(plt, [[np.array([[0.39, -0.03], [-0.001, 10.56]])]], [["layer 0: fitted 0.39 ± 0.04"]], "title", save, "")
