@@ -881,6 +881,8 @@ MUTANTS = [
      'res_ax.axhspan(-K_SE, K_SE,', "depth's and icl-curve's band drawn two-sided where their claims are one-sided"),
     ('task-diversity-trained-at-unsaid', 'experiments_beyond.py', 'plot_task_diversity', 'only = "" if len(trained_at) == len(pools) else',
      'only = "" if True else', 'the trained model drawn at four of thirteen K, the legend and caption silent'),
+    ('heat-rows-fixed-height', 'experiments.py', 'heat_grid', '(2.35 + 0.15 * title_lines) * len(grid)',
+     '2.45 * len(grid)', "the blocks heat map's rows too short for three-line titles: its square panels narrow and neighbouring values meet"),
     ('looped-star-on-optima', 'experiments_beyond.py', None, 'STAR_SHIFT = 9.0', 'STAR_SHIFT = 3.0',
      "(a)'s trained-model stars drawn over their L's optima"),
     ('looped-star-beyond-frame', 'experiments_beyond.py', 'plot_looped', 'L_axis + 0.4))', 'L_axis + 0.1))',
