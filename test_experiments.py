@@ -1849,6 +1849,27 @@ def test_the_shift_caption_counts_where_bayes_equals_tuned_ridge(drawn):
     assert "the same loss as tuned ridge at 3 of 4 test laws" in caption and "(-5 SE) at Sigma_w = 4 I" in caption
 
 
+def test_the_shift_caption_measures_each_ridge_s_bars_against_its_own_marker(drawn, monkeypatch):
+    # in (a) tuned ridge's 5 pt triangle sits inside Bayes's 12 pt hexagon: a bar that ends inside the hexagon
+    # but beyond the triangle is seen, so each series' bars are measured against its own marker, in both panels
+    import experiments_beyond as beyond
+    plt, save, _ = drawn
+    measured, real = [], beyond.bars_inside_markers
+
+    def spy(fig, ax, xs, ys, errs, ms):
+        measured.append((fig.axes.index(ax), list(ys), ms))
+        return real(fig, ax, xs, ys, errs, ms)
+    monkeypatch.setattr(beyond, "bars_inside_markers", spy)
+    shifts = [dict(kind="length", shift=f"n = {n}", n=n, layer_exact=1.0, best_layer=0.9, ridge_tuned=0.5 + n / 1000,
+                   ridge_tuned_se=0.01, bayes=0.6 + n / 1000, bayes_se=0.01, layer_mc=1.0, layer_mc_se=0.02, bayes_minus_ridge=0.0,
+                   bayes_minus_ridge_se=0.0, train_batch=100, test_batch=200) for n in (10, 20, 40)]
+    shifts.append(dict(shifts[0], kind="tasks", shift="Sigma_w = 4 I", n=20))
+    beyond.plot_shift(plt, save, [], {"shifts": shifts})
+    sizes = {(panel, tuple(ys)): ms for panel, ys, ms in measured}
+    assert sizes[(0, (0.51, 0.52, 0.54))] == 5 and sizes[(0, (0.61, 0.62, 0.64))] == 12      # (a): triangle, hexagon
+    assert sizes[(1, (0.51,))] == 5 and sizes[(1, (0.61,))] == 12                            # (b) likewise
+
+
 def test_the_looped_legend_says_where_a_family_s_optima_stop(drawn):
     # the exact optima tabled to L = 3 (sparse) and L = 2 (blocks) on an axis running to the trained L = 4:
     # each such series says its range, "(L <= k)"

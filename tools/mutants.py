@@ -883,6 +883,8 @@ MUTANTS = [
      'only = "" if True else', 'the trained model drawn at four of thirteen K, the legend and caption silent'),
     ('heat-rows-fixed-height', 'experiments.py', 'heat_grid', '(2.35 + 0.15 * title_lines) * len(grid)',
      '2.45 * len(grid)', "the blocks heat map's rows too short for three-line titles: its square panels narrow and neighbouring values meet"),
+    ('shift-bars-against-hexagon', 'experiments_beyond.py', 'plot_shift', '[K_SE * r[k + "_se"] for r in rs], size.get(k, 5))]',
+     '[K_SE * r[k + "_se"] for r in rs], size["bayes"])]', "tuned ridge's bars measured against the hexagon, not its own triangle: the caption calls a bar seen beyond the triangle hidden"),
     ('looped-star-on-optima', 'experiments_beyond.py', None, 'STAR_SHIFT = 9.0', 'STAR_SHIFT = 3.0',
      "(a)'s trained-model stars drawn over their L's optima"),
     ('looped-star-beyond-frame', 'experiments_beyond.py', 'plot_looped', 'L_axis + 0.4))', 'L_axis + 0.1))',
