@@ -1851,7 +1851,7 @@ def test_the_shift_caption_counts_where_bayes_equals_tuned_ridge(drawn):
 
 def test_the_shift_caption_measures_each_ridge_s_bars_against_its_own_marker(drawn, monkeypatch):
     # in (a) tuned ridge's 5 pt triangle sits inside Bayes's 12 pt hexagon: a bar that ends inside the hexagon
-    # but beyond the triangle is seen, so each series' bars are measured against its own marker, in both panels
+    # but beyond the triangle is seen, so each series' error bars are measured against its own marker, in both panels
     import experiments_beyond as beyond
     plt, save, _ = drawn
     measured, real = [], beyond.bars_inside_markers
