@@ -1174,7 +1174,7 @@ def plot_icl_curve(plt, save, rows, tables):
     # the rows that compare the trained model with the optimum (the others check a single layer's exact
     # loss at other lengths, which the figure does not draw)
     checks = [r for r in rows if r["check"] and r["id"].endswith(("-test", "-batch"))]
-    # what the caption says of the bars is measured on the figure as drawn (circles 7 pt across, the rest 6)
+    # what the caption says of the error bars is measured on the figure as drawn (circles 7 pt across, the rest 6)
     inside = bars_inside_markers(fig, ax, ns, [c["transformer"] for c in curve], [K_SE * c["transformer_se"] for c in curve], 7)
     inside_base = [i for key in ("GD", "PGD", "OLS", "ridge") for i, c in zip(bars_inside_markers(
         fig, ax, ns, [c[key] for c in curve], [K_SE * c[key + "_se"] for c in curve], 6), curve)

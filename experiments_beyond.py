@@ -656,7 +656,7 @@ def plot_task_diversity(plt, save, rows, tables):
     setting = (f"$d$ = {first['d']}, $n$ = {first['n']}, label noise variance {first['noise_var']:g}, " if "d" in first else "")
     batches = (f"trained on {first['train_batch']} prompts, tested on {first['test_batch']} "
                f"(dMMSE on {first['dmmse_batch']})\n" if "train_batch" in first else "")
-    # what the title says of the bars is measured on the figure as drawn: first laid out with the title's
+    # what the title says of the error bars is measured on the figure as drawn: first laid out with the title's
     # final number of lines, then the measured words written in
     title = fig.suptitle(f"Task diversity\n{setting}\n{batches}bars")
     inside = [i for ax, test in zip(axes, ("pool", "fresh")) for name, *_ , shift in series[1:]
