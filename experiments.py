@@ -327,8 +327,8 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
     # own page, the price of values that can be read
     # the height: a row of panels with their titles, the colour bar, and the suptitle's lines at 9 pt. A
     # matrix is drawn square, so a row's height, less its titles' lines (0.15 in each), sets the panels'
-    # width: 2.35 in leaves them their 7/3 in (with 2.45 in a row and three-line titles they were 1.9 in
-    # wide and "−0.05" met "−0.03" in the next cell)
+    # width: 2.35 in leaves them their 7/3 in (a fixed 2.45 in a row with three-line titles would leave them
+    # 1.9 in wide, too narrow for "−0.05" beside "−0.03" in the next cell)
     title_lines = max(t.count("\n") + 1 for r in titles for t in r)
     fig, axes = plt.subplots(len(grid), cols, figsize=(7.0 / 3 * cols, (2.35 + 0.15 * title_lines) * len(grid) + 0.75
                                                        + 0.2 * (suptitle.count("\n") + 1)),

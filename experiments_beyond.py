@@ -812,8 +812,8 @@ def plot_shift(plt, save, rows, tables):
     fig.suptitle(f"One linear-attention layer trained at $n$ = 20 on {first['train_batch']} prompts, $x \\sim N(0, I)$, "
                  f"$w \\sim N(0, I)$,\nlabel noise variance 0.25, $d$ = 5, tested under shift on {first['test_batch']} prompts")
     # what the caption says of the error bars is measured on the figure as drawn, each against its own marker
-    # (in (a) tuned ridge's triangle sits inside the hexagon: a bar that ends within the hexagon but beyond
-    # the triangle is a bar seen)
+    # (in (a) tuned ridge's triangle sits inside the hexagon: an error bar that ends within the hexagon but
+    # beyond the triangle is one seen)
     inside = [i for ax, xs, rs in ((ax1, ns, length), (ax2, list(x), other)) for k in monte_carlo
               for i in bars_inside_markers(fig, ax, xs, [r[k] for r in rs], [K_SE * r[k + "_se"] for r in rs], size.get(k, 5))]
     at_train = next(r for r in length if r["n"] == 20)
