@@ -229,6 +229,13 @@ def at_most(x):
     return f"{bound:.1e}"
 
 
+def rounded_up(x, decimals):
+    """x >= 0 to `decimals` decimals, rounded up: an error bar's half-width printed never narrower than it
+    is (0.045 to two decimals prints 0.05; the product by 10^decimals is rounded first, so 0.04 stays 0.04)."""
+    scale = 10 ** decimals
+    return f"{math.ceil(round(x * scale, 9)) / scale:.{decimals}f}"
+
+
 def minus(text):
     """A number as print sets it: the minus sign (U+2212), not a hyphen."""
     return text.replace("-", "\N{MINUS SIGN}")
@@ -556,9 +563,11 @@ def plot_three_layer_sparse(plt, save, rows, tables):
                 for l, style, marker in zip(range(len(a_star)), styles, markers)]
                + [plt.Line2D([], [], color="C0", ls="-", label=r"to multiples of the inverse of $\Sigma$ (open)"),
                   plt.Line2D([], [], color="C3", ls="-", label="to multiples of $I$ (filled)")])
-    # the distance in words: the scripts of min_c |A - cT|_F would be drawn at 70 %, below 8 pt
-    ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance to multiples of $T$: the least\n"
-              "|A − cT| / |A| over c, Frobenius norm (0: a multiple)", ylim=(0, 1.05),
+    # the distance in words: the scripts of min_c |A - cT|_F would be drawn at 70 %, below 8 pt; A, c and T
+    # upright alike, T named where it is used
+    ax[1].set(xlabel="L-BFGS iteration", ylabel="relative distance of A to the multiples of T\n"
+              "(T: the inverse of $\\Sigma$ or I): the least |A − cT| / |A|\n"
+              "over c, Frobenius norm (0: a multiple)", ylim=(0, 1.05),
               title=f"(b) seed {seeds[0]}: each layer's $A$" + ("" if ok[seeds[0]] else " (not converged)"))
     ax[0].legend(fontsize=8)
     ax[1].legend(handles=handles, fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))  # below: hides no curve
@@ -592,7 +601,7 @@ def plot_three_layer_sparse(plt, save, rows, tables):
     rank = np.argsort(np.argsort([fitted[l][0] for l in range(len(mats))]))
     spread = max(abs(np.mean(np.diag(M)) / fitted[l][0] - 1) for l, M in enumerate(mats))
     matched = [sorted(a_star)[rank[l]] for l in range(len(mats))]
-    made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted {fitted[l][0]:.2f} ± {K_SE * fitted[l][1]:.2f}\n"
+    made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted {fitted[l][0]:.2f} ± {rounded_up(K_SE * fitted[l][1], 2)}\n"
                                           f"optimum {matched[l]:.2f}" for l in range(len(mats))]],
                            f"Ahn et al. 2023, Fig. 2: each layer's whitened $A$ after training (seed {seeds[0]}, $d$ = 5, "
                            f"$n$ = 20, noiseless,\nbatch $B$ = {fits[0]['B']}, "
@@ -769,7 +778,7 @@ def plot_three_layer_blocks(plt, save, rows, tables):
         70 % would fall below 8 pt)."""
         if hat is None:
             return f"${name}$ of layer {l}\npopulation optimum {star:.3f}"
-        return (f"${name}$ of layer {l}: fitted {hat:.3f}" + (f" ± {K_SE * se:.3f}" if se is not None else "") + "\n"
+        return (f"${name}$ of layer {l}: fitted {hat:.3f}" + (f" ± {rounded_up(K_SE * se, 3)}" if se is not None else "") + "\n"
                 + (f"batch optimum {at_batch:.3f}\n" if at_batch is not None else "") + f"population optimum {star:.3f}")
     for (s, trainer) in sorted(basins):
         A = heat_matrices(tables["heatmaps"], seed=s, trainer=trainer, matrix="A")
@@ -979,8 +988,26 @@ NAMES = {"transformer": "trained model", "optimum": "exact family optimum",
 # the residual panels' band: the claims are one-sided (the trained model may not beat the optimum by more
 # than K_SE SE, judge's "at least"), so the band runs from -K_SE up, not +-K_SE
 K_SE_BAND = "above −{k} SE: the claims' tolerance (one-sided)"
-# the series beside one another on a linear x axis (offsets in x units), so that none hides another
-OFFSET = {"transformer": 0.0, "optimum": 0.0, "GD": -0.12, "PGD": 0.12, "OLS": -0.24, "ridge": 0.24}
+# the baselines beside each x by a fixed distance in points, not in x units: the trained model's circle (7 pt
+# across) and a baseline's marker (6 pt; a diamond reaches 4.3 pt from its centre) 9 pt apart do not meet,
+# nor do two baselines 9 pt apart, whatever the axis' span
+APART = {"GD": -9, "PGD": 9, "OLS": -18, "ridge": 18}
+
+
+def room_for_apart(fig, axes, xs, keys, log=False):
+    """Set the x limits of each of `axes` so that the baselines `keys` drawn APART points beside the first
+    and last of xs keep their markers' half width and a gap of 6 pt inside the frame, on a linear or log axis."""
+    fig.canvas.draw()                                   # the laid-out axes' width, in points
+    room = max(abs(APART[k]) for k in keys) + 4.3 + 6
+    low, high = min(xs), max(xs)
+    for a in axes:
+        width = a.get_window_extent().width * 72 / fig.dpi
+        if log:
+            pad = math.log10(high / low) * room / (width - 2 * room)
+            a.set_xlim(low / 10 ** pad, high * 10 ** pad)
+        else:
+            pad = (high - low) * room / (width - 2 * room)
+            a.set_xlim(low - pad, high + pad)
 
 
 def bars_inside_markers(fig, ax, xs, ys, errs, ms):
@@ -1011,11 +1038,11 @@ def bars_said(inside, marker="marker"):
     return "every bar is seen beyond its " + marker
 
 
-def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"], scale=1.0):
+def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"]):
     """Draw a curve's trained model (test loss, open circles with ±K_SE SE bars; "not converged"
     marked) and the exact family optimum (black pluses, drawn over it) against the field `x` on `ax`, and
     on `res_ax` their difference in the model's standard errors above the one-sided band from -K_SE; returns the
-    points that did not converge. `scale` multiplies OFFSET (the x axis' units)."""
+    points that did not converge."""
     xs = [c[x] for c in curve]
     ax.errorbar(xs, [c["transformer"] for c in curve], [K_SE * c["transformer_se"] for c in curve], fmt="o-",
                 color="C0", mfc="white", ms=7, label=f"{label} (±{fmt(K_SE)} SE)")
@@ -1046,33 +1073,42 @@ def plot_depth(plt, save, rows, tables):
     Ls = [r["L"] for r in rs]
     fig, (ax, res_ax) = plt.subplots(1, 2, figsize=(7.0, 4.6), layout="constrained", width_ratios=(3, 2))
     bad = transformer_against_optimum(ax, res_ax, rs, "L")
-    # GD-L and PGD-L are Monte Carlo losses on the test batch: drawn with their ±K_SE SE bars
+    from matplotlib.transforms import offset_copy
+    # GD-L and PGD-L are Monte Carlo losses on the test batch: drawn with their ±K_SE SE bars, APART points
+    # either side of each L
     for key, style, color, mfc in (("GD", "s:", "C1", "white"), ("PGD", "^-.", "C2", "C2")):
-        ax.errorbar([L + OFFSET[key] for L in Ls], [r[key + "_loss"] for r in rs], [K_SE * r[key + "_loss_se"] for r in rs],
-                    fmt=style, color=color, mfc=mfc, label=f"{NAMES[key]}, best constant step (±{fmt(K_SE)} SE)")
+        ax.errorbar(Ls, [r[key + "_loss"] for r in rs], [K_SE * r[key + "_loss_se"] for r in rs],
+                    fmt=style, color=color, mfc=mfc, ms=6, label=f"{NAMES[key]}, best constant step (±{fmt(K_SE)} SE)",
+                    transform=offset_copy(ax.transData, fig=fig, x=APART[key], units="points"))
     # noiseless labels, n > d: OLS and ridge interpolate exactly; what is drawn is the largest rounding
     # value over every L, so the legend says only what the table holds
     exact = [k for k in ("OLS", "ridge") if all(r[k + "_loss"] <= 1e-6 * r["transformer"] for r in rs)]
     ax.set(xlabel="layers $L$", ylabel=r"test loss, mean squared error (log scale)", yscale="log", xticks=Ls,
            title="(a) test loss against depth")
+    # the limits from every drawn value and error bar: a series drawn with an offset transform is not in
+    # matplotlib's own data limits; 15 % of a factor beyond them for the markers
+    ends = [(r[k] - s * K_SE * r.get(k + "_se", 0.0), r[k] + s * K_SE * r.get(k + "_se", 0.0))
+            for r in rs for k, s in (("transformer", 1), ("family_optimum", 0), ("GD_loss", 1), ("PGD_loss", 1))]
+    ax.set_ylim(min(lo for lo, _ in ends if lo > 0) / 1.15, max(hi for _, hi in ends) * 1.15)
     log_ticks(plt, ax.yaxis, *ax.get_ylim())                # the drawn range, error bars included
     for k in exact:
         top = max(r[k + "_loss"] for r in rs)
         ax.plot([], [], " ", label=f"{NAMES[k]}: at most {at_most(top)} at every $L$ (exact), off the axis")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
     res_ax.set(xlabel="layers $L$", title="(b) trained model − optimum in SE")
+    room_for_apart(fig, (ax, res_ax), Ls, ("GD", "PGD"))
     fig.suptitle(f"Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless, trained on {rs[0]['B']} prompts,\n"
                  rf"tested on {rs[0]['test_batch']}; $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
     checks = [r for r in rows if r["check"]]
     # what the caption says of the error bars is measured on the figure as drawn (markers ~6-7 pt across)
     inside = bars_inside_markers(fig, ax, Ls, [r["transformer"] for r in rs], [K_SE * r["transformer_se"] for r in rs], 7)
     inside_gd = [i for key in ("GD", "PGD") for i in bars_inside_markers(
-        fig, ax, [L + OFFSET[key] for L in Ls], [r[key + "_loss"] for r in rs], [K_SE * r[key + "_loss_se"] for r in rs], 6)]
+        fig, ax, Ls, [r[key + "_loss"] for r in rs], [K_SE * r[key + "_loss_se"] for r in rs], 6)]
     made.append((save(fig, ""), "Fig. 7: the trained model's test loss against the number of layers L (open circles, "
                  f"±{fmt(K_SE)} standard errors of the test batch; {bars_said(inside, 'circle')}) beside the exact family "
                  "optimum (black pluses) and L steps "
-                 "of gradient descent (GD-L, squares, drawn left) and Sigma^-1-preconditioned gradient descent (PGD-L, "
-                 f"triangles, drawn right) with the best constant step (Monte Carlo, ±{fmt(K_SE)} SE; {bars_said(inside_gd)}"
+                 f"of gradient descent (GD-L, squares, drawn {abs(APART['GD'])} points left of each L) and Sigma^-1-preconditioned "
+                 f"gradient descent (PGD-L, triangles, {APART['PGD']} points right) with the best constant step (Monte Carlo, ±{fmt(K_SE)} SE; {bars_said(inside_gd)}"
                  f"); trained on {rs[0]['B']} prompts, tested on "
                  f"{rs[0]['test_batch']}; (b) the trained model minus the optimum in standard "
                  f"errors, above −{fmt(K_SE)} SE (the grey band: the claims are one-sided, the trained model "
@@ -1128,25 +1164,27 @@ def plot_icl_curve(plt, save, rows, tables):
     fig, axes = plt.subplot_mosaic([["a", "a"], ["b", "key"]], figsize=(7.0, 8.0), layout="constrained",
                                    height_ratios=(3, 2))
     ax, res_ax, key_ax = axes["a"], axes["b"], axes["key"]
+    key_ax.set_axis_off()                   # a legend's cell: no frame, no ticks (laid out without them too)
     bad = transformer_against_optimum(ax, res_ax, curve, "n")
     zero = baselines_at_zero(curve, ("OLS", "ridge"))
     from matplotlib.transforms import offset_copy
-    # the baselines beside each n by a fixed distance in points, not in units of n: the trained model's circle
-    # (7 pt across) and a baseline's marker (6 pt) 8 pt apart do not overlap whatever the axis' span
-    apart = {"GD": -8, "PGD": 8, "OLS": -16, "ridge": 16}
     for key, style, color in (("GD", "s:", "C1"), ("PGD", "^-.", "C2"), ("OLS", "D--", "C4"), ("ridge", "v:", "C5")):
         # noiseless labels: OLS and ridge are exactly 0 once n >= d, computed as rounding amplified by
         # the solve's condition number (seen: 3e-9 at n = d); below 1e-6 of the trained model's loss it
         # is that zero, not drawn (a baseline that is not 0 is O(1) here)
         values = [c[key] if c[key] > 1e-6 * c["transformer"] else np.nan for c in curve]
         shown = [n for n, v in zip(ns, values) if not np.isnan(v)]
+        zeros = [c[key] for c in curve if c[key] <= 1e-6 * c["transformer"]]
         if shown:
-            where = "" if len(shown) == len(ns) else (
-                f": drawn at $n$ = {', '.join(str(n) for n in shown)}; 0 (exact) for "
-                f"$n \\geq {min(n for n, v in zip(ns, values) if np.isnan(v))}$")
-            ax.errorbar(ns, values, [K_SE * c[key + "_se"] for c in curve], fmt=style, color=color, ms=6,
-                        mfc="white" if key in ("GD", "OLS") else color,
-                        transform=offset_copy(ax.transData, fig=fig, x=apart[key], units="points"),
+            # as depth's legend: the largest rounding value where the baseline is exact
+            where = "" if not zeros else (
+                f": drawn at $n$ = {', '.join(str(n) for n in shown)};\n"
+                + (f"at most {at_most(max(zeros))}" if max(zeros) > 0 else "0")
+                + f" (exact) for $n \\geq {min(n for n, v in zip(ns, values) if np.isnan(v))}$")
+            # a series drawn at one n only: its marker, no line (in the legend too)
+            ax.errorbar(ns, values, [K_SE * c[key + "_se"] for c in curve], fmt=style if len(shown) > 1 else style[0],
+                        color=color, ms=6, mfc="white" if key in ("GD", "OLS") else color,
+                        transform=offset_copy(ax.transData, fig=fig, x=APART[key], units="points"),
                         label=(NAMES[key].replace("$L$", "3") if key in ("GD", "PGD") else NAMES[key])
                         + f" (±{fmt(K_SE)} SE)" + where)
     ax.set(xlabel="in-context examples $n$ (log scale)", ylabel=r"test loss, mean squared error (log scale)",
@@ -1155,19 +1193,12 @@ def plot_icl_curve(plt, save, rows, tables):
     for a in (ax, res_ax):                               # every tested n labelled, no other
         a.xaxis.set_ticks(ns, [str(n) for n in ns])
         a.xaxis.set_minor_formatter(plt.NullFormatter())
-    # room inside the frame for the outermost offsets and their markers' half width (16 + 4 points a side),
-    # in decades of n; above the highest bar for its marker
-    fig.canvas.draw()
-    room = max(abs(v) for v in apart.values()) + 8     # a diamond of 6 pt reaches ~4.3 pt from its centre, plus a gap
-    width = ax.get_window_extent().width * 72 / fig.dpi
-    pad = math.log10(max(ns) / min(ns)) * room / (width - 2 * room)
-    for a in (ax, res_ax):
-        a.set_xlim(min(ns) / 10 ** pad, max(ns) * 10 ** pad)
+    room_for_apart(fig, (ax, res_ax), ns, APART, log=True)
+    # above the highest bar, room for its marker
     tops = [c[k] + K_SE * c[k + "_se"] for c in curve for k in ("transformer", "GD", "PGD", "OLS", "ridge")]
     ax.set_ylim(top=max(tops) * 1.4)
     log_ticks(plt, ax.yaxis, *ax.get_ylim())                # the drawn range, error bars included
-    key_ax.set_axis_off()
-    key_ax.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="center")
+    key_ax.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="center", title="(a)'s legend", title_fontsize=8)
     fig.suptitle(rf"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless, trained on {curve[0]['B']} prompts" "\n"
                  rf"at each $n$, tested on {curve[0]['test_batch']}; $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated; "
                  f"{plural(len(ns), 'length')}")
@@ -1185,7 +1216,7 @@ def plot_icl_curve(plt, save, rows, tables):
                  + (f", {' and '.join(NAMES[k] for k in zero)}: these are exactly 0 on noiseless labels once n >= d and "
                     "drawn only where n < d" if zero else "")
                  + f"; the baselines are Monte Carlo losses on the test batch (±{fmt(K_SE)} SE; {bars_said(inside_base)}), drawn "
-                 f"{abs(apart['GD'])} and {abs(apart['OLS'])} points either side of each n (GD-3 and OLS left, PGD-3 and "
+                 f"{abs(APART['GD'])} and {abs(APART['OLS'])} points either side of each n (GD-3 and OLS left, PGD-3 and "
                  f"ridge right); trained on {curve[0]['B']} prompts, tested on {curve[0]['test_batch']}"
                  + f"; (b) the trained model minus the optimum in standard errors, above −{fmt(K_SE)} SE (the grey "
                  "band: the claims are one-sided, the trained model may not beat the optimum)"
@@ -1768,7 +1799,7 @@ def plot_softmax_two_head(plt, save, rows, tables):
     for ax, act in zip(axes, ("softmax_all", "softmax")):
         r = claims.get(act)
         if r is not None and r["verdict"] == INFO:
-            ax.text(0.97, 0.97, f"best 2 heads − linear layer:\n{r['measured']:.3f} ± {K_SE * r['se']:.3f} "
+            ax.text(0.97, 0.97, f"best 2 heads − linear layer:\n{r['measured']:.3f} ± {rounded_up(K_SE * r['se'], 3)} "
                     f"(±{k_se} SE, paired)", transform=ax.transAxes, ha="right", va="top", fontsize=8)
     named = {"softmax_all": "the authors' softmax (all n+1 keys)", "softmax": "the softmax over the n context keys"}
 

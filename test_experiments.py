@@ -1910,8 +1910,9 @@ def marker_x(fig, line, i=0):
 
 
 def test_the_icl_curve_caption_counts_the_bars_hidden_in_markers_and_keeps_the_outer_markers_inside(drawn):
-    # "every bar is smaller than its circle" only where the drawn bars are; the baseline drawn 16 points
-    # left of the smallest n (a 6 pt diamond) stays inside the frame
+    # "every bar is smaller than its circle" only where the drawn bars are; the baseline drawn 18 points
+    # left of the smallest n (a 6 pt diamond) stays inside the frame, with a gap (6 pt asked; 3 pt
+    # allows the layout's later shifts, where a marker on the spine would leave none)
     plt, save, figures = drawn
 
     def curve(rel_se):
@@ -1924,9 +1925,35 @@ def test_the_icl_curve_caption_counts_the_bars_hidden_in_markers_and_keeps_the_o
     ax = figures[-1].axes[0]
     ols = next(c for c in ax.containers if c.get_label().startswith("OLS"))
     left = marker_x(figures[-1], ols.lines[0]) - 3 * 2 ** 0.5 * figures[-1].dpi / 72     # a diamond's half diagonal
-    assert left > ax.get_window_extent().x0
+    assert (left - ax.get_window_extent().x0) * 72 / figures[-1].dpi >= 3
     (_, caption), = ex.plot_icl_curve(plt, save, [], {"curve": curve(0.1)})
     assert "every bar is seen beyond its circle" in caption and "every bar is seen beyond its marker" in caption
+
+
+def test_the_depth_figure_draws_the_baselines_apart_from_the_model_and_inside_its_limits(drawn):
+    # GD-L and PGD-L beside each L by APART points: at L = 1 PGD-1 equals the optimum (the triangle level with
+    # the circle), so the two markers must not meet (a 7 pt circle, a 6 pt triangle); and every value with its
+    # error bar inside the y limits, though a series drawn with an offset is not in matplotlib's own limits
+    plt, save, figures = drawn
+    rs = [dict(L=L, B=100, test_batch=200, transformer=1.0 / L, transformer_se=0.001, family_optimum=1.0 / L,
+               converged=True, GD_loss=5.0, GD_loss_se=0.01, PGD_loss=1.0 / L, PGD_loss_se=0.001,
+               OLS_loss=1e-30, OLS_loss_se=0.0, ridge_loss=1e-30, ridge_loss_se=0.0) for L in (1, 2, 3)]
+    ex.plot_depth(plt, save, [], {"curve": rs})
+    fig = figures[-1]
+    ax = fig.axes[0]
+    model = next(c for c in ax.containers if c.get_label().startswith("trained model"))
+    pgd = next(c for c in ax.containers if c.get_label().startswith("PGD"))
+    gap = (marker_x(fig, pgd.lines[0], 0) - marker_x(fig, model.lines[0], 0)) * 72 / fig.dpi
+    assert gap >= 3.5 + 3, gap                 # the circle's radius and the triangle's half width, in points
+    low, high = ax.get_ylim()
+    assert low <= min(1.0 / L - 4 * 0.001 for L in (1, 2, 3)) and high >= 5.0 + 4 * 0.01
+
+
+@pytest.mark.parametrize("x, decimals, printed", [(0.045, 2, "0.05"), (0.04, 2, "0.04"), (0.0401, 2, "0.05"),
+                                                  (0.0, 3, "0.000"), (0.1234, 3, "0.124")])
+def test_error_bars_print_rounded_up(x, decimals, printed):
+    # a half-width printed narrower than it is would claim more precision than the run has
+    assert ex.rounded_up(x, decimals) == printed
 
 
 def test_the_looped_hessian_panel_draws_each_n_apart_and_says_where_the_monte_carlo_estimates_lie(drawn):
