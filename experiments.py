@@ -1516,6 +1516,10 @@ def plot_single_layer_landscape(plt, save, rows, tables):
         # the legend names only the outcomes some start had (a bar of height 0 is not seen)
         ax.bar(x, opt_, 0.4, color=color, edgecolor="k", lw=0.6,
                label=f"{trainer}: reached the optimum" if opt_.any() else None)
+        # the reached fraction p of m starts with ±1 binomial standard error, sqrt(p (1 - p) / m)
+        ax.errorbar(x, opt_, np.sqrt(opt_ * (1 - opt_) / np.array([t["starts"] for t in ts])), fmt="none",
+                    ecolor="k", elinewidth=1.0, capsize=3, zorder=3,
+                    label="±1 binomial SE of the fraction\nthat reached the optimum" if k == 0 else None)
         ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.4, edgecolor="k", lw=0.6, hatch="//",
                label=f"{trainer}: a higher minimum" if high.any() else None)
         ax.bar(x, nc, 0.4, bottom=opt_ + high, color="white", edgecolor=color, lw=1.2, hatch="xx" if k else "..",
@@ -1523,21 +1527,27 @@ def plot_single_layer_landscape(plt, save, rows, tables):
         for xi in x:
             ax.text(xi, 1.02, short, ha="center", va="bottom", fontsize=8)
     # "init=0.1" without spaces: nine settings side by side in 7 in
-    ax.set(xticks=np.arange(len(labels)), xticklabels=[setting_label(s).replace(" = ", "=") for s in labels],
+    ax.set(xticks=np.arange(len(labels)), xticklabels=[setting_label(s) for s in labels],
            ylim=(0, 1.12),
            yticks=np.linspace(0, 1, 6), ylabel="fraction of random starts",
            xlabel="setting (base: $d$ = 3, $n$ = 10, $\\kappa$ = 4, init scale 0.3"
-                  + (";\nthe others change one of these)" if len(labels) > 1 else ")"),
+                  + ("; the others change one of these;\n" if len(labels) > 1 else ";\n")
+                  + "$\\Sigma$'s eigenvalues spread geometrically from 1 to $\\kappa$, rotated)",
            title=f"One full $(P, Q)$ layer, noiseless, a batch of {table[0]['B']} prompts: where training from\n"
                  f"{table[0]['starts']} random starts per setting ends (GN: Gauss-Newton, left bar; LB: L-BFGS, right bar)")
-    fig.legend(fontsize=8, loc="outside lower center", ncol=2)   # below the axes: hides no bar
+    # below the axes (hides no bar), a column per optimiser: the error bar's entry closes the first column
+    handles, names = ax.get_legend_handles_labels()
+    order = sorted(range(len(names)), key=lambda i: (names[i].startswith("L-BFGS"), names[i].startswith("±")))
+    fig.legend([handles[i] for i in order], [names[i] for i in order], fontsize=8, loc="outside lower center", ncol=2)
     # the settings where no converged start, of either optimiser, stopped at a higher minimum
     clean = [s for s in labels if not any(t["higher"] for t in table if t["setting"] == s)]
     made.append((save(fig, ""), "One full (P, Q) layer, noiseless, Sigma with eigenvalues spread geometrically from 1 to "
                  "kappa and rotated: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
                  "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), stopped at a "
                  "higher local minimum (hatched //) or did not converge (white, dotted for Gauss-Newton, crossed for "
-                 "L-BFGS); each setting's batch of " + str(table[0]["B"]) + " prompts; counts of "
+                 "L-BFGS; error bars: ±1 binomial standard error of the fraction that reached the optimum, "
+                 "sqrt(p (1 - p) / starts), 0 where every start or none did); each setting's batch of "
+                 + str(table[0]["B"]) + " prompts; counts of "
                  + f"{table[0]['starts']} starts on one machine (floating-point sums in another order can send a start "
                  f"to another basin): a fraction's binomial standard error is up to {0.5 / math.sqrt(table[0]['starts']):.2f}, so "
                  "a difference of a few starts between settings or optimisers is not decided. What to see: in which "

@@ -2221,6 +2221,19 @@ def test_the_landscape_caption_says_where_starts_stop_higher(drawn):
     assert caption.endswith("stop at a higher minimum (hatched): none.")
 
 
+def test_the_landscape_draws_each_reached_fraction_with_its_binomial_standard_error(drawn):
+    # p of m starts reached the optimum: an error bar from p - SE to p + SE, SE = sqrt(p (1 - p) / m), at
+    # the top of that solid bar (Gauss-Newton's left, L-BFGS's right)
+    plt, save, figures = drawn
+    table = [dict(setting="base", trainer="Gauss-Newton", B=100, starts=4, optimum=1, higher=3, not_converged=0),
+             dict(setting="base", trainer="L-BFGS", B=100, starts=8, optimum=6, higher=1, not_converged=1)]
+    ex.plot_single_layer_landscape(plt, save, [], {"basins": table})
+    bars = [c for c in figures[-1].axes[0].containers if type(c).__name__ == "ErrorbarContainer"]
+    spans = sorted(tuple(np.ravel(seg)[[1, 3]]) for c in bars for seg in c.lines[2][0].get_segments())
+    expected = sorted((p - math.sqrt(p * (1 - p) / m), p + math.sqrt(p * (1 - p) / m)) for p, m in ((1 / 4, 4), (6 / 8, 8)))
+    assert np.allclose(spans, expected, rtol=1e-12, atol=0)     # the drawn segment's ends, rounded once each
+
+
 def test_a_figure_s_png_is_its_pixels_without_the_alpha_channel():
     # figure_bytes: an opaque figure saved as RGB (fewer bytes), pixel for pixel what matplotlib drew,
     # the same bytes every time, at FIGURE_DPI

@@ -828,6 +828,8 @@ MUTANTS = [
      "the y limits leave out GD-L, drawn with an offset and so not in matplotlib's own limits: its points fall off the axis"),
     ('error-bar-rounded-down', 'experiments.py', 'rounded_up', 'math.ceil(round(x * scale, 9))', 'round(x * scale)',
      "an error bar's half-width printed to the nearest, 0.045 as 0.04: narrower than it is"),
+    ('landscape-se-poisson', 'experiments.py', 'plot_single_layer_landscape', 'np.sqrt(opt_ * (1 - opt_) /',
+     'np.sqrt(opt_ /', "the reached fraction's error bar sqrt(p / m), not the binomial sqrt(p (1 - p) / m)"),
     ('icl-curve-room-marker-only', 'experiments.py', 'plot_icl_curve',
      'room_for_apart(fig, (ax, res_ax), ns, APART, log=True)', 'room_for_apart(fig, (ax, res_ax), ns, ("GD", "PGD"), log=True)',
      "the room left for the outermost baselines is PGD's, and OLS's diamond at the smallest n runs into the frame"),
