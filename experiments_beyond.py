@@ -22,10 +22,11 @@ from experiments import (K_SE, PASS, bars_inside_markers, bars_said, best_of, co
                          keyed, log_ticks, mean_se, paper_data, row, signed_ticks)
 
 
-LOOPED_MS, LOOPED_MEW = 4.0, 0.8   # the looped figure's (b) markers: size and edge width, in points
-STAGGER = 4.8     # points between (b)'s series in x: a marker's full width (size plus edge; the markers
-                  # "os^dvp" are at most their size wide), so that two never overlap; five side by side span 24
-                  # points, within an L's ~25 points of the panel
+LOOPED_MS, LOOPED_MEW = 3.8, 0.8   # the looped figure's (b) markers: size and edge width, in points
+STAGGER = 5.2     # points between (b)'s series in x: a marker's full width (size plus edge; the markers
+                  # "os^dvp" are at most their size wide, 4.6 points) and a gap of 0.6 points (a pixel and more
+                  # at 150 dpi), so that two never touch; five side by side span 25.4 points, within an L's
+                  # 26 points of the panel
 LOOPED_STYLES = ("-", ":", "--", "-.", (0, (4, 1.5, 1, 1.5, 1, 1.5)))   # (b)'s line styles: the fifth dash-dot-dot
 LOOPED_LINTHRESH = 1e-4   # (b)'s symlog scale is linear within this of 0 (an eigenvalue there would sit on the zero line)
 STAR_SHIFT = 9.0  # points between (a)'s trained-model stars (9 points) and their L's optima (6 points):
@@ -39,20 +40,26 @@ def plot_looped(plt, save, rows, tables):
     k_se = fmt(K_SE)
     # (a) and (b) side by side, (c) below across the page: three panels in 7 in
     fig, axes = plt.subplot_mosaic([["a", "b"], ["c", "c"]], figsize=(7.0, 9.0), layout="constrained",
-                                   height_ratios=(1, 1), width_ratios=(1, 1.5))      # (b): eight L, five n each
+                                   height_ratios=(1, 1), width_ratios=(1, 1.8))      # (b): eight L, five n each
     ax1, ax2, ax3 = axes["a"], axes["b"], axes["c"]
     done = [t for t in trained if t.get("exact_loss") is not None and np.isfinite(t["exact_loss"])]
     L_axis = max([r["L"] for r in exact] + [t["L"] for t in done])
     # the blocks family's markers open without a face: where the four optima are one point (L = 1) the
     # sparse family's filled markers show through them
+    # a trained model deeper than the exact table: its tied family optimum (from its own row) drawn beside it,
+    # unjoined, under the tied optimum's one legend entry
+    tabled = {r["L"] for r in exact if r["family"] == "sparse"}
+    beyond = [t for t in done if t["L"] not in tabled and t.get("family_loss")]
     for family, color, mfc in (("sparse", "C0", None), ("blocks", "C1", "none")):
         rs = [r for r in exact if r["family"] == family]
         # a series that stops before the axis ends says where (the exact optima are tabled to that depth)
         upto = "" if max(r["L"] for r in rs) == L_axis else f" ($L \\leq {max(r['L'] for r in rs)}$)"
+        more = (f"; $L$ = {', '.join(str(t['L']) for t in beyond)}:\nunjoined, from the trained row"
+                if family == "sparse" and beyond else "")
         ax1.plot([r["L"] for r in rs], [r["loss_untied"] for r in rs], "o-", color=color, mfc=mfc or color,
                  label=f"{family}: untied optimum{upto}")
         ax1.plot([r["L"] for r in rs], [r["loss_tied"] for r in rs], "s--", color=color, mfc=mfc or color,
-                 label=f"{family}: tied optimum{upto}")
+                 label=f"{family}: tied optimum{upto}{more}")
     # at the smallest L the four optima can be one point (tying changes nothing at L = 1): said where it holds
     L0 = min(r["L"] for r in exact)
     first = [r[k] for r in exact if r["L"] == L0 for k in ("loss_untied", "loss_tied")]
@@ -66,17 +73,17 @@ def plot_looped(plt, save, rows, tables):
         ax1.plot([t["L"] for t in done], [t["exact_loss"] for t in done], "*", color="k", ms=9, ls="none",
                  transform=offset_copy(ax1.transData, fig=fig, x=STAR_SHIFT, units="points"),
                  label="trained tied sparse model\n(exact loss, no error bar; just right)")
-    # a trained model deeper than the exact table: its tied family optimum (from its own row) drawn beside it
-    tabled = {r["L"] for r in exact if r["family"] == "sparse"}
-    beyond = [t for t in done if t["L"] not in tabled and t.get("family_loss")]
     if beyond:
-        ax1.plot([t["L"] for t in beyond], [t["family_loss"] for t in beyond], "s", color="C0", mfc="C0", ls="none",
-                 label=f"sparse: tied optimum at $L$ = {', '.join(str(t['L']) for t in beyond)}")
+        ax1.plot([t["L"] for t in beyond], [t["family_loss"] for t in beyond], "s", color="C0", mfc="C0", ls="none")
     ax1.set(xlabel="layers $L$", ylabel="population loss (exact; log scale)", yscale="log",
-            xticks=sorted({r["L"] for r in exact} | {t["L"] for t in done}), title="(a) family optima, trained models",
-            # set, not autoscaled: the stars' offset is not in their data limits (0.4: room for the last star)
-            xlim=(min(r["L"] for r in exact) - 0.3, L_axis + 0.4))
+            xticks=sorted({r["L"] for r in exact} | {t["L"] for t in done}), title="(a) family optima, trained models")
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    # the limits set, not autoscaled: the stars' offset is not in their data limits; on the right, room in
+    # points for the last star (STAR_SHIFT, its half width 5 and a gap of 4)
+    fig.canvas.draw()
+    L_low = min(r["L"] for r in exact) - 0.3
+    room = (STAR_SHIFT + 5 + 4) / (ax1.get_window_extent().width * 72 / fig.dpi)     # a share of the width
+    ax1.set_xlim(L_low, L_axis + room * (L_axis - L_low) / (1 - room))
     log_ticks(plt, ax1.yaxis, *ax1.get_ylim())
     ns = sorted({r["n"] for r in char})
     # marker and line style each tell one n from another (six markers, five styles: no two n alike); the
@@ -101,8 +108,9 @@ def plot_looped(plt, save, rows, tables):
             xticks=sorted({r["L"] for r in char}),
             yticks=[-0.1, -0.01, -0.001, 0, 0.001, 0.01, 0.1, 1], title="(b) below 0: a saddle",
             # the limits set, not autoscaled: the staggered series' data limits would not include their offsets
-            xlim=(min(r["L"] for r in char) - 0.6, max(r["L"] for r in char) + 0.6),
-            ylim=(min(0.0, min(r["antisymmetric"] for r in char)) * 2 - 1e-2, 6.0))
+            xlim=(min(r["L"] for r in char) - 0.5, max(r["L"] for r in char) + 0.5),
+            # the top a factor 2.5 above the largest value: its marker clear of the frame on the log range
+            ylim=(min(0.0, min(r["antisymmetric"] for r in char)) * 2 - 1e-2, 2.5 * max(r["antisymmetric"] for r in char)))
     below = [r["antisymmetric"] for r in char if r["antisymmetric"] < 0]
     if below and -max(below) < LOOPED_LINTHRESH:
         raise ValueError(f"an eigenvalue below 0 ({max(below):.1e}) lies in (b)'s linear range (±{LOOPED_LINTHRESH:g}), "
@@ -158,7 +166,8 @@ def plot_looped(plt, save, rows, tables):
     mc_at = ", ".join(str(r["L"]) for r in hess)
     mc_off = max((abs(r["mc_antisymmetric"] - r["antisymmetric"]) / r["mc_antisymmetric_se"] for r in hess), default=None)
     return [(save(fig, ""), "Looped models (d = 5, n = 20; a loss is the population loss E(y_hat - y)^2 over fresh prompts): "
-             "(a) the exact tied and untied family optima per depth, with the "
+             "(a) the exact tied and untied family optima per depth (the sparse untied optimum is the depth figure's "
+             "exact family optimum, the same numbers), with the "
              "trained tied sparse models' exact losses (stars: a trained model need not sit on the tied family, it can "
              "leave it through a rotation block, c; against the tied family optimum: " + where
              + (f"; the training batches: {trained_on}" if trained_on else "") + ")"

@@ -1882,7 +1882,11 @@ def test_the_looped_legend_says_where_a_family_s_optima_stop(drawn):
                   profiles=[], trained=trained, points=[])
     beyond.plot_looped(plt, save, [], tables)
     labels = [t.get_text() for t in figures[-1].axes[0].get_legend().get_texts()]
-    assert "sparse: tied optimum ($L \\leq 3$)" in labels and "blocks: untied optimum ($L \\leq 2$)" in labels
+    assert "blocks: untied optimum ($L \\leq 2$)" in labels
+    # the trained L = 4's tied optimum (from its row) under the tied optimum's one entry: no second entry
+    # with the same marker
+    assert "sparse: tied optimum ($L \\leq 3$); $L$ = 4:\nunjoined, from the trained row" in labels
+    assert sum(": tied optimum" in t for t in labels) == 2
     exact += [dict(family="sparse", L=4, loss_untied=0.25, loss_tied=0.3),
               dict(family="blocks", L=3, loss_untied=0.3, loss_tied=0.4),
               dict(family="blocks", L=4, loss_untied=0.2, loss_tied=0.3)]
