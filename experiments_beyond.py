@@ -29,6 +29,8 @@ STAGGER = 5.2     # points between (b)'s series in x: a marker's full width (siz
                   # 26 points of the panel
 LOOPED_STYLES = ("-", ":", "--", "-.", (0, (4, 1.5, 1, 1.5, 1, 1.5)))   # (b)'s line styles: the fifth dash-dot-dot
 LOOPED_LINTHRESH = 1e-4   # (b)'s symlog scale is linear within this of 0 (an eigenvalue there would sit on the zero line)
+DYNAMICS_DT = 0.06   # the dynamics' residual panel: its three entries drawn this far apart in t (the
+                     # descent's times are 0.8 apart), so that no marker hides another
 STAR_SHIFT = 9.0  # points between (a)'s trained-model stars (9 points) and their L's optima (6 points):
                   # half of each, with their 1-point edges, is 8.5
 
@@ -504,7 +506,7 @@ def plot_dynamics(plt, save, rows, tables):
     for (start, color), ls in zip((("inside", "C0"), ("outside", "C1")), ("-", "--")):
         pts = [f for f in flow if f["start"] == start and f["t"] > 0]
         ax1.plot([f["t"] for f in pts], [f["loss"] for f in pts], ls, color=color,
-                 label=rf"$\sigma$ = {pts[0]['sigma']:.2f} ({start} the bound {bound:.2f})")
+                 label=rf"initial scale $\sigma$ = {pts[0]['sigma']:.2f} ({start} the bound {bound:.2f})")
     ax1.set(xscale="log", yscale="log", xlabel="time $t$ (log scale)", ylabel="population loss (log scale)",
             title="(a) exact gradient flow, two starts")
     losses = [f["loss"] for f in flow if f["t"] > 0]
@@ -520,7 +522,7 @@ def plot_dynamics(plt, save, rows, tables):
         ax2.errorbar(ts, [r[f"gd_{key}"] for r in descent], [K_SE * r[f"gd_{key}_se"] for r in descent], fmt=marker,
                      color=f"C{i}", mfc="white", ms=ms, label=f"{name}: descent (±{k_se} SE)")
         # the residual panel: descent minus flow in units of its standard error, entries side by side
-        dx = 0.06 * (i - 1)
+        dx = DYNAMICS_DT * (i - 1)
         ax3.plot([t + dx for t in ts], [(r[f"gd_{key}"] - r[f"flow_{key}"]) / r[f"gd_{key}_se"] for r in descent],
                  marker, color=f"C{i}", mfc="white", label=name)
     ax2.set(xlabel=r"time $t = k\eta$ ($k$ steps of size $\eta$)", ylabel=r"entries of $\Gamma(t)$",
@@ -529,10 +531,10 @@ def plot_dynamics(plt, save, rows, tables):
     ax3.axhspan(-K_SE, K_SE, color="0.9", label=f"±{k_se} SE (the claims' tolerance)")
     ax3.axhline(0.0, color="k", lw=0.8)
     ax3.set(xlabel=r"time $t = k\eta$ ($k$ steps of size $\eta$)", ylabel="(descent − flow) / SE", ylim=(-1.6 * K_SE, 1.6 * K_SE),
-            title="(c) descent minus flow in standard errors")
+            title=f"(c) descent minus flow in standard errors (the entries drawn {DYNAMICS_DT:g} apart in $t$)")
     ax3.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.suptitle(rf"One linear-attention layer, $d$ = 2, $n$ = 10, $\Sigma$ eigenvalues (1, 1/2), noiseless;" "\n"
-                 rf"descent: step $\eta$ = {descent[0]['eta']:g} from $\sigma$ = {descent[0]['sigma']:g}, batches of {descent[0]['B']} prompts")
+                 rf"descent: step $\eta$ = {descent[0]['eta']:g} from initial scale $\sigma$ = {descent[0]['sigma']:g}, batches of {descent[0]['B']} prompts")
     # what the caption says of b's bars is measured on b as drawn
     inside = bars_inside_markers(fig, ax2, [t for _ in entries for t in ts],
                                  [r[f"gd_{key}"] for key, _, _ in entries for r in descent],
@@ -541,11 +543,11 @@ def plot_dynamics(plt, save, rows, tables):
     return [(save(fig, ""), "One layer's exact gradient flow from a start inside and one outside Zhang, Frei and Bartlett's "
              f"initial-scale bound sigma = {bound:.2f} (a: the population loss E(y_hat - y)^2 over fresh prompts plateaus, then drops to Gamma*'s), and gradient descent on "
              f"{descent[0]['R']} independent batches of {descent[0]['B']} prompts against the flow, both from a third start "
-             f"sigma = {descent[0]['sigma']:g} (b: the entries of Gamma(t) = u(t) U(t), the layer's effective matrix, the "
+             f"(initial scale) sigma = {descent[0]['sigma']:g} (b: the entries of Gamma(t) = u(t) U(t), the layer's effective matrix, the "
              "prediction being h^T Gamma x_query with h the context's mean of y_i x_i (MATH.md §14); Gamma[1,0] is not "
              "drawn: the flow keeps Gamma symmetric, and the rows check all four entries of the descent; the batches' mean with "
              f"±{k_se} standard errors; {bars_said(inside)}; "
-             f"c: the difference in standard errors, inside the grey ±{k_se} band where the descent claims pass); d = 2, "
+             f"c: the difference in standard errors, the three entries drawn {DYNAMICS_DT:g} apart in t at each time, inside the grey ±{k_se} band where the descent claims pass); d = 2, "
              f"n = 10, noiseless labels; the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
              f"{len(checks)} PASS. What to see: whether both starts reach the same loss, the one inside the bound "
              "after a plateau, and whether the descent's points lie on the flow's lines.")]
