@@ -2028,8 +2028,8 @@ def test_the_looped_hessian_panel_tells_every_n_apart_and_draws_a_small_negative
 
 
 def test_the_task_diversity_not_converged_square_hides_no_point(drawn):
-    # every model at one value at K = 1 and the three-layer model not converged there: its filled square
-    # is drawn above the others and a marker's width clear of the one-layer dot
+    # every model at one value at K = 1 and the trained model not converged there: its filled square
+    # is drawn above the others and clear of the one-layer dot
     import experiments_beyond as beyond
     plt, save, figures = drawn
     pools = [dict(K=K, L3_converged=K > 1, **{f"{m}_{t}": 1.0 for m in ("L1", "L3", "dmmse", "ridge") for t in ("pool", "fresh")},
@@ -2038,10 +2038,12 @@ def test_the_task_diversity_not_converged_square_hides_no_point(drawn):
     beyond.plot_task_diversity(plt, save, [], {"pools": pools})
     fig = figures[-1]
     for ax in fig.axes[:2]:
-        square = next(line for line in ax.lines if line.get_label().startswith("three-layer model not converged"))
+        square = next(line for line in ax.lines if line.get_label().startswith("trained model not converged"))
         dot = next(line for line in ax.lines if line.get_label().startswith("one-layer optimum"))
         assert square.get_zorder() > max(line.get_zorder() for line in ax.lines if line is not square)
-        clear = (square.get_markersize() + dot.get_markersize()) / 2 * fig.dpi / 72
+        # half of each marker's size with its edge (both 1 pt): the markers as drawn, not their faces only
+        clear = (square.get_markersize() + square.get_markeredgewidth()
+                 + dot.get_markersize() + dot.get_markeredgewidth()) / 2 * fig.dpi / 72
         assert abs(marker_x(fig, square) - marker_x(fig, dot)) >= clear
 
 
