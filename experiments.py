@@ -217,7 +217,12 @@ def fmt(x, digits=4):
         return "[" + ", ".join(fmt(v, digits) for v in np.ravel(x)) + "]"
     if isinstance(x, (bool, np.bool_)):
         return "yes" if x else "no"
-    return f"{x:.{digits}g}" if isinstance(x, (float, np.floating)) else str(x)
+    return plain_exponent(f"{x:.{digits}g}") if isinstance(x, (float, np.floating)) else str(x)
+
+
+def plain_exponent(text):
+    """A number's exponent as the documents write it (tools/records.py's sci): 3.1e-5, 2e4, not 3.1e-05, 2e+04."""
+    return re.sub(r"e([-+])0*(\d)", r"e\1\2", text).replace("e+", "e")
 
 
 def at_most(x):
@@ -794,7 +799,7 @@ def plot_three_layer_blocks(plt, save, rows, tables):
                          for l, o in enumerate(opt[:-1])])
         r = basins[s, trainer]
         labels.append(f"seed {s} (its own batch), {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
-                      f"(f = {r['basin_loss']:.3e})".replace(", ", "\n", 1))
+                      f"(f = {plain_exponent(format(r['basin_loss'], '.6e'))})".replace(", ", "\n", 1))
     skipped = sorted({(r["seed"], r["trainer"]) for r in rows if "trainer" in r} - set(basins))
     last = len(opt) - 1
     if grid:
@@ -803,7 +808,7 @@ def plot_three_layer_blocks(plt, save, rows, tables):
                                "the whitened $A$ and the $B$ of each layer,\neach converged run; each seed draws its own batch "
                                r"and rotation of $\Sigma$ (eigenvalues (1, 1, 1/4, 1/16, 1));" "\n"
                                f"titles: the fitted scalar (±{fmt(K_SE)} sandwich SE), the exact family optimum of the run's "
-                               f"batch and of the population (f* = {opt[0]['f_star']:.3e});\n$B$ of layer {last} not drawn "
+                               f"batch and of the population (f* = {plain_exponent(format(opt[0]['f_star'], '.6e'))});\n$B$ of layer {last} not drawn "
                                "(it never enters the loss)",
                                save, "_heatmaps", row_labels=labels),
                      f"Figs. 3-5: the {plural(len(grid), 'converged run')} of this run: the whitened A_l and the B_l on one "

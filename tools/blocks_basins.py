@@ -133,7 +133,7 @@ def figure(record):
         # rows of the left panel: each basin reached, lowest loss first, then the runs that did not converge
         keys = sorted({basin_key(r["basin_loss"]) for r in runs if r["converged"]}, key=float)
         # a "not converged" row only when some run did not converge
-        labels = ([f"f = {k}" + (" (global)" if k == record["global_key"] else "") for k in keys]
+        labels = ([f"f = {records.sci(float(k), 6)}" + (" (global)" if k == record["global_key"] else "") for k in keys]
                   + (["not converged"] if not all(r["converged"] for r in runs) else []))
         # Gauss-Newton: large open circles; L-BFGS: small filled squares, drawn inside them (both
         # optimisers often reach the same point: neither hides the other)
@@ -173,7 +173,7 @@ def figure(record):
             # panel a writes it)
             many = {name: sum(r["converged"] and basin_key(r["basin_loss"]) == basin_key(f) and r["optimiser"] == name
                               for r in runs) for name in OPTIMISERS}
-            right.annotate(f"f = {basin_key(f)}\nruns in its basin: " + ", ".join(f"{name} {k}" for name, k in many.items() if k),
+            right.annotate(f"f = {records.sci(f, 6)}\nruns in its basin: " + ", ".join(f"{name} {k}" for name, k in many.items() if k),
                            (a[1], b[1]), textcoords="offset points", xytext=(10 if inside else -10, 10),
                            ha="left" if inside else "right", fontsize=8)
         left.set_yticks(range(len(labels)), labels)
