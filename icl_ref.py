@@ -125,6 +125,19 @@ def _rng(rng, optional=False):
     return rng
 
 
+_ENGINE_METHODS = ("gram", "loss_and_grad_gram", "jacobian_gram", "activation_pass", "reduced_least_squares")
+
+
+def _engine(engine):
+    """engine itself: None or an evaluator with the methods _ENGINE_METHODS (ReferenceEngine), else a
+    TypeError naming what it lacks."""
+    missing = [m for m in _ENGINE_METHODS if not callable(getattr(engine, m, None))]
+    if engine is not None and missing:
+        raise TypeError(f"engine must be None or an evaluator with the methods of icl_ref.REFERENCE (e.g. "
+                        f"icl_fast.engine()), got {type(engine).__name__} without {', '.join(missing)}")
+    return engine
+
+
 def _params(P, Q, names=("P", "Q")):
     """P, Q as float64 (L, H, D, D) arrays of equal shape with L, H >= 1 and D >= 2; errors name
     the caller's arguments (`names`, e.g. dP, dQ)."""
@@ -564,6 +577,7 @@ def loss_and_grad_gram(P, Q, S0, q0, y, n, engine=None):
     ValueError saying that float64 overflowed. engine: None (this module's functions) or another
     evaluator with the methods of REFERENCE (icl_fast.engine()). Returns (loss, dP, dQ)."""
     P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
+    engine = _engine(engine)
     with np.errstate(over="ignore", invalid="ignore"):
         evaluate = _loss_and_grad_gram if engine is None else engine.loss_and_grad_gram
         loss, dP, dQ = evaluate(P, Q, S0, q0, y, n)
@@ -579,6 +593,7 @@ def loss_and_grad(P, Q, Z, y, engine=None):
     P, Q. Computed from the Gram form (S_0, q_0) as loss_and_grad_gram; engine as there. A result
     that is not finite is a ValueError saying that float64 overflowed. MATH.md §3."""
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
+    engine = _engine(engine)
     n = Z.shape[2] - 1
     q0 = np.ascontiguousarray(Z[:, :, n])
     with np.errstate(over="ignore", invalid="ignore"):
@@ -722,6 +737,7 @@ def loss_and_grad_activation(P, Q, Z, y, activation="relu", engine=None):
     as loss_and_grad_gram. MATH.md §4."""
     _choice("activation", activation, ACTIVATIONS)
     P, Q, Z, y = _model_inputs(P, Q, Z, y)
+    engine = _engine(engine)
     with np.errstate(over="ignore", invalid="ignore"):
         evaluate = _activation_pass if engine is None else engine.activation_pass
         loss, dP, dQ, _ = evaluate(P, Q, Z, y, activation)
@@ -905,6 +921,7 @@ def residuals_and_jacobian_gram(P, Q, S0, q0, y, n, structure="full", engine=Non
     _choice("structure", structure, STRUCTURES)
     P, Q, S0, q0, y, n = _gram_args(P, Q, S0, q0, y, n)
     _check_structure_of(structure, P, Q, tied)
+    engine = _engine(engine)
     with np.errstate(over="ignore", invalid="ignore"):
         evaluate = _jacobian_gram if engine is None else engine.jacobian_gram
         r, JP, JQ = evaluate(P, Q, S0, q0, y, n)
@@ -919,6 +936,7 @@ class _Batch:
 
     def __init__(self, Z, y, activation="linear", engine=None):
         self.Z, self.y, self.activation, self.n = Z, y, activation, Z.shape[2] - 1
+        engine = _engine(engine)
         self.gram_form = _loss_and_grad_gram, _jacobian_gram
         self.explicit = _activation_pass
         if engine is not None:

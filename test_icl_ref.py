@@ -2167,6 +2167,16 @@ BAD_CALLS = [
      ValueError, "Z's scale c = .* is beyond what float64 squares"),
     ("Sigma singular to float64", lambda: ir.gamma_star([[1, 1 - 1e-16], [1 - 1e-16, 1]], 20), ValueError,
      "Sigma is singular to float64"),
+    # engine= is None or an evaluator with ReferenceEngine's methods: a name such as "fast" is refused, named
+    ("engine a string", lambda: ir.loss_and_grad(_P, _Q, _Zs[:, :4], _ys, engine="fast"), TypeError,
+     "engine must be None or an evaluator .* got str without gram, loss_and_grad_gram"),
+    ("engine gram a string", lambda: ir.loss_and_grad_gram(_P, _Q, _S0, _q0, _ys, 5, engine="fast"), TypeError, "engine"),
+    ("engine activation a string", lambda: ir.loss_and_grad_activation(_P, _Q, _Zs[:, :4], _ys, engine="fast"), TypeError,
+     "engine"),
+    ("engine jacobian gram a string", lambda: ir.residuals_and_jacobian_gram(_P, _Q, _S0, _q0, _ys, 5, engine="fast"),
+     TypeError, "engine"),
+    ("engine without a method", lambda: ir.train_lbfgs(_Zs, _ys, 1, rng=_rng, engine=types.SimpleNamespace(gram=ir._gram)),
+     TypeError, "got SimpleNamespace without loss_and_grad_gram, jacobian_gram, activation_pass, reduced_least_squares"),
 ]
 
 

@@ -830,6 +830,8 @@ MUTANTS = [
      "an error bar's half-width printed to the nearest, 0.045 as 0.04: narrower than it is"),
     ('landscape-se-poisson', 'experiments.py', 'plot_single_layer_landscape', 'np.sqrt(opt_ * (1 - opt_) /',
      'np.sqrt(opt_ /', "the reached fraction's error bar sqrt(p / m), not the binomial sqrt(p (1 - p) / m)"),
+    ('engine-unchecked', 'icl_ref.py', 'loss_and_grad', '    engine = _engine(engine)\n    n = Z.shape[2] - 1',
+     '    n = Z.shape[2] - 1', "engine='fast' reaches the evaluation and fails there as an AttributeError, not a TypeError naming engine"),
     ('icl-curve-room-marker-only', 'experiments.py', 'plot_icl_curve',
      'room_for_apart(fig, (ax, res_ax), ns, APART, log=True)', 'room_for_apart(fig, (ax, res_ax), ns, ("GD", "PGD"), log=True)',
      "the room left for the outermost baselines is PGD's, and OLS's diamond at the smallest n runs into the frame"),
