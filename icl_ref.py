@@ -1189,6 +1189,10 @@ def _reduced_least_squares(r, J):
     return R_aug[:, p], R_aug[:, :p]
 
 
+class _Converged(Exception):
+    """Raised from inside scipy.optimize.least_squares once icl_ref's own test holds: the run ends there."""
+
+
 @_numpy_rules
 def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random", init_scale=0.1,
                        rng=None, max_nfev=500, gtol=1e-8, progress=0, activation="linear", engine=None,
@@ -1201,8 +1205,9 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates that
     do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) stay at their initial
     values (result["fixed"] counts them). Converged: grad_norm = |2 J^T r / B| over the free
-    coordinates <= gtol. history: the loss after each accepted decrease; nit counts evaluations.
-    Returns train_lbfgs's dict (success, scale, tied and Ctrl-C as there) plus fixed."""
+    coordinates <= gtol; the run stops at the first evaluation where that holds (gtol = 0: only on
+    SciPy's own tolerances, 1e-15). history: the loss after each accepted decrease; nit counts
+    evaluations. Returns train_lbfgs's dict (success, scale, tied and Ctrl-C as there) plus fixed."""
     options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
     run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
     B = run.Z.shape[0]
@@ -1215,13 +1220,14 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         theta[free] = x
         return theta
 
-    cache, best, history = {}, dict(loss=math.inf), []
+    cache, best, history = dict(evaluations=0), dict(loss=math.inf), []
 
     def evaluate(x):
         # a trial point where the model overflows gets an infinite loss: the trust region shrinks
         if cache.get("x") is not None and np.array_equal(cache["x"], x):
             return cache
-        cache.update(x=x.copy(), f=np.full(x.size + 1, np.inf), R=np.zeros((x.size + 1, x.size)))
+        cache.update(x=x.copy(), f=np.full(x.size + 1, np.inf), R=np.zeros((x.size + 1, x.size)),
+                     evaluations=cache["evaluations"] + 1)
         if not np.all(np.isfinite(x)):
             return cache
         with np.errstate(over="ignore", invalid="ignore"):
@@ -1237,6 +1243,8 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
             best.update(x=x.copy(), loss=loss, grad=2 * cache["R"].T @ cache["f"])
             history.append(loss)
             run.say("eval", len(history) - 1, loss, best["grad"])
+            if _norm(best["grad"]) <= options["gtol"]:
+                raise _Converged          # converged by this function's test: what follows is rounding
         return cache
 
     def reduced_residuals(x):          # f of _reduced_least_squares at x
@@ -1246,7 +1254,11 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
         return evaluate(x)["R"]
 
     x0 = run.theta0[free]
-    evaluate(x0)
+    try:
+        evaluate(x0)
+        at_start = False
+    except _Converged:
+        at_start = True
     if not math.isfinite(best["loss"]):
         raise ValueError("the loss or its Jacobian at the initial point is not finite (float64 overflow): "
                          "use a smaller init_scale or init, or rescale Z")
@@ -1254,11 +1266,16 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     # Jacobian is rank-deficient along (gamma P_l, Q_l / gamma), they stall where "trf" does not
     method = "trf" if structure == "full" else "dogbox"
     try:
+        if at_start:
+            raise _Converged
         res = scipy.optimize.least_squares(reduced_residuals, x0, jac=reduced_jacobian,
                                            method=method, ftol=1e-15, xtol=1e-15, gtol=1e-15,
                                            max_nfev=options["max_nfev"])
         outcome = dict(nit=int(res.nfev), nfev=int(res.nfev), status=int(res.status),
                        message=str(res.message), interrupted=False)
+    except _Converged:                   # status 1: SciPy's own "gtol termination condition is satisfied"
+        outcome = dict(nit=cache["evaluations"], nfev=cache["evaluations"], status=1, interrupted=False,
+                       message=f"stopped at evaluation {cache['evaluations']}: the gradient norm is within gtol")
     except KeyboardInterrupt:
         outcome = dict(_INTERRUPTED, nit=len(history),
                        message=f"interrupted by KeyboardInterrupt after {len(history)} decreases")
