@@ -327,16 +327,18 @@ def not_reached(said):
 
 
 def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
-    """Heat maps in rows (grid: a list of rows of matrices) with the values written in (2 decimals, 8 pt,
-    the minus sign; "-0.00" written 0.00). All panels share one symmetric colour scale, logarithmic beyond +-0.1 (so a
+    """Heat maps in rows (grid: a list of rows of matrices, at most three panels a row as drawn) with the
+    values written in (2 decimals, 8 pt, the minus sign; "-0.00" written 0.00). All panels share one symmetric colour scale, logarithmic beyond +-0.1 (so a
     multiple 0.3 of I and one of 9 both show, on the same scale) and one colour bar; values on dark cells
     are written in white. Constrained layout: no label overprints another."""
     from matplotlib.colors import SymLogNorm
-    cols = max(len(r) for r in grid)
     # a panel 7/3 in wide gives a cell of a 5 x 5 matrix room for "−0.03" at 8 pt (24.5 pt of 30) with a
-    # gap to its neighbours; the colour bar below the panels, so that three fill a page's 7 in; five
-    # panels a row (the blocks model's A_0..A_2, B_0, B_1) need 11.7 in: a figure printed sideways on its
-    # own page, the price of values that can be read
+    # gap to its neighbours; the colour bar below the panels, so that three fill a page's 7 in: a row of
+    # more (the blocks model's A_0..A_2, B_0, B_1) goes on in the next, its label on its first
+    wrapped = [(row_[k:k + 3], row_titles[k:k + 3], (row_labels[r] if row_labels else None) if k == 0 else None)
+               for r, (row_, row_titles) in enumerate(zip(grid, titles)) for k in range(0, len(row_), 3)]
+    grid, titles, row_labels = ([w[i] for w in wrapped] for i in range(3))
+    cols = max(len(r) for r in grid)
     # the height: a row of panels with their titles, the colour bar, and the suptitle's lines at 9 pt. A
     # matrix is drawn square, so a row's height, less its titles' lines (0.15 in each), sets the panels'
     # width: 2.35 in leaves them their 7/3 in (a fixed 2.45 in a row with three-line titles would leave them
@@ -362,7 +364,7 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
                         color="white" if abs(norm(x) - 0.5) > 0.3 else "black")
             ax.set_title(title, fontsize=title_pt)
             ax.set(xticks=[], yticks=[])
-        if row_labels:
+        if row_labels[r]:
             axes[r][0].set_ylabel(row_labels[r], fontsize=8)
     bar = fig.colorbar(image, ax=axes, location="bottom", shrink=0.5, aspect=40,
                        ticks=[t for t in (-10, -1, -0.1, 0, 0.1, 1, 10) if abs(t) <= v], format=signed_ticks(plt))
@@ -396,6 +398,11 @@ def stop_if_interrupted(res):
 # ---------------------------------------------------------------------------------------------
 # Shared pieces: data, test losses, baselines
 # ---------------------------------------------------------------------------------------------
+
+# the paper's law in the figures' titles: x's and w*'s, in words where a script would fall below 8 pt
+PAPER_LAW = (r"$x \sim N(0, \Sigma)$, $w \sim N(0$, the inverse of $\Sigma)$, "
+             r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
+
 
 def paper_data(rng, B, n, d=5, kappa=None, noise_std=0.0):
     """[A] §4.3: Sigma = U diag(1, 1, 1/4, 1/16, 1) U^T (U Haar), w* ~ N(0, Sigma^-1).
@@ -576,8 +583,8 @@ def plot_three_layer_sparse(plt, save, rows, tables):
               title=f"(b) seed {seeds[0]}: each layer's $A$" + ("" if ok[seeds[0]] else " (not converged)"))
     ax[0].legend(fontsize=8)
     ax[1].legend(handles=handles, fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))  # below: hides no curve
-    fig.suptitle(f"Ahn et al. 2023, Fig. 1: three sparse layers, $d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']}\n"
-                 r"prompts, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1), rotated")
+    fig.suptitle(f"Ahn et al. 2023, Fig. 1: three sparse layers, $d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']} "
+                 f"prompts,\n{PAPER_LAW}")
     last = cs[-1]
     to_inv = [last[f"dist_A{l}_Sigma_inv"] for l in range(len(a_star))]
     to_id = [last[f"dist_A{l}_I"] for l in range(len(a_star))]
@@ -609,13 +616,12 @@ def plot_three_layer_sparse(plt, save, rows, tables):
     made.append((heat_grid(plt, [mats], [[f"layer {l}: fitted {fitted[l][0]:.2f} ± {rounded_up(K_SE * fitted[l][1], 2)}\n"
                                           f"optimum {matched[l]:.2f}" for l in range(len(mats))]],
                            f"Ahn et al. 2023, Fig. 2: each layer's whitened $A$ after training (seed {seeds[0]}, $d$ = 5, "
-                           f"$n$ = 20, noiseless,\nbatch $B$ = {fits[0]['B']}, "
-                           r"$\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated); titles: the fitted multiple of the" "\n"
-                           f"inverse of $\\Sigma$ (±{k_se} sandwich SE) and the exact family optimum's multiple of the same rank "
-                           "(layers in any order)", save, "_heatmaps"),
+                           f"$n$ = 20, noiseless,\nbatch $B$ = {fits[0]['B']}, {PAPER_LAW});\ntitles: the fitted multiple of the "
+                           f"inverse of $\\Sigma$ (±{k_se} sandwich SE, rounded up) and the exact family\noptimum's multiple "
+                           "of the same rank (layers in any order)", save, "_heatmaps"),
                  f"Fig. 2: each whitened Sigma^1/2 A_l Sigma^1/2 of seed {seeds[0]} (d = 5, n = 20, noiseless labels, Sigma "
                  "eigenvalues (1, 1, 1/4, 1/16, 1) rotated; one colour scale, logarithmic beyond ±0.1), "
-                 f"titled with its fitted scalar ±{k_se} sandwich standard errors (the least-squares multiple of Sigma^-1 for the unwhitened A_l, "
+                 f"titled with its fitted scalar ±{k_se} sandwich standard errors (rounded up; the least-squares multiple of Sigma^-1 for the unwhitened A_l, "
                  "<A_l, Sigma^-1> / |Sigma^-1|^2, which weighs Sigma's smallest eigenvalue's direction most, so it can "
                  f"differ from the drawn diagonal's mean: here by up to {100 * spread:.0f}%), and with the exact family optimum's multiple "
                  "of the same rank (Lemma 4 fixes the multiples, not which layer takes which); against that optimum (the "
@@ -799,27 +805,30 @@ def plot_three_layer_blocks(plt, save, rows, tables):
                          for l, o in enumerate(opt[:-1])])
         r = basins[s, trainer]
         labels.append(f"seed {s} (its own batch), {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
-                      f"(f = {plain_exponent(format(r['basin_loss'], '.6e'))})".replace(", ", "\n", 1))
+                      f"(f = {plain_exponent(format(r['basin_loss'], '.3e'))})".replace(", ", "\n", 1))
     skipped = sorted({(r["seed"], r["trainer"]) for r in rows if "trainer" in r} - set(basins))
     last = len(opt) - 1
     if grid:
-        made.append((heat_grid(plt, grid, titles, "Blocks model (Ahn et al. 2023, Figs. 3-5), $d$ = 5, $n$ = 20, $L$ = 3, noiseless, "
-                               f"batches of {opt[0]['batch']} prompts: "
-                               "the whitened $A$ and the $B$ of each layer,\neach converged run; each seed draws its own batch "
-                               r"and rotation of $\Sigma$ (eigenvalues (1, 1, 1/4, 1/16, 1));" "\n"
-                               f"titles: the fitted scalar (±{fmt(K_SE)} sandwich SE), the exact family optimum of the run's "
-                               f"batch and of the population (f* = {plain_exponent(format(opt[0]['f_star'], '.6e'))});\n$B$ of layer {last} not drawn "
-                               "(it never enters the loss)",
-                               save, "_heatmaps", row_labels=labels),
-                     f"Figs. 3-5: the {plural(len(grid), 'converged run')} of this run: the whitened A_l and the B_l on one "
-                     f"colour scale, each titled with its fitted scalar (±{fmt(K_SE)} sandwich standard errors), the exact family optimum of the batch the run was "
-                     "trained on (what training can reach) and the population optimum; "
-                     f"B_{last} is not drawn (it never enters the loss and keeps its random start); the row labels say "
-                     "which population minimum's basin each run is in"
-                     + (f"; not drawn (not converged): {', '.join(f'seed {s} {t}' for s, t in skipped)}"
-                        if skipped else "")
+        # the first converged run drawn (five panels in two rows fill a 7 in page; every run's fitted scalars
+        # are the experiment's rows), as the sparse model's Fig. 2 draws one seed
+        (s0, trainer0), others = sorted(basins)[0], len(grid) - 1
+        made.append((heat_grid(plt, grid[:1], titles[:1], "Blocks model (Ahn et al. 2023, Figs. 3-5), $d$ = 5, $n$ = 20, $L$ = 3, noiseless,\n"
+                               f"a batch of {opt[0]['batch']} prompts, {PAPER_LAW}:\n"
+                               f"the whitened $A$ and the $B$ of each layer, seed {s0}'s run ({trainer0}); titles: the fitted scalar\n"
+                               f"(±{fmt(K_SE)} SE of its distance from the batch optimum, sandwich, rounded up), the exact family optimum\nof "
+                               f"the run's batch and of the population (f* = {plain_exponent(format(opt[0]['f_star'], '.3e'))}); "
+                               f"$B$ of layer {last} not drawn (never in the loss)",
+                               save, "_heatmaps", row_labels=labels[:1]),
+                     f"Figs. 3-5: seed {s0}'s run ({trainer0}), the first of this run's {plural(len(grid), 'converged run')}"
+                     + (f" (the other {plural(others, 'run')}' fitted scalars are the experiment's rows)" if others else "")
+                     + ": the whitened A_l and the B_l on one colour scale, each titled with its fitted scalar (± "
+                     f"{fmt(K_SE)} sandwich standard errors of its distance from the batch optimum, rounded up), the exact family optimum "
+                     "of the batch the run was trained on (what training can reach) and the population optimum; "
+                     f"B_{last} is not drawn (it never enters the loss and keeps its random start); the row label says "
+                     "which population minimum's basin the run is in"
+                     + (f"; not converged: {', '.join(f'seed {s} {t}' for s, t in skipped)}" if skipped else "")
                      + ". What to see: every matrix a multiple of I, each fitted scalar at its batch's optimum within "
-                     "the ±4 SE its title gives, and that optimum off the population's."))
+                     f"the ±{fmt(K_SE)} SE its title gives, and that optimum off the population's."))
     return made
 
 
@@ -1015,17 +1024,28 @@ def room_for_apart(fig, axes, xs, keys, log=False):
             a.set_xlim(low - pad, high + pad)
 
 
-def bars_inside_markers(fig, ax, xs, ys, errs, ms):
+def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=None):
     """For each point of `ax` at (xs, ys) with error bars of half-length errs (data units), whether the bar
-    ends inside its marker (ms points across) as the figure is laid out: what a caption may say of the
-    bars is measured on the drawn figure, never assumed. A bar reaching 0 on a log axis is outside."""
+    is hidden by its marker (`marker`, ms points across, with an edge of mew points) as the figure is laid
+    out: both ends of the bar and of its caps (capsize points either side; None: the rcParams' value, which
+    errorbar drew with) lie inside the drawn marker or less than a pixel beyond its edge. What a caption may
+    say of the bars is measured on the drawn figure, never assumed: a cap wider than a triangle's apex
+    is seen, a cross ("x", no area) hides no bar. A bar reaching 0 on a log axis is outside."""
+    import matplotlib
+    from matplotlib.markers import MarkerStyle
+    from matplotlib.transforms import Affine2D
     fig.canvas.draw()                    # the constrained layout sizes the axes before any distance is measured
-    radius = ms / 2 * fig.dpi / 72       # points to pixels
+    px = fig.dpi / 72                    # pixels per point
+    style = MarkerStyle(marker)
+    # the marker's outline as drawn (size plus edge), one pixel larger on every side: what is seen beyond it
+    outline = style.get_path().transformed(style.get_transform() + Affine2D().scale((ms + mew) * px + 2))
+    cap = (matplotlib.rcParams["errorbar.capsize"] if capsize is None else capsize) * px
     inside = []
     for x, y, e in zip(xs, ys, errs):
         with np.errstate(invalid="ignore", divide="ignore"):
-            px = ax.transData.transform([(x, y), (x, y - e), (x, y + e)])[:, 1]
-        inside.append(bool(np.all(np.isfinite(px)) and max(abs(px[1] - px[0]), abs(px[2] - px[0])) <= radius))
+            ends = ax.transData.transform([(x, y), (x, y - e), (x, y + e)])[:, 1]
+        inside.append(bool(style.is_filled() and np.all(np.isfinite(ends)) and all(
+            outline.contains_point((dx, end - ends[0])) for end in ends[1:] for dx in (-cap, 0.0, cap))))
     return inside
 
 
@@ -1035,12 +1055,12 @@ def bars_said(inside, marker="marker"):
     markers = marker + ("es" if marker.endswith(("s", "x", "ch", "sh")) else "s")
     if all(inside):
         return f"every bar is smaller than its {marker}"
-    rest = "the other is seen" if len(inside) - sum(inside) == 1 else "the others are seen"
+    rest = "the other reaches beyond it" if len(inside) - sum(inside) == 1 else "the others reach beyond theirs"
     if sum(inside) == 1:
         return f"1 of {len(inside)} bars is smaller than its {marker}, {rest}"
     if any(inside):
         return f"{sum(inside)} of {len(inside)} bars are smaller than their {markers}, {rest}"
-    return "every bar is seen beyond its " + marker
+    return "every bar reaches beyond its " + marker
 
 
 def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"]):
@@ -1103,17 +1123,17 @@ def plot_depth(plt, save, rows, tables):
     res_ax.set(xlabel="layers $L$", title="(b) trained model − optimum in SE")
     room_for_apart(fig, (ax, res_ax), Ls, ("GD", "PGD"))
     fig.suptitle(f"Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless, trained on {rs[0]['B']} prompts,\n"
-                 rf"tested on {rs[0]['test_batch']}; $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
+                 f"tested on {rs[0]['test_batch']}; {PAPER_LAW}")
     checks = [r for r in rows if r["check"]]
     # what the caption says of the error bars is measured on the figure as drawn (markers ~6-7 pt across)
     inside = bars_inside_markers(fig, ax, Ls, [r["transformer"] for r in rs], [K_SE * r["transformer_se"] for r in rs], 7)
-    inside_gd = [i for key in ("GD", "PGD") for i in bars_inside_markers(
-        fig, ax, Ls, [r[key + "_loss"] for r in rs], [K_SE * r[key + "_loss_se"] for r in rs], 6)]
+    inside_gd = [i for key, marker in (("GD", "s"), ("PGD", "^")) for i in bars_inside_markers(
+        fig, ax, Ls, [r[key + "_loss"] for r in rs], [K_SE * r[key + "_loss_se"] for r in rs], 6, marker)]
     made.append((save(fig, ""), "Fig. 7: the trained model's test loss against the number of layers L (open circles, "
                  f"±{fmt(K_SE)} standard errors of the test batch; {bars_said(inside, 'circle')}) beside the exact family "
                  "optimum (black pluses) and L steps "
-                 f"of gradient descent (GD-L, squares, drawn {abs(APART['GD'])} points left of each L) and Sigma^-1-preconditioned "
-                 f"gradient descent (PGD-L, triangles, {APART['PGD']} points right) with the best constant step (Monte Carlo, ±{fmt(K_SE)} SE; {bars_said(inside_gd)}"
+                 f"of gradient descent (GD-L, squares, drawn {abs(APART['GD'])} points left of each L) and gradient descent preconditioned by "
+                 f"the inverse of Sigma (PGD-L, triangles, {APART['PGD']} points right) with the best constant step (Monte Carlo, ±{fmt(K_SE)} SE; {bars_said(inside_gd)}"
                  f"); trained on {rs[0]['B']} prompts, tested on "
                  f"{rs[0]['test_batch']}; (b) the trained model minus the optimum in standard "
                  f"errors, above −{fmt(K_SE)} SE (the grey band: the claims are one-sided, the trained model "
@@ -1205,19 +1225,18 @@ def plot_icl_curve(plt, save, rows, tables):
     log_ticks(plt, ax.yaxis, *ax.get_ylim())                # the drawn range, error bars included
     key_ax.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="center", title="(a)'s legend", title_fontsize=8)
     fig.suptitle(rf"Ahn et al. 2023, Fig. 6: three sparse layers, $d$ = 5, noiseless, trained on {curve[0]['B']} prompts" "\n"
-                 rf"at each $n$, tested on {curve[0]['test_batch']}; $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated; "
-                 f"{plural(len(ns), 'length')}")
+                 rf"at each $n$, tested on {curve[0]['test_batch']}, {plural(len(ns), 'length')};" f"\n{PAPER_LAW}")
     # the rows that compare the trained model with the optimum (the others check a single layer's exact
     # loss at other lengths, which the figure does not draw)
     checks = [r for r in rows if r["check"] and r["id"].endswith(("-test", "-batch"))]
     # what the caption says of the error bars is measured on the figure as drawn (circles 7 pt across, the rest 6)
     inside = bars_inside_markers(fig, ax, ns, [c["transformer"] for c in curve], [K_SE * c["transformer_se"] for c in curve], 7)
-    inside_base = [i for key in ("GD", "PGD", "OLS", "ridge") for i, c in zip(bars_inside_markers(
-        fig, ax, ns, [c[key] for c in curve], [K_SE * c[key + "_se"] for c in curve], 6), curve)
+    inside_base = [i for key, marker in (("GD", "s"), ("PGD", "^"), ("OLS", "D"), ("ridge", "v")) for i, c in zip(
+        bars_inside_markers(fig, ax, ns, [c[key] for c in curve], [K_SE * c[key + "_se"] for c in curve], 6, marker), curve)
         if c[key] > 1e-6 * c["transformer"]]
     made.append((save(fig, ""), "Fig. 6: the test loss of the trained model (three sparse layers) against the prompt length n (open "
                  f"circles, ±{fmt(K_SE)} standard errors; {bars_said(inside, 'circle')}) beside the exact family optimum (black pluses) and the "
-                 "baselines GD-3, PGD-3 (Sigma^-1-preconditioned; best constant step on tuning prompts)"
+                 "baselines GD-3, PGD-3 (preconditioned by the inverse of Sigma; best constant step on tuning prompts)"
                  + (f", {' and '.join(NAMES[k] for k in zero)}: these are exactly 0 on noiseless labels once n >= d and "
                     "drawn only where n < d" if zero else "")
                  + f"; the baselines are Monte Carlo losses on the test batch (±{fmt(K_SE)} SE; {bars_said(inside_base)}), drawn "

@@ -153,7 +153,7 @@ def plot_looped(plt, save, rows, tables):
                  r"noiseless, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
     # what the caption says of the Monte Carlo bars is measured on c as drawn
     bars_c = bars_inside_markers(fig, ax3, [p["beta"] - 0.012 for p in mc], [p["mc_loss"] / p["family_loss"] - 1 for p in mc],
-                                 [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], 6)
+                                 [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], 6, "x")
     checks = [r for r in rows if r["check"]]
     # each trained model's place against the tied family optimum, with the basin its exact descent ends in
     # (a model above the falling curve is in another minimum's basin, not unconverged)
@@ -536,12 +536,12 @@ def plot_dynamics(plt, save, rows, tables):
     fig.suptitle(rf"One linear-attention layer, $d$ = 2, $n$ = 10, $\Sigma$ eigenvalues (1, 1/2), noiseless;" "\n"
                  rf"descent: step $\eta$ = {descent[0]['eta']:g} from initial scale $\sigma$ = {descent[0]['sigma']:g}, batches of {descent[0]['B']} prompts")
     # what the caption says of b's bars is measured on b as drawn
-    inside = bars_inside_markers(fig, ax2, [t for _ in entries for t in ts],
-                                 [r[f"gd_{key}"] for key, _, _ in entries for r in descent],
-                                 [K_SE * r[f"gd_{key}_se"] for key, _, _ in entries for r in descent], ms)
+    inside = [i for key, marker, _ in entries for i in bars_inside_markers(
+        fig, ax2, ts, [r[f"gd_{key}"] for r in descent], [K_SE * r[f"gd_{key}_se"] for r in descent], ms, marker)]
     checks = [r for r in rows if r["check"]]
     return [(save(fig, ""), "One layer's exact gradient flow from a start inside and one outside Zhang, Frei and Bartlett's "
-             f"initial-scale bound sigma = {bound:.2f} (a: the population loss E(y_hat - y)^2 over fresh prompts plateaus, then drops to Gamma*'s), and gradient descent on "
+             f"initial-scale bound sigma = {bound:.2f} (a: the population loss E(y_hat - y)^2 over fresh prompts plateaus, then drops to Gamma*'s; "
+             f"drawn from t = {min(f['t'] for f in flow if f['t'] > 0):g} on the log axis, so the starts' losses at t = 0 are not), and gradient descent on "
              f"{descent[0]['R']} independent batches of {descent[0]['B']} prompts against the flow, both from a third start "
              f"(initial scale) sigma = {descent[0]['sigma']:g} (b: the entries of Gamma(t) = u(t) U(t), the layer's effective matrix, the "
              "prediction being h^T Gamma x_query with h the context's mean of y_i x_i (MATH.md §14); Gamma[1,0] is not "
@@ -671,10 +671,11 @@ def plot_task_diversity(plt, save, rows, tables):
     # what the title says of the error bars is measured on the figure as drawn: first laid out with the title's
     # final number of lines, then the measured words written in
     title = fig.suptitle(f"Task diversity\n{setting}\n{batches}bars")
-    inside = [i for ax, test in zip(axes, ("pool", "fresh")) for name, *_ , shift in series[1:]
+    inside = [i for ax, test in zip(axes, ("pool", "fresh")) for name, _, marker, *_ , shift in series[1:]
               for i in bars_inside_markers(fig, ax, [r["K"] * shift for r in pools if r.get(f"{name}_{test}") is not None],
                                            [r[f"{name}_{test}"] for r in pools if r.get(f"{name}_{test}") is not None],
-                                           [K_SE * r[f"{name}_{test}_se"] for r in pools if r.get(f"{name}_{test}") is not None], 5)]
+                                           [K_SE * r[f"{name}_{test}_se"] for r in pools if r.get(f"{name}_{test}") is not None],
+                                           5, marker)]
     title.set_text(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$, $x \\sim N(0, I)$;\n{setting}"
                    f"bars ±{k_se} SE\n{batches}({bars_said(inside)}; points side by side in $K$)")
     return [(save(fig, ""), "Task diversity (after Raventos et al. 2023" + (
@@ -827,7 +828,8 @@ def plot_shift(plt, save, rows, tables):
     # (in (a) tuned ridge's triangle sits inside the hexagon: an error bar that ends within the hexagon but
     # beyond the triangle is one seen)
     inside = [i for ax, xs, rs in ((ax1, ns, length), (ax2, list(x), other)) for k in monte_carlo
-              for i in bars_inside_markers(fig, ax, xs, [r[k] for r in rs], [K_SE * r[k + "_se"] for r in rs], size.get(k, 5))]
+              for i in bars_inside_markers(fig, ax, xs, [r[k] for r in rs], [K_SE * r[k + "_se"] for r in rs], size.get(k, 5),
+                                           {"ridge_tuned": "^", "bayes": "h"}[k], mew=1.5)]
     at_train = next(r for r in length if r["n"] == 20)
     gap = at_train["layer_exact"] / at_train["best_layer"] - 1
     # where tuned ridge picked the Bayes lambda the two losses are one number; elsewhere their paired

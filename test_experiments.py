@@ -76,8 +76,9 @@ def quick_run(out, names):
     return config
 
 
-# the figures wider than MAX_FIGURE_WIDTH_IN, each with its reason (heat_grid's comment)
-WIDE_FIGURES = {"three-layer-blocks_heatmaps.png": "five 5 x 5 matrices a row, each value legible at 8 pt"}
+# the figures wider than MAX_FIGURE_WIDTH_IN, each with its reason in its code (none: heat_grid wraps a
+# row of five matrices into rows of three)
+WIDE_FIGURES = {}
 
 
 def test_quick_run_of_the_cheaper_experiments_writes_its_files_and_passes(tmp_path):
@@ -1126,6 +1127,27 @@ def test_figures_keep_text_at_least_8_pt_and_save_a_png_and_a_pdf():
     assert runner.output_of("depth", "depth.pdf") and runner.output_of("depth", "depth_x.pdf")
 
 
+def test_a_bar_is_inside_its_marker_only_with_its_caps_and_to_a_pixel_beyond_the_edge():
+    # a 7 pt circle with a 1 pt edge reaches 4 pt from its centre: a bar of 3.9 pt without caps is inside, one
+    # of 4 pt plus half a pixel too (a pixel beyond the edge is not seen), one of 4 pt plus 2 pixels is not;
+    # with caps of 3 pt either side a bar of 4 pt is not (its cap's ends are 5 pt from the centre), one of
+    # 2.4 pt is; a triangle's apex holds no cap; a
+    # cross ("x") has no face and hides no bar
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig, ax = plt.subplots()
+    ax.set_ylim(0, 10)
+    fig.canvas.draw()
+    per_pt = 10 / (ax.get_window_extent().height * 72 / fig.dpi)          # data units per point
+    pixel = 72 / fig.dpi                                                  # a pixel in points
+    bars = [3.9, 4 + pixel / 2, 4 + 2 * pixel]
+    assert ex.bars_inside_markers(fig, ax, [1] * 3, [5] * 3, [b * per_pt for b in bars], 7, capsize=0) == [True, True, False]
+    assert ex.bars_inside_markers(fig, ax, [1] * 2, [5] * 2, [2.4 * per_pt, 4 * per_pt], 7, capsize=3) == [True, False]
+    assert ex.bars_inside_markers(fig, ax, [1], [5], [1.0 * per_pt], 7, "^", capsize=3) == [False]
+    assert ex.bars_inside_markers(fig, ax, [1], [5], [1.0 * per_pt], 7, "^", capsize=0) == [True]
+    assert ex.bars_inside_markers(fig, ax, [1], [5], [0.5 * per_pt], 7, "x", capsize=0) == [False]
+    plt.close(fig)
+
+
 def test_bars_inside_markers_is_measured_on_the_drawn_axes():
     # on a 0..10 axis about 3.9 in tall a 6 pt marker is ~0.2 units high: a bar of ±0.01 ends inside it,
     # one of ±2 far outside; on a log axis a bar reaching 0 or below ends nowhere, so it is never inside
@@ -1139,10 +1161,10 @@ def test_bars_inside_markers_is_measured_on_the_drawn_axes():
     plt.close(fig)
     assert ex.bars_said([True, True]) == "every bar is smaller than its marker"
     # the sentence agrees in number with what is left: one bar seen is "the other", two are "the others"
-    assert ex.bars_said([True, False, False], "cross") == "1 of 3 bars is smaller than its cross, the others are seen"
-    assert ex.bars_said([True, True, False], "cross") == "2 of 3 bars are smaller than their crosses, the other is seen"
-    assert ex.bars_said([False, True]) == "1 of 2 bars is smaller than its marker, the other is seen"
-    assert ex.bars_said([False]) == "every bar is seen beyond its marker"
+    assert ex.bars_said([True, False, False], "cross") == "1 of 3 bars is smaller than its cross, the others reach beyond theirs"
+    assert ex.bars_said([True, True, False], "cross") == "2 of 3 bars are smaller than their crosses, the other reaches beyond it"
+    assert ex.bars_said([False, True]) == "1 of 2 bars is smaller than its marker, the other reaches beyond it"
+    assert ex.bars_said([False]) == "every bar reaches beyond its marker"
 
 
 @pytest.mark.parametrize("text, depth", [("plain_text^2", 0), (r"$\hat a$ = 0.3", 0), ("$A_l$", 1),
@@ -1856,9 +1878,9 @@ def test_the_shift_caption_measures_each_ridge_s_bars_against_its_own_marker(dra
     plt, save, _ = drawn
     measured, real = [], beyond.bars_inside_markers
 
-    def spy(fig, ax, xs, ys, errs, ms):
-        measured.append((fig.axes.index(ax), list(ys), ms))
-        return real(fig, ax, xs, ys, errs, ms)
+    def spy(fig, ax, xs, ys, errs, ms, marker, **kw):
+        measured.append((fig.axes.index(ax), list(ys), (ms, marker)))
+        return real(fig, ax, xs, ys, errs, ms, marker, **kw)
     monkeypatch.setattr(beyond, "bars_inside_markers", spy)
     shifts = [dict(kind="length", shift=f"n = {n}", n=n, layer_exact=1.0, best_layer=0.9, ridge_tuned=0.5 + n / 1000,
                    ridge_tuned_se=0.01, bayes=0.6 + n / 1000, bayes_se=0.01, layer_mc=1.0, layer_mc_se=0.02, bayes_minus_ridge=0.0,
@@ -1866,8 +1888,8 @@ def test_the_shift_caption_measures_each_ridge_s_bars_against_its_own_marker(dra
     shifts.append(dict(shifts[0], kind="tasks", shift="Sigma_w = 4 I", n=20))
     beyond.plot_shift(plt, save, [], {"shifts": shifts})
     sizes = {(panel, tuple(ys)): ms for panel, ys, ms in measured}
-    assert sizes[(0, (0.51, 0.52, 0.54))] == 5 and sizes[(0, (0.61, 0.62, 0.64))] == 12      # (a): triangle, hexagon
-    assert sizes[(1, (0.51,))] == 5 and sizes[(1, (0.61,))] == 12                            # (b) likewise
+    assert sizes[(0, (0.51, 0.52, 0.54))] == (5, "^") and sizes[(0, (0.61, 0.62, 0.64))] == (12, "h")  # (a)
+    assert sizes[(1, (0.51,))] == (5, "^") and sizes[(1, (0.61,))] == (12, "h")                         # (b) likewise
 
 
 def test_the_looped_legend_says_where_a_family_s_optima_stop(drawn):
@@ -1931,7 +1953,7 @@ def test_the_icl_curve_caption_counts_the_bars_hidden_in_markers_and_keeps_the_o
     left = marker_x(figures[-1], ols.lines[0]) - 3 * 2 ** 0.5 * figures[-1].dpi / 72     # a diamond's half diagonal
     assert (left - ax.get_window_extent().x0) * 72 / figures[-1].dpi >= 3
     (_, caption), = ex.plot_icl_curve(plt, save, [], {"curve": curve(0.1)})
-    assert "every bar is seen beyond its circle" in caption and "every bar is seen beyond its marker" in caption
+    assert "every bar reaches beyond its circle" in caption and "every bar reaches beyond its marker" in caption
 
 
 def test_the_depth_figure_draws_the_baselines_apart_from_the_model_and_inside_its_limits(drawn):
