@@ -677,7 +677,7 @@ def plot_task_diversity(plt, save, rows, tables):
                                            [K_SE * r[f"{name}_{test}_se"] for r in pools if r.get(f"{name}_{test}") is not None],
                                            5, marker)]
     title.set_text(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$, $x \\sim N(0, I)$;\n{setting}"
-                   f"bars ±{k_se} SE\n{batches}({bars_said(inside)}; points side by side in $K$)")
+                   f"bars ±{k_se} SE, points side by side in $K$\n{batches}({bars_said(inside)})")
     return [(save(fig, ""), "Task diversity (after Raventos et al. 2023" + (
              f"; d = {first['d']}, n = {first['n']}, label noise variance {first['noise_var']:g}" if "d" in first else "")
              + "): the one-layer optimum for the pool (exact), the trained model (three sparse layers"
