@@ -1030,7 +1030,8 @@ def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=
     out: both ends of the bar and of its caps (capsize points either side; None: the rcParams' value, which
     errorbar drew with) lie inside the drawn marker or less than a pixel beyond its edge. What a caption may
     say of the bars is measured on the drawn figure, never assumed: a cap wider than a triangle's apex
-    is seen, a cross ("x", no area) hides no bar. A bar reaching 0 on a log axis is outside."""
+    is seen. A marker without a face (a cross, "x") is measured by its height alone: the bar ends within
+    it, its caps drawn across the cross. A bar reaching 0 on a log axis is outside."""
     import matplotlib
     from matplotlib.markers import MarkerStyle
     from matplotlib.transforms import Affine2D
@@ -1040,12 +1041,17 @@ def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=
     # the marker's outline as drawn (size plus edge), one pixel larger on every side: what is seen beyond it
     outline = style.get_path().transformed(style.get_transform() + Affine2D().scale((ms + mew) * px + 2))
     cap = (matplotlib.rcParams["errorbar.capsize"] if capsize is None else capsize) * px
+    half_height = outline.get_extents().height / 2
     inside = []
     for x, y, e in zip(xs, ys, errs):
         with np.errstate(invalid="ignore", divide="ignore"):
             ends = ax.transData.transform([(x, y), (x, y - e), (x, y + e)])[:, 1]
-        inside.append(bool(style.is_filled() and np.all(np.isfinite(ends)) and all(
-            outline.contains_point((dx, end - ends[0])) for end in ends[1:] for dx in (-cap, 0.0, cap))))
+        if not np.all(np.isfinite(ends)):
+            inside.append(False)
+        elif style.is_filled():
+            inside.append(all(outline.contains_point((dx, end - ends[0])) for end in ends[1:] for dx in (-cap, 0.0, cap)))
+        else:
+            inside.append(bool(max(abs(ends[1:] - ends[0])) <= half_height))
     return inside
 
 
@@ -1218,6 +1224,12 @@ def plot_icl_curve(plt, save, rows, tables):
     for a in (ax, res_ax):                               # every tested n labelled, no other
         a.xaxis.set_ticks(ns, [str(n) for n in ns])
         a.xaxis.set_minor_formatter(plt.NullFormatter())
+    # the baselines' markers again above every line (the optimum's dashed line, at zorder 5, and the other
+    # series' lines cross them where the series crowd, at the smallest n)
+    for key, marker, color in (("GD", "s", "C1"), ("PGD", "^", "C2"), ("OLS", "D", "C4"), ("ridge", "v", "C5")):
+        ax.plot(ns, [c[key] if c[key] > 1e-6 * c["transformer"] else np.nan for c in curve], marker, ls="none",
+                color=color, ms=6, mfc="white" if key in ("GD", "OLS") else color, zorder=6,
+                transform=offset_copy(ax.transData, fig=fig, x=APART[key], units="points"))
     room_for_apart(fig, (ax, res_ax), ns, APART, log=True)
     # above the highest bar, room for its marker
     tops = [c[k] + K_SE * c[k + "_se"] for c in curve for k in ("transformer", "GD", "PGD", "OLS", "ridge")]

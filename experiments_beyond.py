@@ -827,6 +827,10 @@ def plot_shift(plt, save, rows, tables):
     # what the caption says of the error bars is measured on the figure as drawn, each against its own marker
     # (in (a) tuned ridge's triangle sits inside the hexagon: an error bar that ends within the hexagon but
     # beyond the triangle is one seen)
+    # and the trained model's Monte Carlo crosses (6 pt), drawn just right of its exact loss
+    inside_x = [i for ax, xs, rs in ((ax1, [n * 1.12 for n in ns], length), (ax2, list(x + 0.2), other))
+                for i in bars_inside_markers(fig, ax, xs, [r["layer_mc"] for r in rs], [K_SE * r["layer_mc_se"] for r in rs],
+                                             6, "x")]
     inside = [i for ax, xs, rs in ((ax1, ns, length), (ax2, list(x), other)) for k in monte_carlo
               for i in bars_inside_markers(fig, ax, xs, [r[k] for r in rs], [K_SE * r[k + "_se"] for r in rs], size.get(k, 5),
                                            {"ridge_tuned": "^", "bayes": "h"}[k], mew=1.5)]
@@ -842,7 +846,7 @@ def plot_shift(plt, save, rows, tables):
     return [(save(fig, ""), "One layer trained at n = 20 (d = 5, x and w ~ N(0, I), label noise variance 0.25) tested under "
              "the experiment's four kinds of shift: (a) other prompt lengths, (b) covariates (Sigma), tasks (Sigma_w) "
              "and the query's law; the trained model's exact loss (with the Monte Carlo loss through the transformer, "
-             f"crosses, ±{k_se} SE), the one-layer optimum for each test law, tuned ridge (lambda tuned on the test law) and "
+             f"crosses, ±{k_se} SE; {bars_said(inside_x, 'cross')}), the one-layer optimum for each test law, tuned ridge (lambda tuned on the test law) and "
              f"ridge (Bayes), the Bayes predictor for the test law (large open hexagons; {same_said}); both ridges are Monte Carlo losses on the test batch with ±{k_se} "
              f"standard errors ({bars_said(inside)}; in (a) tuned ridge's triangle sits inside the hexagon, in (b) beside it); "
              f"at n = 20, the training length, the trained model is "

@@ -1132,7 +1132,7 @@ def test_a_bar_is_inside_its_marker_only_with_its_caps_and_to_a_pixel_beyond_the
     # of 4 pt plus half a pixel too (a pixel beyond the edge is not seen), one of 4 pt plus 2 pixels is not;
     # with caps of 3 pt either side a bar of 4 pt is not (its cap's ends are 5 pt from the centre), one of
     # 2.4 pt is; a triangle's apex holds no cap; a
-    # cross ("x") has no face and hides no bar
+    # cross ("x") has no face: a bar within its height is inside it (its caps drawn across the cross)
     plt = pytest.importorskip("matplotlib.pyplot")
     fig, ax = plt.subplots()
     ax.set_ylim(0, 10)
@@ -1144,7 +1144,7 @@ def test_a_bar_is_inside_its_marker_only_with_its_caps_and_to_a_pixel_beyond_the
     assert ex.bars_inside_markers(fig, ax, [1] * 2, [5] * 2, [2.4 * per_pt, 4 * per_pt], 7, capsize=3) == [True, False]
     assert ex.bars_inside_markers(fig, ax, [1], [5], [1.0 * per_pt], 7, "^", capsize=3) == [False]
     assert ex.bars_inside_markers(fig, ax, [1], [5], [1.0 * per_pt], 7, "^", capsize=0) == [True]
-    assert ex.bars_inside_markers(fig, ax, [1], [5], [0.5 * per_pt], 7, "x", capsize=0) == [False]
+    assert ex.bars_inside_markers(fig, ax, [1] * 2, [5] * 2, [0.5 * per_pt, 5 * per_pt], 7, "x", capsize=3) == [True, False]
     plt.close(fig)
 
 
