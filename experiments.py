@@ -1004,8 +1004,9 @@ NAMES = {"transformer": "trained model", "optimum": "exact family optimum",
 K_SE_BAND = "above −{k} SE: the claims' tolerance (one-sided)"
 # the baselines beside each x by a fixed distance in points, not in x units: the trained model's circle (7 pt
 # across) and a baseline's marker (6 pt; a diamond reaches 4.3 pt from its centre) 9 pt apart do not meet,
-# nor do two baselines 9 pt apart, whatever the axis' span
-APART = {"GD": -9, "PGD": 9, "OLS": -18, "ridge": 18}
+# nor do two baselines 9 pt apart, whatever the axis' span. OLS and ridge (drawn only while n < d) go left
+# with GD: a group reaching 18 pt right of n = 4 would cross the midpoint to n = 5, 31 pt away on the log axis
+APART = {"GD": -9, "PGD": 9, "ridge": -18, "OLS": -27}
 
 
 def room_for_apart(fig, axes, xs, keys, log=False):
@@ -1124,7 +1125,7 @@ def plot_depth(plt, save, rows, tables):
     log_ticks(plt, ax.yaxis, *ax.get_ylim())                # the drawn range, error bars included
     for k in exact:
         top = max(r[k + "_loss"] for r in rs)
-        ax.plot([], [], " ", label=f"{NAMES[k]}: at most {at_most(top)} at every $L$ (exact), off the axis")
+        ax.plot([], [], " ", label=f"{NAMES[k]}: at most {at_most(top)} at every $L$\n(0 up to rounding), off the axis")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
     res_ax.set(xlabel="layers $L$", title="(b) trained model − optimum in SE")
     room_for_apart(fig, (ax, res_ax), Ls, ("GD", "PGD"))
@@ -1211,7 +1212,7 @@ def plot_icl_curve(plt, save, rows, tables):
             where = "" if not zeros else (
                 f": drawn at $n$ = {', '.join(str(n) for n in shown)};\n"
                 + (f"at most {at_most(max(zeros))}" if max(zeros) > 0 else "0")
-                + f" (exact) for $n \\geq {min(n for n, v in zip(ns, values) if np.isnan(v))}$")
+                + f" (0 up to rounding)\nfor $n \\geq {min(n for n, v in zip(ns, values) if np.isnan(v))}$")
             # a series drawn at one n only: its marker, no line (in the legend too)
             ax.errorbar(ns, values, [K_SE * c[key + "_se"] for c in curve], fmt=style if len(shown) > 1 else style[0],
                         color=color, ms=6, mfc="white" if key in ("GD", "OLS") else color,
@@ -1252,8 +1253,8 @@ def plot_icl_curve(plt, save, rows, tables):
                  + (f", {' and '.join(NAMES[k] for k in zero)}: these are exactly 0 on noiseless labels once n >= d and "
                     "drawn only where n < d" if zero else "")
                  + f"; the baselines are Monte Carlo losses on the test batch (±{fmt(K_SE)} SE; {bars_said(inside_base)}), drawn "
-                 f"{abs(APART['GD'])} and {abs(APART['OLS'])} points either side of each n (GD-3 and OLS left, PGD-3 and "
-                 f"ridge right); trained on {curve[0]['B']} prompts, tested on {curve[0]['test_batch']}"
+                 f"beside each n (GD-3, ridge and OLS {abs(APART['GD'])}, {abs(APART['ridge'])} and {abs(APART['OLS'])} "
+                 f"points left, PGD-3 {APART['PGD']} points right); trained on {curve[0]['B']} prompts, tested on {curve[0]['test_batch']}"
                  + f"; (b) the trained model minus the optimum in standard errors, above −{fmt(K_SE)} SE (the grey "
                  "band: the claims are one-sided, the trained model may not beat the optimum)"
                  + f"; the experiment's checks of the optimum: {sum(r['verdict'] == PASS for r in checks)} of {len(checks)} PASS"

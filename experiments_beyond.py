@@ -796,7 +796,7 @@ def plot_shift(plt, save, rows, tables):
                      fmt=marker, ls=ls, color=color, ms=size.get(key, 5), mfc="none" if key in size else color, mew=1.5,
                      label=label + (f" (±{k_se} SE)" if key in monte_carlo else ""))
     ax1.errorbar([n * 1.12 for n in ns], [r["layer_mc"] for r in length], [K_SE * r["layer_mc_se"] for r in length], fmt="x", color="k",
-                 ms=6, label=f"trained model (Monte Carlo, ±{k_se} SE; drawn just right)")
+                 ms=6, label=f"trained model (Monte Carlo, ±{k_se} SE;\ndrawn right of the exact loss)")
     ax1.set(xscale="log", yscale="log", xlabel="test prompt length $n$ (log scale)",
             ylabel=r"test loss, mean squared error (log scale)", title="(a) length shift (trained at $n$ = 20)")
     ax1.xaxis.set_ticks(ns, [str(n) for n in ns])              # every tested length labelled, no other

@@ -1982,6 +1982,28 @@ def test_error_bars_print_rounded_up(x, decimals, printed):
     assert ex.rounded_up(x, decimals) == printed
 
 
+def test_the_icl_curve_keeps_each_n_s_group_on_its_side_of_the_midpoint_to_the_next(drawn):
+    # n = 4 and 5 are 0.097 decades apart on the log axis (31 pt at the figure's width): every marker drawn
+    # for n = 4 (the baselines beside it, OLS and ridge too, exact only from n = d = 5) stays left of the
+    # midpoint, every one of n = 5 right of it
+    plt, save, figures = drawn
+    ns = (2, 4, 5, 8, 10, 15, 20, 30)
+    curve = [dict(n=n, B=100, test_batch=200, transformer=1.0 / n, transformer_se=0.001, family_optimum=1.0 / n, converged=True,
+                  GD=2.0 / n, PGD=1.5 / n, OLS=3.0 / n if n < 5 else 1e-30, ridge=0.8 / n if n < 5 else 1e-30,
+                  **{k + "_se": 0.001 for k in ("GD", "PGD", "OLS", "ridge")}) for n in ns]
+    ex.plot_icl_curve(plt, save, [], {"curve": curve})
+    fig = figures[-1]
+    ax = fig.axes[0]
+    middle = ax.transData.transform([(math.sqrt(4 * 5), 1)])[0, 0]
+    for line in ax.lines:
+        xs = list(line.get_xdata())
+        if line.get_marker() in (None, "None", "", " ") or 4 not in xs or not np.isfinite(line.get_ydata()[xs.index(4)]):
+            continue
+        assert marker_x(fig, line, xs.index(4)) < middle, line.get_label()
+        if np.isfinite(line.get_ydata()[xs.index(5)]):
+            assert marker_x(fig, line, xs.index(5)) > middle, line.get_label()
+
+
 def test_the_looped_hessian_panel_draws_each_n_apart_and_says_where_the_monte_carlo_estimates_lie(drawn):
     # at L = 1 the exact eigenvalues of several n can be one value: the series are drawn STAGGER points apart
     import experiments_beyond as beyond

@@ -842,6 +842,8 @@ MUTANTS = [
      "a bar reaching 5 pixels beyond its marker's edge counted as hidden in it"),
     ('bars-cross-twice', 'experiments.py', 'bars_inside_markers', '<= half_height))', '<= 2 * half_height))',
      "a bar reaching beyond its cross (no face) by up to its height counted as inside it"),
+    ('icl-curve-ridge-right', 'experiments.py', None, 'APART = {"GD": -9, "PGD": 9, "ridge": -18, "OLS": -27}',
+     'APART = {"GD": -9, "PGD": 9, "ridge": 18, "OLS": -18}', "ridge drawn 18 points right of n = 4: past the midpoint to n = 5"),
     ('icl-curve-room-marker-only', 'experiments.py', 'plot_icl_curve',
      'room_for_apart(fig, (ax, res_ax), ns, APART, log=True)', 'room_for_apart(fig, (ax, res_ax), ns, ("GD", "PGD"), log=True)',
      "the room left for the outermost baselines is PGD's, and OLS's diamond at the smallest n runs into the frame"),
