@@ -1029,9 +1029,8 @@ def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=
     """For each point of `ax` at (xs, ys) with error bars of half-length errs (data units), whether the bar
     is hidden by its marker (`marker`, ms points across, with an edge of mew points) as the figure is laid
     out: both ends of the bar and of its caps (capsize points either side; None: the rcParams' value, which
-    errorbar drew with) lie inside the drawn marker or less than a pixel beyond its edge. What a caption may
-    say of the bars is measured on the drawn figure, never assumed: a cap wider than a triangle's apex
-    is seen. A marker without a face (a cross, "x") is measured by its height alone: the bar ends within
+    errorbar drew with) lie inside the drawn marker or less than a pixel beyond its edge, as drawn: a cap
+    wider than a triangle's apex is seen. A marker without a face (a cross, "x") is measured by its height alone: the bar ends within
     it, its caps drawn across the cross. A bar reaching 0 on a log axis is outside."""
     import matplotlib
     from matplotlib.markers import MarkerStyle

@@ -56,9 +56,7 @@ ACTIVATIONS = ("linear", "relu", "softmax", "softmax_all")   # the attention's s
 PAPER_EIGENVALUES = (1.0, 1.0, 0.25, 0.0625, 1.0)   # spectrum of Sigma in [A] §4.3 (MATH.md §1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Input checks (no mathematics): every public function validates its arguments before it computes.
-# ---------------------------------------------------------------------------------------------
+# Input checks (no mathematics): every public function validates its arguments before it computes. ---
 
 def _numpy_rules(fn):
     """fn run under the caller's floating-point rules with underflow ignored and "raise" (or "call",
@@ -129,8 +127,7 @@ _ENGINE_METHODS = ("gram", "loss_and_grad_gram", "jacobian_gram", "activation_pa
 
 
 def _engine(engine):
-    """engine itself: None or an evaluator with the methods _ENGINE_METHODS (ReferenceEngine), else a
-    TypeError naming what it lacks."""
+    """engine: None or an evaluator with ReferenceEngine's methods, else a TypeError naming what it lacks."""
     missing = [m for m in _ENGINE_METHODS if not callable(getattr(engine, m, None))]
     if engine is not None and missing:
         raise TypeError(f"engine must be None or an evaluator with the methods of icl_ref.REFERENCE (e.g. "
@@ -262,9 +259,7 @@ def _flag(name, value):
     return bool(value)
 
 
-# ---------------------------------------------------------------------------------------------
-# §1 Data ([A] §2)
-# ---------------------------------------------------------------------------------------------
+# §1 Data ([A] §2) ------------------------------------------------------------------------------
 
 @_numpy_rules
 def sample_prompts(rng, batch, n, Sigma, Sigma_w=None, noise_std=0.0, return_w_star=False, tasks=None):
@@ -314,8 +309,7 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
     return (U * lam) @ U.T, U
 
 
-# ---------------------------------------------------------------------------------------------
-# §2 Model ([A] eq. (3)-(4))
+# §2 Model ([A] eq. (3)-(4)) --------------------------------------------------------------------
 #
 # Since M removes the query column from the keys and values, one layer is
 #     Z_{l+1} = Z_l + (1/n) sum_h P_h (Z_l M Z_l^T) Q_h Z_l = T_l Z_l,
@@ -327,7 +321,6 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 # Stacks of D x D matrices are multiplied prompt by prompt (np.matmul), a factor shared by every prompt
 # as one product of the stacked rows (_times, _summed), in chunks that keep BLAS on the calling thread
 # (_chunks; MATH.md's notes on the code give the sizes).
-# ---------------------------------------------------------------------------------------------
 
 def mask(n):
     """M = diag(1, ..., 1, 0) of shape (n+1, n+1) ([A] §2): the query is not a key or value.
@@ -524,9 +517,7 @@ def predict(P, Q, Z):
     return y_hat
 
 
-# ---------------------------------------------------------------------------------------------
-# §3 Loss and gradient ([A] eq. (5) as in its App. A.1 and the authors' code)
-# ---------------------------------------------------------------------------------------------
+# §3 Loss and gradient ([A] eq. (5) as in its App. A.1 and the authors' code) -------------------
 
 @_numpy_rules
 def in_context_loss(P, Q, Z, y):
@@ -605,9 +596,7 @@ def loss_and_grad(P, Q, Z, y, engine=None):
     return loss, dP, dQ
 
 
-# ---------------------------------------------------------------------------------------------
-# §3.1 The per-prompt Jacobian
-# ---------------------------------------------------------------------------------------------
+# §3.1 The per-prompt Jacobian ------------------------------------------------------------------
 
 def _jacobian_gram(P, Q, S0, q0, y, n):
     """(r (B,), JP, JQ (B, L, H, D, D)) in Gram form, unchecked (MATH.md §3.1): each chunk's residuals
@@ -620,15 +609,13 @@ def _jacobian_gram(P, Q, S0, q0, y, n):
     return tuple(np.concatenate(part) for part in zip(*parts))
 
 
-# ---------------------------------------------------------------------------------------------
-# §4 Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads)
+# §4 Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads) -------------
 #
 #     Attn_sigma(Z) = P Z M sigma(E),   E = Z^T Q Z (B, n+1, n+1), E[i, j] = z_i^T Q z_j (key i, column j).
 #
 # sigma: "relu" entrywise; "softmax" over each column's n context keys (weights sum to 1);
 # "softmax_all" over all n+1 keys, then M drops the query's value (the authors' code: weights on the
 # context sum to less than 1); "linear" the identity, the explicit twin of the Gram-form layer.
-# ---------------------------------------------------------------------------------------------
 
 @_numpy_rules
 def attention_forward(P_h, Q_h, Z, activation):
@@ -745,9 +732,7 @@ def loss_and_grad_activation(P, Q, Z, y, activation="relu", engine=None):
     return loss, dP, dQ
 
 
-# ---------------------------------------------------------------------------------------------
-# §5 Parametrisations ([A] eq. (8) and (11)) and flat vectors for SciPy
-# ---------------------------------------------------------------------------------------------
+# §5 Parametrisations ([A] eq. (8) and (11)) and flat vectors for SciPy -------------------------
 
 def _blocks(name, A):
     A = _array(name, A, 3)
@@ -879,9 +864,7 @@ def structure_to_PQ(structure, coords, L=None):
     return np.repeat(P, L, axis=0), np.repeat(Q, L, axis=0)
 
 
-# ---------------------------------------------------------------------------------------------
-# §3.1 with §4-§5: the Jacobian in a structure's coordinates; a batch by either attention (for §6, §11)
-# ---------------------------------------------------------------------------------------------
+# §3.1 with §4-§5: the Jacobian in a structure's coordinates; a batch by either attention (for §6, §11) ---
 
 def _check_structure_of(structure, P, Q, tied=False):
     """A ValueError unless P, Q have the form of `structure` (one head, the fixed entries of (8) or
@@ -970,12 +953,10 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
     return r, J
 
 
-# ---------------------------------------------------------------------------------------------
-# §6 Training on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook)
+# §6 Training on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook) --------------------
 #
 # Both trainers work on the batch divided by c, a power of two near its size (_data_scale): T_l is
 # unchanged by S -> S / c^2, Q -> c^2 Q, so gtol means the same at any scale (the paper's data: c = 1).
-# ---------------------------------------------------------------------------------------------
 
 def _data_scale(Z):
     """c = 2^floor(log2 rms(Z)): Z / c has entries of root mean square in [1, 2), and dividing by a
@@ -1205,9 +1186,8 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     train_lbfgs; max_nfev bounds residual evaluations (each with its Jacobian). The coordinates that
     do not enter the loss (blocks: B_{L-1}; full: the x-rows of P_{L-1}) stay at their initial
     values (result["fixed"] counts them). Converged: grad_norm = |2 J^T r / B| over the free
-    coordinates <= gtol; the run stops at the first evaluation where that holds (gtol = 0: only on
-    SciPy's own tolerances, 1e-15). history: the loss after each accepted decrease; nit counts
-    evaluations. Returns train_lbfgs's dict (success, scale, tied and Ctrl-C as there) plus fixed."""
+    coordinates <= gtol, where the run stops (gtol = 0: at SciPy's tolerances, 1e-15). history: the loss
+    after each accepted decrease; nit counts evaluations. Returns train_lbfgs's dict plus fixed."""
     options = dict(max_nfev=_int("max_nfev", max_nfev, 1), gtol=_nonneg("gtol", gtol))
     run = _Run(Z, y, layers, structure, heads, init, init_scale, rng, activation, progress, engine, tied)
     B = run.Z.shape[0]
@@ -1256,9 +1236,8 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     x0 = run.theta0[free]
     try:
         evaluate(x0)
-        at_start = False
-    except _Converged:
-        at_start = True
+    except _Converged:                   # the start passes the test: decided below, before least_squares
+        pass
     if not math.isfinite(best["loss"]):
         raise ValueError("the loss or its Jacobian at the initial point is not finite (float64 overflow): "
                          "use a smaller init_scale or init, or rescale Z")
@@ -1266,7 +1245,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
     # Jacobian is rank-deficient along (gamma P_l, Q_l / gamma), they stall where "trf" does not
     method = "trf" if structure == "full" else "dogbox"
     try:
-        if at_start:
+        if _norm(best["grad"]) <= options["gtol"]:
             raise _Converged
         res = scipy.optimize.least_squares(reduced_residuals, x0, jac=reduced_jacobian,
                                            method=method, ftol=1e-15, xtol=1e-15, gtol=1e-15,
@@ -1287,9 +1266,7 @@ def train_gauss_newton(Z, y, layers, structure="sparse", heads=1, init="random",
                       fixed=int(np.sum(~free)))
 
 
-# ---------------------------------------------------------------------------------------------
-# §7 Lemma 1: the sparse transformer is preconditioned gradient descent
-# ---------------------------------------------------------------------------------------------
+# §7 Lemma 1: the sparse transformer is preconditioned gradient descent -------------------------
 
 @_numpy_rules
 def preconditioned_gd(X, y, A):
@@ -1316,9 +1293,7 @@ def preconditioned_gd(X, y, A):
     return W[0] if single else W
 
 
-# ---------------------------------------------------------------------------------------------
-# §8 One layer: Theorem 1 generalised, Mahankali et al.
-# ---------------------------------------------------------------------------------------------
+# §8 One layer: Theorem 1 generalised, Mahankali et al. -----------------------------------------
 
 def _product(*factors, over=()):
     """prod(factors) / prod(over), positive floats, from their binary mantissas and exponents: no
@@ -1472,9 +1447,7 @@ def gd_step_size(n, d, noise_var=0.0):
     return 1.0 / (_int("n", n, 1) + 1 + _int("d", d, 1) + _nonneg("noise_var", noise_var))
 
 
-# ---------------------------------------------------------------------------------------------
-# §9 Exact Wishart trace moments
-# ---------------------------------------------------------------------------------------------
+# §9 Exact Wishart trace moments ----------------------------------------------------------------
 
 MAX_MOMENT_ORDER = 40    # exact Wishart moments up to this order (MATH.md §9)
 
@@ -1519,9 +1492,7 @@ def wishart_trace_moments(n, d, kmax):
     return list(_trace_moments(n, d, kmax))
 
 
-# ---------------------------------------------------------------------------------------------
-# §10 The families of Theorems 3 and 4
-# ---------------------------------------------------------------------------------------------
+# §10 The families of Theorems 3 and 4 ----------------------------------------------------------
 
 def _family_scalars(a, b):
     a = _array("a", a, 1)
@@ -1800,9 +1771,7 @@ def family_local_minimum(a, n, d, b=None, noise_var=0.0):
     return _family_result(theta, L, n, d, blocks, noise_var)
 
 
-# ---------------------------------------------------------------------------------------------
-# §11 Metrics and the sandwich covariance
-# ---------------------------------------------------------------------------------------------
+# §11 Metrics and the sandwich covariance -------------------------------------------------------
 
 @_numpy_rules
 def distance_to_multiple(M, T=None):
@@ -1966,9 +1935,7 @@ def sandwich_covariance(structure, coords, Z, y, chunks=200, h=1e-5, activation=
     return (cov + cov.T) / 2
 
 
-# ---------------------------------------------------------------------------------------------
-# The engine seam
-# ---------------------------------------------------------------------------------------------
+# The engine seam -------------------------------------------------------------------------------
 
 class ReferenceEngine:
     """The evaluator protocol that `engine=` arguments take, with this module's own computations.
@@ -1996,9 +1963,7 @@ REFERENCE = ReferenceEngine()
 """This module's computations as an engine (ReferenceEngine): what icl_fast falls back to."""
 
 
-# ---------------------------------------------------------------------------------------------
-# For the project's other modules: the private names they may use, and the names that moved
-# ---------------------------------------------------------------------------------------------
+# For the project's other modules: the private names they may use, and the names that moved -----
 
 # The private names the project's other modules may import (a test pins the list): the input checks (the
 # same words everywhere), one layer's moments and loss (§8), the family search (§10), the Wishart moments (§9)
