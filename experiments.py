@@ -366,8 +366,12 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
             ax.set(xticks=[], yticks=[])
         if row_labels[r]:
             axes[r][0].set_ylabel(row_labels[r], fontsize=8)
-    bar = fig.colorbar(image, ax=axes, location="bottom", shrink=0.5, aspect=40,
-                       ticks=[t for t in (-10, -1, -0.1, 0, 0.1, 1, 10) if abs(t) <= v], format=signed_ticks(plt))
+    # labelled at the decades from 0.1 to v and at 5 times the last of them, so that the bar's far end is read
+    # off a label (an entry of 9.6 beyond the last decade, 1, would be)
+    decades = [t for t in (0.1, 1, 10) if t <= v]
+    ends = [5 * decades[-1]] if decades and 5 * decades[-1] <= v else []
+    ticks = sorted({0.0, *decades, *ends, *(-t for t in decades + ends)})
+    bar = fig.colorbar(image, ax=axes, location="bottom", shrink=0.5, aspect=40, ticks=ticks, format=signed_ticks(plt))
     bar.set_label("entry (log beyond ±0.1)", fontsize=8)
     fig.suptitle(suptitle, fontsize=9)
     return save(fig, suffix)
@@ -995,7 +999,6 @@ def baselines(Z_tune, y_tune, Z_test, y_test, L, Si, n, d):
     return out
 
 
-# The estimators' names, the same in every figure and caption (docs/FIGURES.md)
 # One name for each estimator in every figure and caption (docs/FIGURES.md, checklist item 6; FINDINGS' names)
 NAMES = {"transformer": "trained model", "optimum": "exact family optimum",
          "GD": "GD-$L$", "PGD": "PGD-$L$", "OLS": "OLS", "ridge": "ridge (Bayes)"}
@@ -1007,6 +1010,10 @@ K_SE_BAND = "above −{k} SE: the claims' tolerance (one-sided)"
 # nor do two baselines 9 pt apart, whatever the axis' span. OLS and ridge (drawn only while n < d) go left
 # with GD: a group reaching 18 pt right of n = 4 would cross the midpoint to n = 5, 31 pt away on the log axis
 APART = {"GD": -9, "PGD": 9, "ridge": -18, "OLS": -27}
+# an error bar is seen beyond its marker when this many pixels of it lie more than a pixel past the marker's
+# drawn edge (bars_inside_markers): a cap whose corners graze a ring by a fraction of a pixel is not seen at
+# 150 dpi, a stub of 2 px (1 pt) beside the ring is
+SEEN_PX = 2.0
 
 
 def room_for_apart(fig, axes, xs, keys, log=False):
@@ -1028,20 +1035,31 @@ def room_for_apart(fig, axes, xs, keys, log=False):
 def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=None):
     """For each point of `ax` at (xs, ys) with error bars of half-length errs (data units), whether the bar
     is hidden by its marker (`marker`, ms points across, with an edge of mew points) as the figure is laid
-    out: both ends of the bar and of its caps (capsize points either side; None: the rcParams' value, which
-    errorbar drew with) lie inside the drawn marker or less than a pixel beyond its edge, as drawn: a cap
-    wider than a triangle's apex is seen. A marker without a face (a cross, "x") is measured by its height alone: the bar ends within
-    it, its caps drawn across the cross. A bar reaching 0 on a log axis is outside."""
+    out. A line is seen when at least SEEN_PX pixels of it lie more than a pixel beyond the marker's drawn
+    outline (size plus edge): a bar is hidden when neither half nor either cap (capsize points either side;
+    None: the rcParams' value, which errorbar drew with) is seen, so a cap wider than a triangle's apex is
+    seen and a cap whose corners graze the ring is not. A marker without a face (a cross, "x") is measured
+    by its height alone: the bar is seen when it ends SEEN_PX beyond it, its caps drawn across the cross. A
+    bar reaching 0 on a log axis is outside."""
     import matplotlib
     from matplotlib.markers import MarkerStyle
     from matplotlib.transforms import Affine2D
     fig.canvas.draw()                    # the constrained layout sizes the axes before any distance is measured
     px = fig.dpi / 72                    # pixels per point
     style = MarkerStyle(marker)
-    # the marker's outline as drawn (size plus edge), one pixel larger on every side: what is seen beyond it
+    # the marker's outline as drawn (size plus edge), one pixel larger on every side
     outline = style.get_path().transformed(style.get_transform() + Affine2D().scale((ms + mew) * px + 2))
     cap = (matplotlib.rcParams["errorbar.capsize"] if capsize is None else capsize) * px
     half_height = outline.get_extents().height / 2
+
+    def beyond(a, b):
+        """Pixels of the line from a to b (pixels from the marker's centre) outside `outline`, from its
+        midpoints a quarter of a pixel apart."""
+        length = float(np.hypot(*np.subtract(b, a)))
+        k = max(int(np.ceil(length / 0.25)), 1)
+        t = ((np.arange(k) + 0.5) / k)[:, None]
+        return length * np.count_nonzero(~outline.contains_points(np.add(a, t * np.subtract(b, a)))) / k
+
     inside = []
     for x, y, e in zip(xs, ys, errs):
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -1049,9 +1067,10 @@ def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=
         if not np.all(np.isfinite(ends)):
             inside.append(False)
         elif style.is_filled():
-            inside.append(all(outline.contains_point((dx, end - ends[0])) for end in ends[1:] for dx in (-cap, 0.0, cap)))
+            inside.append(all(max(beyond((0.0, 0.0), (0.0, h)), beyond((-cap, h), (cap, h))) < SEEN_PX
+                              for h in ends[1:] - ends[0]))
         else:
-            inside.append(bool(max(abs(ends[1:] - ends[0])) <= half_height))
+            inside.append(bool(max(abs(ends[1:] - ends[0])) - half_height < SEEN_PX))
     return inside
 
 
@@ -1861,7 +1880,8 @@ def plot_softmax_two_head(plt, save, rows, tables):
     failed = sum(not t["converged"] for t in starts)
     made.append((save(fig, ""), f"Softmax heads (d = 5, n = 10, isotropic, noiseless; trained on {starts[0]['train_batch']} "
                  f"prompts, tested on {starts[0]['test_batch']}): each start's test loss with ±{k_se} standard errors "
-                 "(stars: training started from the rebuttal's construction; "
+                 "(stars: training started from the rebuttal's construction; squares: two heads started from the best "
+                 "one-head model with a small second head; "
                  + (f"open, vermillion: the {plural(failed, 'start')} that did not converge" if failed else
                     f"every start converged") + f") against the trained linear layer (dashed, its ±{k_se} SE the grey band). "
                  f"{said[:1].upper() + said[1:]}. "

@@ -1,5 +1,5 @@
 """The experiments beyond the paper, each a self-checking claim: looped models (Gatmiry et al. 2024),
-training dynamics (Zhang, Frei, Bartlett 2024), task pools (Raventos et al. 2023) and shift (Wu et al.
+training dynamics (Zhang, Frei, Bartlett 2024), task pools (Raventós et al. 2023) and shift (Wu et al.
 2024), against the closed forms of icl_looped (MATH.md §14) and icl_estimators (MATH.md §15).
 
 They register with experiments.py's `experiment` and return rows in its format (experiments.py's
@@ -33,6 +33,8 @@ DYNAMICS_DT = 0.06   # the dynamics' residual panel: its three entries drawn thi
                      # descent's times are 0.8 apart), so that no marker hides another
 STAR_SHIFT = 9.0  # points between (a)'s trained-model stars (9 points) and their L's optima (6 points):
                   # half of each, with their 1-point edges, is 8.5
+PROFILE_REACH = 1.4  # the looped (c) curves run from beta = 0 to this many times their certified minimum's beta:
+                     # past the minimum, far enough to show the loss rise again
 
 
 def plot_looped(plt, save, rows, tables):
@@ -166,6 +168,10 @@ def plot_looped(plt, save, rows, tables):
                            for t in done if t.get("B"))
     mc_batch = sorted({p["B_mc"] for p in mc if p.get("B_mc")})
     mc_at = ", ".join(str(r["L"]) for r in hess)
+    # how far (c)'s curves run past their minima, from the drawn table (the same at every L: one number)
+    minima = {p["L"]: p["beta"] for p in points if p["kind"] != "saddle"}
+    reach = "/".join(sorted({fmt(max(r["beta"] for r in prof if r["L"] == L) / b, 3) for L, b in minima.items()
+                             if any(r["L"] == L for r in prof)}))
     mc_off = max((abs(r["mc_antisymmetric"] - r["antisymmetric"]) / r["mc_antisymmetric_se"] for r in hess), default=None)
     return [(save(fig, ""), "Looped models (d = 5, n = 20; a loss is the population loss E(y_hat - y)^2 over fresh prompts): "
              "(a) the exact tied and untied family optima per depth (the sparse untied optimum is the depth figure's "
@@ -181,7 +187,8 @@ def plot_looped(plt, save, rows, tables):
              + "; (c) the loss along "
              "matrices with rotation blocks, relative to the sparse tied optimum: the whitened tied matrix "
              "alpha0 (I - D) + alpha D + beta J, with one or two 2 x 2 rotation blocks [[0, beta], [-beta, 0]] in J (D their "
-             "coordinates), at each beta minimised over alpha0 and alpha (\"the rest\"), with the certified minima (squares) and "
+             "coordinates), at each beta minimised over alpha0 and alpha (\"the rest\"), from beta = 0 to "
+             f"{reach} times the certified minimum's, with the certified minima (squares) and "
              "saddle (triangle), "
              + (f"the Monte Carlo loss of the {' and '.join(mc_kinds)} (±{k_se} SE, on "
                 f"{' and '.join(str(b) for b in mc_batch) or 'fresh'} prompts; {bars_said(bars_c, 'cross')}) " if mc else "") + "and the trained tied models' largest rotation "
@@ -447,7 +454,7 @@ def looped(ctx):
     profiles = []
     for p in points[:2]:
         blocks = 2 if p["L"] == 4 else 1
-        betas = np.linspace(0.0, 1.4 * p["beta"], 8 if q else 36)
+        betas = np.linspace(0.0, PROFILE_REACH * p["beta"], 8 if q else 36)
         phi, _ = lp.block_profile(p["L"], n, d, blocks, betas)
         profiles += [dict(id=f"L{p['L']}-beta{k}", L=p["L"], blocks=blocks, beta=float(b),
                           relative_to_family=float(f / p["family_loss"] - 1)) for k, (b, f) in enumerate(zip(betas, phi))]
@@ -678,15 +685,15 @@ def plot_task_diversity(plt, save, rows, tables):
                                            5, marker)]
     title.set_text(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$, $x \\sim N(0, I)$;\n{setting}"
                    f"bars ±{k_se} SE, points side by side in $K$\n{batches}({bars_said(inside)})")
-    return [(save(fig, ""), "Task diversity (after Raventos et al. 2023" + (
+    return [(save(fig, ""), "Task diversity (after Raventós et al. 2023" + (
              f"; d = {first['d']}, n = {first['n']}, label noise variance {first['noise_var']:g}" if "d" in first else "")
              + "): the one-layer optimum for the pool (exact), the trained model (three sparse layers"
              + only.replace("$", "") + "), dMMSE over the pool and "
              "ridge (Bayes for w ~ N(0, I)), tested on the pool (a) and on fresh tasks (b), against the pool size K; Monte Carlo points with "
              f"±{k_se} standard errors ({bars_said(inside)}), the series drawn side by "
              "side in K so no point hides another; a filled square: a trained model that did not converge. What to see: "
-             "dMMSE's pool loss against ridge's (a; the experiment checks it below at K <= 16, where a small pool is "
-             "memorised), and how far the models linear in the labels stay above ridge on fresh tasks (b).")]
+             "dMMSE's pool loss against ridge's (a: dMMSE, the Bayes predictor for the pool, sits near the noise floor "
+             "at every K drawn; the experiment checks it below ridge at K <= 16), and how far the models linear in the labels stay above ridge on fresh tasks (b).")]
 
 
 def pool_rows(pools, L1_prior, L3_prior, fit):

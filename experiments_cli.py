@@ -453,7 +453,7 @@ def parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=HELP_EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="experiments to run (default: all; a name given twice runs once)")
-    ap.add_argument("--quick", action="store_true", help="reduced sizes (about a minute in all)")
+    ap.add_argument("--quick", action="store_true", help="reduced sizes (about a minute and a half in all on 2 cores)")
     ap.add_argument("--seed", type=nonneg_int, default=0, help="integer >= 0 (default: 0)")
     ap.add_argument("--out", default="results", help="directory for the results (default: results)")
     ap.add_argument("--overwrite", action="store_true",

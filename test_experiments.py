@@ -1127,24 +1127,28 @@ def test_figures_keep_text_at_least_8_pt_and_save_a_png_and_a_pdf():
     assert runner.output_of("depth", "depth.pdf") and runner.output_of("depth", "depth_x.pdf")
 
 
-def test_a_bar_is_inside_its_marker_only_with_its_caps_and_to_a_pixel_beyond_the_edge():
-    # a 7 pt circle with a 1 pt edge reaches 4 pt from its centre: a bar of 3.9 pt without caps is inside, one
-    # of 4 pt plus half a pixel too (a pixel beyond the edge is not seen), one of 4 pt plus 2 pixels is not;
-    # with caps of 3 pt either side a bar of 4 pt is not (its cap's ends are 5 pt from the centre), one of
-    # 2.4 pt is; a triangle's apex holds no cap; a
-    # cross ("x") has no face: a bar within its height is inside it (its caps drawn across the cross)
+def test_a_bar_is_seen_beyond_its_marker_over_two_pixels_a_pixel_past_its_edge():
+    # a 7 pt circle with a 1 pt edge reaches 4 pt from its centre, its outline one pixel larger (5 pt + a
+    # pixel from the centre). Without caps: a bar of 3.9 pt is inside, one ending 2.5 px past the edge is
+    # too (1.5 px of it beyond the outline), one ending 3.5 px past it is seen (2.5 px). A bar of 5 pt ends
+    # 1 pt past the edge, less than a pixel beyond the outline at 100 dpi: hidden without caps, seen with caps of 3 pt either side
+    # (their whole 6 pt beyond); caps of 3 pt on a bar of 2.4 pt end inside (corners 3.84 pt from the centre).
+    # A triangle's apex holds no cap of 3 pt on a bar of 1 pt. A cross ("x") has no face: a bar ending
+    # within 2.5 px of its edge is inside it (its caps drawn across the cross), one 3.5 px past it is not
     plt = pytest.importorskip("matplotlib.pyplot")
     fig, ax = plt.subplots()
     ax.set_ylim(0, 10)
     fig.canvas.draw()
     per_pt = 10 / (ax.get_window_extent().height * 72 / fig.dpi)          # data units per point
     pixel = 72 / fig.dpi                                                  # a pixel in points
-    bars = [3.9, 4 + pixel / 2, 4 + 2 * pixel]
-    assert ex.bars_inside_markers(fig, ax, [1] * 3, [5] * 3, [b * per_pt for b in bars], 7, capsize=0) == [True, True, False]
-    assert ex.bars_inside_markers(fig, ax, [1] * 2, [5] * 2, [2.4 * per_pt, 4 * per_pt], 7, capsize=3) == [True, False]
+    assert pixel > 1 / 1.5     # at 100 dpi, so that 5 pt ends less than a pixel beyond the outline
+    bars = [3.9, 4 + 2.5 * pixel, 4 + 3.5 * pixel, 5]
+    assert ex.bars_inside_markers(fig, ax, [1] * 4, [5] * 4, [b * per_pt for b in bars], 7, capsize=0) == [True, True, False, True]
+    assert ex.bars_inside_markers(fig, ax, [1] * 2, [5] * 2, [2.4 * per_pt, 5 * per_pt], 7, capsize=3) == [True, False]
     assert ex.bars_inside_markers(fig, ax, [1], [5], [1.0 * per_pt], 7, "^", capsize=3) == [False]
     assert ex.bars_inside_markers(fig, ax, [1], [5], [1.0 * per_pt], 7, "^", capsize=0) == [True]
-    assert ex.bars_inside_markers(fig, ax, [1] * 2, [5] * 2, [0.5 * per_pt, 5 * per_pt], 7, "x", capsize=3) == [True, False]
+    assert ex.bars_inside_markers(fig, ax, [1] * 3, [5] * 3, [0.5 * per_pt, (4 + 2.5 * pixel) * per_pt, (4 + 3.5 * pixel) * per_pt], 7, "x",
+                                  capsize=3) == [True, True, False]
     plt.close(fig)
 
 
@@ -2140,6 +2144,16 @@ def test_a_heat_map_writes_its_values_with_the_minus_sign(drawn):
     ex.heat_grid(plt, [[np.array([[0.39, -0.03], [-0.001, 10.56]])]], [["layer 0: fitted 0.39 ± 0.04"]], "title", save, "")
     texts = [t.get_text() for t in figures[-1].axes[0].texts]
     assert texts == ["0.39", "\u22120.03", "0.00", "10.6"]
+
+
+def test_a_heat_map_s_colour_bar_is_labelled_near_its_ends(drawn):
+    # entries to 9.6: the bar runs to ±9.6 and is labelled at the decades 0.1 and 1 and at 5 (not only to 1);
+    # entries to 0.9: at 0.1 and 0.5
+    plt, save, figures = drawn
+    for top, labelled in ((9.6, [-5, -1, -0.1, 0, 0.1, 1, 5]), (0.9, [-0.5, -0.1, 0, 0.1, 0.5])):
+        ex.heat_grid(plt, [[np.array([[top, 0.0], [0.0, -0.01]])]], [["layer 0"]], "title", save, "")
+        bar = figures[-1].axes[-1]
+        assert list(bar.get_xticks()) == labelled
 
 
 def test_the_dynamics_panel_draws_the_flow_through_its_path_not_only_the_descent_s_times(drawn):
