@@ -374,6 +374,8 @@ def heat_grid(plt, grid, titles, suptitle, save, suffix, row_labels=None):
     bar = fig.colorbar(image, ax=axes, location="bottom", shrink=0.5, aspect=40, ticks=ticks, format=signed_ticks(plt))
     bar.set_label("entry (log beyond ±0.1)", fontsize=8)
     fig.suptitle(suptitle, fontsize=9)
+    # room below the colour bar's label (its descenders otherwise end a pixel above the figure's edge)
+    fig.get_layout_engine().set(rect=(0, 0.06 / fig.get_figheight(), 1, 1 - 0.06 / fig.get_figheight()))
     return save(fig, suffix)
 
 
@@ -1039,8 +1041,9 @@ def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=
     outline (size plus edge): a bar is hidden when neither half nor either cap (capsize points either side;
     None: the rcParams' value, which errorbar drew with) is seen, so a cap wider than a triangle's apex is
     seen and a cap whose corners graze the ring is not. A marker without a face (a cross, "x") is measured
-    by its height alone: the bar is seen when it ends SEEN_PX beyond it, its caps drawn across the cross. A
-    bar reaching 0 on a log axis is outside."""
+    by its drawn height (its path and half its stroke): its bar is seen by the same rule, and its caps when
+    they lie more than a pixel beyond the arms' tips (wholly outside it; nearer, they are drawn across the
+    cross). A bar reaching 0 on a log axis is outside."""
     import matplotlib
     from matplotlib.markers import MarkerStyle
     from matplotlib.transforms import Affine2D
@@ -1050,7 +1053,10 @@ def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=
     # the marker's outline as drawn (size plus edge), one pixel larger on every side
     outline = style.get_path().transformed(style.get_transform() + Affine2D().scale((ms + mew) * px + 2))
     cap = (matplotlib.rcParams["errorbar.capsize"] if capsize is None else capsize) * px
-    half_height = outline.get_extents().height / 2
+    # a faceless marker's reach above its centre: its path's and half its stroke (a bound: the butt end of
+    # an x's diagonal arm reaches mew / (2 sqrt 2) past the tip)
+    top = style.get_path().transformed(style.get_transform() + Affine2D().scale(ms * px)).get_extents().height / 2 \
+        + mew * px / 2
 
     def beyond(a, b):
         """Pixels of the line from a to b (pixels from the marker's centre) outside `outline`, from its
@@ -1069,8 +1075,9 @@ def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=
         elif style.is_filled():
             inside.append(all(max(beyond((0.0, 0.0), (0.0, h)), beyond((-cap, h), (cap, h))) < SEEN_PX
                               for h in ends[1:] - ends[0]))
-        else:
-            inside.append(bool(max(abs(ends[1:] - ends[0])) - half_height < SEEN_PX))
+        else:                   # beyond the tips by a pixel: the bar's stem, and the whole of a cap
+            beyond_tips = max(abs(ends[1:] - ends[0])) - top - 1
+            inside.append(bool(beyond_tips < SEEN_PX and (cap == 0 or beyond_tips <= 0)))
     return inside
 
 
@@ -1585,9 +1592,9 @@ def plot_single_layer_landscape(plt, save, rows, tables):
     ax.set(xticks=np.arange(len(labels)), xticklabels=[setting_label(s) for s in labels],
            ylim=(0, 1.12),
            yticks=np.linspace(0, 1, 6), ylabel="fraction of random starts",
-           xlabel="setting (base: $d$ = 3, $n$ = 10, $\\kappa$ = 4, init scale 0.3"
+           xlabel="setting (base: $d$ = 3, $n$ = 10, $\\kappa$ = 4, init (the initial scale) 0.3"
                   + ("; the others change one of these;\n" if len(labels) > 1 else ";\n")
-                  + "$\\Sigma$'s eigenvalues spread geometrically from 1 to $\\kappa$, rotated)",
+                  + "$x \\sim N(0, \\Sigma)$, $w \\sim N(0, I)$, $\\Sigma$'s eigenvalues spread geometrically from 1 to $\\kappa$, rotated)",
            title=f"One full $(P, Q)$ layer, noiseless, a batch of {table[0]['B']} prompts: where training from\n"
                  f"{table[0]['starts']} random starts per setting ends (GN: Gauss-Newton, left bar; LB: L-BFGS, right bar)")
     # below the axes (hides no bar), a column per optimiser: the error bar's entry closes the first column
@@ -1596,8 +1603,8 @@ def plot_single_layer_landscape(plt, save, rows, tables):
     fig.legend([handles[i] for i in order], [names[i] for i in order], fontsize=8, loc="outside lower center", ncol=2)
     # the settings where no converged start, of either optimiser, stopped at a higher minimum
     clean = [s for s in labels if not any(t["higher"] for t in table if t["setting"] == s)]
-    made.append((save(fig, ""), "One full (P, Q) layer, noiseless, Sigma with eigenvalues spread geometrically from 1 to "
-                 "kappa and rotated: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
+    made.append((save(fig, ""), "One full (P, Q) layer, noiseless, x ~ N(0, Sigma) with Sigma's eigenvalues spread geometrically from 1 to "
+                 "kappa and rotated, w ~ N(0, I); init: the random starts' initial scale: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
                  "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), stopped at a "
                  "higher local minimum (hatched //) or did not converge (white, dotted for Gauss-Newton, crossed for "
                  "L-BFGS; error bars: ±1 binomial standard error of the fraction that reached the optimum, "
@@ -1842,7 +1849,7 @@ def plot_softmax_two_head(plt, save, rows, tables):
         ax.axhline(lin_loss, color="k", ls="--")
         ax.axhspan(lin_loss - K_SE * lin_se, lin_loss + K_SE * lin_se, color="0.85", zorder=0)
         ax.set(xticks=[0, 1], xticklabels=["1 head", "2 heads"], xlim=(-0.6, 1.6),
-               title={"softmax_all": "Ahn et al.'s softmax (all $n$+1 keys)",
+               title={"softmax_all": "the softmax of Ahn et al. 2023 (all $n$+1 keys)",
                       "softmax": "softmax over the $n$ context keys"}[act])
     # the legend names only what is drawn: the kinds of start present, "not converged" only if one did not
     kinds = {"random" if t["start"].startswith("random") else t["start"] for t in starts}

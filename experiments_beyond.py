@@ -18,7 +18,7 @@ import numpy as np
 import icl_estimators as est
 import icl_looped as lp
 import icl_ref as ir
-from experiments import (K_SE, PASS, bars_inside_markers, bars_said, best_of, converged, decide, experiment, family_optimum, fmt, info, judge,
+from experiments import (K_SE, PAPER_LAW, PASS, bars_inside_markers, bars_said, best_of, converged, decide, experiment, family_optimum, fmt, info, judge,
                          keyed, log_ticks, mean_se, paper_data, row, signed_ticks)
 
 
@@ -152,7 +152,7 @@ def plot_looped(plt, save, rows, tables):
     ax3.yaxis.set_major_formatter(signed_ticks(plt))
     ax3.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.suptitle("Looped (tied) models: one sparse layer applied $L$ times, $d$ = 5, $n$ = 20 unless said,\n"
-                 r"noiseless, $\Sigma$ eigenvalues (1, 1, 1/4, 1/16, 1) rotated")
+                 "noiseless, " + PAPER_LAW)
     # what the caption says of the Monte Carlo bars is measured on c as drawn
     bars_c = bars_inside_markers(fig, ax3, [p["beta"] - 0.012 for p in mc], [p["mc_loss"] / p["family_loss"] - 1 for p in mc],
                                  [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], 6, "x")
@@ -173,7 +173,7 @@ def plot_looped(plt, save, rows, tables):
     reach = "/".join(sorted({fmt(max(r["beta"] for r in prof if r["L"] == L) / b, 3) for L, b in minima.items()
                              if any(r["L"] == L for r in prof)}))
     mc_off = max((abs(r["mc_antisymmetric"] - r["antisymmetric"]) / r["mc_antisymmetric_se"] for r in hess), default=None)
-    return [(save(fig, ""), "Looped models (d = 5, n = 20; a loss is the population loss E(y_hat - y)^2 over fresh prompts): "
+    return [(save(fig, ""), "Looped models (d = 5, n = 20, noiseless, x ~ N(0, Sigma), w ~ N(0, the inverse of Sigma); a loss is the population loss E(y_hat - y)^2 over fresh prompts): "
              "(a) the exact tied and untied family optima per depth (the sparse untied optimum is the depth figure's "
              "exact family optimum, the same numbers), with the "
              "trained tied sparse models' exact losses (stars: a trained model need not sit on the tied family, it can "
@@ -540,7 +540,8 @@ def plot_dynamics(plt, save, rows, tables):
     ax3.set(xlabel=r"time $t = k\eta$ ($k$ steps of size $\eta$)", ylabel="(descent − flow) / SE", ylim=(-1.6 * K_SE, 1.6 * K_SE),
             title=f"(c) descent minus flow in standard errors (the entries drawn {DYNAMICS_DT:g} apart in $t$)")
     ax3.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
-    fig.suptitle(rf"One linear-attention layer, $d$ = 2, $n$ = 10, $\Sigma$ eigenvalues (1, 1/2), noiseless;" "\n"
+    fig.suptitle(rf"One linear-attention layer, $d$ = 2, $n$ = 10, noiseless, $x \sim N(0, \Sigma)$, $w \sim N(0, I)$," "\n"
+                 rf"$\Sigma$ eigenvalues (1, 1/2) rotated (so $\Gamma$[0,1] is not 0);" "\n"
                  rf"descent: step $\eta$ = {descent[0]['eta']:g} from initial scale $\sigma$ = {descent[0]['sigma']:g}, batches of {descent[0]['B']} prompts")
     # what the caption says of b's bars is measured on b as drawn
     inside = [i for key, marker, _ in entries for i in bars_inside_markers(
@@ -555,7 +556,7 @@ def plot_dynamics(plt, save, rows, tables):
              "drawn: the flow keeps Gamma symmetric, and the rows check all four entries of the descent; the batches' mean with "
              f"±{k_se} standard errors; {bars_said(inside)}; "
              f"c: the difference in standard errors, the three entries drawn {DYNAMICS_DT:g} apart in t at each time, inside the grey ±{k_se} band where the descent claims pass); d = 2, "
-             f"n = 10, noiseless labels; the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
+             f"n = 10, noiseless labels, x ~ N(0, Sigma) with Sigma's eigenvalues (1, 1/2) rotated, w ~ N(0, I); the experiment's checks: {sum(r['verdict'] == PASS for r in checks)} of "
              f"{len(checks)} PASS. What to see: whether both starts reach the same loss, the one inside the bound "
              "after a plateau, and whether the descent's points lie on the flow's lines.")]
 
@@ -669,8 +670,11 @@ def plot_task_diversity(plt, save, rows, tables):
     drawn = [r[f"{name}_{test}"] for r in pools for name, *_ in series for test in ("pool", "fresh")
              if r.get(f"{name}_{test}") is not None and r[f"{name}_{test}"] > 0]
     log_ticks(plt, axes[0].yaxis, min(drawn) / 1.2, max(drawn) * 1.2)     # shared y: both panels
+    # in the series' order, "not converged" after them (matplotlib lists lines before error-bar containers)
     handles, labels = axes[1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8)
+    order = [label for _, label, *_ in series] + [label for label in labels if label not in {x[1] for x in series}]
+    handles = [handles[labels.index(label)] for label in order if label in labels]
+    fig.legend(handles, [label for label in order if label in labels], loc="outside lower center", ncol=2, fontsize=8)
     first = pools[0]
     setting = (f"$d$ = {first['d']}, $n$ = {first['n']}, label noise variance {first['noise_var']:g}, " if "d" in first else "")
     batches = (f"trained on {first['train_batch']} prompts, tested on {first['test_batch']} "

@@ -1133,8 +1133,9 @@ def test_a_bar_is_seen_beyond_its_marker_over_two_pixels_a_pixel_past_its_edge()
     # too (1.5 px of it beyond the outline), one ending 3.5 px past it is seen (2.5 px). A bar of 5 pt ends
     # 1 pt past the edge, less than a pixel beyond the outline at 100 dpi: hidden without caps, seen with caps of 3 pt either side
     # (their whole 6 pt beyond); caps of 3 pt on a bar of 2.4 pt end inside (corners 3.84 pt from the centre).
-    # A triangle's apex holds no cap of 3 pt on a bar of 1 pt. A cross ("x") has no face: a bar ending
-    # within 2.5 px of its edge is inside it (its caps drawn across the cross), one 3.5 px past it is not
+    # A triangle's apex holds no cap of 3 pt on a bar of 1 pt. A cross ("x", 7 pt, its 1 pt stroke) has no
+    # face and reaches 4 pt above its centre: caps within a pixel of its tips are drawn across it (inside),
+    # caps 1.5 px past them lie wholly beyond (seen); without caps a bar is seen from 3 px past the tips
     plt = pytest.importorskip("matplotlib.pyplot")
     fig, ax = plt.subplots()
     ax.set_ylim(0, 10)
@@ -1147,8 +1148,11 @@ def test_a_bar_is_seen_beyond_its_marker_over_two_pixels_a_pixel_past_its_edge()
     assert ex.bars_inside_markers(fig, ax, [1] * 2, [5] * 2, [2.4 * per_pt, 5 * per_pt], 7, capsize=3) == [True, False]
     assert ex.bars_inside_markers(fig, ax, [1], [5], [1.0 * per_pt], 7, "^", capsize=3) == [False]
     assert ex.bars_inside_markers(fig, ax, [1], [5], [1.0 * per_pt], 7, "^", capsize=0) == [True]
-    assert ex.bars_inside_markers(fig, ax, [1] * 3, [5] * 3, [0.5 * per_pt, (4 + 2.5 * pixel) * per_pt, (4 + 3.5 * pixel) * per_pt], 7, "x",
-                                  capsize=3) == [True, True, False]
+    cross = [0.5, 4 + 0.5 * pixel, 4 + 1.5 * pixel, 4 + 2.5 * pixel, 4 + 3.5 * pixel]
+    assert ex.bars_inside_markers(fig, ax, [1] * 5, [5] * 5, [b * per_pt for b in cross], 7, "x",
+                                  capsize=3) == [True, True, False, False, False]
+    assert ex.bars_inside_markers(fig, ax, [1] * 5, [5] * 5, [b * per_pt for b in cross], 7, "x",
+                                  capsize=0) == [True, True, True, True, False]
     plt.close(fig)
 
 
