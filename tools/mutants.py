@@ -940,6 +940,8 @@ MUTANTS = [
      'run.get("quick") is True', 'A record that does not say it is a full-size run (no quick field) is copied into docs/, where the rule demands one that says quick is false.'),
     ('r8-preconditioned-gd-transpose', 'icl_ref.py', 'preconditioned_gd', 'W[-1] - grad_R @ A_l)',
      'W[-1] - grad_R @ A_l.T)', "Lemma 1's iterates use A_l instead of A_l^T, so for a non-symmetric A_l they no longer match the sparse transformer's prediction."),
+    ('pgd-overflow-unsaid', 'icl_ref.py', 'preconditioned_gd', '    _finite({"the iterates W": W}', '    dict({"the iterates W": W}',
+     "iterates beyond float64's range returned as inf and NaN, not said as an overflow"),
     ('r8-dmmse-drops-two', 'icl_estimators.py', 'dmmse_predict', 'log_2var = math.log(2.0) + math.log(noise_var)',
      'log_2var = math.log(noise_var)', "The pool posterior's weights use exp(-r^2/noise_var) instead of exp(-r^2/(2 noise_var)), so dMMSE is the posterior mean at half the noise and its predictions change."),
     ('r8-cli-overwrite-keep-others-swapped', 'experiments_cli.py', 'main', 'out.open(args.overwrite, args.keep_others,',
