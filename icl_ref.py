@@ -88,8 +88,7 @@ def _array(name, a, ndim, allow_nan=False):
     arr = arr.astype(np.float64, copy=False)
     with np.errstate(over="ignore", invalid="ignore"):       # NaN and Inf poison the sum: one pass
         clean = np.isfinite(np.sum(arr))
-    bad = np.isinf(arr) if allow_nan else ~np.isfinite(arr)
-    if not clean and np.any(bad):
+    if not clean and np.any(np.isinf(arr) if allow_nan else ~np.isfinite(arr)):   # a second only where it is not
         raise ValueError(f"{name} must be finite, found {'Inf' if allow_nan else 'NaN or Inf'}")
     return arr
 
