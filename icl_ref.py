@@ -88,8 +88,7 @@ def _array(name, a, ndim, allow_nan=False):
     arr = arr.astype(np.float64, copy=False)
     with np.errstate(over="ignore", invalid="ignore"):       # NaN and Inf poison the sum: one pass
         clean = np.isfinite(np.sum(arr))
-    bad = np.isinf(arr) if allow_nan else ~np.isfinite(arr)
-    if not clean and np.any(bad):
+    if not clean and np.any(np.isinf(arr) if allow_nan else ~np.isfinite(arr)):   # a second only where it is not
         raise ValueError(f"{name} must be finite, found {'Inf' if allow_nan else 'NaN or Inf'}")
     return arr
 
@@ -310,7 +309,6 @@ def rotated_covariance(rng, eigenvalues=PAPER_EIGENVALUES):
 
 
 # §2 Model ([A] eq. (3)-(4)) --------------------------------------------------------------------
-#
 # Since M removes the query column from the keys and values, one layer is
 #     Z_{l+1} = Z_l + (1/n) sum_h P_h (Z_l M Z_l^T) Q_h Z_l = T_l Z_l,
 #     T_l = I + (1/n) sum_h P_h S_l Q_h,   S_l = Z_l M Z_l^T   (D x D, never (n+1) x (n+1)).
@@ -610,7 +608,6 @@ def _jacobian_gram(P, Q, S0, q0, y, n):
 
 
 # §4 Attention with an activation ([A] §6, Theorem 5; the rebuttal's softmax heads) -------------
-#
 #     Attn_sigma(Z) = P Z M sigma(E),   E = Z^T Q Z (B, n+1, n+1), E[i, j] = z_i^T Q z_j (key i, column j).
 #
 # sigma: "relu" entrywise; "softmax" over each column's n context keys (weights sum to 1);
@@ -954,7 +951,6 @@ def residuals_and_jacobian(P, Q, Z, y, structure="full", activation="linear", en
 
 
 # §6 Training on a fixed batch ([A] Fig. 3c and the authors' LBFGS notebook) --------------------
-#
 # Both trainers work on the batch divided by c, a power of two near its size (_data_scale): T_l is
 # unchanged by S -> S / c^2, Q -> c^2 Q, so gtol means the same at any scale (the paper's data: c = 1).
 
@@ -1275,8 +1271,8 @@ def preconditioned_gd(X, y, A):
         w_{l+1} = w_l - A_l^T grad R(w_l),   grad R(w) = (1/n) X^T (X w - y).
 
     The paper writes A_l; the transpose makes it exact for non-symmetric A_l (MATH.md §7).
-    X: (n, d) or (B, n, d) context covariates; y: (n,) or (B, n) context labels; A: (L, d, d).
-    Returns W of shape (L+1, d) or (B, L+1, d); the transformer predicts <w_L, x_q>."""
+    X: (n, d) or (B, n, d) context covariates; y: (n,) or (B, n) context labels; A: (L, d, d). Returns W,
+    (L+1, d) or (B, L+1, d), the transformer predicting <w_L, x_q>; W out of float64's range: a ValueError."""
     X, y, A = _array("X", X, (2, 3)), _array("y", y, (1, 2)), _blocks("A", A)
     if y.shape != X.shape[:-1]:
         raise ValueError(f"y must have shape {X.shape[:-1]} to match X of shape {X.shape}, got {y.shape}")
@@ -1286,10 +1282,12 @@ def preconditioned_gd(X, y, A):
     if A.shape[1] != d:
         raise ValueError(f"A must have shape (L, {d}, {d}) to match X, got {A.shape}")
     W = [np.zeros((B, d))]
-    for A_l in A:
-        grad_R = np.einsum("bid,bi->bd", X, np.einsum("bid,bd->bi", X, W[-1]) - y) / n
-        W.append(W[-1] - grad_R @ A_l)                       # (A_l^T g)^T = g^T A_l, row-wise
+    with np.errstate(over="ignore", invalid="ignore"):        # an overflow is said below
+        for A_l in A:
+            grad_R = np.einsum("bid,bi->bd", X, np.einsum("bid,bd->bi", X, W[-1]) - y) / n
+            W.append(W[-1] - grad_R @ A_l)                   # (A_l^T g)^T = g^T A_l, row-wise
     W = np.stack(W, axis=1)
+    _finite({"the iterates W": W}, X=X, y=y, A=A, law="w_l grows like (1 + |A| |X|^2)^(l-1) |A| |X| |y|: rescale X, y")
     return W[0] if single else W
 
 

@@ -206,6 +206,30 @@ def test_lanes_kernels_equal_REFERENCE_on_the_same_inputs(L, H):
         assert_all_close(fast.lanes_jacobian_gram(*args, threads=threads), ir.REFERENCE.jacobian_gram(*args))
 
 
+def test_lanes_gram_equals_REFERENCE_and_the_lanes_read_it_without_changing_it():
+    # D = 6 (engine.gram's lanes side, both evaluations lanes there): S_0 within EXACT of REFERENCE.gram's,
+    # exactly symmetric, laid out with the prompts last; the lanes evaluations on it equal theirs on
+    # REFERENCE's S_0, and leave it as it was though each chunk scales its copy of S_0 by a power of two
+    # (data of scale 4: e != 0; and a batch of one prompt, whose chunk is the whole of S_0's memory)
+    P, Q, Z, y = problem(31, 300, 5, scale=0.3)
+    Z = 4.0 * Z
+    assert fast.LANES_MAX_D_JACOBIAN >= 6 and len(fast._lanes_bounds(300, 6)) == 4
+    for threads in (1, 2):
+        S0 = fast.engine(threads).gram(Z)
+        assert_close(S0, ir.REFERENCE.gram(Z))
+        assert np.array_equal(S0, S0.transpose(0, 2, 1)) and S0.transpose(1, 2, 0).flags.c_contiguous
+        kept, q0 = S0.copy(), np.ascontiguousarray(Z[:, :, -1])
+        args = (P, Q, S0, q0, y, Z.shape[2] - 1)
+        ref_args = (P, Q, ir.REFERENCE.gram(Z), q0, y, Z.shape[2] - 1)
+        assert_all_close(fast.lanes_loss_and_grad_gram(*args, threads=threads), ir.REFERENCE.loss_and_grad_gram(*ref_args))
+        assert_all_close(fast.lanes_jacobian_gram(*args, threads=threads), ir.REFERENCE.jacobian_gram(*ref_args))
+        assert np.array_equal(S0, kept)
+    one = fast.lanes_gram(Z[:1], threads=1)                # one prompt: its chunk's S_0 is all of S0's memory
+    kept = one.copy()
+    fast.lanes_loss_and_grad_gram(P, Q, one, np.ascontiguousarray(Z[:1, :, -1]), y[:1], Z.shape[2] - 1)
+    assert np.array_equal(one, kept)
+
+
 @TWO_CORES
 def test_engine_methods_equal_REFERENCEs_on_the_same_inputs():
     # each of the five methods on two workers against REFERENCE's on the same inputs: sums over
@@ -450,7 +474,7 @@ def test_every_function_passes_its_thread_count_to_every_method():
 
 def test_threads_above_the_cores_are_capped():
     # 16 chunks of 20 ms each on an engine asked for 1000 threads run on no more threads than cores
-    P, Q, Z, y = problem(12, 16 * 910, 5, n=5)             # 16 chunks of 2^15 / 36 = 910 prompts
+    P, Q, Z, y = problem(12, 16 * 81, 19, n=5)             # D = 20: 16 chunks of 2^15 / 400 = 81 prompts
 
     seen = threads_running(ir.REFERENCE, "gram", lambda: fast.engine(1000).gram(Z), delay=0.02)
     assert 1 <= len(seen) <= len(fast._cores()), seen

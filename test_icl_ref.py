@@ -2552,21 +2552,24 @@ def _same(a, b):
     return a == b
 
 
-def test_a_strict_caller_gets_the_same_numbers_where_an_intermediate_overflows():
+def test_a_strict_caller_gets_the_library_s_error_where_an_iterate_overflows_and_its_handler_is_not_called():
     # _numpy_rules: a caller's np.seterr "raise" (or "call") is made "warn" inside the library, so a strict
-    # caller gets the same result and its handler is never called; the other strict tests provoke only
-    # underflow: here preconditioned_gd's residuals overflow (X of scale 1e200)
+    # caller gets what any caller gets and its handler is never called; the other strict tests provoke only
+    # underflow: here preconditioned_gd's iterates overflow (X of scale 1e200: w_2 ~ 1e600), which every
+    # caller is told as the ValueError naming float64's overflow (it returned inf and NaN)
     X, y, A = 1e200 * np.ones((10, 3)), np.ones(10), np.stack([np.eye(3)] * 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        expected = ir.preconditioned_gd(X, y, A)
-        for rule in ("raise", "call"):
-            calls = []
-            old, old_call = np.seterr(all=rule), np.seterrcall(lambda kind, flag: calls.append(kind))
-            try:
-                got = ir.preconditioned_gd(X, y, A)
-            finally:
-                np.seterr(**old)
-                np.seterrcall(old_call)
-            np.testing.assert_array_equal(got, expected)
-            assert calls == [], rule
+    with pytest.raises(ValueError, match="the iterates W is not finite: float64 overflowed"):
+        ir.preconditioned_gd(X, y, A)
+    for rule in ("raise", "call"):
+        calls = []
+        old, old_call = np.seterr(all=rule), np.seterrcall(lambda kind, flag: calls.append(kind))
+        try:
+            with pytest.raises(ValueError, match="float64 overflowed"):
+                ir.preconditioned_gd(X, y, A)
+        finally:
+            np.seterr(**old)
+            np.seterrcall(old_call)
+        assert calls == [], rule
+    # one layer, w_1 = A^T X^T y / n = 1e200 (each entry), stays finite: rtol 1e-15, the rounding of a sum of
+    # ten terms and a division
+    np.testing.assert_allclose(ir.preconditioned_gd(X, y, A[:1])[1], np.full(3, 1e200), rtol=1e-15)
