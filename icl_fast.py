@@ -371,6 +371,14 @@ def lanes_backward(G_next, dq_next, cache, first=False, per_prompt=False):
     return _symmetric_full(g, D), dq, dmap
 
 
+def _lanes_bounds(B, D):
+    """The lanes chunks: a multiple of 4 equal chunks near 2^16 / D^2 prompts each (each (D, D, b)
+    array about 512 KB, in cache; equal chunks keep 2 or 4 workers equally busy). They depend on B
+    and D only, never on the worker count."""
+    count = 4 * -(-B // (4 * max(1, 2 ** 16 // D ** 2)))
+    return _bounds(B, -(-B // count))
+
+
 def lanes_gram(Z, threads=1):
     """S_0 = Z M Z^T of prompts Z (B, D, n+1) formed with the prompts last, on `threads` workers: (B, D, D),
     a view of a (D, D, B) array, so that the lanes chunks read their S_0 as contiguous rows. Each
@@ -385,14 +393,6 @@ def lanes_gram(Z, threads=1):
 
     _map(one_chunk, _lanes_bounds(B, D), threads)
     return S.transpose(2, 0, 1)
-
-
-def _lanes_bounds(B, D):
-    """The lanes chunks: a multiple of 4 equal chunks near 2^16 / D^2 prompts each (each (D, D, b)
-    array about 512 KB, in cache; equal chunks keep 2 or 4 workers equally busy). They depend on B
-    and D only, never on the worker count."""
-    count = 4 * -(-B // (4 * max(1, 2 ** 16 // D ** 2)))
-    return _bounds(B, -(-B // count))
 
 
 def _exponent(a):
