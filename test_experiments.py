@@ -81,6 +81,8 @@ def quick_run(out, names):
 WIDE_FIGURES = {}
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_quick_run_of_the_cheaper_experiments_writes_its_files_and_passes(tmp_path):
     # the pipeline end to end in seconds: experiments, tables, figures, record (the whole quick run,
     # the README's first command, is the slow test below)
@@ -129,6 +131,8 @@ def test_starts_summary_judges_by_the_lowest_converged_start():
     assert reached == [] and ex.not_reached(said) == "none of 1 starts converged"
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_single_layer_never_passes_full_pq_from_a_higher_stationary_point():
     # every full (P, Q) start "converges" at P = Q = 0, a genuine stationary point (the prediction is
     # bilinear in P and Q, so the gradient vanishes there) whose loss E y^2 is far above the optimum,
@@ -208,6 +212,8 @@ def test_population_minimum_from_near_theorem1_is_its_optimum_and_strict_modulo_
     assert abs(full[0]) < 1e-5 and np.allclose(full[1:], eig, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_certificates_are_taken_at_the_balanced_point_of_the_rescaling():
     # the Hessian's eigenvalues change along the rescaling orbit (c P, Q / c) while the loss does
     # not: from two points of one orbit the population certificate must report the same spectrum
@@ -281,6 +287,8 @@ def run_cli(*args, cwd=None):
                           capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 @pytest.mark.parametrize("args,fragment", [
     (["--seed", "-1"], "--seed"), (["--progress", "-5"], "--progress"), (["--seed", "x"], "--seed"),
     (["--out", ""], "--out"), (["--out", "/proc/x"], "--out")])
@@ -466,9 +474,10 @@ sys.exit(runner.main([sys.argv[1], "after", "--out", sys.argv[2]]))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 @pytest.mark.parametrize("where,signame,code", [
-    ("training", "SIGINT", 130), pytest.param("sleeping", "SIGINT", 130, marks=pytest.mark.slow),
-    pytest.param("training", "SIGTERM", 143, marks=pytest.mark.slow), ("sleeping", "SIGTERM", 143)])
+    ("training", "SIGINT", 130), ("sleeping", "SIGINT", 130), ("training", "SIGTERM", 143), ("sleeping", "SIGTERM", 143)])
 def test_a_signal_stops_the_run_marks_it_interrupted_and_exits_128_plus_its_number(tmp_path, where, signame, code):
     import signal
     import time
@@ -727,6 +736,8 @@ def test_no_output_is_written_through_a_symbolic_link(tmp_path, cli, link):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_two_runs_into_one_folder_the_second_is_refused_while_the_first_holds_it(tmp_path):
     out, go = tmp_path / "p", tmp_path / "go"
     first = stub_cli("stub-a", "--out", out, env=dict(STUB_WAIT=str(go)), wait=False)
@@ -866,6 +877,8 @@ def test_blocked_claims_and_decided_properties():
     assert row["verdict"] == ex.INFO and row["why"] == "full run only: too slow" and list(row)[:len(ex.FIELDS) - 1] == [f for f in ex.FIELDS if f != "experiment"]
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_blocks_fitted_scalars_against_the_batch_family_optimum_fail_when_moved_5_se():
     # Theorem 4's rows: a trained blocks model's fitted scalars against the batch's own family
     # optimum, within K_SE SE of their difference; moved 5 SE (training stopped elsewhere) the row fails
@@ -1111,6 +1124,8 @@ def test_quick_reaches_the_experiments_and_the_callers_ctrl_c_handler_is_back_be
     assert seen == [True, True] and handlers == [mine, mine]
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_figures_keep_text_at_least_8_pt_and_save_a_png_and_a_pdf():
     # the checklist's floor (docs/FIGURES.md): a text set below 8 pt is raised to it before saving; the PDF
     # carries no creation date, so the same figure saved twice is the same bytes
@@ -1561,6 +1576,8 @@ def test_an_output_you_replaced_after_the_run_is_yours(tmp_path, cli):
     assert status == 2 and "stub-b.csv" in err and (out / "stub-b.csv").read_text() == "my edited stub-b"
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_a_closed_stdout_stops_the_run_with_what_it_wrote_recorded(tmp_path):
     # `experiments.py ... | head -1`: a BrokenPipeError between writing files and recording them,
     # a traceback, exit 1, a record stuck at "running", and --overwrite then refused
@@ -1595,6 +1612,8 @@ def test_a_reader_gone_at_the_last_line_leaves_a_complete_run(tmp_path, cli, mon
     assert json.loads((tmp_path / "p" / "config.json").read_text())["status"] == "complete"
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_a_write_error_is_a_message_and_its_status_and_the_record_says_so(tmp_path):
     # the file-size limit (EFBIG; disk full and a read-only folder take the same path): a traceback,
     # exit 1, a record at "running" and a partial file
@@ -1609,6 +1628,8 @@ def test_a_write_error_is_a_message_and_its_status_and_the_record_says_so(tmp_pa
     assert stub_cli("stub-a", "stub-b", "--out", out, "--overwrite").returncode == 0
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 @pytest.mark.parametrize("when", ["during", "after"])
 def test_after_a_sigkill_overwrite_takes_back_what_it_proves_and_names_the_rest(tmp_path, when):
     # a run killed while it wrote stub-b's files: --overwrite refused "no earlier run of
@@ -1629,6 +1650,8 @@ def test_after_a_sigkill_overwrite_takes_back_what_it_proves_and_names_the_rest(
     assert json.loads((out / "config.json").read_text())["status"] == "complete"
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_an_experiment_a_killed_run_left_half_written_is_not_kept(tmp_path):
     # kept_experiments: "the earlier run's complete experiments this run does not redo" stay; stub-b, whose
     # files a killed run was writing (its status "writing"), is not one: rerunning stub-a alone neither
@@ -1779,6 +1802,8 @@ sys.exit(runner.main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_a_quick_experiment_runs_where_fcntl_o_nofollow_o_directory_and_dir_fd_are_missing(tmp_path):
     # the README's first command failed at import on Windows (import fcntl); its promises hold there too
     out = tmp_path / "results"
@@ -1815,6 +1840,8 @@ def drawn():
         plt.close(fig)
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_icl_curve_caption_counts_the_optimum_s_checks_only(drawn):
     # "the experiment's checks of the optimum: k of m PASS" counts the -test and -batch rows, not the
     # single layer's exact-loss rows the figure does not draw
@@ -1828,6 +1855,8 @@ def test_the_icl_curve_caption_counts_the_optimum_s_checks_only(drawn):
     assert "checks of the optimum: 6 of 6 PASS" in caption
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_residual_band_is_the_one_sided_tolerance_of_the_test_rows(drawn):
     # the -test rows are "at least" (the trained model may not beat the optimum by more than K_SE SE):
     # panel (b)'s grey band starts at -K_SE and runs to the top of the panel, and says it is one-sided
@@ -1867,6 +1896,8 @@ def test_the_softmax_caption_counts_the_starts_that_did_not_converge(drawn):
     assert "the 2 starts that did not converge" in caption and "every start converged" not in caption
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_shift_caption_counts_where_bayes_equals_tuned_ridge(drawn):
     import experiments_beyond as beyond
     plt, save, _ = drawn
@@ -1879,6 +1910,8 @@ def test_the_shift_caption_counts_where_bayes_equals_tuned_ridge(drawn):
     assert "the same loss as tuned ridge at 3 of 4 test laws" in caption and "(-5 SE) at Sigma_w = 4 I" in caption
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_shift_caption_measures_each_ridge_s_bars_against_its_own_marker(drawn, monkeypatch):
     # in (a) tuned ridge's 5 pt triangle sits inside Bayes's 12 pt hexagon: a bar that ends inside the hexagon
     # but beyond the triangle is seen, so each series' error bars are measured against its own marker, in both panels
@@ -1900,6 +1933,8 @@ def test_the_shift_caption_measures_each_ridge_s_bars_against_its_own_marker(dra
     assert sizes[(1, (0.51,))] == (5, "^") and sizes[(1, (0.61,))] == (12, "h")                         # (b) likewise
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_looped_legend_says_where_a_family_s_optima_stop(drawn):
     # the exact optima tabled to L = 3 (sparse) and L = 2 (blocks) on an axis running to the trained L = 4:
     # each such series says its range, "(L <= k)"
@@ -1943,6 +1978,8 @@ def marker_x(fig, line, i=0):
     return line.get_transform().transform((line.get_xdata()[i], line.get_ydata()[i]))[0]
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_icl_curve_caption_counts_the_bars_hidden_in_markers_and_keeps_the_outer_markers_inside(drawn):
     # "every bar is smaller than its circle" only where the drawn bars are; the baseline drawn 18 points
     # left of the smallest n (a 6 pt diamond) stays inside the frame, with a gap (6 pt asked; 3 pt
@@ -1964,6 +2001,8 @@ def test_the_icl_curve_caption_counts_the_bars_hidden_in_markers_and_keeps_the_o
     assert "every bar reaches beyond its circle" in caption and "every bar reaches beyond its marker" in caption
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_depth_figure_draws_the_baselines_apart_from_the_model_and_inside_its_limits(drawn):
     # GD-L and PGD-L beside each L by APART points: at L = 1 PGD-1 equals the optimum (the triangle level with
     # the circle), so the two markers must not meet (a 7 pt circle, a 6 pt triangle); and every value with its
@@ -1990,6 +2029,8 @@ def test_error_bars_print_rounded_up(x, decimals, printed):
     assert ex.rounded_up(x, decimals) == printed
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_icl_curve_keeps_each_n_s_group_on_its_side_of_the_midpoint_to_the_next(drawn):
     # n = 4 and 5 are 0.097 decades apart on the log axis (31 pt at the figure's width): every marker drawn
     # for n = 4 (the baselines beside it, OLS and ridge too, exact only from n = d = 5) stays left of the
@@ -2012,6 +2053,8 @@ def test_the_icl_curve_keeps_each_n_s_group_on_its_side_of_the_midpoint_to_the_n
             assert marker_x(fig, line, xs.index(5)) > middle, line.get_label()
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_looped_hessian_panel_draws_each_n_apart_and_says_where_the_monte_carlo_estimates_lie(drawn):
     # at L = 1 the exact eigenvalues of several n can be one value: the series are drawn STAGGER points apart
     import experiments_beyond as beyond
@@ -2042,6 +2085,8 @@ def test_the_looped_hessian_panel_draws_each_n_apart_and_says_where_the_monte_ca
     assert not ax.containers and "L = 1, 2, lie within 3.0 of their standard errors of the exact values" in caption
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_looped_hessian_panel_tells_every_n_apart_and_draws_a_small_negative_value_below_zero(drawn):
     # five n, five line styles (marker and style each tell one n from another); an eigenvalue of a few
     # 1e-4 below 0 (the full run's n = 80 at L = 8: -2.3e-4) drawn visibly below the zero line; the
@@ -2079,6 +2124,8 @@ def test_the_looped_hessian_panel_tells_every_n_apart_and_draws_a_small_negative
         beyond.plot_looped(plt, save, [], tables)
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_task_diversity_not_converged_square_hides_no_point(drawn):
     # every model at one value at K = 1 and the trained model not converged there: its filled square
     # is drawn above the others and clear of the one-layer dot
@@ -2099,6 +2146,8 @@ def test_the_task_diversity_not_converged_square_hides_no_point(drawn):
         assert abs(marker_x(fig, square) - marker_x(fig, dot)) >= clear
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_task_diversity_says_at_which_pool_sizes_the_model_was_trained(drawn):
     # the full run trains the three-layer model at K = 1, 16, 256, 4096 of thirteen pool sizes: its dashed
     # line joins those, and the legend and the caption say so
@@ -2120,6 +2169,8 @@ def test_task_diversity_says_at_which_pool_sizes_the_model_was_trained(drawn):
     assert "the trained model (three sparse layers), dMMSE" in caption
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_a_heat_map_s_widest_values_stay_inside_their_cells(drawn):
     # the blocks heat map: three rows of five 5 x 5 panels, three-line titles and row labels; "−0.05" in
     # every cell stays inside its cell with room to spare on each side (it met the next cell's value when the
@@ -2160,6 +2211,8 @@ def test_a_heat_map_s_colour_bar_is_labelled_near_its_ends(drawn):
         assert list(bar.get_xticks()) == labelled
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_dynamics_panel_draws_the_flow_through_its_path_not_only_the_descent_s_times(drawn):
     import experiments_beyond as beyond
     plt, save, figures = drawn
@@ -2249,6 +2302,8 @@ def test_the_blocks_heat_map_titles_each_scalar_with_its_own_standard_error(draw
     assert firsts == want
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_looped_caption_places_each_trained_model_against_its_tied_optimum(drawn):
     # "L = k: +x%": the trained model's exact loss over the tied family optimum's, minus 1
     import experiments_beyond as beyond

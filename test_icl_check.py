@@ -618,6 +618,8 @@ def test_one_case(case):
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_one_pytest_test_per_case_with_ids_and_short_failures(tmp_path, capsys, monkeypatch):
     # the use README shows: one test per case (ids the case names); a failure shows the diagnosis, at
     # most MAX_REPORT_LINES lines, not icl_check's frames. pytest runs in this process (its reference
@@ -823,6 +825,8 @@ def test_reference_vectors_are_reproducible_documented_and_right(tmp_path):
             assert vo_loss == pytest.approx(0.5 * loss, rel=EXACT)
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_reference_vectors_refuse_a_directory_with_other_files_and_replace_only_their_own(tmp_path, capsys):
     # the refusals (the command line's in its own process: exit 2, its usage and a message naming its
     # flag, no traceback), each leaving every byte under tmp_path as it was: the user's file a link
@@ -938,6 +942,8 @@ def test_vectors_written_whole_when_stdout_cannot_take_the_last_line(tmp_path):
     assert json.loads((tmp_path / "v" / "manifest.json").read_text())["cases"]
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_vectors_a_fifo_named_manifest_json_never_blocks(tmp_path, overwrite):
     # a reader would wait forever for a writer to open the FIFO: it is seen (lstat), never opened
@@ -950,6 +956,8 @@ def test_vectors_a_fifo_named_manifest_json_never_blocks(tmp_path, overwrite):
     assert sorted(os.listdir(out)) == ["manifest.json"]
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 @pytest.mark.parametrize("spelling", ["LINK", "LINK/", "LINK/."])
 def test_vectors_never_write_into_a_folder_named_by_a_link(tmp_path, spelling):
     out, link = tmp_path / "v", tmp_path / "LINK"
@@ -978,6 +986,8 @@ def test_vectors_never_write_through_a_link_planted_while_they_write(tmp_path, m
     assert theirs.read_bytes() == b"the user's own file" and os.path.islink(out / "relu.npz")
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_vectors_lock_their_folder(tmp_path):
     out = tmp_path / "v"
     ic.write_reference_vectors(out)
@@ -1004,6 +1014,8 @@ icl_check.write_reference_vectors(sys.argv[1], overwrite=True)
 """
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 @pytest.mark.parametrize("when", ["during", "after"])
 def test_vectors_after_sigkill_overwrite_takes_back_what_it_proves_and_names_the_rest(tmp_path, when):
     fresh, out = tmp_path / "fresh", tmp_path / "v"
@@ -1025,6 +1037,8 @@ def test_vectors_after_sigkill_overwrite_takes_back_what_it_proves_and_names_the
     assert snapshot(out) == snapshot(fresh)
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_vectors_killed_as_they_wrote_their_first_record_name_the_hidden_file_left(tmp_path):
     # a run killed as it wrote its first record leaves only its hidden temporary record (empty) and its
     # lock; no record proves the former the run's, so --overwrite names it (exit 2), and once it is
@@ -1041,6 +1055,8 @@ def test_vectors_killed_as_they_wrote_their_first_record_name_the_hidden_file_le
     assert vectors_cli(out, "--overwrite").returncode == 0
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_vectors_a_write_error_is_a_message_and_status_2_and_the_next_run_recovers(tmp_path):
     # the file-size limit (ulimit -f; Python ignores SIGXFSZ, so the write fails with EFBIG) stops the
     # run at large-d.npz (47 kB): removed, recorded; the other files stay provably the run's

@@ -8,7 +8,7 @@ Tolerances, each with its reason:
     FD_ABS = 1e-8   absolute floor for entries near 0, where relative error means nothing: the
                     rounding above for losses |f| <= 3000 (the largest in these tests)
     Z_MC   = 4      Monte Carlo: |estimate - exact| <= 4 standard errors computed from the samples
-Slow tests (the paper's full-size experiment) run with `pytest -m slow`.
+Slow tests (the paper's full-size experiment) run with `pytest -m slow` (pyproject.toml's markers).
 """
 import ast
 import functools

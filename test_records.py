@@ -34,6 +34,8 @@ import records  # noqa: E402
 # The records, by their content under the current code
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_the_looped_records_are_the_current_exact_optima():
     # docs/looped_exact.csv: the full run's tied and untied family optima (n = 20, d = 5). The tied
     # optimum (a search over one or two scalars) is the recorded one, and the recorded untied sparse loss
@@ -133,6 +135,8 @@ def test_blocks_basins_reached_certified_minima_and_count_as_recorded():
         np.testing.assert_allclose(c.diff_in_se, (np.array(c.fitted) - c.batch) / np.array(c.se), rtol=1e-12)
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 def test_looped_landscape_is_the_current_curvature_and_its_points_are_still_certified():
     # docs/looped_landscape.json (finding 17): the closed-form eigenvalues are today's, the polynomial's
     # agree with them and the recorded Monte Carlo within 4 SE; each recorded point, at its recorded W, has
@@ -370,6 +374,8 @@ def test_a_template_too_large_to_hold_is_a_message_and_status_2(docs, capsys):
     assert status == 2 and "FINDINGS.md block huge: cannot render from the records: MemoryError" in out
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 @pytest.mark.parametrize("plant", ["a FIFO", "a link to /dev/zero"])
 @pytest.mark.parametrize("command", [["render", "--check"], ["check"]])
 def test_a_record_that_is_no_regular_file_is_a_message_and_status_2(docs, plant, command):
@@ -386,6 +392,8 @@ def test_a_record_that_is_no_regular_file_is_a_message_and_status_2(docs, plant,
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.mutants
 @pytest.mark.parametrize("path, content, said", [
     ("docs/benchmarks.json", "{not json", "benchmarks.json cannot be read"),
     ("docs/benchmarks.json", "[" * 200_000 + "]" * 200_000, "benchmarks.json cannot be read"),

@@ -47,6 +47,9 @@ def test_files(root=ROOT):
 
 
 TEST_FILES = test_files()
+# the tests each mutant meets: the default suite and the slow checks that take seconds, not minutes
+# (pyproject.toml's markers; the last -m given to pytest is the one it applies)
+SUITE = ("-m", "not slow or mutants")
 # the test file a mutated file's mutants run first, where it is not test_<file>
 PRIMARY = {"experiments_cli.py": "test_experiments.py", "experiments_beyond.py": "test_experiments.py",
            "tools/records.py": "test_records.py",
@@ -1348,11 +1351,12 @@ def run_one(mutant, base, python, timeout):
         with open(path, "w", encoding="utf-8") as f:
             f.write(src)
         start = time.perf_counter()
-        # the whole default suite, the mutated module's own test file first (-x stops at the first failure)
+        # the whole default suite and the slow checks of seconds (marked mutants), the mutated module's own
+        # test file first (-x stops at the first failure)
         primary = PRIMARY.get(filename, "test_" + filename)
         order = [primary] + [f for f in TEST_FILES if f != primary] if primary in TEST_FILES else []
         try:
-            proc = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *order],
+            proc = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *SUITE, *order],
                                   cwd=tmp, capture_output=True, text=True, timeout=timeout)
             # name the test that failed: a kill is only as good as the test that made it
             # (pytest's summary lines name a test file; captured output may also start with "FAILED")
@@ -1395,7 +1399,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="mutants-base-") as base, \
             concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         snapshot(base)
-        baseline = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"], cwd=base,
+        baseline = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *SUITE], cwd=base,
                                   capture_output=True, text=True, timeout=args.timeout)
         if baseline.returncode != 0:          # every mutant would look killed: say so and stop
             print("the unmutated suite fails in the snapshot; fix that first:\n" + baseline.stdout[-2000:])
