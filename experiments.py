@@ -810,8 +810,9 @@ def plot_three_layer_blocks(plt, save, rows, tables):
                       + [title("B", l, scalars["b_hat"][l], se[len(opt) + l], scalars["b_batch"][l], o["b_star"])
                          for l, o in enumerate(opt[:-1])])
         r = basins[s, trainer]
-        labels.append(f"seed {s} (its own batch), {trainer}\nbasin: {'global' if r['global_basin'] else 'other'} "
-                      f"(f = {plain_exponent(format(r['basin_loss'], '.3e'))})".replace(", ", "\n", 1))
+        # the global basin's minimum is the exact family optimum (f*, defined in the title); another's, its loss
+        labels.append(f"seed {s} (its own batch)\n{trainer}\nbasin: " + ("global (f*)" if r["global_basin"] else
+                      f"other (population loss\n{plain_exponent(format(r['basin_loss'], '.3e'))})"))
     skipped = sorted({(r["seed"], r["trainer"]) for r in rows if "trainer" in r} - set(basins))
     last = len(opt) - 1
     if grid:
@@ -1041,8 +1042,8 @@ def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=
     outline (size plus edge): a bar is hidden when neither half nor either cap (capsize points either side;
     None: the rcParams' value, which errorbar drew with) is seen, so a cap wider than a triangle's apex is
     seen and a cap whose corners graze the ring is not. A marker without a face (a cross, "x") is measured
-    by its drawn height (its path and half its stroke): its bar is seen by the same rule, and its caps when
-    they lie more than a pixel beyond the arms' tips (wholly outside it; nearer, they are drawn across the
+    by its drawn height (its path and half its stroke): its open middle hides nothing beyond its arms' tips,
+    so a bar ending more than a pixel past them is seen, caps or not (caps nearer are drawn across the
     cross). A bar reaching 0 on a log axis is outside."""
     import matplotlib
     from matplotlib.markers import MarkerStyle
@@ -1075,9 +1076,8 @@ def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=
         elif style.is_filled():
             inside.append(all(max(beyond((0.0, 0.0), (0.0, h)), beyond((-cap, h), (cap, h))) < SEEN_PX
                               for h in ends[1:] - ends[0]))
-        else:                   # beyond the tips by a pixel: the bar's stem, and the whole of a cap
-            beyond_tips = max(abs(ends[1:] - ends[0])) - top - 1
-            inside.append(bool(beyond_tips < SEEN_PX and (cap == 0 or beyond_tips <= 0)))
+        else:                   # no ring to merge with: anything more than a pixel past the tips is seen
+            inside.append(bool(max(abs(ends[1:] - ends[0])) - top - 1 <= 0))
     return inside
 
 
@@ -1109,11 +1109,11 @@ def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"]
     top = max([abs(r) for r in res] + [K_SE]) * 1.3
     res_ax.axhspan(-K_SE, top, color="0.9", label=K_SE_BAND.format(k=fmt(K_SE)))
     res_ax.axhline(0.0, color="k", lw=0.8)
-    res_ax.plot(xs, res, "o", color="C0", mfc="white", ms=7, label="trained model − optimum")
+    res_ax.plot(xs, res, "o", color="C0", mfc="white", ms=7, label="trained model − exact family optimum")
     if bad:       # a filled marker of the same shape: the open circle it replaces stays visible around it
         for a, ys in ((ax, [c["transformer"] for c in bad]), (res_ax, [r for r, c in zip(res, curve) if not c["converged"]])):
             a.plot([c[x] for c in bad], ys, "o", color="C3", ms=4, label="not converged (filled)")
-    res_ax.set(ylim=(-top, top), ylabel="(trained model − optimum) / SE", xticks=xs)
+    res_ax.set(ylim=(-top, top), ylabel="(trained model − exact\nfamily optimum) / SE", xticks=xs)
     res_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))     # below the axes: hides no point
     return bad
 
@@ -1152,7 +1152,7 @@ def plot_depth(plt, save, rows, tables):
         top = max(r[k + "_loss"] for r in rs)
         ax.plot([], [], " ", label=f"{NAMES[k]}: at most {at_most(top)} at every $L$\n(0 up to rounding), off the axis")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
-    res_ax.set(xlabel="layers $L$", title="(b) trained model − optimum in SE")
+    res_ax.set(xlabel="layers $L$", title="(b) trained model − exact\nfamily optimum, in SE")
     room_for_apart(fig, (ax, res_ax), Ls, ("GD", "PGD"))
     fig.suptitle(f"Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless, trained on {rs[0]['B']} prompts,\n"
                  f"tested on {rs[0]['test_batch']}; {PAPER_LAW}")
@@ -1167,7 +1167,7 @@ def plot_depth(plt, save, rows, tables):
                  f"of gradient descent (GD-L, squares, drawn {abs(APART['GD'])} points left of each L) and gradient descent preconditioned by "
                  f"the inverse of Sigma (PGD-L, triangles, {APART['PGD']} points right) with the best constant step (Monte Carlo, ±{fmt(K_SE)} SE; {bars_said(inside_gd)}"
                  f"); trained on {rs[0]['B']} prompts, tested on "
-                 f"{rs[0]['test_batch']}; (b) the trained model minus the optimum in standard "
+                 f"{rs[0]['test_batch']}; (b) the trained model minus the exact family optimum in standard "
                  f"errors, above −{fmt(K_SE)} SE (the grey band: the claims are one-sided, the trained model "
                  "may not beat the optimum)"
                  + (f"; {' and '.join(NAMES[k] for k in exact)} interpolate noiseless labels exactly (loss at most "
@@ -1246,7 +1246,7 @@ def plot_icl_curve(plt, save, rows, tables):
                         + f" (±{fmt(K_SE)} SE)" + where)
     ax.set(xlabel="in-context examples $n$ (log scale)", ylabel=r"test loss, mean squared error (log scale)",
            yscale="log", xscale="log", title="(a) test loss against prompt length")
-    res_ax.set(xscale="log", xlabel="in-context examples $n$ (log scale)", title="(b) trained model − optimum in SE")
+    res_ax.set(xscale="log", xlabel="in-context examples $n$ (log scale)", title="(b) trained model − exact family optimum, in SE")
     for a in (ax, res_ax):                               # every tested n labelled, no other
         a.xaxis.set_ticks(ns, [str(n) for n in ns])
         a.xaxis.set_minor_formatter(plt.NullFormatter())
@@ -1280,7 +1280,7 @@ def plot_icl_curve(plt, save, rows, tables):
                  + f"; the baselines are Monte Carlo losses on the test batch (±{fmt(K_SE)} SE; {bars_said(inside_base)}), drawn "
                  f"beside each n (GD-3, ridge and OLS {abs(APART['GD'])}, {abs(APART['ridge'])} and {abs(APART['OLS'])} "
                  f"points left, PGD-3 {APART['PGD']} points right); trained on {curve[0]['B']} prompts, tested on {curve[0]['test_batch']}"
-                 + f"; (b) the trained model minus the optimum in standard errors, above −{fmt(K_SE)} SE (the grey "
+                 + f"; (b) the trained model minus the exact family optimum in standard errors, above −{fmt(K_SE)} SE (the grey "
                  "band: the claims are one-sided, the trained model may not beat the optimum)"
                  + f"; the experiment's checks of the optimum: {sum(r['verdict'] == PASS for r in checks)} of {len(checks)} PASS"
                  + (f"; not converged at n = {', '.join(str(c['n']) for c in bad)}" if bad else "")

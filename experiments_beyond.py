@@ -138,7 +138,7 @@ def plot_looped(plt, save, rows, tables):
     mc_kinds = [k if kinds.count(k) == 1 else {"saddle": "saddles", "minimum": "minima"}[k] for k in sorted(set(kinds))]
     if mc:
         ax3.errorbar([p["beta"] - 0.012 for p in mc], [p["mc_loss"] / p["family_loss"] - 1 for p in mc],
-                     [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], fmt="x", color="0.4", ms=6,
+                     [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], fmt="x", color="0.4", ms=6, capsize=0,
                      label=f"{' and '.join(mc_kinds)}: Monte Carlo loss (±{k_se} SE; just left)")
     for t in trained:
         if t["L"] in (3, 4):
@@ -155,7 +155,7 @@ def plot_looped(plt, save, rows, tables):
                  "noiseless, " + PAPER_LAW)
     # what the caption says of the Monte Carlo bars is measured on c as drawn
     bars_c = bars_inside_markers(fig, ax3, [p["beta"] - 0.012 for p in mc], [p["mc_loss"] / p["family_loss"] - 1 for p in mc],
-                                 [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], 6, "x")
+                                 [K_SE * p["mc_loss_se"] / p["family_loss"] for p in mc], 6, "x", capsize=0)
     checks = [r for r in rows if r["check"]]
     # each trained model's place against the tied family optimum, with the basin its exact descent ends in
     # (a model above the falling curve is in another minimum's basin, not unconverged)
@@ -807,7 +807,7 @@ def plot_shift(plt, save, rows, tables):
                      fmt=marker, ls=ls, color=color, ms=size.get(key, 5), mfc="none" if key in size else color, mew=1.5,
                      label=label + (f" (±{k_se} SE)" if key in monte_carlo else ""))
     ax1.errorbar([n * 1.12 for n in ns], [r["layer_mc"] for r in length], [K_SE * r["layer_mc_se"] for r in length], fmt="x", color="k",
-                 ms=6, label=f"trained model (Monte Carlo, ±{k_se} SE;\ndrawn right of the exact loss)")
+                 ms=6, capsize=0, label=f"trained model (Monte Carlo, ±{k_se} SE;\ndrawn right of the exact loss)")
     ax1.set(xscale="log", yscale="log", xlabel="test prompt length $n$ (log scale)",
             ylabel=r"test loss, mean squared error (log scale)", title="(a) length shift (trained at $n$ = 20)")
     ax1.xaxis.set_ticks(ns, [str(n) for n in ns])              # every tested length labelled, no other
@@ -820,7 +820,7 @@ def plot_shift(plt, save, rows, tables):
                      [K_SE * r[key + "_se"] for r in other] if key in monte_carlo else None, fmt=marker, ls="none",
                      color=color, ms=size.get(key, 5), mfc="none" if key in size else color, mew=1.5)
     ax2.errorbar(x + 0.2, [r["layer_mc"] for r in other], [K_SE * r["layer_mc_se"] for r in other], fmt="x",
-                 color="k", ms=6)
+                 color="k", ms=6, capsize=0)
     # covariances named in words: a subscript (Sigma_w) would be drawn at 70 %, below 8 pt
     names = {"Sigma = [A] §4.3": "$x$: Ahn et al. 2023's $\\Sigma$", "Sigma = 2 I": "$x$ covariance 2$I$",
              "Sigma_w = I / 4": "$w$ covariance $I$/4", "Sigma_w = 4 I": "$w$ covariance 4$I$",
@@ -838,10 +838,11 @@ def plot_shift(plt, save, rows, tables):
     # what the caption says of the error bars is measured on the figure as drawn, each against its own marker
     # (in (a) tuned ridge's triangle sits inside the hexagon: an error bar that ends within the hexagon but
     # beyond the triangle is one seen)
-    # and the trained model's Monte Carlo crosses (6 pt), drawn just right of its exact loss
+    # and the trained model's Monte Carlo crosses (6 pt, bars without caps: a cap as wide as the cross would
+    # close it into an hourglass), drawn just right of its exact loss
     inside_x = [i for ax, xs, rs in ((ax1, [n * 1.12 for n in ns], length), (ax2, list(x + 0.2), other))
                 for i in bars_inside_markers(fig, ax, xs, [r["layer_mc"] for r in rs], [K_SE * r["layer_mc_se"] for r in rs],
-                                             6, "x")]
+                                             6, "x", capsize=0)]
     inside = [i for ax, xs, rs in ((ax1, ns, length), (ax2, list(x), other)) for k in monte_carlo
               for i in bars_inside_markers(fig, ax, xs, [r[k] for r in rs], [K_SE * r[k + "_se"] for r in rs], size.get(k, 5),
                                            {"ridge_tuned": "^", "bayes": "h"}[k], mew=1.5)]

@@ -1149,8 +1149,8 @@ def test_a_bar_is_seen_beyond_its_marker_over_two_pixels_a_pixel_past_its_edge()
     # 1 pt past the edge, less than a pixel beyond the outline at 100 dpi: hidden without caps, seen with caps of 3 pt either side
     # (their whole 6 pt beyond); caps of 3 pt on a bar of 2.4 pt end inside (corners 3.84 pt from the centre).
     # A triangle's apex holds no cap of 3 pt on a bar of 1 pt. A cross ("x", 7 pt, its 1 pt stroke) has no
-    # face and reaches 4 pt above its centre: caps within a pixel of its tips are drawn across it (inside),
-    # caps 1.5 px past them lie wholly beyond (seen); without caps a bar is seen from 3 px past the tips
+    # face and reaches 4 pt above its centre; its open middle hides nothing past its tips: a bar within a
+    # pixel of them is inside it (caps drawn across the cross), one 1.5 px past them is seen, caps or not
     plt = pytest.importorskip("matplotlib.pyplot")
     fig, ax = plt.subplots()
     ax.set_ylim(0, 10)
@@ -1167,7 +1167,7 @@ def test_a_bar_is_seen_beyond_its_marker_over_two_pixels_a_pixel_past_its_edge()
     assert ex.bars_inside_markers(fig, ax, [1] * 5, [5] * 5, [b * per_pt for b in cross], 7, "x",
                                   capsize=3) == [True, True, False, False, False]
     assert ex.bars_inside_markers(fig, ax, [1] * 5, [5] * 5, [b * per_pt for b in cross], 7, "x",
-                                  capsize=0) == [True, True, True, True, False]
+                                  capsize=0) == [True, True, False, False, False]
     plt.close(fig)
 
 
