@@ -1124,6 +1124,20 @@ def test_quick_reaches_the_experiments_and_the_callers_ctrl_c_handler_is_back_be
     assert seen == [True, True] and handlers == [mine, mine]
 
 
+def test_a_figure_is_drawn_in_the_pixels_it_is_saved_in():
+    # what the plots measure in pixels on the drawn figure (bars_inside_markers' pixel of allowance) is
+    # measured in the saved PNG's pixels: a 2 x 1 in figure drawn in the house style is 2 x 1 in of them
+    plt = pytest.importorskip("matplotlib.pyplot")
+    import matplotlib
+    from PIL import Image
+    with matplotlib.rc_context(runner.FIGURE_STYLE):
+        fig = plt.figure(figsize=(2.0, 1.0))
+        drawn = fig.canvas.get_width_height()
+        saved = Image.open(io.BytesIO(runner.figure_bytes(fig, "png"))).size
+        plt.close(fig)
+    assert drawn == saved == (2 * runner.FIGURE_DPI, runner.FIGURE_DPI)
+
+
 @pytest.mark.slow
 @pytest.mark.mutants
 def test_figures_keep_text_at_least_8_pt_and_save_a_png_and_a_pdf():
