@@ -1242,7 +1242,7 @@ def plot_icl_curve(plt, save, rows, tables):
             ax.errorbar(ns, values, [K_SE * c[key + "_se"] for c in curve], fmt=style if len(shown) > 1 else style[0],
                         color=color, ms=6, mfc="white" if key in ("GD", "OLS") else color,
                         transform=offset_copy(ax.transData, fig=fig, x=APART[key], units="points"),
-                        label=(NAMES[key].replace("$L$", "3") if key in ("GD", "PGD") else NAMES[key])
+                        label=(NAMES[key].replace("$L$", "3") + ", best constant step" if key in ("GD", "PGD") else NAMES[key])
                         + f" (±{fmt(K_SE)} SE)" + where)
     ax.set(xlabel="in-context examples $n$ (log scale)", ylabel=r"test loss, mean squared error (log scale)",
            yscale="log", xscale="log", title="(a) test loss against prompt length")

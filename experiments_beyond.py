@@ -548,7 +548,7 @@ def plot_dynamics(plt, save, rows, tables):
         fig, ax2, ts, [r[f"gd_{key}"] for r in descent], [K_SE * r[f"gd_{key}_se"] for r in descent], ms, marker)]
     checks = [r for r in rows if r["check"]]
     return [(save(fig, ""), "One layer's exact gradient flow from a start inside and one outside Zhang, Frei and Bartlett's "
-             f"initial-scale bound sigma = {bound:.2f} (a: the population loss E(y_hat - y)^2 over fresh prompts plateaus, then drops to Gamma*'s; "
+             f"initial-scale bound sigma = {bound:.2f} (a: the population loss E(y_hat - y)^2 over fresh prompts falls to Gamma*'s, from the start inside after a plateau; "
              f"drawn from t = {min(f['t'] for f in flow if f['t'] > 0):g} on the log axis, so the starts' losses at t = 0 are not), and gradient descent on "
              f"{descent[0]['R']} independent batches of {descent[0]['B']} prompts against the flow, both from a third start "
              f"(initial scale) sigma = {descent[0]['sigma']:g} (b: the entries of Gamma(t) = u(t) U(t), the layer's effective matrix, the "
