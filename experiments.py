@@ -251,6 +251,21 @@ def signed_ticks(plt):
     return plt.FuncFormatter(lambda v, _: minus(f"{v:g}"))
 
 
+# a legend drawn below its axes starts this many points under the axes' bottom edge: the x tick labels
+# (8 pt, with 7 pt of tick and pad) and a one-line x label (9 pt, 4 pt of pad) take about 30 points, and 8
+# more leave a clear gap at any axes height (a fraction of the axes' height did not: depth's x labels met
+# the frames of its legends)
+BELOW_AXES_PT = 38
+
+
+def legend_below(fig, ax, **kwargs):
+    """ax's legend centred under it, its top BELOW_AXES_PT points below the axes (clear of a one-line x
+    label whatever the axes' height); kwargs as ax.legend's."""
+    from matplotlib.transforms import offset_copy
+    return ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0),
+                     bbox_transform=offset_copy(ax.transAxes, fig=fig, y=-BELOW_AXES_PT, units="points"), **kwargs)
+
+
 def log_ticks(plt, axis, low, high):
     """Label a log axis at 1, 2 and 5 times the powers of ten in [low, high] ("%g"), and at 3 times them
     too when the range is within three decades, where matplotlib would label its decades only (a range inside
@@ -588,7 +603,7 @@ def plot_three_layer_sparse(plt, save, rows, tables):
               "over c, Frobenius norm (0: a multiple)", ylim=(0, 1.05),
               title=f"(b) seed {seeds[0]}: each layer's $A$" + ("" if ok[seeds[0]] else " (not converged)"))
     ax[0].legend(fontsize=8)
-    ax[1].legend(handles=handles, fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))  # below: hides no curve
+    legend_below(fig, ax[1], handles=handles, fontsize=8, ncol=2)  # below: hides no curve
     fig.suptitle(f"Ahn et al. 2023, Fig. 1: three sparse layers, $d$ = 5, $n$ = 20, noiseless, batch $B$ = {fits[0]['B']} "
                  f"prompts,\n{PAPER_LAW}")
     last = cs[-1]
@@ -1114,7 +1129,7 @@ def transformer_against_optimum(ax, res_ax, curve, x, label=NAMES["transformer"]
         for a, ys in ((ax, [c["transformer"] for c in bad]), (res_ax, [r for r, c in zip(res, curve) if not c["converged"]])):
             a.plot([c[x] for c in bad], ys, "o", color="C3", ms=4, label="not converged (filled)")
     res_ax.set(ylim=(-top, top), ylabel="(trained model − exact\nfamily optimum) / SE", xticks=xs)
-    res_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))     # below the axes: hides no point
+    legend_below(res_ax.figure, res_ax, fontsize=8)     # below the axes: hides no point
     return bad
 
 
@@ -1151,7 +1166,7 @@ def plot_depth(plt, save, rows, tables):
     for k in exact:
         top = max(r[k + "_loss"] for r in rs)
         ax.plot([], [], " ", label=f"{NAMES[k]}: at most {at_most(top)} at every $L$\n(0 up to rounding), off the axis")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
+    legend_below(fig, ax, fontsize=8, ncol=1)
     res_ax.set(xlabel="layers $L$", title="(b) trained model − exact\nfamily optimum, in SE")
     room_for_apart(fig, (ax, res_ax), Ls, ("GD", "PGD"))
     fig.suptitle(f"Ahn et al. 2023, Fig. 7: sparse model, $d$ = 5, $n$ = 20, noiseless, trained on {rs[0]['B']} prompts,\n"

@@ -1124,6 +1124,23 @@ def test_quick_reaches_the_experiments_and_the_callers_ctrl_c_handler_is_back_be
     assert seen == [True, True] and handlers == [mine, mine]
 
 
+@pytest.mark.parametrize("height", [2.0, 4.0, 8.0])
+def test_a_legend_below_its_axes_clears_the_x_label_at_any_height(height):
+    # the legend's top a fixed distance in points under the axes (a fraction of the axes' height met depth's
+    # x label): at least 4 points between the label's bottom and the legend's frame, whatever the height
+    plt = pytest.importorskip("matplotlib.pyplot")
+    import matplotlib
+    with matplotlib.rc_context(runner.FIGURE_STYLE):
+        fig, ax = plt.subplots(figsize=(4.0, height), layout="constrained")
+        ax.plot([1, 2], [1, 2], label="a series")
+        ax.set(xlabel="layers $L$")
+        legend = ex.legend_below(fig, ax, fontsize=8)
+        fig.canvas.draw()
+        gap = (ax.xaxis.label.get_window_extent().y0 - legend.get_window_extent().y1) * 72 / fig.dpi
+        plt.close(fig)
+    assert gap >= 4.0, gap
+
+
 def test_a_figure_is_drawn_in_the_pixels_it_is_saved_in():
     # what the plots measure in pixels on the drawn figure (bars_inside_markers' pixel of allowance) is
     # measured in the saved PNG's pixels: a 2 x 1 in figure drawn in the house style is 2 x 1 in of them

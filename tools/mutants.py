@@ -916,6 +916,8 @@ MUTANTS = [
      "(a)'s trained-model stars drawn over their L's optima"),
     ('looped-star-beyond-frame', 'experiments_beyond.py', 'plot_looped', 'room = (STAR_SHIFT + 5 + 4) /', 'room = (STAR_SHIFT + 1) /',
      "(a)'s last star cut by the frame"),
+    ('legend-below-too-close', 'experiments.py', None, 'BELOW_AXES_PT = 38', 'BELOW_AXES_PT = 28',
+     "a legend under its axes drawn on the x label's descenders"),
     ('figures-drawn-at-100-dpi', 'experiments_cli.py', None, 'FIGURE_STYLE = {"figure.dpi": FIGURE_DPI, ', 'FIGURE_STYLE = {',
      "figures drawn at matplotlib's 100 dpi and saved at 150: a pixel measured on the drawn figure is 1.5 saved pixels"),
     ('png-keeps-alpha', 'experiments_cli.py', 'figure_bytes', 'image.convert("RGB").save(out,', 'image.save(out,',
