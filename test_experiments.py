@@ -1126,8 +1126,8 @@ def test_quick_reaches_the_experiments_and_the_callers_ctrl_c_handler_is_back_be
 
 @pytest.mark.parametrize("height", [2.0, 4.0, 8.0])
 def test_a_legend_below_its_axes_clears_the_x_label_at_any_height(height):
-    # the legend's top a fixed distance in points under the axes (a fraction of the axes' height met depth's
-    # x label): at least 4 points between the label's bottom and the legend's frame, whatever the height
+    # the legend's top a fixed distance in points under the axes, not a fraction of the axes' height: at
+    # least 4 points between the label's bottom and the legend's frame, whatever the height
     plt = pytest.importorskip("matplotlib.pyplot")
     import matplotlib
     with matplotlib.rc_context(runner.FIGURE_STYLE):

@@ -2556,7 +2556,7 @@ def test_a_strict_caller_gets_the_library_s_error_where_an_iterate_overflows_and
     # _numpy_rules: a caller's np.seterr "raise" (or "call") is made "warn" inside the library, so a strict
     # caller gets what any caller gets and its handler is never called; the other strict tests provoke only
     # underflow: here preconditioned_gd's iterates overflow (X of scale 1e200: w_2 ~ 1e600), which every
-    # caller is told as the ValueError naming float64's overflow (it returned inf and NaN)
+    # caller is told as the ValueError naming float64's overflow, never inf and NaN
     X, y, A = 1e200 * np.ones((10, 3)), np.ones(10), np.stack([np.eye(3)] * 2)
     with pytest.raises(ValueError, match="the iterates W is not finite: float64 overflowed"):
         ir.preconditioned_gd(X, y, A)
