@@ -85,7 +85,8 @@ FIELDS = ("id", "experiment", "claim", "theory", "measured", "se", "k", "toleran
 def experiment(name, answers, plot=None):
     """Register an experiment under `name`; `answers` names the figure, theorem or question; `plot`,
     when given, draws its figures: plot(plt, save, rows, tables) -> [(file name, caption)], with
-    save(fig, suffix) writing name + suffix + ".png" into the run's folder."""
+    save(fig, suffix, bars=None) writing name + suffix + ".png" into the run's folder (bars: what was measured
+    of its error bars, experiments_cli.figures)."""
     def register(fn):
         EXPERIMENTS[name] = (fn, answers)
         if plot is not None:
@@ -583,6 +584,9 @@ def plot_three_layer_sparse(plt, save, rows, tables):
     cs = [c for c in curve if c["seed"] == seeds[0]]
     step = max(1, len(cs) // 8)               # 8 markers a curve, evenly in iterations, staggered by layer
     every = [(min(l * step // 3, len(cs) - 1), step) for l in range(len(a_star))]
+    # a layer's markers to I half a layer's stagger after its markers to the inverse of Sigma: the two start
+    # near 1 together, where one marker would cover the other
+    every_I = [(min(l * step // 3 + step // 6, len(cs) - 1), step) for l in range(len(a_star))]
     # the layer by line style and marker (curves that meet stay told apart by their staggered markers), the
     # target by colour: open markers to Sigma^-1's multiples, filled to I's
     styles, markers = ("-", "--", ":"), ("o", "s", "^")
@@ -590,7 +594,7 @@ def plot_three_layer_sparse(plt, save, rows, tables):
         ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_Sigma_inv"] for c in cs], "C0" + style, marker=marker,
                    mfc="white", ms=5, markevery=every[l])
         ax[1].plot([c["iteration"] for c in cs], [c[f"dist_A{l}_I"] for c in cs], "C3" + style, marker=marker,
-                   ms=5, markevery=every[l])
+                   ms=5, markevery=every_I[l])
     # one legend entry per layer (line style, marker) and per target (colour, fill): five entries, not six
     handles = ([plt.Line2D([], [], color="0.3", ls=style, marker=marker, mfc="white", label=f"layer {l}")
                 for l, style, marker in zip(range(len(a_star)), styles, markers)]
@@ -1176,7 +1180,9 @@ def plot_depth(plt, save, rows, tables):
     inside = bars_inside_markers(fig, ax, Ls, [r["transformer"] for r in rs], [K_SE * r["transformer_se"] for r in rs], 7)
     inside_gd = [i for key, marker in (("GD", "s"), ("PGD", "^")) for i in bars_inside_markers(
         fig, ax, Ls, [r[key + "_loss"] for r in rs], [K_SE * r[key + "_loss_se"] for r in rs], 6, marker)]
-    made.append((save(fig, ""), "Fig. 7: the trained model's test loss against the number of layers L (open circles, "
+    made.append((save(fig, "", bars={"trained-model": ("the trained model", "circles", inside),
+                                      "GD-PGD": ("GD-L and PGD-L", "markers", inside_gd)}),
+                 "Fig. 7: the trained model's test loss against the number of layers L (open circles, "
                  f"±{fmt(K_SE)} standard errors of the test batch; {bars_said(inside, 'circle')}) beside the exact family "
                  "optimum (black pluses) and L steps "
                  f"of gradient descent (GD-L, squares, drawn {abs(APART['GD'])} points left of each L) and gradient descent preconditioned by "
@@ -1287,7 +1293,9 @@ def plot_icl_curve(plt, save, rows, tables):
     inside_base = [i for key, marker in (("GD", "s"), ("PGD", "^"), ("OLS", "D"), ("ridge", "v")) for i, c in zip(
         bars_inside_markers(fig, ax, ns, [c[key] for c in curve], [K_SE * c[key + "_se"] for c in curve], 6, marker), curve)
         if c[key] > 1e-6 * c["transformer"]]
-    made.append((save(fig, ""), "Fig. 6: the test loss of the trained model (three sparse layers) against the prompt length n (open "
+    made.append((save(fig, "", bars={"trained-model": ("the trained model", "circles", inside),
+                                      "baselines": ("the baselines", "markers", inside_base)}),
+                 "Fig. 6: the test loss of the trained model (three sparse layers) against the prompt length n (open "
                  f"circles, ±{fmt(K_SE)} standard errors; {bars_said(inside, 'circle')}) beside the exact family optimum (black pluses) and the "
                  "baselines GD-3, PGD-3 (preconditioned by the inverse of Sigma; best constant step on tuning prompts)"
                  + (f", {' and '.join(NAMES[k] for k in zero)}: these are exactly 0 on noiseless labels once n >= d and "

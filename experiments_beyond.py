@@ -173,7 +173,7 @@ def plot_looped(plt, save, rows, tables):
     reach = "/".join(sorted({fmt(max(r["beta"] for r in prof if r["L"] == L) / b, 3) for L, b in minima.items()
                              if any(r["L"] == L for r in prof)}))
     mc_off = max((abs(r["mc_antisymmetric"] - r["antisymmetric"]) / r["mc_antisymmetric_se"] for r in hess), default=None)
-    return [(save(fig, ""), "Looped models (d = 5, n = 20, noiseless, x ~ N(0, Sigma), w ~ N(0, the inverse of Sigma); a loss is the population loss E(y_hat - y)^2 over fresh prompts): "
+    return [(save(fig, "", bars={"c-monte-carlo": ("(c)'s Monte Carlo losses", "crosses", bars_c)}), "Looped models (d = 5, n = 20, noiseless, x ~ N(0, Sigma), w ~ N(0, the inverse of Sigma); a loss is the population loss E(y_hat - y)^2 over fresh prompts): "
              "(a) the exact tied and untied family optima per depth (the sparse untied optimum is the depth figure's "
              "exact family optimum, the same numbers), with the "
              "trained tied sparse models' exact losses (stars: a trained model need not sit on the tied family, it can "
@@ -547,7 +547,7 @@ def plot_dynamics(plt, save, rows, tables):
     inside = [i for key, marker, _ in entries for i in bars_inside_markers(
         fig, ax2, ts, [r[f"gd_{key}"] for r in descent], [K_SE * r[f"gd_{key}_se"] for r in descent], ms, marker)]
     checks = [r for r in rows if r["check"]]
-    return [(save(fig, ""), "One layer's exact gradient flow from a start inside and one outside Zhang, Frei and Bartlett's "
+    return [(save(fig, "", bars={"b-descent": ("(b)'s descent", "markers", inside)}), "One layer's exact gradient flow from a start inside and one outside Zhang, Frei and Bartlett's "
              f"initial-scale bound sigma = {bound:.2f} (a: the population loss E(y_hat - y)^2 over fresh prompts falls to Gamma*'s, from the start inside after a plateau; "
              f"drawn from t = {min(f['t'] for f in flow if f['t'] > 0):g} on the log axis, so the starts' losses at t = 0 are not), and gradient descent on "
              f"{descent[0]['R']} independent batches of {descent[0]['B']} prompts against the flow, both from a third start "
@@ -689,7 +689,7 @@ def plot_task_diversity(plt, save, rows, tables):
                                            5, marker)]
     title.set_text(f"Task diversity: trained on a pool of $K$ tasks $w \\sim N(0, I)$, $x \\sim N(0, I)$;\n{setting}"
                    f"bars ±{k_se} SE, points side by side in $K$\n{batches}({bars_said(inside)})")
-    return [(save(fig, ""), "Task diversity (after Raventós et al. 2023" + (
+    return [(save(fig, "", bars={"monte-carlo": ("the Monte Carlo points", "markers", inside)}), "Task diversity (after Raventós et al. 2023" + (
              f"; d = {first['d']}, n = {first['n']}, label noise variance {first['noise_var']:g}" if "d" in first else "")
              + "): the one-layer optimum for the pool (exact), the trained model (three sparse layers"
              + only.replace("$", "") + "), dMMSE over the pool and "
@@ -855,7 +855,8 @@ def plot_shift(plt, save, rows, tables):
                  "picked the Bayes lambda" + ("" if not apart else "; Bayes minus tuned ridge " + ", ".join(
                      f"{fmt(r['bayes_minus_ridge'], 2)} ({fmt(r['bayes_minus_ridge'] / r['bayes_minus_ridge_se'], 2)} SE) at "
                      f"{r['shift']}" for r in apart)))
-    return [(save(fig, ""), "One layer trained at n = 20 (d = 5, x and w ~ N(0, I), label noise variance 0.25) tested under "
+    return [(save(fig, "", bars={"trained-model": ("the trained model's Monte Carlo losses", "crosses", inside_x),
+                                 "ridges": ("the two ridges", "markers", inside)}), "One layer trained at n = 20 (d = 5, x and w ~ N(0, I), label noise variance 0.25) tested under "
              "the experiment's four kinds of shift: (a) other prompt lengths, (b) covariates (Sigma), tasks (Sigma_w) "
              "and the query's law; the trained model's exact loss (with the Monte Carlo loss through the transformer, "
              f"crosses, ±{k_se} SE; {bars_said(inside_x, 'cross')}), the one-layer optimum for each test law, tuned ridge (lambda tuned on the test law) and "

@@ -235,36 +235,46 @@ def figures(name, rows, tables):
     saved as a PNG (FIGURE_DPI) and a PDF beside it (FIGURE_FORMATS) in FIGURE_STYLE.
     Titles and captions say what this run showed: its seed and start counts, which runs converged (a
     "not converged" style in the legend), and a claim only where the run's rows decided it. Returns
-    ([(PNG file name, caption)], {file name: bytes} of the PNGs and PDFs, a note for the run or None):
-    without matplotlib the note says once how to get figures."""
+    ([(PNG file name, caption)], {file name: bytes} of the PNGs and PDFs, [measured rows], a note for the run
+    or None): without matplotlib the note says once how to get figures. A plot function passes save(fig,
+    suffix, bars={key: (series, markers, inside)}) what it measured of a figure's error bars
+    (ex.bars_inside_markers; markers: their word, "circles"); each becomes a row of the table NAME_drawn
+    (figure, series, markers, bars, inside: how many are smaller than their markers), so that the documents render what the run's captions
+    say from numbers (docs/FINDINGS.md)."""
     if name not in ex.PLOTS:
-        return [], {}, None
+        return [], {}, [], None
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return [], {}, "No figures: matplotlib is not installed (python3 -m pip install matplotlib, or pip install .[plot])."
-    drawn = {}
+        return [], {}, [], "No figures: matplotlib is not installed (python3 -m pip install matplotlib, or pip install .[plot])."
+    drawn, measured = {}, []
 
-    def save(fig, suffix):
+    def save(fig, suffix, bars=None):
         for fmt in FIGURE_FORMATS:
             drawn[f"{name}{suffix}.{fmt}"] = figure_bytes(fig, fmt)
         plt.close(fig)
+        for key, (series, markers, inside) in (bars or {}).items():
+            measured.append(dict(id=suffix.strip("_") + "-" + key if suffix else key, figure=f"{name}{suffix}.png",
+                                 series=series, markers=markers, bars=len(inside), inside=sum(inside)))
         return f"{name}{suffix}.png"
     style = dict(FIGURE_STYLE, **{"axes.prop_cycle": matplotlib.cycler(color=OKABE_ITO)})
     with matplotlib.rc_context(style):
-        return ex.PLOTS[name](plt, save, rows, tables), drawn, None
+        return ex.PLOTS[name](plt, save, rows, tables), drawn, measured, None
 
 
 def experiment_files(name, rows, tables):
     """An experiment's files as bytes, {file name: bytes}: name.csv (its rows), name_TABLE.csv per
-    extra table, its figures (PNG and PDF); with the figures' captions and a note when matplotlib is missing."""
+    extra table, its figures (PNG and PDF) and name_drawn.csv, what was measured on them (figures); with the
+    figures' captions and a note when matplotlib is missing."""
     files = {f"{name}.csv": csv_bytes(rows)}
     files.update({f"{name}_{table}.csv": csv_bytes(with_ids(f"{name}_{table}", content))
                   for table, content in tables.items()})
-    captions, drawn, note = figures(name, rows, tables)
+    captions, drawn, measured, note = figures(name, rows, tables)
     files.update(drawn)
+    if measured:
+        files[f"{name}_drawn.csv"] = csv_bytes(with_ids(f"{name}_drawn", measured))
     return files, captions, note
 
 

@@ -1155,6 +1155,25 @@ def test_a_figure_is_drawn_in_the_pixels_it_is_saved_in():
     assert drawn == saved == (2 * runner.FIGURE_DPI, runner.FIGURE_DPI)
 
 
+def test_what_a_plot_measures_of_its_error_bars_is_a_table_of_the_run(monkeypatch):
+    # save(fig, suffix, bars=...) keeps each series' count of bars smaller than their markers as a row of
+    # NAME_drawn.csv (the documents render their captions' counts from it: docs/FINDINGS.md)
+    plt = pytest.importorskip("matplotlib.pyplot")
+
+    def plot(plt, save, rows, tables):
+        fig = plt.figure(figsize=(1.0, 1.0))
+        return [(save(fig, "_x", bars={"a": ("series a", "circles", [True, False, True]), "b": ("b", "crosses", [])}), "")]
+    monkeypatch.setitem(ex.PLOTS, "made-up", plot)
+    files, captions, note = runner.experiment_files("made-up", [dict(id="made-up/r")], {})
+    assert note is None and captions == [("made-up_x.png", "")]
+    drawn = list(csv.DictReader(io.StringIO(files["made-up_drawn.csv"].decode())))
+    assert [(r["id"], r["figure"], r["series"], r["markers"], r["bars"], r["inside"]) for r in drawn] == [
+        ("made-up_drawn/x-a", "made-up_x.png", "series a", "circles", "3", "2"),
+        ("made-up_drawn/x-b", "made-up_x.png", "b", "crosses", "0", "0")]
+    monkeypatch.setitem(ex.PLOTS, "made-up", lambda plt, save, rows, tables: [(save(plt.figure(), ""), "")])
+    assert "made-up_drawn.csv" not in runner.experiment_files("made-up", [dict(id="made-up/r")], {})[0]
+
+
 @pytest.mark.slow
 @pytest.mark.mutants
 def test_figures_keep_text_at_least_8_pt_and_save_a_png_and_a_pdf():
@@ -1863,7 +1882,7 @@ def drawn():
     plt = pytest.importorskip("matplotlib.pyplot")
     figures = []
 
-    def save(fig, suffix):
+    def save(fig, suffix, bars=None):
         figures.append(fig)
         return f"figure{suffix}.png"
     yield plt, save, figures

@@ -544,8 +544,10 @@ def test_check_exit_status(monkeypatch, capsys, stale, rendered, status):
 # ---------------------------------------------------------------------------------------------
 
 # what the documents show of a full run: figures they link to, tables their blocks read
-SHOWN = ["depth.png", "dynamics.csv", "dynamics.png", "dynamics_descent.csv", "icl-curve.png", "looped.csv", "looped.png",
-         "looped_exact.csv", "looped_trained.csv", "optimizers.csv", "shift.csv", "shift.png",
+SHOWN = ["depth.png", "depth_curve.csv", "depth_drawn.csv", "dynamics.csv", "dynamics.png", "dynamics_descent.csv",
+         "dynamics_drawn.csv", "icl-curve.png", "icl-curve_curve.csv", "icl-curve_drawn.csv", "looped.csv", "looped.png",
+         "looped_drawn.csv", "looped_exact.csv", "looped_hessian.csv", "looped_points.csv", "looped_trained.csv",
+         "optimizers.csv", "shift.csv", "shift.png", "shift_drawn.csv",
          "shift_shifts.csv", "single-layer-landscape.csv", "single-layer-landscape.png", "single-layer-landscape_basins.csv",
          "softmax-two-head.csv", "softmax-two-head.png", "softmax-two-head_starts.csv", "task-diversity.csv",
          "task-diversity.png", "task-diversity_pools.csv", "three-layer-blocks.csv", "three-layer-blocks_heatmaps.png",
