@@ -648,7 +648,7 @@ def plot_three_layer_sparse(plt, save, rows, tables):
                  "eigenvalues (1, 1, 1/4, 1/16, 1) rotated; one colour scale, logarithmic beyond ±0.1), "
                  f"titled with its fitted scalar ±{k_se} sandwich standard errors (rounded up; the least-squares multiple of Sigma^-1 for the unwhitened A_l, "
                  "<A_l, Sigma^-1> / |Sigma^-1|^2, which weighs Sigma's smallest eigenvalue's direction most, so it can "
-                 f"differ from the drawn diagonal's mean: here by up to {100 * spread:.0f}%), and with the exact family optimum's multiple "
+                 f"differ from the drawn diagonal's mean: here by up to {rounded_up(100 * spread, 0)}%), and with the exact family optimum's multiple "
                  "of the same rank (Lemma 4 fixes the multiples, not which layer takes which); against that optimum (the "
                  f"experiment's first row): {verdict}"
                  + (f" within {k_se} SE" if verdict in (PASS, FAIL) else f" ({fits[0]['why']})")
@@ -1039,19 +1039,21 @@ SEEN_PX = 2.0
 
 
 def room_for_apart(fig, axes, xs, keys, log=False):
-    """Set the x limits of each of `axes` so that the baselines `keys` drawn APART points beside the first
-    and last of xs keep their markers' half width and a gap of 6 pt inside the frame, on a linear or log axis."""
+    """Set the x limits of axes[0] so that the baselines `keys` it draws APART points beside the first and
+    last of xs keep their markers' half width and a gap of 6 pt inside the frame, on a linear or log axis,
+    and the same limits on the other `axes` (a residual panel beside it spans the same xs)."""
     fig.canvas.draw()                                   # the laid-out axes' width, in points
     room = max(abs(APART[k]) for k in keys) + 4.3 + 6
     low, high = min(xs), max(xs)
+    width = axes[0].get_window_extent().width * 72 / fig.dpi
+    if log:
+        pad = math.log10(high / low) * room / (width - 2 * room)
+        limits = (low / 10 ** pad, high * 10 ** pad)
+    else:
+        pad = (high - low) * room / (width - 2 * room)
+        limits = (low - pad, high + pad)
     for a in axes:
-        width = a.get_window_extent().width * 72 / fig.dpi
-        if log:
-            pad = math.log10(high / low) * room / (width - 2 * room)
-            a.set_xlim(low / 10 ** pad, high * 10 ** pad)
-        else:
-            pad = (high - low) * room / (width - 2 * room)
-            a.set_xlim(low - pad, high + pad)
+        a.set_xlim(*limits)
 
 
 def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=None):
@@ -1621,9 +1623,15 @@ def plot_single_layer_landscape(plt, save, rows, tables):
            title=f"One full $(P, Q)$ layer, noiseless, a batch of {table[0]['B']} prompts: where training from\n"
                  f"{table[0]['starts']} random starts per setting ends (GN: Gauss-Newton, left bar; LB: L-BFGS, right bar)")
     # below the axes (hides no bar), a column per optimiser: the error bar's entry closes the first column
+    # (matplotlib fills a legend column by column: the shorter column is padded with blank entries)
     handles, names = ax.get_legend_handles_labels()
-    order = sorted(range(len(names)), key=lambda i: (names[i].startswith("L-BFGS"), names[i].startswith("±")))
-    fig.legend([handles[i] for i in order], [names[i] for i in order], fontsize=8, loc="outside lower center", ncol=2)
+    columns = [[i for i in range(len(names)) if names[i].startswith("L-BFGS") == lb] for lb in (False, True)]
+    columns[0].sort(key=lambda i: names[i].startswith("±"))
+    blank = plt.Line2D([], [], linestyle="none")
+    tall = max(map(len, columns))
+    entries = [(handles[i], names[i]) if i is not None else (blank, "")
+               for column in columns for i in column + [None] * (tall - len(column))]
+    fig.legend(*zip(*entries), fontsize=8, loc="outside lower center", ncol=2)
     # the settings where no converged start, of either optimiser, stopped at a higher minimum
     clean = [s for s in labels if not any(t["higher"] for t in table if t["setting"] == s)]
     made.append((save(fig, ""), "One full (P, Q) layer, noiseless, x ~ N(0, Sigma) with Sigma's eigenvalues spread geometrically from 1 to "
@@ -1634,7 +1642,7 @@ def plot_single_layer_landscape(plt, save, rows, tables):
                  "sqrt(p (1 - p) / starts), 0 where every start or none did); each setting's batch of "
                  + str(table[0]["B"]) + " prompts; counts of "
                  + f"{table[0]['starts']} starts on one machine (floating-point sums in another order can send a start "
-                 f"to another basin): a fraction's binomial standard error is up to {0.5 / math.sqrt(table[0]['starts']):.2f}, so "
+                 f"to another basin): a fraction's binomial standard error is up to {rounded_up(0.5 / math.sqrt(table[0]['starts']), 2)}, so "
                  "a difference of a few starts between settings or optimisers is not decided. What to see: in which "
                  "settings some converged starts stop at a higher minimum (hatched): "
                  + ("none" if len(clean) == len(labels) else f"{labels[0]}" if len(labels) == 1

@@ -19,7 +19,7 @@ import icl_estimators as est
 import icl_looped as lp
 import icl_ref as ir
 from experiments import (K_SE, PAPER_LAW, PASS, bars_inside_markers, bars_said, best_of, converged, decide, experiment, family_optimum, fmt, info, judge,
-                         keyed, log_ticks, mean_se, paper_data, row, signed_ticks)
+                         keyed, log_ticks, mean_se, paper_data, rounded_up, row, signed_ticks)
 
 
 LOOPED_MS, LOOPED_MEW = 3.8, 0.8   # the looped figure's (b) markers: size and edge width, in points
@@ -182,7 +182,7 @@ def plot_looped(plt, save, rows, tables):
              + (f"; at L = {L0} the four optima are one point (relative spread {spread:.1g})" if spread < 1e-3 else "")
              + "; (b) the antisymmetric Hessian eigenvalue at the sparse tied optimum, "
              f"exact per n (marker and line style: n; the n drawn {fmt(STAGGER)} points apart)"
-             + (f"; the Monte Carlo estimates at n = 20, L = {mc_at}, lie within {mc_off:.1f} of their standard errors "
+             + (f"; the Monte Carlo estimates at n = 20, L = {mc_at}, lie within {rounded_up(mc_off, 1)} of their standard errors "
                 "of the exact values (not drawn: they would hide the exact markers)" if mc_off is not None else "")
              + "; (c) the loss along "
              "matrices with rotation blocks, relative to the sparse tied optimum: the whitened tied matrix "

@@ -546,11 +546,11 @@ def test_check_exit_status(monkeypatch, capsys, stale, rendered, status):
 # what the documents show of a full run: figures they link to, tables their blocks read
 SHOWN = ["depth.png", "depth_curve.csv", "depth_drawn.csv", "dynamics.csv", "dynamics.png", "dynamics_descent.csv",
          "dynamics_drawn.csv", "icl-curve.png", "icl-curve_curve.csv", "icl-curve_drawn.csv", "looped.csv", "looped.png",
-         "looped_drawn.csv", "looped_exact.csv", "looped_hessian.csv", "looped_points.csv", "looped_trained.csv",
+         "looped_character.csv", "looped_drawn.csv", "looped_exact.csv", "looped_hessian.csv", "looped_points.csv", "looped_trained.csv",
          "optimizers.csv", "shift.csv", "shift.png", "shift_drawn.csv",
          "shift_shifts.csv", "single-layer-landscape.csv", "single-layer-landscape.png", "single-layer-landscape_basins.csv",
          "softmax-two-head.csv", "softmax-two-head.png", "softmax-two-head_starts.csv", "task-diversity.csv",
-         "task-diversity.png", "task-diversity_pools.csv", "three-layer-blocks.csv", "three-layer-blocks_heatmaps.png",
+         "task-diversity.png", "task-diversity_drawn.csv", "task-diversity_pools.csv", "three-layer-blocks.csv", "three-layer-blocks_heatmaps.png",
          "three-layer-sparse.csv", "three-layer-sparse.png", "three-layer-sparse_heatmaps.png", "two-layer-isotropic.csv",
          "unconstrained.csv"]
 SHOWN = sorted(SHOWN + [f[:-len("png")] + "pdf" for f in SHOWN if f.endswith(".png")])    # each figure's vector copy

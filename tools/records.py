@@ -259,7 +259,7 @@ NAMES = dict(
     join=lambda values, spec="": ", ".join(format(v, spec) for v in values),
     words=lambda k: {0: "none", 1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}.get(k, str(k)),
     **{f.__name__: f for f in (min, max, len, sum, sorted, abs, round, int, float, str, any, all, set, list, dict,
-                               zip, enumerate, chr, math.exp, math.log10, math.ceil, math.fsum)})
+                               zip, enumerate, chr, math.exp, math.log10, math.ceil, math.fsum, math.sqrt)})
 NODES = (ast.Expression, ast.JoinedStr, ast.FormattedValue, ast.Constant, ast.Name, ast.Load, ast.Store, ast.Attribute,
          ast.Subscript, ast.Slice, ast.Call, ast.keyword, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp,
          ast.List, ast.Tuple, ast.Set, ast.Dict, ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.comprehension,
