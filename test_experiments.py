@@ -2047,6 +2047,8 @@ def test_the_icl_curve_caption_counts_the_bars_hidden_in_markers_and_keeps_the_o
     ols = next(c for c in ax.containers if c.get_label().startswith("OLS"))
     left = marker_x(figures[-1], ols.lines[0]) - 3 * 2 ** 0.5 * figures[-1].dpi / 72     # a diamond's half diagonal
     assert (left - ax.get_window_extent().x0) * 72 / figures[-1].dpi >= 3
+    residuals = next(a for a in figures[-1].axes if a.get_title().startswith("(b)"))
+    assert residuals.get_xlim() == ax.get_xlim()                    # (b) spans (a)'s n
     (_, caption), = ex.plot_icl_curve(plt, save, [], {"curve": curve(0.1)})
     assert "every bar reaches beyond its circle" in caption and "every bar reaches beyond its marker" in caption
 
@@ -2112,7 +2114,7 @@ def test_the_looped_hessian_panel_draws_each_n_apart_and_says_where_the_monte_ca
     ns = (5, 10, 20, 40, 80)          # the full run's five n and eight L
     tables = dict(exact=[dict(family=f, L=L, loss_untied=1.0 / L, loss_tied=1.1 / L) for f in ("sparse", "blocks") for L in (1, 2)],
                   hessian=[dict(L=L, antisymmetric=2.0, mc_antisymmetric=2.0 + d, mc_antisymmetric_se=0.01)
-                           for L, d in ((1, -0.03), (2, 0.01))],
+                           for L, d in ((1, -0.0312), (2, 0.01))],
                   character=[dict(n=n, L=L, antisymmetric=2.0) for n in ns for L in range(1, 9)],
                   profiles=[], trained=[dict(L=4, exact_loss=0.2, family_loss=0.21, antisym_sv=[0.3])], points=[])
     (_, caption), = beyond.plot_looped(plt, save, [], tables)
@@ -2132,7 +2134,8 @@ def test_the_looped_hessian_panel_draws_each_n_apart_and_says_where_the_monte_ca
     per_L = np.diff(ax.transData.transform([(1, 1), (2, 1)])[:, 0])[0]
     assert xs[ns[-1]] - xs[ns[0]] + width < per_L
     # the Monte Carlo estimates are not drawn over the exact markers: the caption says how far they are
-    assert not ax.containers and "L = 1, 2, lie within 3.0 of their standard errors of the exact values" in caption
+    # (3.12 of them at L = 1: a bound, rounded up)
+    assert not ax.containers and "L = 1, 2, lie within 3.2 of their standard errors of the exact values" in caption
 
 
 @pytest.mark.slow

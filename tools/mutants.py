@@ -1217,6 +1217,12 @@ MUTANTS = [
      'a control variate constant over the samples: 0 / 0 (a NaN estimate) instead of the plain estimate'),
     ('looped-nan-sample-unnamed', 'icl_looped.py', '_powers', 'if not np.all(np.isfinite(S)):', 'if False:',
      'a NaN in S reported as an overflow of W'),
+    ('drawn-counts-seen', 'experiments_cli.py', 'figures', 'inside=sum(inside)', 'inside=len(inside) - sum(inside)',
+     "the run's table of a figure's error bars counts those seen beyond their markers as the ones hidden in them"),
+    ('looped-mc-off-nearest', 'experiments_beyond.py', 'plot_looped', '{rounded_up(mc_off, 1)}', '{mc_off:.1f}',
+     "the caption's bound on the Monte Carlo estimates' distance rounded to nearest: below the largest distance"),
+    ('residuals-own-range', 'experiments.py', 'room_for_apart', '    for a in axes:\n        a.set_xlim(*limits)',
+     '    axes[0].set_xlim(*limits)', "a residual panel left on its own x range, not lined up with the losses' panel"),
 ]
 
 # standard errors and losses at scales far from 1, and the tables' reads (records.rows)
