@@ -69,6 +69,12 @@ PARALLEL_MIN_WORK_JACOBIAN = 2 ** 19
 # (_batch_first_bounds).
 BATCH_FIRST_CHUNK = 2 ** 16
 
+# The lanes chunks: near max(1, LANES_CHUNK // D^2) prompts each (_lanes_bounds; each (D, D, b)
+# array about 1 MB). Fewer, larger chunks make fewer numpy calls, and each call on a large array is
+# a moment where the two workers may wait for each other's turn in the interpreter; larger still,
+# a chunk's arrays leave the core's cache (docs/benchmarks.md, "icl_fast's lanes chunks").
+LANES_CHUNK = 2 ** 17
+
 
 # ---------------------------------------------------------------------------------------------
 # Workers: chunks of prompts on the machine's cores, BLAS at one thread meanwhile (the machinery of
@@ -372,10 +378,10 @@ def lanes_backward(G_next, dq_next, cache, first=False, per_prompt=False):
 
 
 def _lanes_bounds(B, D):
-    """The lanes chunks: a multiple of 4 equal chunks near 2^16 / D^2 prompts each (each (D, D, b)
-    array about 512 KB, in cache; equal chunks keep 2 or 4 workers equally busy). They depend on B
-    and D only, never on the worker count."""
-    count = 4 * -(-B // (4 * max(1, 2 ** 16 // D ** 2)))
+    """The lanes chunks: a multiple of 4 equal chunks of at most max(1, LANES_CHUNK / D^2) prompts
+    each (each (D, D, b) array about 1 MB; equal chunks keep 2 or 4 workers equally busy). They
+    depend on B and D only, never on the worker count."""
+    count = 4 * -(-B // (4 * max(1, LANES_CHUNK // D ** 2)))
     return _bounds(B, -(-B // count))
 
 
@@ -435,6 +441,7 @@ def _lanes_kernels(P, Q, n):
     return kernels, E
 
 
+@_one_blas_thread()      # also the kernels' products outside the chunks: BLAS would thread them from D = 9
 def lanes_loss_and_grad_gram(P, Q, S0, q0, y, n, threads=1):
     """REFERENCE.loss_and_grad_gram in the lanes formulation on `threads` workers: (loss, dP, dQ).
     Each chunk's reverse pass is seeded with 2 r / B (the whole batch's B); the kernels' adjoints
@@ -462,6 +469,7 @@ def lanes_loss_and_grad_gram(P, Q, S0, q0, y, n, threads=1):
     return sum(part[0] for part in parts), dP, dQ
 
 
+@_one_blas_thread()      # also the kernels' products outside the chunks: BLAS would thread them from D = 9
 def lanes_jacobian_gram(P, Q, S0, q0, y, n, threads=1):
     """REFERENCE.jacobian_gram in the lanes formulation on `threads` workers: r (B,), JP, JQ
     (B, L, H, D, D). The reverse pass seeded with dr_b/d(q_L)_d = 1 for every prompt, each prompt's

@@ -603,6 +603,27 @@ def test_training_holds_blas_at_one_thread_and_restores_the_callers_setting():
     assert seen and set(seen) == {1}
 
 
+
+@pytest.mark.parametrize("method", ["loss_and_grad_gram", "jacobian_gram"])
+def test_engine_methods_form_the_lanes_kernels_with_blas_at_one_thread(method):
+    # rule (iii) for the whole evaluation, also where icl_ref's functions call the engine's methods
+    # (engine=) with no wrapper of icl_fast's around them: the layers' kernels and the sum of their
+    # adjoints are products outside the chunks (BLAS threads them from D = 9), formed with BLAS at one
+    # thread and the caller's setting back afterwards
+    P, Q, Z, y = problem(3, 40, 2)
+    args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, -1]), y, Z.shape[2] - 1)
+    seen, forward = [], fast.kernel_forward
+
+    def spy(*a):
+        seen.append(max(blas_threads()))
+        return forward(*a)
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = blas_threads()
+        with mock.patch.object(fast, "kernel_forward", spy):
+            getattr(fast.engine(1), method)(*args)
+        assert blas_threads() == before
+    assert seen and set(seen) == {1}
+
 def test_overlapping_holders_count_under_the_lock():
     # a slow BLAS getter: while the first holder reads the limit, a second thread enters; it must
     # wait for the count, or it would save the first holder's 1 as the caller's limit
@@ -844,7 +865,7 @@ def test_lanes_chunks_are_equal_a_multiple_of_four_and_cover_the_batch():
         sizes = [b - a for a, b in bounds]
         assert bounds[0][0] == 0 and bounds[-1][1] == B
         assert all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
-        assert len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0]
+        assert len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0] <= max(1, fast.LANES_CHUNK // D ** 2)
         assert B < 4 or len(bounds) % 4 == 0 or sizes[-1] < sizes[0]
 
 

@@ -18,10 +18,12 @@ Tables:
    and, at a few d, the peers, with the largest relative gradient difference from icl_ref.
 2. icl_fast's formulation choice: lanes against icl_ref's batch-first layers on the workers, for the loss
    and the Jacobian, d = 1 .. 20 (where LANES_MAX_D and LANES_MAX_D_JACOBIAN come from).
-3. icl_fast's workers against the calling thread alone for small evaluations, on both sides of
+3. icl_fast's lanes chunks: the loss and the Jacobian at B = 20000 with LANES_CHUNK at 2^16, 2^17, 2^18
+   (where LANES_CHUNK comes from).
+4. icl_fast's workers against the calling thread alone for small evaluations, on both sides of
    PARALLEL_MIN_WORK and PARALLEL_MIN_WORK_JACOBIAN.
-4. Training at the paper's size with both modules.
-5. The reference in a plain process against the same run with OPENBLAS_NUM_THREADS=1 (alternating
+5. Training at the paper's size with both modules.
+6. The reference in a plain process against the same run with OPENBLAS_NUM_THREADS=1 (alternating
    runs in fresh processes): the reference starts no BLAS threads, so the two should match.
 """
 import argparse
@@ -208,6 +210,36 @@ def table_formulations(repeats):
     return "icl_fast's formulations", head, rows, note
 
 
+LANES_CHUNKS = (2 ** 16, 2 ** 17, 2 ** 18)     # the sizes icl_fast.LANES_CHUNK is measured at
+
+
+def lanes_chunk(size, method, args):
+    """engine(None).method(*args) with the lanes chunks of LANES_CHUNK = size (icl_fast's constant)."""
+    saved, fast.LANES_CHUNK = fast.LANES_CHUNK, size
+    try:
+        return getattr(fast.engine(None), method)(*args)
+    finally:
+        fast.LANES_CHUNK = saved
+
+
+def table_lanes_chunks(repeats):
+    """icl_fast's lanes loss (d = 1 .. 10) and Jacobian (d = 1 .. 6) at B = 20000 with the lanes chunks of
+    each of LANES_CHUNKS, timed in turn within each repeat."""
+    head = ["d", "what"] + [f"LANES_CHUNK = 2^{size.bit_length() - 1} s" for size in LANES_CHUNKS]
+    rows = []
+    for what, method, top in (("loss", "loss_and_grad_gram", fast.LANES_MAX_D),
+                              ("Jacobian", "jacobian_gram", fast.LANES_MAX_D_JACOBIAN)):
+        for d in range(1, top):
+            P, Q, Z, y = problem(d)
+            args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, N]), y, N)
+            runs = [lambda size=size: lanes_chunk(size, method, args) for size in LANES_CHUNKS]
+            rows.append([d, what] + [f"{t:.4f}" for t in interleaved_medians(runs, repeats)])
+    note = (f"The lanes formulation at B = 20000, n = 20, L = 3, full P, Q, on every core; median of {repeats}. "
+            f"icl_fast takes LANES_CHUNK = 2^{fast.LANES_CHUNK.bit_length() - 1}: chunks of at most "
+            "LANES_CHUNK / D^2 prompts, a multiple of 4 of them (MATH.md §16).")
+    return "icl_fast's lanes chunks", head, rows, note
+
+
 WORKER_CASES = [(3, 1, 1, 2000), (3, 1, 1, 20000), (5, 1, 2, 1000), (5, 1, 2, 2000), (5, 1, 2, 5000),
                 (5, 3, 1, 250), (5, 3, 1, 500), (5, 3, 1, 1000), (5, 3, 1, 2000), (5, 3, 1, 5000)]   # d, L, H, B
 
@@ -342,7 +374,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     start, tables, load_at_start = time.perf_counter(), [], load()
     for title, head, rows, note in (table_loss_and_grad(args.repeats), table_formulations(args.repeats),
-                                    table_workers(args.repeats), table_training(), table_blas_threads()):
+                                    table_lanes_chunks(args.repeats), table_workers(args.repeats), table_training(),
+                                    table_blas_threads()):
         rows = [[str(x) for x in row] for row in rows]
         tables.append(dict(title=title, note=note, head=head, rows=rows))
         print(f"## {title}\n\n{records.table(head, rows)}\n", flush=True)

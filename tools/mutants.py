@@ -411,6 +411,10 @@ MUTANTS = [
      "the batch-first loss and gradient of the first chunk only"),
     ('fast-batch-first-small-chunks', 'icl_fast.py', None, 'BATCH_FIRST_CHUNK = 2 ** 16\n', 'BATCH_FIRST_CHUNK = 2 ** 14\n',
      "the batch-first chunks back to a quarter of their size, below the reference's own at large D"),
+    ('fast-lanes-kernels-blas-threads', 'icl_fast.py', None,
+     "@_one_blas_thread()      # also the kernels' products outside the chunks: BLAS would thread them from D = 9\n"
+     "def lanes_loss_and_grad_gram(", 'def lanes_loss_and_grad_gram(',
+     "the lanes loss's kernels formed with BLAS at the caller's threads when the engine is called through engine="),
     ('fast-batch-first-chunks-unbalanced', 'icl_fast.py', '_batch_first_bounds',
      'count = 4 * -(-B // (4 * max(1, BATCH_FIRST_CHUNK // D ** 2)))', 'count = -(-B // max(1, BATCH_FIRST_CHUNK // D ** 2))',
      'a count of chunks that two or four workers cannot share equally'),
@@ -1267,8 +1271,7 @@ EQUIVALENT = [
      "rounding, tested); its place is a design constant that docs/benchmarks.md's measurement shows"),
     ("fast-jacobian-threshold", "icl_fast.py", None, "LANES_MAX_D_JACOBIAN = 7\n", "LANES_MAX_D_JACOBIAN = 5\n",
      "as fast-lanes-threshold, for the Jacobian"),
-    ("lanes-chunk-size", "icl_fast.py", '_lanes_bounds', "count = 4 * -(-B // (4 * max(1, 2 ** 16 // D ** 2)))",
-     "count = 4 * -(-B // (4 * max(1, 2 ** 14 // D ** 2)))",
+    ("lanes-chunk-size", "icl_fast.py", None, "LANES_CHUNK = 2 ** 17\n", "LANES_CHUNK = 2 ** 14\n",
      "the chunk size changes only the order of floating-point sums (tested against the reference)"),
     ("poly-trim", "icl_ref.py", '_poly_trim', "while len(p) > 1 and p[-1] == 0:", "while False:",
      "exact-zero leading coefficients contribute 0 to every sum (only the degree check notices; kept as a "
