@@ -231,7 +231,8 @@ def table_lanes_chunks(repeats):
                               ("Jacobian", "jacobian_gram", fast.LANES_MAX_D_JACOBIAN)):
         for d in range(1, top):
             P, Q, Z, y = problem(d)
-            args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, N]), y, N)
+            S0 = fast.engine(None).gram(Z)                                 # laid out as icl_fast lays it out
+            args = (P, Q, S0, np.ascontiguousarray(Z[:, :, N]), y, N)
             runs = [lambda size=size: lanes_chunk(size, method, args) for size in LANES_CHUNKS]
             rows.append([d, what] + [f"{t:.4f}" for t in interleaved_medians(runs, repeats)])
     note = (f"The lanes formulation at B = 20000, n = 20, L = 3, full P, Q, on every core; median of {repeats}. "
