@@ -58,12 +58,13 @@ __version__ = "0.4.0"
 LANES_MAX_D = 11
 LANES_MAX_D_JACOBIAN = 7
 
-# The smallest evaluation, in multiply-adds B L H D^3 of the layers' products, that the workers
-# share, for the loss and apart from it the Jacobian; a smaller one runs its chunks, the same
-# chunks, on the calling thread, as handing chunks to the workers and collecting them has a fixed
-# cost that exceeds what they save there (docs/benchmarks.md records both sides).
+# The smallest evaluation, in multiply-adds of the layers' products per head (B L D^3, times H where
+# each head costs its own: everywhere but the lanes loss, whose kernel carries every head at once),
+# that the workers share, for the loss and apart from it the Jacobian; a smaller one runs its
+# chunks, the same chunks, on the calling thread, as handing chunks to the workers and collecting
+# them has a fixed cost that exceeds what they save there (docs/benchmarks.md records both sides).
 PARALLEL_MIN_WORK = 2 ** 21
-PARALLEL_MIN_WORK_JACOBIAN = 2 ** 19
+PARALLEL_MIN_WORK_JACOBIAN = 3 * 2 ** 18
 
 # The batch-first layers' chunks on the workers: max(1, BATCH_FIRST_CHUNK // D^2) prompts each
 # (_batch_first_bounds).
@@ -555,14 +556,18 @@ class _Engine:
     def __init__(self, threads):
         self.threads = _thread_count(threads)
 
-    def _gram_form(self, args, lanes, batch_first, max_D, min_work):
+    def _gram_form(self, args, lanes, batch_first, max_D, min_work, heads_in_lanes):
         """An evaluation of the Gram form args = (P, Q, S0, q0, y, n) of B prompts: lanes(*args,
         threads=...) for D <= max_D, else batch_first(*args, threads=...); on the calling thread alone
-        when its B L H D^3 multiply-adds are below min_work."""
+        when its work is below min_work: B L H D^3 multiply-adds, or B L D^3 in lanes unless
+        `heads_in_lanes` (the lanes loss forms every head's kernel into one: its cost does not grow
+        with H; the lanes Jacobian forms each head's rows)."""
         P, y = args[0], args[4]
         (L, H, D), B = P.shape[:3], y.shape[0]
-        threads = 1 if B * L * H * D ** 3 < min_work else self.threads
-        return (lanes if D <= max_D else batch_first)(*args, threads=threads)
+        take_lanes = D <= max_D
+        work = B * L * D ** 3 * (H if heads_in_lanes or not take_lanes else 1)
+        threads = 1 if work < min_work else self.threads
+        return (lanes if take_lanes else batch_first)(*args, threads=threads)
 
     def gram(self, Z):
         """S_0 = Z M Z^T (B, D, D): where both evaluations take lanes (D <= LANES_MAX_D_JACOBIAN),
@@ -578,13 +583,13 @@ class _Engine:
     def loss_and_grad_gram(self, P, Q, S0, q0, y, n):
         """(loss, dP, dQ): lanes for D <= LANES_MAX_D, else icl_ref's batch-first layers on the chunks."""
         return self._gram_form((P, Q, S0, q0, y, n), lanes_loss_and_grad_gram, batch_first_loss_and_grad_gram,
-                               LANES_MAX_D, PARALLEL_MIN_WORK)
+                               LANES_MAX_D, PARALLEL_MIN_WORK, heads_in_lanes=False)
 
     def jacobian_gram(self, P, Q, S0, q0, y, n):
         """(r, JP, JQ): lanes for D <= LANES_MAX_D_JACOBIAN, else icl_ref's batch-first layers on the
         chunks."""
         return self._gram_form((P, Q, S0, q0, y, n), lanes_jacobian_gram, batch_first_jacobian_gram,
-                               LANES_MAX_D_JACOBIAN, PARALLEL_MIN_WORK_JACOBIAN)
+                               LANES_MAX_D_JACOBIAN, PARALLEL_MIN_WORK_JACOBIAN, heads_in_lanes=True)
 
     def activation_pass(self, P, Q, Z, y, activation, jacobian=False):
         """REFERENCE.activation_pass on chunks of 2^15 / (n+1)^2 prompts (their (b, n+1, n+1) score

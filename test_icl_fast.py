@@ -370,14 +370,30 @@ def test_thread_count_does_not_change_results():
 
 
 @TWO_CORES
-def test_the_work_that_reaches_the_workers_counts_every_head():
-    # B L H D^3: with two heads the threshold is met at half the prompts of one head
-    P, Q, Z, y = problem(133, 3000, 5, L=2, H=2, scale=0.1)
+def test_the_work_that_reaches_the_workers_counts_the_heads_where_each_costs_its_own():
+    # the lanes Jacobian forms each head's rows: B L H D^3, so with two heads the threshold is met at
+    # half the prompts of one head; the lanes loss forms one kernel for every head, whose cost does not
+    # grow with H: B L D^3, its threshold at the prompts of one head
+    P, Q, Z, y = problem(133, 5000, 5, L=2, H=2, scale=0.1)
     args = (P, Q, *gram_form(Z), y, Z.shape[2] - 1)
-    B = -(-fast.PARALLEL_MIN_WORK // (2 * 2 * 6 ** 3))        # the first batch size at the threshold
+    for method, min_work, heads in (("jacobian_gram", fast.PARALLEL_MIN_WORK_JACOBIAN, 2),
+                                    ("loss_and_grad_gram", fast.PARALLEL_MIN_WORK, 1)):
+        B = -(-min_work // (2 * heads * 6 ** 3))                # the first batch size at the threshold
+        for b in (B - 1, B):
+            chunk = (*args[:2], *(a[:b] for a in args[2:5]), args[5])
+            seen = threads_running(fast, "lanes_forward", lambda: getattr(fast.engine(2), method)(*chunk))
+            assert (seen == {threading.current_thread().name}) == (b < B), (method, b, seen)
+
+
+def test_the_batch_first_layers_count_every_head():
+    # above LANES_MAX_D each head costs its own products in icl_ref's layers: B L H D^3
+    D = fast.LANES_MAX_D + 1
+    P, Q, Z, y = problem(134, 700, D - 1, n=4, L=1, H=2, scale=0.1)
+    args = (P, Q, *gram_form(Z), y, Z.shape[2] - 1)
+    B = -(-fast.PARALLEL_MIN_WORK // (2 * D ** 3))              # the first batch size at the threshold
     for b in (B - 1, B):
         chunk = (*args[:2], *(a[:b] for a in args[2:5]), args[5])
-        seen = threads_running(fast, "lanes_forward", lambda: fast.engine(2).loss_and_grad_gram(*chunk))
+        seen = threads_running(fast, "batch_first_chunk", lambda: fast.engine(2).loss_and_grad_gram(*chunk))
         assert (seen == {threading.current_thread().name}) == (b < B), (b, seen)
 
 # ---------------------------------------------------------------------------------------------

@@ -249,8 +249,8 @@ def table_workers(repeats, calls=20):
     """icl_fast's lanes loss and Jacobian (full P, Q) on one thread and on every core, for the small
     evaluations of WORKER_CASES (n = 20); each time is the median over `repeats` of the mean of
     `calls` calls, the four runs of a case timed in turn."""
-    head = ["d", "L", "H", "B", "B L H D^3", "loss: 1 thread s", "loss: every core s", "Jacobian: 1 thread s",
-            "Jacobian: every core s"]
+    head = ["d", "L", "H", "B", "loss: B L D^3", "loss: 1 thread s", "loss: every core s", "Jacobian: B L H D^3",
+            "Jacobian: 1 thread s", "Jacobian: every core s"]
     rows = []
     for d, L_c, H_c, B_c in WORKER_CASES:
         rng = np.random.default_rng(d + 10 * L_c + 100 * H_c)
@@ -260,12 +260,12 @@ def table_workers(repeats, calls=20):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         runs = [lambda k=k: fast.lanes_loss_and_grad_gram(*args, threads=k) for k in (1, cores)]
         runs += [lambda k=k: fast.lanes_jacobian_gram(*args, threads=k) for k in (1, cores)]
-        rows.append([d, L_c, H_c, B_c, B_c * L_c * H_c * (d + 1) ** 3]
-                    + [f"{t:.5f}" for t in interleaved_medians(runs, repeats, calls)])
+        times = [f"{t:.5f}" for t in interleaved_medians(runs, repeats, calls)]
+        rows.append([d, L_c, H_c, B_c, B_c * L_c * (d + 1) ** 3, *times[:2], B_c * L_c * H_c * (d + 1) ** 3, *times[2:]])
     note = (f"The lanes formulation, n = 20; median of {repeats} means of {calls} calls. icl_fast hands an evaluation "
-            f"to the workers from B L H D^3 = {fast.PARALLEL_MIN_WORK} multiply-adds on for the loss and "
-            f"{fast.PARALLEL_MIN_WORK_JACOBIAN} for the Jacobian, and runs smaller ones on the calling thread "
-            "(MATH.md §16).")
+            f"to the workers from B L D^3 = {fast.PARALLEL_MIN_WORK} multiply-adds on for the loss (one kernel carries "
+            f"every head) and B L H D^3 = {fast.PARALLEL_MIN_WORK_JACOBIAN} for the Jacobian, and runs smaller ones on the "
+            "calling thread (MATH.md §16).")
     return "icl_fast's workers for small evaluations", head, rows, note
 
 

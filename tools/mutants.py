@@ -57,12 +57,18 @@ PRIMARY = {"experiments_cli.py": "test_experiments.py", "experiments_beyond.py":
 
 # (name, file, function, old text, new text, why it matters)
 MUTANTS = [
-    ('workers-rule-dropped', 'icl_fast.py', '_Engine._gram_form', 'threads = 1 if B * L * H * D ** 3 < min_work else self.threads',
+    ('workers-rule-dropped', 'icl_fast.py', '_Engine._gram_form', 'threads = 1 if work < min_work else self.threads',
      'threads = self.threads', 'small evaluations handed to the workers after all'),
-    ('workers-work-without-heads', 'icl_fast.py', '_Engine._gram_form', 'threads = 1 if B * L * H * D ** 3 < min_work else self.threads',
-     'threads = 1 if B * L * D ** 3 < min_work else self.threads', "the heads left out of an evaluation's work"),
-    ('workers-jacobian-at-loss-threshold', 'icl_fast.py', '_Engine.jacobian_gram', 'PARALLEL_MIN_WORK_JACOBIAN)',
-     'PARALLEL_MIN_WORK)', "the Jacobian held to the loss's threshold"),
+    ('workers-work-without-heads', 'icl_fast.py', '_Engine._gram_form', '(H if heads_in_lanes or not take_lanes else 1)',
+     '1', "the heads left out of an evaluation's work"),
+    ('workers-batch-first-without-heads', 'icl_fast.py', '_Engine._gram_form', '(H if heads_in_lanes or not take_lanes else 1)',
+     '(H if heads_in_lanes else 1)', "the heads left out of the batch-first layers' work"),
+    ('workers-lanes-loss-every-head', 'icl_fast.py', '_Engine._gram_form', '(H if heads_in_lanes or not take_lanes else 1)',
+     'H', "the lanes loss's work counted per head, though one kernel carries every head"),
+    ('workers-loss-heads-in-lanes', 'icl_fast.py', '_Engine.loss_and_grad_gram', 'heads_in_lanes=False', 'heads_in_lanes=True',
+     "the lanes loss's work counted per head through its flag"),
+    ('workers-jacobian-at-loss-threshold', 'icl_fast.py', '_Engine.jacobian_gram', 'PARALLEL_MIN_WORK_JACOBIAN,',
+     'PARALLEL_MIN_WORK,', "the Jacobian held to the loss's threshold"),
     ('mask-includes-query', 'icl_ref.py', 'mask', 'return np.diag(np.r_[np.ones(n), 0.0])',
      'return np.diag(np.r_[np.ones(n), 1.0])', 'the query becomes a key and a value'),
     ('predict-sign', 'icl_ref.py', 'predict', 'y_hat = -np.concatenate(',
