@@ -70,10 +70,10 @@ PARALLEL_MIN_WORK_JACOBIAN = 3 * 2 ** 18
 # (_batch_first_bounds).
 BATCH_FIRST_CHUNK = 2 ** 16
 
-# The lanes chunks: near max(1, LANES_CHUNK // D^2) prompts each (_lanes_bounds; each (D, D, b)
+# The lanes chunks: at most max(1, LANES_CHUNK // D^2) prompts each (_lanes_bounds; each (D, D, b)
 # array about 1 MB). Fewer, larger chunks make fewer numpy calls, and each call on a large array is
-# a moment where the two workers may wait for each other's turn in the interpreter; larger still,
-# a chunk's arrays leave the core's cache (docs/benchmarks.md, "icl_fast's lanes chunks").
+# a moment where a worker may wait for another's turn in the interpreter; larger still, a chunk's
+# arrays leave the core's cache (docs/benchmarks.md, "icl_fast's lanes chunks").
 LANES_CHUNK = 2 ** 17
 
 
@@ -442,7 +442,7 @@ def _lanes_kernels(P, Q, n):
     return kernels, E
 
 
-@_one_blas_thread()      # also the kernels' products outside the chunks: BLAS would thread them from D = 9
+@_one_blas_thread()      # also for the products outside the chunks (the kernels, their adjoints' sum)
 def lanes_loss_and_grad_gram(P, Q, S0, q0, y, n, threads=1):
     """REFERENCE.loss_and_grad_gram in the lanes formulation on `threads` workers: (loss, dP, dQ).
     Each chunk's reverse pass is seeded with 2 r / B (the whole batch's B); the kernels' adjoints
@@ -470,7 +470,7 @@ def lanes_loss_and_grad_gram(P, Q, S0, q0, y, n, threads=1):
     return sum(part[0] for part in parts), dP, dQ
 
 
-@_one_blas_thread()      # also the kernels' products outside the chunks: BLAS would thread them from D = 9
+@_one_blas_thread()      # also for the products outside the chunks (the kernels)
 def lanes_jacobian_gram(P, Q, S0, q0, y, n, threads=1):
     """REFERENCE.jacobian_gram in the lanes formulation on `threads` workers: r (B,), JP, JQ
     (B, L, H, D, D). The reverse pass seeded with dr_b/d(q_L)_d = 1 for every prompt, each prompt's
@@ -556,16 +556,16 @@ class _Engine:
     def __init__(self, threads):
         self.threads = _thread_count(threads)
 
-    def _gram_form(self, args, lanes, batch_first, max_D, min_work, heads_in_lanes):
+    def _gram_form(self, args, lanes, batch_first, max_D, min_work, lanes_cost_per_head):
         """An evaluation of the Gram form args = (P, Q, S0, q0, y, n) of B prompts: lanes(*args,
         threads=...) for D <= max_D, else batch_first(*args, threads=...); on the calling thread alone
         when its work is below min_work: B L H D^3 multiply-adds, or B L D^3 in lanes unless
-        `heads_in_lanes` (the lanes loss forms every head's kernel into one: its cost does not grow
+        `lanes_cost_per_head` (the lanes loss forms one kernel of every head: its cost does not grow
         with H; the lanes Jacobian forms each head's rows)."""
         P, y = args[0], args[4]
         (L, H, D), B = P.shape[:3], y.shape[0]
         take_lanes = D <= max_D
-        work = B * L * D ** 3 * (H if heads_in_lanes or not take_lanes else 1)
+        work = B * L * D ** 3 * (H if lanes_cost_per_head or not take_lanes else 1)
         threads = 1 if work < min_work else self.threads
         return (lanes if take_lanes else batch_first)(*args, threads=threads)
 
@@ -583,13 +583,13 @@ class _Engine:
     def loss_and_grad_gram(self, P, Q, S0, q0, y, n):
         """(loss, dP, dQ): lanes for D <= LANES_MAX_D, else icl_ref's batch-first layers on the chunks."""
         return self._gram_form((P, Q, S0, q0, y, n), lanes_loss_and_grad_gram, batch_first_loss_and_grad_gram,
-                               LANES_MAX_D, PARALLEL_MIN_WORK, heads_in_lanes=False)
+                               LANES_MAX_D, PARALLEL_MIN_WORK, lanes_cost_per_head=False)
 
     def jacobian_gram(self, P, Q, S0, q0, y, n):
         """(r, JP, JQ): lanes for D <= LANES_MAX_D_JACOBIAN, else icl_ref's batch-first layers on the
         chunks."""
         return self._gram_form((P, Q, S0, q0, y, n), lanes_jacobian_gram, batch_first_jacobian_gram,
-                               LANES_MAX_D_JACOBIAN, PARALLEL_MIN_WORK_JACOBIAN, heads_in_lanes=True)
+                               LANES_MAX_D_JACOBIAN, PARALLEL_MIN_WORK_JACOBIAN, lanes_cost_per_head=True)
 
     def activation_pass(self, P, Q, Z, y, activation, jacobian=False):
         """REFERENCE.activation_pass on chunks of 2^15 / (n+1)^2 prompts (their (b, n+1, n+1) score

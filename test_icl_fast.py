@@ -7,6 +7,7 @@ Tolerances (as in test_icl_ref.py):
                    another order (sums over prompts and over chunks reordered; rounding only)
 """
 import ast
+import contextlib
 import math
 import os
 import pickle
@@ -339,7 +340,7 @@ def test_lanes_thresholds():
 
 @TWO_CORES
 def test_small_evaluations_run_on_the_calling_thread():
-    # an evaluation of B L H D^3 multiply-adds below PARALLEL_MIN_WORK (the loss) or
+    # an evaluation of B L D^3 multiply-adds (one head) below PARALLEL_MIN_WORK (the loss) or
     # PARALLEL_MIN_WORK_JACOBIAN (the Jacobian) runs on the calling thread, one at or above on the
     # workers; both sides run the same chunks, so the numbers are the same to the last bit
     P, Q, Z, y = problem(132, 6000, 5, L=2, H=1, scale=0.1)
@@ -359,7 +360,10 @@ def test_small_evaluations_run_on_the_calling_thread():
 def test_thread_count_does_not_change_results():
     # chunks depend on B and D only and are combined in chunk order: bit-identical results; the
     # sizes reach PARALLEL_MIN_WORK and PARALLEL_MIN_WORK_JACOBIAN, so that the workers share them
-    for d, B, k in ((3, 9000, 2100), (16, 900, 300)):         # lanes; icl_ref's layers on chunks
+    for d, B, k in ((3, 18000, 3100), (16, 900, 300)):        # lanes; icl_ref's layers on chunks
+        lanes = d + 1 <= fast.LANES_MAX_D                      # the lanes loss's work counts no heads
+        assert B * 2 * (1 if lanes else 2) * (d + 1) ** 3 >= fast.PARALLEL_MIN_WORK
+        assert k * 2 * 2 * (d + 1) ** 3 >= fast.PARALLEL_MIN_WORK_JACOBIAN
         P, Q, Z, y = problem(114 + d, B, d, H=2)
         runs = [fast.loss_and_grad(P, Q, Z, y, threads=t) for t in (1, 2, 3)]
         jac = [fast.residuals_and_jacobian(P, Q, Z[:k], y[:k], threads=t) for t in (1, 2)]
@@ -385,6 +389,7 @@ def test_the_work_that_reaches_the_workers_counts_the_heads_where_each_costs_its
             assert (seen == {threading.current_thread().name}) == (b < B), (method, b, seen)
 
 
+@TWO_CORES
 def test_the_batch_first_layers_count_every_head():
     # above LANES_MAX_D each head costs its own products in icl_ref's layers: B L H D^3
     D = fast.LANES_MAX_D + 1
@@ -571,7 +576,7 @@ def test_results_do_not_depend_on_the_callers_floating_point_settings():
 
 def test_concurrent_calls_equal_serial_and_leave_blas_limits_as_found():
     # four Python threads evaluate at once while a fifth polls the BLAS setting; every result equals
-    # the serial one bit for bit and the limit found (2 threads) is back afterwards; B L H D^3 above
+    # the serial one bit for bit and the limit found (2 threads) is back afterwards; B L D^3 above
     # PARALLEL_MIN_WORK, so that each call hands its chunks to the workers
     P, Q, Z, y = problem(5, 6000, 5)
     serial = fast.loss_and_grad(P, Q, Z, y)
@@ -619,26 +624,31 @@ def test_training_holds_blas_at_one_thread_and_restores_the_callers_setting():
     assert seen and set(seen) == {1}
 
 
-
-@pytest.mark.parametrize("method", ["loss_and_grad_gram", "jacobian_gram"])
-def test_engine_methods_form_the_lanes_kernels_with_blas_at_one_thread(method):
+@pytest.mark.parametrize("method, spied", [("loss_and_grad_gram", ("kernel_forward", "kernel_backward")),
+                                           ("jacobian_gram", ("kernel_forward",))])
+def test_engine_methods_form_the_lanes_kernels_with_blas_at_one_thread(method, spied):
     # rule (iii) for the whole evaluation, also where icl_ref's functions call the engine's methods
-    # (engine=) with no wrapper of icl_fast's around them: the layers' kernels and the sum of their
-    # adjoints are products outside the chunks (BLAS threads them from D = 9), formed with BLAS at one
-    # thread and the caller's setting back afterwards
+    # (engine=) with no wrapper of icl_fast's around them: the layers' kernels (and, for the loss, the
+    # kernels' adjoints summed over the chunks) are products outside the chunks (BLAS threads them from
+    # D = 9), formed with BLAS at one thread and the caller's setting back afterwards
     P, Q, Z, y = problem(3, 40, 2)
     args = (P, Q, ir.gram(Z), np.ascontiguousarray(Z[:, :, -1]), y, Z.shape[2] - 1)
-    seen, forward = [], fast.kernel_forward
+    seen = {name: [] for name in spied}
 
-    def spy(*a):
-        seen.append(max(blas_threads()))
-        return forward(*a)
+    def spy(name, original):
+        def call(*a):
+            seen[name].append(max(blas_threads()))
+            return original(*a)
+        return call
     with threadpool_limits(limits=2, user_api="blas"):
         before = blas_threads()
-        with mock.patch.object(fast, "kernel_forward", spy):
+        with contextlib.ExitStack() as stack:
+            for name in spied:
+                stack.enter_context(mock.patch.object(fast, name, spy(name, getattr(fast, name))))
             getattr(fast.engine(1), method)(*args)
         assert blas_threads() == before
-    assert seen and set(seen) == {1}
+    assert all(seen[name] and set(seen[name]) == {1} for name in spied), seen
+
 
 def test_overlapping_holders_count_under_the_lock():
     # a slow BLAS getter: while the first holder reads the limit, a second thread enters; it must

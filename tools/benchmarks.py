@@ -235,7 +235,8 @@ def table_lanes_chunks(repeats):
             args = (P, Q, S0, np.ascontiguousarray(Z[:, :, N]), y, N)
             runs = [lambda size=size: lanes_chunk(size, method, args) for size in LANES_CHUNKS]
             rows.append([d, what] + [f"{t:.4f}" for t in interleaved_medians(runs, repeats)])
-    note = (f"The lanes formulation at B = 20000, n = 20, L = 3, full P, Q, on every core; median of {repeats}. "
+    note = (f"The lanes formulation at B = 20000, n = 20, L = 3, full P, Q, on every core (an evaluation below "
+            f"PARALLEL_MIN_WORK or PARALLEL_MIN_WORK_JACOBIAN on the calling thread: MATH.md §16 (v)); median of {repeats}. "
             f"icl_fast takes LANES_CHUNK = 2^{fast.LANES_CHUNK.bit_length() - 1}: chunks of at most "
             "LANES_CHUNK / D^2 prompts, a multiple of 4 of them (MATH.md §16).")
     return "icl_fast's lanes chunks", head, rows, note
