@@ -1278,6 +1278,10 @@ EQUIVALENT = [
      "rounding, tested); its place is a design constant that docs/benchmarks.md's measurement shows"),
     ("fast-jacobian-threshold", "icl_fast.py", None, "LANES_MAX_D_JACOBIAN = 7\n", "LANES_MAX_D_JACOBIAN = 5\n",
      "as fast-lanes-threshold, for the Jacobian"),
+    ("fast-jacobian-work-threshold", "icl_fast.py", None, "PARALLEL_MIN_WORK_JACOBIAN = 3 * 2 ** 18\n",
+     "PARALLEL_MIN_WORK_JACOBIAN = 2 ** 19\n",
+     "the threshold chooses the calling thread or the workers, not the result (rule (v): the same chunks, "
+     "bit-identical, tested); its place is a design constant that docs/benchmarks.md's workers table shows"),
     ("lanes-chunk-size", "icl_fast.py", None, "LANES_CHUNK = 2 ** 17\n", "LANES_CHUNK = 2 ** 14\n",
      "the chunk size changes only the order of floating-point sums (tested against the reference)"),
     ("poly-trim", "icl_ref.py", '_poly_trim', "while len(p) > 1 and p[-1] == 0:", "while False:",
