@@ -138,7 +138,10 @@ def _restore_blas():
 def _one_blas_thread():
     """BLAS at one thread inside. Entering and leaving are counted under one lock, so that of
     several overlapping holders in different Python threads the first saves the limits and the last
-    restores them (the limit is process-wide)."""
+    restores them (the limit is process-wide). A holder left in a child forked inside it was counted
+    in the parent only: the child, which restored the limit and began its count at 0 when it was
+    forked (_after_fork_in_child), leaves it uncounted."""
+    process = os.getpid()
     with _BLAS["lock"]:
         if _BLAS["users"] == 0:
             if _BLAS["libraries"] is None:
@@ -150,10 +153,11 @@ def _one_blas_thread():
     try:
         yield
     finally:
-        with _BLAS["lock"]:
-            _BLAS["users"] -= 1
-            if _BLAS["users"] == 0:
-                _restore_blas()
+        if os.getpid() == process:
+            with _BLAS["lock"]:
+                _BLAS["users"] -= 1
+                if _BLAS["users"] == 0:
+                    _restore_blas()
 
 
 _POOLS, _POOLS_LOCK = {}, threading.Lock()

@@ -800,6 +800,38 @@ def test_a_child_forked_inside_a_call_has_the_limit_found_and_its_own_count_and_
     assert report and pickle.loads(report) == [4, 0, 1, 4]
     assert blas.limit == 4
 
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_inside_a_holder_leaves_it_uncounted():
+    # a bare os.fork() inside a holder (a training callback's, say), the child then leaving it: the
+    # child restored the limit and counted 0 when forked, so leaving the parent's holder changes
+    # neither, and the child's own holders still set one thread and restore the limit
+    blas = FakeBlas(4)
+    with blas.installed():
+        read, write = os.pipe()
+        with fast._one_blas_thread():
+            with warnings.catch_warnings():
+                # Python 3.12+ warns that a fork with live threads may deadlock: not the case under test
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        if pid == 0:                                         # the child, out of the parent's holder
+            signal.alarm(20)
+            try:
+                report = [fast._BLAS["users"], blas.limit]
+                with fast._one_blas_thread():
+                    report.append(blas.limit)
+                report += [fast._BLAS["users"], blas.limit]
+                os.write(write, pickle.dumps(report))
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            report = pipe.read()
+        os.waitpid(pid, 0)
+        assert blas.limit == 4 and fast._BLAS["users"] == 0  # the parent's holder counted and restored
+    assert report and pickle.loads(report) == [0, 4, 1, 0, 4]
+
+
 # ---------------------------------------------------------------------------------------------
 # §16 The lanes formulation, piece by piece
 # ---------------------------------------------------------------------------------------------
