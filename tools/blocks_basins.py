@@ -117,6 +117,10 @@ def counts(runs, f_star):
     return out, basin_key(f_star)
 
 
+# each optimiser's runs: (name, marker, scatter area in points^2); the edges are 1.5 points wide
+MARKERS = (("Gauss-Newton", "o", 70), ("L-BFGS", "s", 22))
+
+
 def figure(record):
     """The figure as {path: bytes}: a PNG (150 dpi) and a PDF beside it (no creation date), in the style of
     experiments_cli's figures (Okabe-Ito colours, text >= 8 pt; docs/FIGURES.md). Sets record["drawn"]:
@@ -137,8 +141,8 @@ def figure(record):
                   + (["not converged"] if not all(r["converged"] for r in runs) else []))
         # Gauss-Newton: large open circles; L-BFGS: small filled squares, drawn inside them (both
         # optimisers often reach the same point: neither hides the other)
-        for name, marker, size, face in (("Gauss-Newton", "o", 70, "none"), ("L-BFGS", "s", 22, None)):
-            color = "C0" if name == "Gauss-Newton" else "C1"
+        for name, marker, size in MARKERS:
+            color, face = ("C0", "none") if name == "Gauss-Newton" else ("C1", None)
             mine = [r for r in runs if r["optimiser"] == name]
             rows = [keys.index(basin_key(r["basin_loss"])) if r["converged"] else len(keys) for r in mine]
             kw = dict(marker=marker, s=size, edgecolors=color, facecolors=face or color, linewidths=1.5)
@@ -195,11 +199,12 @@ def figure(record):
                      f"Gauss-Newton and by L-BFGS on one batch\nand rotation drawn from seed {record['seed']} "
                      "(not the three-layer-blocks experiment's batches:\nits fitted scalars differ)")
         out = {FIGURE: experiments_cli.figure_bytes(fig, "png"), FIGURE_PDF: experiments_cli.figure_bytes(fig, "pdf")}
-        # what the caption says of b's error bars is measured on the figure as drawn (the run's marker: its
-        # scatter area's square root, in points)
-        size = {"Gauss-Newton": 70 ** 0.5, "L-BFGS": 22 ** 0.5}
+        # what the caption says of b's error bars is measured on the figure as drawn (the run's marker, its
+        # size the scatter area's square root in points, and its edge)
+        drawn = {name: dict(marker=marker, ms=size ** 0.5, mew=1.5) for name, marker, size in MARKERS}
         record["drawn"] = dict(b_bars_inside=[experiments.bars_inside_markers(
-            fig, right, [c["fitted"][1]], [c["fitted"][at]], [k_se * c["se"][at]], size[c["optimiser"]])[0] for c in checks])
+            fig, right, [c["fitted"][1]], [c["fitted"][at]], [k_se * c["se"][at]], **drawn[c["optimiser"]])[0]
+            for c in checks])
         plt.close(fig)
     return out
 
