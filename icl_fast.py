@@ -101,8 +101,10 @@ def _thread_count(threads):
 
 
 # The process-wide BLAS limit while icl_fast calls run: how many calls hold it, the limits found
-# when the first of them began, and the libraries' (get, set) functions; all under `lock`.
-_BLAS = dict(lock=threading.Lock(), users=0, saved=None, libraries=None)
+# when the first of them began, the libraries' (get, set) functions, and how many forks (each
+# child's count one more than its parent's) separate this process from the one that imported
+# icl_fast; all under `lock`.
+_BLAS = dict(lock=threading.Lock(), users=0, saved=None, libraries=None, forks=0)
 
 
 def _blas_libraries():
@@ -141,8 +143,8 @@ def _one_blas_thread():
     restores them (the limit is process-wide). A holder left in a child forked inside it was counted
     in the parent only: the child, which restored the limit and began its count at 0 when it was
     forked (_after_fork_in_child), leaves it uncounted."""
-    process = os.getpid()
     with _BLAS["lock"]:
+        forks = _BLAS["forks"]
         if _BLAS["users"] == 0:
             if _BLAS["libraries"] is None:
                 _BLAS["libraries"] = _blas_libraries()
@@ -153,7 +155,7 @@ def _one_blas_thread():
     try:
         yield
     finally:
-        if os.getpid() == process:
+        if _BLAS["forks"] == forks:                 # not left in a child forked inside it
             with _BLAS["lock"]:
                 _BLAS["users"] -= 1
                 if _BLAS["users"] == 0:
@@ -203,7 +205,7 @@ def _after_fork_in_child():
     _POOLS_LOCK = threading.Lock()
     if _BLAS["users"]:
         _restore_blas()
-    _BLAS.update(lock=threading.Lock(), users=0)
+    _BLAS.update(lock=threading.Lock(), users=0, forks=_BLAS["forks"] + 1)
 
 
 if hasattr(os, "register_at_fork"):

@@ -814,8 +814,9 @@ def test_a_child_forked_inside_a_holder_leaves_it_uncounted():
                 # Python 3.12+ warns that a fork with live threads may deadlock: not the case under test
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
+            if pid == 0:
+                signal.alarm(20)                             # a child that hangs (leaving, too) ends
         if pid == 0:                                         # the child, out of the parent's holder
-            signal.alarm(20)
             try:
                 report = [fast._BLAS["users"], blas.limit]
                 with fast._one_blas_thread():

@@ -422,7 +422,7 @@ MUTANTS = [
      "the lanes loss's kernels formed with BLAS at the caller's threads when the engine is called through engine="),
     ('fast-lanes-jacobian-kernels-blas-threads', 'icl_fast.py', None, '@_one_blas_thread()\ndef lanes_jacobian_gram(',
      'def lanes_jacobian_gram(', "the same for the lanes Jacobian's kernels"),
-    ('fast-fork-child-leaves-holder-counted', 'icl_fast.py', '_one_blas_thread', 'if os.getpid() == process:',
+    ('fast-fork-child-leaves-holder-counted', 'icl_fast.py', '_one_blas_thread', 'if _BLAS["forks"] == forks:',
      'if True:', "a child forked inside a holder counts its leaving: its count drops below 0 and its BLAS limit is no longer held"),
     ('fast-batch-first-chunks-unbalanced', 'icl_fast.py', '_batch_first_bounds',
      'count = 4 * -(-B // (4 * max(1, BATCH_FIRST_CHUNK // D ** 2)))', 'count = -(-B // max(1, BATCH_FIRST_CHUNK // D ** 2))',
