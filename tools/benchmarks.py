@@ -348,9 +348,14 @@ def table_split(repeats):
     rows = []
     for d in ASKED:
         P, Q, Z, y = problem(d)
-        one, every = interleaved_medians([lambda: fast.loss_and_grad(P, Q, Z, y, threads=1),
-                                          lambda: fast.loss_and_grad(P, Q, Z, y)], repeats)
-        t_peers = interleaved_medians([lambda f=f: f(P, Q, Z, y) for _, f in peers], repeats) if peers else []
+        runs = [lambda: fast.loss_and_grad(P, Q, Z, y, threads=1), lambda: fast.loss_and_grad(P, Q, Z, y)]
+        rounds = []
+        # icl_fast's two runs in turn (their order alternating), then the peers in turn, `repeats` times: each
+        # group's warm-up calls come first (the peers' threads keep spinning after a call)
+        for r in range(repeats):
+            pair = interleaved_medians(runs[::1 if r % 2 else -1], 1)[::1 if r % 2 else -1]
+            rounds.append(pair + (interleaved_medians([lambda f=f: f(P, Q, Z, y) for _, f in peers], 1) if peers else []))
+        one, every, *t_peers = [statistics.median(column) for column in zip(*rounds)]
         asked = {"torch": ASKED[d][0], "jax": ASKED[d][1]}
         ask = min((asked[name] * t for name, t in zip(names, t_peers)), default=None)
         rows.append([d, f"{one:.4f}", f"{every:.4f}", f"{one / every:.2f}", f"{one / cores:.4f}"]
@@ -358,10 +363,12 @@ def table_split(repeats):
                     + (["-", "-"] if ask is None else [f"{ask:.4f}", f"{one / cores / ask:.2f}"]))
         print(" ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     note = ("n = 20, L = 3, B = 20000, one head, P, Q ~ 0.1 N(0, 1), as in the first table; median of {} rounds, "
-            "the runs timed in turn within each round. One worker does the whole evaluation's work on one core; "
-            "split perfectly over {} cores the same work would take its time over {}, so a time asked below "
-            "that (a last column above 1) needs less work per prompt on this machine, not a better split of this "
-            "work. Asked: {}; the column shows the smaller.").format(
+            "each timing icl_fast's two runs in turn (their order alternating from round to round), then the peers "
+            "in turn, each group after one warm-up call of each of its runs. One worker does the whole evaluation "
+            "on one core; split perfectly over {} cores the same work would take its time over {}, so a time asked "
+            "below that (a last column above 1) needs less time per prompt on one core of this machine (less work, "
+            "or the same work done faster than numpy's calls do it), not a better split. Asked: {}; the column "
+            "shows the smaller.").format(
                 repeats, cores, cores, "; ".join(f"{a[0]} of PyTorch's time and {a[1]} of JAX's at d = {d}"
                                                  for d, a in ASKED.items()))
     return "icl_fast's work against the time asked", head, rows, note
