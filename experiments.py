@@ -1058,8 +1058,9 @@ def room_for_apart(fig, axes, xs, keys, log=False):
 
 def bars_inside_markers(fig, ax, xs, ys, errs, ms, marker="o", mew=1.0, capsize=None):
     """For each point of `ax` at (xs, ys) with error bars of half-length errs (data units), whether the bar
-    is hidden by its marker (`marker`, ms points across, with an edge of mew points) as the figure is laid
-    out. A line is seen when at least SEEN_PX pixels of it lie more than a pixel beyond the marker's drawn
+    stays within its marker (`marker`, ms points across, with an edge of mew points) as the figure is laid
+    out: hidden by a filled marker; through a marker drawn with an outline only (an open circle) the bar
+    shows in the middle, but not beyond it. A line is seen when at least SEEN_PX pixels of it lie more than a pixel beyond the marker's drawn
     outline (size plus edge): a bar is hidden when neither half nor either cap (capsize points either side;
     None: the rcParams' value, which errorbar drew with) is seen, so a cap wider than a triangle's apex is
     seen and a cap whose corners graze the ring is not. A marker without a face (a cross, "x") is measured

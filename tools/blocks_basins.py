@@ -117,8 +117,11 @@ def counts(runs, f_star):
     return out, basin_key(f_star)
 
 
-# each optimiser's runs: (name, marker, scatter area in points^2); the edges are 1.5 points wide
-MARKERS = (("Gauss-Newton", "o", 70), ("L-BFGS", "s", 22))
+# each optimiser's runs: (name, marker, scatter area in points^2, colour, filled), the edges EDGE points
+# wide: Gauss-Newton's large open circles, L-BFGS's small filled squares drawn inside them (both optimisers
+# often reach the same point: neither hides the other); the error bars' caps CAPSIZE points either side
+MARKERS = (("Gauss-Newton", "o", 70, "C0", False), ("L-BFGS", "s", 22, "C1", True))
+EDGE, CAPSIZE = 1.5, 3
 
 
 def figure(record):
@@ -139,13 +142,10 @@ def figure(record):
         # a "not converged" row only when some run did not converge
         labels = ([f"f = {records.sci(float(k), 6)}" + (" (global)" if k == record["global_key"] else "") for k in keys]
                   + (["not converged"] if not all(r["converged"] for r in runs) else []))
-        # Gauss-Newton: large open circles; L-BFGS: small filled squares, drawn inside them (both
-        # optimisers often reach the same point: neither hides the other)
-        for name, marker, size in MARKERS:
-            color, face = ("C0", "none") if name == "Gauss-Newton" else ("C1", None)
+        for name, marker, size, color, filled in MARKERS:
             mine = [r for r in runs if r["optimiser"] == name]
             rows = [keys.index(basin_key(r["basin_loss"])) if r["converged"] else len(keys) for r in mine]
-            kw = dict(marker=marker, s=size, edgecolors=color, facecolors=face or color, linewidths=1.5)
+            kw = dict(marker=marker, s=size, edgecolors=color, facecolors=color if filled else "none", linewidths=EDGE)
             left.scatter([r["start"] for r in mine], rows, **kw,
                          label=f"{name}: {sum(r['converged'] for r in mine)} of {len(mine)} converged")
             conv = [r for r in mine if r["converged"]]
@@ -163,7 +163,7 @@ def figure(record):
         for i, c in enumerate(checks):
             # the error bars under the runs' markers (which stay whole), the batch optima (open diamonds) above
             right.errorbar([c["fitted"][1]], [c["fitted"][at]], xerr=[k_se * c["se"][1]], yerr=[k_se * c["se"][at]],
-                           fmt="none", ecolor="0.3", elinewidth=1, capsize=3, zorder=0.5,
+                           fmt="none", ecolor="0.3", elinewidth=1, capsize=CAPSIZE, zorder=0.5,
                            label=f"a run's scalars, ±{k_se:g} SE of their\n"
                                  "distance from the batch optimum" if i == 0 else None)
             right.scatter([c["batch"][1]], [c["batch"][at]], marker="D", s=40, facecolors="none", edgecolors="k",
@@ -201,7 +201,7 @@ def figure(record):
         out = {FIGURE: experiments_cli.figure_bytes(fig, "png"), FIGURE_PDF: experiments_cli.figure_bytes(fig, "pdf")}
         # what the caption says of b's error bars is measured on the figure as drawn (the run's marker, its
         # size the scatter area's square root in points, and its edge)
-        drawn = {name: dict(marker=marker, ms=size ** 0.5, mew=1.5) for name, marker, size in MARKERS}
+        drawn = {name: dict(marker=marker, ms=size ** 0.5, mew=EDGE, capsize=CAPSIZE) for name, marker, size, *_ in MARKERS}
         record["drawn"] = dict(b_bars_inside=[experiments.bars_inside_markers(
             fig, right, [c["fitted"][1]], [c["fitted"][at]], [k_se * c["se"][at]], **drawn[c["optimiser"]])[0]
             for c in checks])
