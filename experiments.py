@@ -1609,7 +1609,7 @@ def plot_single_layer_landscape(plt, save, rows, tables):
                     ecolor="k", elinewidth=1.0, capsize=3, zorder=3,
                     label="±1 binomial SE of the fraction\nthat reached the optimum" if k == 0 else None)
         ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.4, edgecolor="k", lw=0.6, hatch="//",
-               label=f"{trainer}: a higher minimum" if high.any() else None)
+               label=f"{trainer}: converged higher" if high.any() else None)
         ax.bar(x, nc, 0.4, bottom=opt_ + high, color="white", edgecolor=color, lw=1.2, hatch="xx" if k else "..",
                label=f"{trainer}: not converged" if nc.any() else None)
         for xi in x:
@@ -1633,19 +1633,19 @@ def plot_single_layer_landscape(plt, save, rows, tables):
     entries = [(handles[i], names[i]) if i is not None else (blank, "")
                for column in columns for i in column + [None] * (tall - len(column))]
     fig.legend(*zip(*entries), fontsize=8, loc="outside lower center", ncol=2)
-    # the settings where no converged start, of either optimiser, stopped at a higher minimum
+    # the settings where no converged start, of either optimiser, stopped at a higher loss
     clean = [s for s in labels if not any(t["higher"] for t in table if t["setting"] == s)]
     made.append((save(fig, ""), "One full (P, Q) layer, noiseless, x ~ N(0, Sigma) with Sigma's eigenvalues spread geometrically from 1 to "
                  "kappa and rotated, w ~ N(0, I); init: the random starts' initial scale: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
-                 "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), stopped at a "
-                 "higher local minimum (hatched //) or did not converge (white, dotted for Gauss-Newton, crossed for "
+                 "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), converged at a "
+                 "higher loss (a stationary point by the gradient test; hatched //) or did not converge (white, dotted for Gauss-Newton, crossed for "
                  "L-BFGS; error bars: ±1 binomial standard error of the fraction that reached the optimum, "
                  "sqrt(p (1 - p) / starts), 0 where every start or none did); each setting's batch of "
                  + str(table[0]["B"]) + " prompts; counts of "
                  + f"{table[0]['starts']} starts on one machine (floating-point sums in another order can send a start "
                  f"to another basin): a fraction's binomial standard error is up to {rounded_up(0.5 / math.sqrt(table[0]['starts']), 2)}, so "
                  "a difference of a few starts between settings or optimisers is not decided. What to see: in which "
-                 "settings some converged starts stop at a higher minimum (hatched): "
+                 "settings some converged starts stop at a higher loss (hatched): "
                  + ("none" if len(clean) == len(labels) else f"{labels[0]}" if len(labels) == 1
                     else f"all {len(labels)}" if not clean else f"all but {', '.join(clean)}") + "."))
     return made

@@ -2385,16 +2385,16 @@ def test_at_most_rounds_a_bound_up_in_two_figures():
 
 
 def test_the_landscape_caption_says_where_starts_stop_higher(drawn):
-    # "what to see": the settings where some converged start stopped at a higher minimum, by name
+    # "what to see": the settings where some converged start stopped at a higher loss, by name
     plt, save, _ = drawn
     table = [dict(setting=s, trainer=t, B=100, starts=4, optimum=4 - h, higher=h, not_converged=0)
              for s, hs in (("base", (1, 0)), ("d=5", (0, 0)), ("n=5", (0, 2))) for t, h in zip(("Gauss-Newton", "L-BFGS"), hs)]
     (_, caption), = ex.plot_single_layer_landscape(plt, save, [], {"basins": table})
-    assert caption.endswith("stop at a higher minimum (hatched): all but d=5.") and "up to 0.25" in caption
+    assert caption.endswith("stop at a higher loss (hatched): all but d=5.") and "up to 0.25" in caption
     (_, caption), = ex.plot_single_layer_landscape(plt, save, [], {"basins": table[:2]})
-    assert caption.endswith("stop at a higher minimum (hatched): base.")
+    assert caption.endswith("stop at a higher loss (hatched): base.")
     (_, caption), = ex.plot_single_layer_landscape(plt, save, [], {"basins": table[2:4]})
-    assert caption.endswith("stop at a higher minimum (hatched): none.")
+    assert caption.endswith("stop at a higher loss (hatched): none.")
 
 
 def test_the_landscape_draws_each_reached_fraction_with_its_binomial_standard_error(drawn):

@@ -109,7 +109,7 @@ def train(optimiser, Z, y, init):
 
 
 def counts(runs, f_star):
-    """{optimiser: {basin loss or "not converged": count}} and the global optimum's key."""
+    """{optimiser: {basin loss or "not converged": count}} and the key of the lowest family minimum found."""
     out = {name: {} for name in OPTIMISERS}
     for r in runs:
         key = basin_key(r["basin_loss"]) if r["converged"] else "not converged"
@@ -140,7 +140,7 @@ def figure(record):
         # rows of the left panel: each basin reached, lowest loss first, then the runs that did not converge
         keys = sorted({basin_key(r["basin_loss"]) for r in runs if r["converged"]}, key=float)
         # a "not converged" row only when some run did not converge
-        labels = ([f"f = {records.sci(float(k), 6)}" + (" (global)" if k == record["global_key"] else "") for k in keys]
+        labels = ([f"f = {records.sci(float(k), 6)}" + (" (lowest)" if k == record["global_key"] else "") for k in keys]
                   + (["not converged"] if not all(r["converged"] for r in runs) else []))
         for name, marker, size, color, filled in MARKERS:
             mine = [r for r in runs if r["optimiser"] == name]
@@ -154,7 +154,7 @@ def figure(record):
                          for r in runs if r["converged"]}.values())          # one per population minimum
         for i, (f, a, b) in enumerate(basins):
             right.scatter([a[1]], [b[1]], marker="x", color="k", s=70, linewidths=1.8,
-                          label="the basins' population minima\n(global: the exact family optimum)" if i == 0 else None)
+                          label="the basins' population minima\n(lowest: the family's best found)" if i == 0 else None)
         # per basin, one run's scalars with ±K_SE standard errors of their distance from the batch's own
         # family minimum (basin_checks), and that minimum: the point training on this batch can reach
         k_se = experiments.K_SE
