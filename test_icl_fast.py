@@ -684,6 +684,26 @@ def test_a_limit_the_caller_sets_during_a_call_is_kept():
         assert blas.limit == (changed or 4)
 
 
+def _fork_with_alarm(seconds):
+    """os.fork() with Python 3.12+'s warning that a fork with live threads may deadlock silenced (the
+    case under test); in the child an alarm ends it after `seconds` if it hangs (no report: a failure)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        signal.alarm(seconds)
+    return pid
+
+
+def _report_of(pid, read, write):
+    """In the parent: the child's pickled report from the pipe, None if it wrote none, once it ended."""
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        report = pipe.read()
+    os.waitpid(pid, 0)
+    return pickle.loads(report) if report else None
+
+
 @pytest.mark.skipif(not hasattr(os, "fork") or len(fast._cores()) < 2, reason="needs fork and two cores")
 def test_a_fork_during_an_evaluation():
     # a thread is inside an evaluation (held in its first chunk) with BLAS at one thread when the
@@ -705,27 +725,20 @@ def test_a_fork_during_an_evaluation():
             assert inside.wait(30)
             assert set(blas_threads()) == {1}
             read, write = os.pipe()
-            with warnings.catch_warnings():
-                # Python 3.12+ warns that a fork with live threads may deadlock: the case under test
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+            pid = _fork_with_alarm(60)
             if pid == 0:                                     # the child
-                signal.alarm(60)                             # a child that hangs ends: no report, a failure
                 try:
                     report = (blas_threads(), fast.loss_and_grad(P, Q, Z, y, threads=2)[0], blas_threads())
                     os.write(write, pickle.dumps(report))
                 finally:
                     os._exit(0)
-            os.close(write)
             try:
-                with os.fdopen(read, "rb") as pipe:
-                    report = pipe.read()
-                os.waitpid(pid, 0)
+                report = _report_of(pid, read, write)
             finally:
                 release.set()
                 caller.join()
         assert blas_threads() == before
-    assert report and pickle.loads(report) == (before, expected, before)
+    assert report == (before, expected, before)
 
 
 def _loss_on_two_workers(args):
@@ -778,12 +791,8 @@ def test_a_child_forked_inside_a_call_has_the_limit_found_and_its_own_count_and_
     with blas.installed():
         with fast._one_blas_thread():
             read, write = os.pipe()
-            with warnings.catch_warnings():
-                # Python 3.12+ warns that a fork with live threads may deadlock: the case under test
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+            pid = _fork_with_alarm(20)
             if pid == 0:                                     # the child
-                signal.alarm(20)
                 try:
                     report = [blas.limit, fast._BLAS["users"]]
                     with fast._one_blas_thread():
@@ -792,12 +801,9 @@ def test_a_child_forked_inside_a_call_has_the_limit_found_and_its_own_count_and_
                     os.write(write, pickle.dumps(report))
                 finally:
                     os._exit(0)
-            os.close(write)
-            with os.fdopen(read, "rb") as pipe:
-                report = pipe.read()
-            os.waitpid(pid, 0)
+            report = _report_of(pid, read, write)
             assert blas.limit == 1                           # the parent's call still holds it
-    assert report and pickle.loads(report) == [4, 0, 1, 4]
+    assert report == [4, 0, 1, 4]
     assert blas.limit == 4
 
 
@@ -810,12 +816,7 @@ def test_a_child_forked_inside_a_holder_leaves_it_uncounted():
     with blas.installed():
         read, write = os.pipe()
         with fast._one_blas_thread():
-            with warnings.catch_warnings():
-                # Python 3.12+ warns that a fork with live threads may deadlock: not the case under test
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-            if pid == 0:
-                signal.alarm(20)                             # a child that hangs (leaving, too) ends
+            pid = _fork_with_alarm(20)                       # the child's alarm set before it leaves, too
         if pid == 0:                                         # the child, out of the parent's holder
             try:
                 report = [fast._BLAS["users"], blas.limit]
@@ -825,12 +826,9 @@ def test_a_child_forked_inside_a_holder_leaves_it_uncounted():
                 os.write(write, pickle.dumps(report))
             finally:
                 os._exit(0)
-        os.close(write)
-        with os.fdopen(read, "rb") as pipe:
-            report = pipe.read()
-        os.waitpid(pid, 0)
+        report = _report_of(pid, read, write)
         assert blas.limit == 4 and fast._BLAS["users"] == 0  # the parent's holder counted and restored
-    assert report and pickle.loads(report) == [0, 4, 1, 0, 4]
+    assert report == [0, 4, 1, 0, 4]
 
 
 # ---------------------------------------------------------------------------------------------
