@@ -1603,11 +1603,11 @@ def plot_single_layer_landscape(plt, save, rows, tables):
         nc = np.array([t["not_converged"] / t["starts"] for t in ts])
         # the legend names only the outcomes some start had (a bar of height 0 is not seen)
         ax.bar(x, opt_, 0.4, color=color, edgecolor="k", lw=0.6,
-               label=f"{trainer}: reached the optimum" if opt_.any() else None)
+               label=f"{trainer}: reached the lowest loss found" if opt_.any() else None)
         # the reached fraction p of m starts with ±1 binomial standard error, sqrt(p (1 - p) / m)
         ax.errorbar(x, opt_, np.sqrt(opt_ * (1 - opt_) / np.array([t["starts"] for t in ts])), fmt="none",
                     ecolor="k", elinewidth=1.0, capsize=3, zorder=3,
-                    label="±1 binomial SE of the fraction\nthat reached the optimum" if k == 0 else None)
+                    label="±1 binomial SE of the fraction\nthat reached the lowest loss" if k == 0 else None)
         ax.bar(x, high, 0.4, bottom=opt_, color=color, alpha=0.4, edgecolor="k", lw=0.6, hatch="//",
                label=f"{trainer}: converged higher" if high.any() else None)
         ax.bar(x, nc, 0.4, bottom=opt_ + high, color="white", edgecolor=color, lw=1.2, hatch="xx" if k else "..",
@@ -1637,9 +1637,10 @@ def plot_single_layer_landscape(plt, save, rows, tables):
     clean = [s for s in labels if not any(t["higher"] for t in table if t["setting"] == s)]
     made.append((save(fig, ""), "One full (P, Q) layer, noiseless, x ~ N(0, Sigma) with Sigma's eigenvalues spread geometrically from 1 to "
                  "kappa and rotated, w ~ N(0, I); init: the random starts' initial scale: per setting and optimiser (left bar, GN: Gauss-Newton, blue; right bar, LB: "
-                 "L-BFGS, orange), the fraction of random starts that reached the batch optimum (solid), converged at a "
+                 "L-BFGS, orange), the fraction of random starts that reached the lowest batch loss found (by any start "
+                 "or the sparse fit, within 1e-6 relative; solid), converged at a "
                  "higher loss (a stationary point by the gradient test; hatched //) or did not converge (white, dotted for Gauss-Newton, crossed for "
-                 "L-BFGS; error bars: ±1 binomial standard error of the fraction that reached the optimum, "
+                 "L-BFGS; error bars: ±1 binomial standard error of the fraction that reached it, "
                  "sqrt(p (1 - p) / starts), 0 where every start or none did); each setting's batch of "
                  + str(table[0]["B"]) + " prompts; counts of "
                  + f"{table[0]['starts']} starts on one machine (floating-point sums in another order can send a start "
