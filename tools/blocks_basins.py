@@ -177,7 +177,8 @@ def figure(record):
             # panel a writes it)
             many = {name: sum(r["converged"] and basin_key(r["basin_loss"]) == basin_key(f) and r["optimiser"] == name
                               for r in runs) for name in OPTIMISERS}
-            right.annotate(f"f = {records.sci(f, 6)}\nruns in its basin: " + ", ".join(f"{name} {k}" for name, k in many.items() if k),
+            lowest = " (lowest)" if basin_key(f) == record["global_key"] else ""
+            right.annotate(f"f = {records.sci(f, 6)}{lowest}\nruns in its basin: " + ", ".join(f"{name} {k}" for name, k in many.items() if k),
                            (a[1], b[1]), textcoords="offset points", xytext=(10 if inside else -10, 10),
                            ha="left" if inside else "right", fontsize=8)
         left.set_yticks(range(len(labels)), labels)
